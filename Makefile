@@ -1,0 +1,32 @@
+# hybrid_rl: `make train` and `make test` do all set-up on a fresh clone.
+PY      ?= python3
+VENV    ?= .venv
+VPY     := $(VENV)/bin/python
+RECIPE  ?= cpu_successor
+ARGS    ?=
+# ranks: all visible GPUs, or one process on CPU
+GPUS    ?= $(shell nvidia-smi -L 2>/dev/null | wc -l | awk '{print ($$1>0)?$$1:1}')
+# CPU-only machines get the CPU torch build (no multi-GB CUDA download)
+TORCH_SPEC ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
+
+.PHONY: install train test test-gpu bench clean
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q "$(TORCH_SPEC)"
+	$(VPY) -m pip install -q -e ".[test]"
+
+install: $(VPY)
+
+train: $(VPY)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(GPUS) -m hybrid_rl train recipes/$(RECIPE).yaml $(ARGS)
+
+test: $(VPY)
+	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+test-gpu: $(VPY)
+	$(VPY) -m pytest -q -m gpu $(PYTEST_ARGS)
+
+clean:
+	rm -rf runs outputs .pytest_cache

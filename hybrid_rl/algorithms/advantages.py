@@ -1,0 +1,218 @@
+"""Advantage estimators: turn token-level rewards into per-token advantages.
+
+One function per estimator, each returning ``(advantages, returns)`` of
+shape [B, R], zero outside ``response_mask``. Group-based estimators
+(GRPO, Dr. GRPO, RLOO) take ``index``: one hashable group id per sequence,
+shared by the samples of one prompt.
+
+All estimators run under ``torch.no_grad``: advantages are regression
+targets / fixed weights, never something to differentiate through.
+
+Left out: distributed whitening (statistics are over the local batch),
+KL-in-reward shaping (see ``kl.apply_kl_in_reward``), and OPO/GPG/other
+verl estimators not used by this project.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Hashable, Sequence
+
+import torch
+from torch import Tensor
+
+from .core import _check_same_shape, _select, masked_sum, masked_whiten
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "dr_grpo_advantage",
+    "gae_advantage",
+    "grpo_advantage",
+    "reinforce_pp_advantage",
+    "rloo_advantage",
+]
+
+
+def _float_dtype(t: Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _group_ids(index: Sequence[Hashable], batch_size: int, device: torch.device) -> tuple[Tensor, int]:
+    """Map arbitrary hashable ids to dense ints 0..G-1 (first-seen order)."""
+    ids = list(index)
+    if len(ids) != batch_size:
+        raise ValueError(f"index has {len(ids)} entries but the batch has {batch_size} sequences")
+    dense: dict[Hashable, int] = {}
+    gid = [dense.setdefault(i, len(dense)) for i in ids]
+    return torch.tensor(gid, dtype=torch.long, device=device), len(dense)
+
+
+def _sequence_scores(token_level_rewards: Tensor, response_mask: Tensor) -> Tensor:
+    if token_level_rewards.dim() != 2:
+        raise ValueError(f"token_level_rewards must be [B, R], got {tuple(token_level_rewards.shape)}")
+    _check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    rewards = token_level_rewards.to(_float_dtype(token_level_rewards))
+    return masked_sum(rewards, response_mask, dim=-1)  # [B]
+
+
+def _group_stats(scores: Tensor, gid: Tensor, n_groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-sequence (group size, group mean, unbiased group std), each [B]."""
+    zeros = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device)
+    counts = torch.bincount(gid, minlength=n_groups).to(scores.dtype)  # [G]
+    means = zeros.index_add(0, gid, scores) / counts  # [G]
+    sq_dev = zeros.index_add(0, gid, (scores - means[gid]) ** 2)  # [G]
+    # Same two-pass unbiased estimate as torch.std; size-1 groups fixed up by callers.
+    stds = (sq_dev / (counts - 1).clamp(min=1)).sqrt()  # [G]
+    return counts[gid], means[gid], stds[gid]
+
+
+def _broadcast(per_seq: Tensor, response_mask: Tensor) -> Tensor:
+    return _select(per_seq.unsqueeze(-1), response_mask)  # [B, R]
+
+
+@torch.no_grad()
+def grpo_advantage(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    index: Sequence[Hashable],
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
+    """GRPO: outcome score normalised within its prompt group.
+
+    score_i = sum_t r[i, t] (masked); adv_i = (score_i - mean_g) / (std_g + eps)
+    with the unbiased group std, or score_i - mean_g when ``norm_by_std`` is
+    False. As in verl, a group of one sample uses mean 0 and std 1, so its
+    advantage is its raw score (divided by 1 + eps).
+    Returns (advantages, returns), both [B, R] and identical.
+    """
+    scores = _sequence_scores(token_level_rewards, response_mask)  # [B]
+    gid, n_groups = _group_ids(index, scores.shape[0], scores.device)
+    counts, means, stds = _group_stats(scores, gid, n_groups)  # [B] each
+    single = counts == 1
+    means = torch.where(single, torch.zeros_like(means), means)
+    stds = torch.where(single, torch.ones_like(stds), stds)
+    centred = scores - means
+    per_seq = centred / (stds + eps) if norm_by_std else centred  # [B]
+    adv = _broadcast(per_seq, response_mask)  # [B, R]
+    return adv, adv.clone()
+
+
+@torch.no_grad()
+def dr_grpo_advantage(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    index: Sequence[Hashable],
+) -> tuple[Tensor, Tensor]:
+    """Dr. GRPO: GRPO without the std division (removes the difficulty bias).
+
+    Pair it with loss_agg_mode="seq-mean-token-sum-norm" to also remove the
+    length bias, as the paper does.
+    """
+    return grpo_advantage(token_level_rewards, response_mask, index, norm_by_std=False)
+
+
+@torch.no_grad()
+def rloo_advantage(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    index: Sequence[Hashable],
+) -> tuple[Tensor, Tensor]:
+    """RLOO: score minus the mean score of the *other* samples of its group.
+
+    s_i - (sum_g - s_i) / (n - 1) = n / (n - 1) * (s_i - mean_g). A group of
+    one sample has no baseline; its advantage is 0 (unlike verl, which
+    leaves the raw score) so that it contributes no gradient.
+    """
+    scores = _sequence_scores(token_level_rewards, response_mask)  # [B]
+    gid, n_groups = _group_ids(index, scores.shape[0], scores.device)
+    counts, means, _ = _group_stats(scores, gid, n_groups)  # [B] each
+    per_seq = counts / (counts - 1).clamp(min=1) * (scores - means)  # [B]
+    # For size-1 groups scores == means already, so per_seq is 0 there.
+    adv = _broadcast(per_seq, response_mask)
+    return adv, adv.clone()
+
+
+def _discounted_reward_to_go(rewards: Tensor, response_mask: Tensor, gamma: float) -> Tensor:
+    """G_t = r_t + gamma * G_{t+1}, restarting at masked-out positions."""
+    keep = response_mask.bool()
+    rewards = _select(rewards, keep)
+    returns = torch.zeros_like(rewards)  # [B, R]
+    running = torch.zeros_like(rewards[:, 0])  # [B]
+    for t in reversed(range(rewards.shape[1])):
+        running = _select(rewards[:, t] + gamma * running, keep[:, t])
+        returns[:, t] = running
+    return returns
+
+
+@torch.no_grad()
+def reinforce_pp_advantage(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    gamma: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """REINFORCE++: discounted reward-to-go, whitened over the whole batch.
+
+    returns[b, t] = sum_{k>=t} gamma^(k-t) r[b, k] over real tokens;
+    advantages = masked_whiten(returns) * mask (batch-level baseline and
+    scale instead of a critic or per-prompt groups). Needs at least two real
+    tokens in the batch (unbiased variance).
+    """
+    if token_level_rewards.dim() != 2:
+        raise ValueError(f"token_level_rewards must be [B, R], got {tuple(token_level_rewards.shape)}")
+    _check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    rewards = token_level_rewards.to(_float_dtype(token_level_rewards))
+    returns = _discounted_reward_to_go(rewards, response_mask, gamma)  # [B, R]
+    advantages = _select(masked_whiten(returns, response_mask), response_mask)
+    return advantages, returns
+
+
+@torch.no_grad()
+def gae_advantage(
+    token_level_rewards: Tensor,
+    values: Tensor,
+    response_mask: Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[Tensor, Tensor]:
+    """Generalised Advantage Estimation (PPO with a critic).
+
+    delta_t = r_t + gamma * V_{t+1} - V_t, with V = 0 after the last real
+    token; A_t = sum_k (gamma*lam)^k delta_{t+k}. Masked-out positions are
+    skipped (the next value and the running advantage carry through them),
+    so right padding behaves like the end of the episode.
+    returns = A + V (the critic target, un-whitened); advantages = A
+    whitened over the masked tokens. Both zero outside the mask.
+    """
+    if token_level_rewards.dim() != 2:
+        raise ValueError(f"token_level_rewards must be [B, R], got {tuple(token_level_rewards.shape)}")
+    _check_same_shape(token_level_rewards=token_level_rewards, values=values, response_mask=response_mask)
+    dtype = torch.promote_types(_float_dtype(token_level_rewards), values.dtype)
+    keep = response_mask.bool()
+    # Padding may hold garbage (even NaN) values/rewards: select it away.
+    rewards = _select(token_level_rewards.to(dtype), keep)
+    values = _select(values.to(dtype), keep)
+
+    adv = torch.zeros_like(rewards)  # [B, R]
+    next_value = torch.zeros_like(rewards[:, 0])  # [B]
+    last_gae = torch.zeros_like(rewards[:, 0])  # [B]
+    for t in reversed(range(rewards.shape[1])):
+        m = keep[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        gae_t = delta + gamma * lam * last_gae
+        # On a padded position keep the carried state untouched.
+        next_value = torch.where(m, values[:, t], next_value)
+        last_gae = torch.where(m, gae_t, last_gae)
+        adv[:, t] = _select(gae_t, m)
+
+    returns = _select(adv + values, keep)
+    advantages = _select(masked_whiten(adv, keep), keep)
+    return advantages, returns
+
+
+ADV_ESTIMATORS: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {
+    "grpo": grpo_advantage,
+    "dr_grpo": dr_grpo_advantage,
+    "rloo": rloo_advantage,
+    "reinforce_pp": reinforce_pp_advantage,
+    "gae": gae_advantage,
+}

@@ -1,0 +1,99 @@
+"""KL estimators between the policy and a frozen reference policy.
+
+Sampled per-token estimates of KL(pi_theta || pi_ref) from the log-probs
+of the sampled tokens (Schulman, "Approximating KL Divergence"), used two
+ways: as a loss term (``kl_loss``, GRPO style) or subtracted from the
+reward before advantage estimation (``apply_kl_in_reward``, PPO style).
+
+Sign convention: every estimator takes (log_prob, ref_log_prob) with the
+*current/rollout* policy first, and is positive in expectation.
+
+Left out: adaptive KL controllers (the coefficient is a plain argument),
+full-vocabulary KL, and the straight-through "+" variants.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from .core import Number, _check_same_shape, _select, agg_loss, masked_mean
+
+__all__ = ["KL_ESTIMATORS", "apply_kl_in_reward", "kl_k1", "kl_k2", "kl_k3", "kl_loss", "kl_penalty"]
+
+
+def kl_k1(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
+    """k1 = log p - log q: unbiased, high variance, can be negative. [B, R]"""
+    return log_prob - ref_log_prob
+
+
+def kl_k2(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
+    """k2 = 0.5 (log p - log q)^2: biased, low variance, >= 0. [B, R]"""
+    return 0.5 * (log_prob - ref_log_prob).square()
+
+
+def kl_k3(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
+    """k3 = q/p - log(q/p) - 1: unbiased, low variance, >= 0. [B, R]
+
+    The log-ratio is clamped to [-20, 20] before exp and the result to
+    [-10, 10] (as verl does): a single token the reference finds far more
+    likely would otherwise dominate the loss with an exp-sized value.
+    """
+    log_ratio = torch.clamp(ref_log_prob - log_prob, -20.0, 20.0)
+    kld = torch.exp(log_ratio) - log_ratio - 1.0
+    return torch.clamp(kld, -10.0, 10.0)
+
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "k1": kl_k1,
+    "k2": kl_k2,
+    "k3": kl_k3,
+}
+
+
+def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: str) -> Tensor:
+    """Per-token KL estimate [B, R] with the estimator named by ``kind``."""
+    fn = KL_ESTIMATORS.get(kind)
+    if fn is None:
+        raise ValueError(f"unknown KL estimator {kind!r}; valid kinds: {', '.join(KL_ESTIMATORS)}")
+    _check_same_shape(log_prob=log_prob, ref_log_prob=ref_log_prob)
+    return fn(log_prob, ref_log_prob)
+
+
+def kl_loss(
+    log_prob: Tensor,
+    ref_log_prob: Tensor,
+    response_mask: Tensor,
+    kind: str = "k3",
+    loss_agg_mode: str = "token-mean",
+    num_tokens: Optional[Number] = None,
+    num_seqs: Optional[Number] = None,
+) -> Tensor:
+    """KL to the reference as a scalar loss term (multiply by the coefficient yourself)."""
+    kld = kl_penalty(log_prob, ref_log_prob, kind)  # [B, R]
+    return agg_loss(kld, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+
+
+def apply_kl_in_reward(
+    token_level_scores: Tensor,
+    old_log_prob: Tensor,
+    ref_log_prob: Tensor,
+    response_mask: Tensor,
+    kl_coef: float,
+    kind: str = "k1",
+) -> tuple[Tensor, float]:
+    """Reward shaping: rewards = scores - kl_coef * KL, on response tokens only.
+
+    Returns (token_level_rewards [B, R], kl_mean) where kl_mean is the
+    token-level masked mean of the KL estimate (a Python float, for logging;
+    verl averages per sequence first, which weights short responses more).
+    Computed without grad: rewards are targets.
+    """
+    _check_same_shape(token_level_scores=token_level_scores, response_mask=response_mask)
+    with torch.no_grad():
+        kld = _select(kl_penalty(old_log_prob, ref_log_prob, kind), response_mask)  # [B, R]
+        rewards = token_level_scores - kl_coef * kld
+        kl_mean = float(masked_mean(kld, response_mask).item())
+    return rewards, kl_mean

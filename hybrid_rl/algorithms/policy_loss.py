@@ -1,0 +1,214 @@
+"""Policy-gradient losses: PPO's clipped surrogate and AReaL's decoupled PPO.
+
+Both return ``(loss, metrics)`` where ``loss`` is a scalar to *minimise*
+(the negated surrogate objective) and ``metrics`` holds detached 0-dim
+float tensors. Per-token losses are reduced with ``core.agg_loss``; pass
+the mini-batch ``num_tokens``/``num_seqs`` when gradient-accumulating.
+
+Left out: entropy bonus and KL loss (separate terms the caller adds, see
+``core.entropy_from_logits`` and ``kl.kl_loss``), value loss, GSPO /
+CISPO and other variants, and anything distributed.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from .core import Number, _check_same_shape, _select, agg_loss, masked_mean, masked_sum
+
+__all__ = ["POLICY_LOSSES", "decoupled_ppo_loss", "ppo_clip_loss"]
+
+Metrics = dict[str, Tensor]
+
+# exp(20) ~ 4.9e8: large enough never to bind on sane data, small enough
+# that the ratio (and its product with an advantage) stays finite.
+_LOG_RATIO_CLAMP = 20.0
+
+
+def _validate_clip(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: Optional[float]) -> None:
+    if not 0.0 <= clip_ratio_low < 1.0:
+        raise ValueError(f"clip_ratio_low must be in [0, 1), got {clip_ratio_low}")
+    if clip_ratio_high < 0.0:
+        raise ValueError(f"clip_ratio_high must be >= 0, got {clip_ratio_high}")
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c (dual-clip bound) must be > 1, got {clip_ratio_c}")
+
+
+def _clipped_pg_losses(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: Optional[float],
+) -> tuple[Tensor, Metrics]:
+    """Per-token clipped PPO loss [B, R] and its clipping metrics."""
+    _validate_clip(clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    _check_same_shape(
+        log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages, response_mask=response_mask
+    )
+    log_ratio = torch.clamp(log_prob - old_log_prob, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [B, R]
+    ratio = torch.exp(log_ratio)
+    ppo_kl = masked_mean(-log_ratio, response_mask)
+
+    unclipped = -advantages * ratio  # [B, R]
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    # Pessimistic bound: the larger loss. Where the clipped term wins the
+    # ratio is outside the trust region and the token gets no gradient.
+    pg_losses = torch.maximum(unclipped, clipped)
+    clipfrac = masked_mean((clipped > unclipped).to(log_prob.dtype), response_mask)
+
+    if clip_ratio_c is not None:
+        # Dual clip: for A < 0 a huge ratio would make the loss unbounded;
+        # cap it at -A * c (again with zero gradient).
+        dual = -advantages * clip_ratio_c
+        negative = advantages < 0
+        lower_active = negative & (pg_losses > dual)
+        pg_losses = torch.where(negative, torch.minimum(pg_losses, dual), pg_losses)
+        clipfrac_lower = masked_mean(lower_active.to(log_prob.dtype), response_mask)
+    else:
+        clipfrac_lower = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
+
+    metrics = {
+        "pg_clipfrac": clipfrac.detach(),
+        "pg_clipfrac_lower": clipfrac_lower.detach(),
+        "ppo_kl": ppo_kl.detach(),
+    }
+    return pg_losses, metrics
+
+
+def ppo_clip_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: Optional[float] = None,
+    loss_agg_mode: str = "token-mean",
+    num_tokens: Optional[Number] = None,
+    num_seqs: Optional[Number] = None,
+) -> tuple[Tensor, Metrics]:
+    """PPO clipped surrogate loss (with optional asymmetric / dual clip).
+
+    All inputs [B, R]. ratio = exp(log_prob - old_log_prob);
+    loss_t = max(-A r, -A clip(r, 1 - low, 1 + high)), and with
+    ``clip_ratio_c`` (> 1) loss_t = min(loss_t, -A c) where A < 0.
+    Metrics: pg_clipfrac, pg_clipfrac_lower (dual clip active), ppo_kl
+    (masked mean of old_log_prob - log_prob).
+    """
+    pg_losses, metrics = _clipped_pg_losses(
+        log_prob, old_log_prob, advantages, response_mask, clip_ratio_low, clip_ratio_high, clip_ratio_c
+    )
+    loss = agg_loss(pg_losses, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    return loss, metrics
+
+
+# ---------------------------------------------------------------------------
+# Decoupled PPO (AReaL): behaviour-policy importance weights
+# ---------------------------------------------------------------------------
+
+
+def _token_is_log_weights(log_diff: Tensor, response_mask: Tensor) -> Tensor:
+    return log_diff  # [B, R]
+
+
+def _sequence_is_log_weights(log_diff: Tensor, response_mask: Tensor) -> Tensor:
+    seq = masked_sum(log_diff, response_mask, dim=-1)  # [B]
+    return seq.unsqueeze(-1).expand_as(log_diff)  # [B, R]
+
+
+def _truncate_weights(weights: Tensor, is_cap: float) -> Tensor:
+    return torch.clamp(weights, max=is_cap)
+
+
+def _mask_weights(weights: Tensor, is_cap: float) -> Tensor:
+    return torch.where(weights > is_cap, torch.zeros_like(weights), weights)
+
+
+_IS_LEVELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "token": _token_is_log_weights,
+    "sequence": _sequence_is_log_weights,
+}
+_IS_MODES: dict[str, Callable[[Tensor, float], Tensor]] = {
+    "truncate": _truncate_weights,
+    "mask": _mask_weights,
+}
+
+
+def decoupled_ppo_loss(
+    log_prob: Tensor,
+    proximal_log_prob: Tensor,
+    behaviour_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: Optional[float] = None,
+    is_cap: Optional[float] = 2.0,
+    is_level: str = "token",
+    is_mode: str = "truncate",
+    loss_agg_mode: str = "token-mean",
+    num_tokens: Optional[Number] = None,
+    num_seqs: Optional[Number] = None,
+) -> tuple[Tensor, Metrics]:
+    """Decoupled PPO for off-policy (asynchronous) rollouts, as in AReaL.
+
+    The trust region is taken around the *proximal* policy (the weights
+    just before this update), while the samples came from an older
+    *behaviour* policy. So: clipped PPO loss on pi_theta / pi_prox, times
+    the detached importance weight w = pi_prox / pi_behav.
+
+    is_level: "token" (per-token w) or "sequence" (w = exp of the masked
+      sum of per-token log ratios, shared by the sequence's tokens).
+    is_mode:  "truncate" (w = min(w, is_cap)) or "mask" (w > is_cap -> 0,
+      i.e. excluded; the loss denominator is not reduced).
+    is_cap None disables both. Log-weights are clamped to [-20, 20] before
+    exp. When behaviour == proximal every w is exactly 1 and the result
+    equals ppo_clip_loss.
+    Extra metrics: is_ratio_mean, is_ratio_max (before truncation, masked
+    tokens), is_truncated_frac (masked tokens with w > is_cap).
+    """
+    level_fn = _IS_LEVELS.get(is_level)
+    if level_fn is None:
+        raise ValueError(f"unknown is_level {is_level!r}; valid: {', '.join(_IS_LEVELS)}")
+    mode_fn = _IS_MODES.get(is_mode)
+    if mode_fn is None:
+        raise ValueError(f"unknown is_mode {is_mode!r}; valid: {', '.join(_IS_MODES)}")
+    if is_cap is not None and not is_cap > 0:
+        raise ValueError(f"is_cap must be > 0 or None, got {is_cap}")
+    _check_same_shape(
+        proximal_log_prob=proximal_log_prob, behaviour_log_prob=behaviour_log_prob, response_mask=response_mask
+    )
+
+    pg_losses, metrics = _clipped_pg_losses(
+        log_prob, proximal_log_prob, advantages, response_mask, clip_ratio_low, clip_ratio_high, clip_ratio_c
+    )
+
+    with torch.no_grad():
+        log_diff = (proximal_log_prob - behaviour_log_prob).to(pg_losses.dtype)  # [B, R]
+        log_w = torch.clamp(level_fn(log_diff, response_mask), -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        raw_w = torch.exp(log_w)  # [B, R]
+        if is_cap is None:
+            weights = raw_w
+            exceeded = torch.zeros_like(raw_w, dtype=torch.bool)
+        else:
+            weights = mode_fn(raw_w, is_cap)
+            exceeded = raw_w > is_cap
+        metrics["is_ratio_mean"] = masked_mean(raw_w, response_mask)
+        # Weights are positive, so 0 outside the mask never wins the max.
+        metrics["is_ratio_max"] = _select(raw_w, response_mask).max() if raw_w.numel() else raw_w.new_zeros(())
+        metrics["is_truncated_frac"] = masked_mean(exceeded.to(raw_w.dtype), response_mask)
+
+    loss = agg_loss(pg_losses * weights, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    return loss, metrics
+
+
+POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, Metrics]]] = {
+    "ppo": ppo_clip_loss,
+    "decoupled_ppo": decoupled_ppo_loss,
+}

@@ -1,0 +1,111 @@
+"""The batch container that travels between the driver's phases.
+
+A ``Batch`` is verl's ``DataProto`` reduced to what the loop needs: a dict of
+tensors sharing the leading (sample) dimension, a dict of numpy arrays for
+non-tensor per-sample data (ground truths, group ids, text), and ``meta`` for
+per-batch facts (weight version, temperature). Each phase returns a new batch
+with more keys instead of mutating its input, so a phase can be re-run or
+skipped without surprises. Left out: padding to a multiple of the world size
+(groups never straddle ranks here) and serialisation over RPC (there is none).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Batch:
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    non_tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        sizes = {k: v.shape[0] for k, v in self.tensors.items()}
+        sizes.update({k: len(v) for k, v in self.non_tensors.items()})
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"Batch fields disagree on the batch size: {sizes}")
+        for k, v in self.non_tensors.items():
+            if not isinstance(v, np.ndarray):
+                self.non_tensors[k] = _as_object_array(v)
+
+    def __len__(self) -> int:
+        for v in self.tensors.values():
+            return int(v.shape[0])
+        for v in self.non_tensors.values():
+            return len(v)
+        return 0
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self.tensors:
+            return self.tensors[key]
+        return self.non_tensors[key]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors or key in self.non_tensors
+
+    # -- construction ---------------------------------------------------------------
+    def union(self, tensors: dict[str, torch.Tensor] | None = None, non_tensors: dict[str, Any] | None = None, **meta: Any) -> "Batch":
+        """A new batch with extra fields added (same samples)."""
+        return Batch({**self.tensors, **(tensors or {})}, {**self.non_tensors, **(non_tensors or {})}, {**self.meta, **meta})
+
+    def select(self, keys: Iterable[str]) -> "Batch":
+        keys = list(keys)
+        return Batch({k: self.tensors[k] for k in keys if k in self.tensors},
+                     {k: self.non_tensors[k] for k in keys if k in self.non_tensors}, dict(self.meta))
+
+    def index(self, idx: slice | Sequence[int] | torch.Tensor | np.ndarray) -> "Batch":
+        """Rows ``idx`` of every field (a slice, or integer indices)."""
+        if isinstance(idx, slice):
+            t_idx: Any = idx
+            n_idx: Any = idx
+        else:
+            n_idx = np.asarray(idx.cpu() if isinstance(idx, torch.Tensor) else idx, dtype=np.int64)
+            t_idx = torch.as_tensor(n_idx)
+        return Batch({k: v[t_idx.to(v.device) if isinstance(t_idx, torch.Tensor) else t_idx] for k, v in self.tensors.items()},
+                     {k: v[n_idx] for k, v in self.non_tensors.items()}, dict(self.meta))
+
+    def split(self, size: int) -> list["Batch"]:
+        """Consecutive chunks of ``size`` samples (the last may be smaller)."""
+        if size <= 0:
+            raise ValueError(f"split size must be positive, got {size}")
+        return [self.index(slice(i, i + size)) for i in range(0, len(self), size)]
+
+    def chunk(self, n: int) -> list["Batch"]:
+        """``n`` equal chunks; the batch size must divide evenly."""
+        if len(self) % n:
+            raise ValueError(f"cannot chunk a batch of {len(self)} into {n} equal parts")
+        return self.split(len(self) // n)
+
+    def repeat_interleave(self, n: int) -> "Batch":
+        """Each sample repeated ``n`` times in place (prompt → its n rollouts)."""
+        idx = np.repeat(np.arange(len(self)), n)
+        return self.index(idx)
+
+    @staticmethod
+    def concat(batches: Sequence["Batch"]) -> "Batch":
+        if not batches:
+            raise ValueError("cannot concat an empty list of batches")
+        first = batches[0]
+        tensors = {k: _cat_padded([b.tensors[k] for b in batches]) for k in first.tensors}
+        non = {k: np.concatenate([b.non_tensors[k] for b in batches]) for k in first.non_tensors}
+        return Batch(tensors, non, dict(first.meta))
+
+    def to(self, device: torch.device | str) -> "Batch":
+        return Batch({k: v.to(device) for k, v in self.tensors.items()}, dict(self.non_tensors), dict(self.meta))
+
+
+def _as_object_array(values: Any) -> np.ndarray:
+    arr = np.empty(len(values), dtype=object)
+    arr[:] = list(values)
+    return arr
+
+
+def _cat_padded(ts: list[torch.Tensor]) -> torch.Tensor:
+    if ts[0].dim() >= 2 and len({t.shape[1:] for t in ts}) > 1:
+        raise ValueError(f"cannot concat tensors of widths {[tuple(t.shape) for t in ts]}; pad them to one width first")
+    return torch.cat(ts, dim=0)

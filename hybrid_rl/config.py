@@ -1,0 +1,414 @@
+"""The one config tree: typed dataclasses, YAML loading, dotted overrides, validation.
+
+Every recipe in ``recipes/`` mirrors this tree 1:1. Loading is strict: an
+unknown key is an error naming its full dotted path and the closest valid one,
+a value of the wrong type is an error naming the key and the expected type, and
+``validate`` checks the cross-field facts (divisibility of batch sizes, GRPO
+group sizes) with messages that say what to change. Validation never rewrites
+a value; derived quantities are properties. Left out on purpose: Hydra-style
+interpolation and config composition (one flat YAML per recipe is the whole UI).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad recipe or override; the message names the dotted key and the fix."""
+
+
+# --------------------------------------------------------------------------- tree
+@dataclass
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank; 0 trains the full model."""
+    alpha: int = 16
+    """LoRA scaling numerator (scale = alpha / rank)."""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    """Module names that get adapters."""
+    dropout: float = 0.0
+    """Dropout on the adapter input."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "builtin:tiny-qwen2"
+    """Hub id, local directory, or ``builtin:tiny-qwen2`` (built locally, no download)."""
+    tokenizer_path: Optional[str] = None
+    """Tokenizer location when it differs from ``path``."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Training/inference dtype; ``auto`` is bf16 on GPU and fp32 on CPU."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (≈ half the activation memory)."""
+    trust_remote_code: bool = False
+    """Passed to ``from_pretrained``."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters via peft."""
+
+
+@dataclass
+class DataConfig:
+    train_path: str = "synthetic:successor"
+    """A local .jsonl/.parquet file, a ``datasets`` hub name (e.g. ``openai/gsm8k``), or ``synthetic:<task>``."""
+    val_path: Optional[str] = None
+    """Validation prompts, same forms as ``train_path``; none skips validation."""
+    task: Literal["gsm8k", "successor"] = "successor"
+    """How rows become chat prompts and ground truths."""
+    hub_config: Optional[str] = None
+    """``datasets`` config name for hub datasets (``main`` for openai/gsm8k)."""
+    train_split: str = "train"
+    """Split name for hub datasets."""
+    val_split: str = "test"
+    """Split name for hub datasets."""
+    max_val_samples: int = 256
+    """Cap on validation prompts (0 = all)."""
+    train_batch_size: int = 32
+    """Prompts per step, across all ranks."""
+    max_prompt_length: int = 512
+    """Prompt tokens after the chat template."""
+    max_response_length: int = 256
+    """Maximum new tokens per response."""
+    truncation: Literal["error", "filter", "left", "right"] = "filter"
+    """What to do with prompts longer than ``max_prompt_length``."""
+    shuffle: bool = True
+    """Reshuffle the prompts each epoch (seeded)."""
+    system_prompt: Optional[str] = None
+    """Optional system message prepended to every prompt."""
+    num_synthetic: int = 2048
+    """Rows generated for ``synthetic:<task>`` training data (validation uses a quarter)."""
+
+
+@dataclass
+class RolloutConfig:
+    name: Literal["hf", "vllm"] = "hf"
+    """Rollout engine: ``hf`` (transformers, runs anywhere) or ``vllm`` (GPU)."""
+    n: int = 8
+    """Samples per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs are computed at this temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    val_temperature: float = 0.0
+    """Temperature for validation (0 = greedy pass@1)."""
+    max_num_seqs: int = 256
+    """Sequences generated at once by the engine (the hf engine chunks by this)."""
+    weight_sync_bucket_mb: int = 512
+    """Bucket size for pushing weights into the engine."""
+    free_cache_engine: bool = True
+    """Put the engine to sleep between rollouts (frees its memory for training)."""
+
+
+@dataclass
+class ActorConfig:
+    lr: float = 1e-6
+    """AdamW peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    """Schedule after warm-up."""
+    min_lr_ratio: float = 0.0
+    """Cosine floor as a fraction of ``lr``."""
+    ppo_epochs: int = 1
+    """Passes over each batch."""
+    ppo_mini_batch_size: int = 16
+    """Prompts per optimizer step, across all ranks (each brings ``rollout.n`` samples)."""
+    ppo_micro_batch_size_per_device: int = 8
+    """Sequences per forward/backward on one device (gradient accumulation fills the mini-batch)."""
+    log_prob_micro_batch_size_per_device: int = 16
+    """Sequences per forward when computing log-probs."""
+    clip_ratio_low: float = 0.2
+    """PPO clip ε below 1."""
+    clip_ratio_high: float = 0.2
+    """PPO clip ε above 1 (DAPO uses 0.28)."""
+    clip_ratio_c: Optional[float] = None
+    """Dual-clip bound for negative advantages (> 1; none = off)."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How token losses are averaged."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient."""
+    use_kl_loss: bool = False
+    """Add a KL(π‖π_ref) term to the loss (needs the reference policy)."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss term."""
+    kl_loss_type: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator for the loss term."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (0 = off)."""
+    shuffle_mini_batches: bool = False
+    """Shuffle samples before cutting mini-batches (seeded)."""
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_device: int = 16
+    """Sequences per forward when computing reference log-probs."""
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
+    """Advantage estimator."""
+    norm_adv_by_std_in_grpo: bool = True
+    """Divide GRPO advantages by the group's std."""
+    gamma: float = 1.0
+    """Discount."""
+    lam: float = 1.0
+    """GAE λ."""
+    use_kl_in_reward: bool = False
+    """Subtract β·KL(π_old‖π_ref) from the token rewards (needs the reference policy)."""
+    kl_penalty: Literal["k1", "k2", "k3"] = "k1"
+    """KL estimator for the reward penalty."""
+    kl_coef: float = 0.001
+    """β for the reward penalty."""
+
+
+@dataclass
+class RewardConfig:
+    function: str = "auto"
+    """``auto`` (the task's own), a built-in name (``gsm8k``, ``successor``), or ``module:function``."""
+    on_error: Literal["raise", "zero"] = "raise"
+    """A raising reward function stops the run (``raise``) or scores 0 and is counted (``zero``)."""
+
+
+@dataclass
+class TrainerConfig:
+    output_dir: str = "runs/default"
+    """Run directory: resolved config, metrics.jsonl, tensorboard events."""
+    seed: int = 0
+    """Seeds data order, sampling and init; CPU runs repeat step for step."""
+    total_steps: int = 0
+    """Training steps; 0 = ``total_epochs`` passes over the data."""
+    total_epochs: int = 1
+    """Epochs when ``total_steps`` is 0."""
+    test_freq: int = 0
+    """Validate every N steps (0 = never, except ``val_before_train``)."""
+    val_before_train: bool = False
+    """Validate once before the first step."""
+    logger: list[Literal["console", "tensorboard", "jsonl"]] = field(default_factory=lambda: ["console", "tensorboard", "jsonl"])
+    """Metric sinks."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto`` uses CUDA when present."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    # -- derived -------------------------------------------------------------------
+    @property
+    def need_ref(self) -> bool:
+        """A reference policy is only built when a KL term uses it."""
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self, world_size: int = 1) -> "Config":
+        """Cross-field checks; raises ConfigError naming the key and the fix."""
+        d, a, r = self.data, self.actor, self.rollout
+        _positive(self, ["data.train_batch_size", "data.max_prompt_length", "data.max_response_length", "rollout.n",
+                         "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size_per_device", "actor.ppo_epochs",
+                         "actor.log_prob_micro_batch_size_per_device", "ref.log_prob_micro_batch_size_per_device",
+                         "rollout.max_num_seqs", "rollout.weight_sync_bucket_mb"])
+        if d.train_batch_size % world_size:
+            raise ConfigError(f"data.train_batch_size={d.train_batch_size} must be divisible by the {world_size} ranks "
+                              f"(a prompt's samples stay on one rank); set it to a multiple of {world_size}")
+        if d.train_batch_size % a.ppo_mini_batch_size:
+            raise ConfigError(f"data.train_batch_size={d.train_batch_size} must be divisible by actor.ppo_mini_batch_size="
+                              f"{a.ppo_mini_batch_size}; lower actor.ppo_mini_batch_size to a divisor")
+        if a.ppo_mini_batch_size % world_size:
+            raise ConfigError(f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} must be divisible by the {world_size} ranks; "
+                              f"set it to a multiple of {world_size}")
+        seqs_per_rank = a.ppo_mini_batch_size // world_size * r.n
+        if seqs_per_rank % a.ppo_micro_batch_size_per_device:
+            raise ConfigError(f"a mini-batch holds {seqs_per_rank} sequences per device (actor.ppo_mini_batch_size / ranks × rollout.n), "
+                              f"not divisible by actor.ppo_micro_batch_size_per_device={a.ppo_micro_batch_size_per_device}; use a divisor of {seqs_per_rank}")
+        if self.algorithm.adv_estimator in ("grpo", "dr_grpo", "rloo") and r.n < 2:
+            raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares the samples of one prompt, "
+                              f"so rollout.n must be >= 2 (got {r.n}); raise rollout.n or use reinforce_pp")
+        if self.algorithm.adv_estimator == "gae":
+            raise ConfigError("algorithm.adv_estimator=gae needs a critic, which hybrid_rl does not build yet; "
+                              "use grpo, dr_grpo, rloo or reinforce_pp")
+        if not 0 < r.top_p <= 1:
+            raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1]")
+        if r.temperature <= 0:
+            raise ConfigError(f"rollout.temperature={r.temperature} must be > 0 for training rollouts; "
+                              "use rollout.val_temperature=0 for greedy validation")
+        if a.clip_ratio_c is not None and a.clip_ratio_c <= 1:
+            raise ConfigError(f"actor.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual clip), or null to turn it off")
+        if not (0 <= a.clip_ratio_low < 1 and a.clip_ratio_high >= 0):
+            raise ConfigError("actor.clip_ratio_low must be in [0, 1) and actor.clip_ratio_high >= 0")
+        if len(a.betas) != 2:
+            raise ConfigError(f"actor.betas must hold two numbers, got {a.betas}")
+        if self.model.lora.rank < 0:
+            raise ConfigError("model.lora.rank must be >= 0 (0 = full fine-tuning)")
+        if self.trainer.total_steps < 0 or self.trainer.total_epochs < 1:
+            raise ConfigError("trainer.total_steps must be >= 0 and trainer.total_epochs >= 1")
+        if d.task != "successor" and d.train_path.startswith("synthetic:"):
+            raise ConfigError(f"data.train_path={d.train_path} is a synthetic task but data.task={d.task}; set data.task to the synthetic task's name")
+        return self
+
+
+def _positive(cfg: Config, keys: list[str]) -> None:
+    for key in keys:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value <= 0:
+            raise ConfigError(f"{key}={value} must be a positive integer")
+
+
+# --------------------------------------------------------------------------- loading
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a recipe YAML (or defaults when ``path`` is None) and apply ``key.sub=value`` overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"recipe {str(path)!r} does not exist; pass a file under recipes/ (e.g. recipes/cpu_successor.yaml)")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"recipe {str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"recipe {str(path)!r} must be a mapping of sections (model, data, ...)")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key.sub=value (e.g. trainer.total_steps=10)")
+        _set_dotted(raw, key.strip(), _parse_scalar(value))
+    return _build(Config, raw, "")
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    return _build(Config, raw, "")
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every valid dotted key (sections and leaves)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        out.append(key)
+        if dataclasses.is_dataclass(f.type if isinstance(f.type, type) else _resolve(cls, f.name)):
+            out.extend(all_keys(_resolve(cls, f.name), key + "."))
+    return out
+
+
+def _parse_scalar(text: str) -> Any:
+    # YAML rules give ints, floats, bools, null and [lists] the way recipes spell them.
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override {key}: {'.'.join(parts[:i + 1])} is a value, not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def _resolve(cls: type, name: str) -> Any:
+    return typing.get_type_hints(cls)[name]
+
+
+def _unknown(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
+    hint = f"; did you mean '{close[0]}'?" if close else "; see hybrid_rl/config.py for the valid keys"
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"'{prefix.rstrip('.')}' must be a section (a mapping), got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            raise _unknown(f"{prefix}{key}")
+    kwargs = {}
+    for name in names:
+        if name not in raw:
+            continue
+        kwargs[name] = _coerce(hints[name], raw[name], f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key + ".")
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, key)
+    if origin is Literal:
+        if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"{key}={value!r} is not one of {list(args)}{hint}")
+        return value
+    if origin is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return [_coerce(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, str):
+                try:
+                    return float(value)  # YAML 1.1 reads "1e-6" as a string
+                except ValueError:
+                    pass
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return str(value)
+    return value

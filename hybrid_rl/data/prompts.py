@@ -1,0 +1,117 @@
+"""Prompt datasets: rows → chat-templated token ids, and a collate into left-padded batches.
+
+Every row is formatted by its task and tokenized once, up front, so prompt
+length problems (``data.truncation``) surface at start-up rather than halfway
+through a run, and the counts of filtered/truncated prompts can be logged.
+Batches are LEFT-padded because generation appends to the right end of every
+prompt at once. Left out: packing, multi-modal inputs, and lazy tokenization of
+huge datasets (GSM8K-sized data tokenizes in seconds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from ..batch import Batch
+from .tasks import DataError, get_task
+
+TRUNCATION_MODES = ("error", "filter", "left", "right")
+
+
+class PromptDataset:
+    """Tokenized prompts of one split; ``__getitem__`` gives ``input_ids``, ``ground_truth``, ``data_source``, ``index``.
+
+    ``index`` is the row's position in ``rows`` (stable across filtering), so
+    samples can be traced back to the data file. Truncation ``left`` keeps the
+    end of the prompt (the generation prompt survives), ``right`` keeps the
+    start (as in verl, the assistant header may be cut off).
+    """
+
+    def __init__(self, rows: list[dict[str, Any]], task: str, tokenizer: Any, max_prompt_length: int,
+                 truncation: str = "error", system_prompt: Optional[str] = None) -> None:
+        if truncation not in TRUNCATION_MODES:
+            raise DataError(f"data.truncation={truncation!r} is not one of {list(TRUNCATION_MODES)}")
+        if max_prompt_length <= 0:
+            raise DataError(f"data.max_prompt_length={max_prompt_length} must be a positive number of tokens")
+        if not rows:
+            raise DataError("the dataset has no rows; check data.train_path/data.val_path")
+        spec = get_task(task)
+        self.task = task
+        self.max_prompt_length = max_prompt_length
+        self.truncation = truncation
+        self.num_filtered = 0
+        self.num_truncated = 0
+        self._items: list[dict[str, Any]] = []
+        for i, row in enumerate(rows):
+            formatted = spec.format_row(row, i)
+            messages = list(formatted["messages"])
+            if system_prompt is not None:
+                messages = [{"role": "system", "content": system_prompt}] + messages
+            ids = _encode_chat(tokenizer, messages)
+            if len(ids) > max_prompt_length:
+                if truncation == "error":
+                    raise DataError(f"data.max_prompt_length={max_prompt_length}: the prompt of row {i} has {len(ids)} tokens "
+                                    f"after the chat template; raise data.max_prompt_length or set data.truncation to filter/left/right")
+                if truncation == "filter":
+                    self.num_filtered += 1
+                    continue
+                ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
+                self.num_truncated += 1
+            self._items.append({"input_ids": ids, "ground_truth": str(formatted["ground_truth"]),
+                                "data_source": str(formatted["data_source"]), "index": i})
+        if not self._items:
+            raise DataError(f"data.max_prompt_length={max_prompt_length}: all {len(rows)} prompts are longer and were filtered; "
+                            f"raise data.max_prompt_length or set data.truncation=left")
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        item = self._items[i]
+        # A copy, so a caller editing input_ids cannot corrupt the dataset.
+        return {**item, "input_ids": list(item["input_ids"])}
+
+
+def _encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    # transformers 5 may still hand back a BatchEncoding (a Mapping) from some
+    # tokenizers or versions; accept either shape.
+    if isinstance(out, Mapping):
+        out = out["input_ids"]
+    if isinstance(out, torch.Tensor):
+        out = out.tolist()
+    if out and isinstance(out[0], (list, tuple)):
+        out = out[0]
+    return [int(t) for t in out]
+
+
+def collate_prompts(items: list[dict[str, Any]], pad_token_id: int) -> Batch:
+    """Left-pad ``items`` to the longest prompt: ``input_ids``/``attention_mask`` [B, P] long + per-sample non-tensors."""
+    if not items:
+        raise ValueError("collate_prompts needs at least one item")
+    width = max(len(it["input_ids"]) for it in items)
+    input_ids = torch.full((len(items), width), int(pad_token_id), dtype=torch.long)
+    attention_mask = torch.zeros((len(items), width), dtype=torch.long)
+    for row, it in enumerate(items):
+        ids = it["input_ids"]
+        if len(ids):
+            input_ids[row, width - len(ids):] = torch.as_tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids):] = 1
+    non_tensors = {
+        "ground_truth": _object_array([it["ground_truth"] for it in items]),
+        "data_source": _object_array([it["data_source"] for it in items]),
+        "index": np.asarray([it["index"] for it in items], dtype=np.int64),
+    }
+    return Batch({"input_ids": input_ids, "attention_mask": attention_mask}, non_tensors)
+
+
+def _object_array(values: list[Any]) -> np.ndarray:
+    # dtype=object keeps strings as Python str (no fixed-width '<U…' arrays
+    # that would silently truncate when a longer string is assigned later).
+    arr = np.empty(len(values), dtype=object)
+    arr[:] = values
+    return arr

@@ -1,0 +1,87 @@
+"""Process-group set-up and the few collectives the SPMD driver needs.
+
+Every rank runs the same loop (no Ray, no controller). Under torchrun the
+process group comes from the environment (NCCL on GPU, gloo on CPU), even for
+one rank, so the actor takes the FSDP2 path; a plain ``python -m hybrid_rl``
+run is a world of one without a process group. Metrics are reduced as (sum, count) pairs so that means are weighted by
+how many samples or tokens each rank saw. Left out: multi-node launch helpers
+(torchrun's rendezvous already does that).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_pref: str = "auto") -> DistInfo:
+    """Join torchrun's process group when launched by it; otherwise a world of one."""
+    use_cuda = torch.cuda.is_available() if device_pref == "auto" else device_pref == "cuda"
+    if device_pref == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but no CUDA device is visible; set trainer.device=cpu or auto")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    # Under torchrun (even with one rank) join a process group so the actor is
+    # FSDP2-wrapped on one code path; a plain `python -m hybrid_rl` run skips it.
+    if "MASTER_ADDR" in os.environ and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def reduce_weighted_means(stats: dict[str, tuple[float, float]], device: torch.device) -> dict[str, float]:
+    """Global means from per-rank (sum, count) pairs."""
+    if not stats:
+        return {}
+    keys = sorted(stats)
+    t = torch.tensor([[float(stats[k][0]), float(stats[k][1])] for k in keys], dtype=torch.float64, device=device)
+    all_reduce_sum(t)
+    return {k: (t[i, 0] / t[i, 1]).item() if t[i, 1] > 0 else 0.0 for i, k in enumerate(keys)}
+
+
+def reduce_max(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    if not values:
+        return {}
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {k: t[i].item() for i, k in enumerate(keys)}
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

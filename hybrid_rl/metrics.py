@@ -1,0 +1,41 @@
+"""Per-step data metrics from a finished rollout batch, as (sum, count) pairs and maxima.
+
+Returned in reducible form so the driver can combine ranks exactly: means are
+weighted by samples or tokens, maxima are all-reduced with MAX. Names follow
+verl's grouping (``reward/*``, ``rollout/*``, ``actor/*``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid_rl.batch import Batch
+
+
+def batch_metrics(batch: Batch, max_response_length: int) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
+    t = batch.tensors
+    mask = t["response_mask"].float()  # [B, R]
+    n = float(len(batch))
+    resp_len = mask.sum(dim=1)  # [B]
+    prompt_len = t["attention_mask"][:, : t["prompts"].shape[1]].float().sum(dim=1)
+    ntok = float(mask.sum())
+    diff = (t["rollout_log_probs"] - t["old_log_probs"]).abs() * mask
+    scores = t["scores"].float()
+    means = {
+        "reward/mean": (float(scores.sum()), n),
+        "rollout/response_length_mean": (float(resp_len.sum()), n),
+        "rollout/prompt_length_mean": (float(prompt_len.sum()), n),
+        "rollout/response_clip_ratio": (float((resp_len >= max_response_length).float().sum()), n),
+        "rollout/logprob_diff": (float(diff.sum()), ntok),
+        "actor/advantages_mean": (float((t["advantages"] * mask).sum()), ntok),
+        "actor/entropy_old": (float((t["old_entropy"] * mask).sum()), ntok) if "old_entropy" in t else (0.0, 0.0),
+        "perf/response_tokens": (ntok, 1.0),
+        "perf/total_tokens": (ntok + float(prompt_len.sum()), 1.0),
+    }
+    maxima = {
+        "reward/max": float(scores.max()),
+        "reward/min_neg": float(-scores.min()),
+        "rollout/response_length_max": float(resp_len.max()),
+        "rollout/logprob_diff_max": float(diff.max()),
+    }
+    return means, maxima

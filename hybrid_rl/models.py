@@ -1,0 +1,185 @@
+"""Model and tokenizer loading, LoRA, and the tiny built-in model.
+
+Everything that turns ``model.path`` into a ``torch.nn.Module`` and a tokenizer
+lives here, so the trainer, the rollout engines and the tests share one code
+path. The tiny model (``builtin:tiny-qwen2``) is a small Qwen2-architecture
+network with a character-level tokenizer and a Qwen-style chat template; it is
+*written to a directory* and then loaded with ``from_pretrained`` exactly like a
+hub checkpoint, so CPU runs and CI exercise the real loading path without any
+download. What this module leaves out: quantisation and remote code beyond the
+``trust_remote_code`` switch.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BUILTIN_PREFIX = "builtin:"
+TINY_MODEL = "tiny-qwen2"
+
+# Qwen's special tokens, so the tiny model's chat format looks like the real one.
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# The tiny model's architecture. Tied embeddings on purpose: Qwen2.5-0.5B ties
+# them too, and weight sync must handle the shared tensor.
+TINY_CONFIG: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+)
+
+
+class ModelLoadError(ValueError):
+    """A model or tokenizer path that cannot be loaded; the message names the fix."""
+
+
+def cache_dir() -> Path:
+    """Where built-in models are materialised (``$HYBRID_RL_CACHE`` or ``~/.cache/hybrid_rl``)."""
+    return Path(os.environ.get("HYBRID_RL_CACHE", Path.home() / ".cache" / "hybrid_rl"))
+
+
+def _byte_level_char(b: int) -> str:
+    """GPT-2/Qwen byte-level alphabet: printable bytes map to themselves, the rest shift past 255."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + list(range(ord("\xae"), 256))
+    if b in printable:
+        return chr(b)
+    return chr(256 + [x for x in range(256) if x not in printable].index(b))
+
+
+def build_tiny_tokenizer():
+    """A byte-level Qwen2 tokenizer whose vocabulary is single printable-ASCII characters.
+
+    It is a genuine ``Qwen2Tokenizer`` (BPE with no merges), so it saves and
+    reloads through ``AutoTokenizer`` exactly like Qwen's own, and any English
+    prompt (GSM8K included) round-trips through encode/decode.
+    """
+    from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+    chars = sorted({_byte_level_char(ord(c)) for c in string.printable})
+    vocab = {tok: i for i, tok in enumerate([PAD_TOKEN, IM_START, IM_END] + chars)}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, eos_token=IM_END, pad_token=PAD_TOKEN,
+                         extra_special_tokens=[IM_START])
+    tok.chat_template = CHAT_TEMPLATE
+    tok.padding_side = "left"
+    return tok
+
+
+def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """Write the tiny Qwen2 model + tokenizer to ``out_dir`` (random init from ``seed``)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(out_dir)
+    tokenizer = build_tiny_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **TINY_CONFIG,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    # Write atomically so concurrent ranks never read a half-written directory.
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another process won the race; its copy is identical
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_model_path(path: str) -> str:
+    """Map ``builtin:NAME`` to a materialised directory; leave other paths alone."""
+    if not path.startswith(BUILTIN_PREFIX):
+        return path
+    name = path[len(BUILTIN_PREFIX):]
+    if name != TINY_MODEL:
+        raise ModelLoadError(f"model.path: unknown built-in model {name!r}; the only one is '{BUILTIN_PREFIX}{TINY_MODEL}'")
+    out = cache_dir() / TINY_MODEL
+    if not (out / "config.json").exists():
+        build_tiny_model(out)
+    return str(out)
+
+
+def _check_local(path: str, key: str) -> None:
+    # A path that looks local but is missing would otherwise turn into a
+    # confusing hub lookup (and a network error on an offline machine).
+    looks_local = path.startswith((".", "/", "~")) or os.sep in path.rstrip(os.sep) and path.count("/") > 1
+    if looks_local and not Path(path).expanduser().exists():
+        raise ModelLoadError(f"{key}: {path!r} does not exist; point it at a model directory or a hub id such as 'Qwen/Qwen2.5-0.5B-Instruct'")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` is bf16 on GPU and fp32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(path)
+    _check_local(path, "model.tokenizer_path")
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except OSError as e:
+        raise ModelLoadError(f"model.tokenizer_path: cannot load a tokenizer from {path!r} ({str(e).splitlines()[0]})") from e
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if tok.chat_template is None:
+        raise ModelLoadError(f"model.path: the tokenizer at {path!r} has no chat template; use an instruct/chat model or set data.apply_chat_template=false")
+    return tok
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool = False, attn_implementation: str | None = None):
+    """Load a causal LM on CPU in ``dtype`` (the caller moves or shards it)."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(path)
+    _check_local(path, "model.path")
+    kwargs: dict[str, Any] = dict(dtype=dtype, trust_remote_code=trust_remote_code)
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as e:
+        raise ModelLoadError(f"model.path: cannot load a model from {path!r} ({str(e).splitlines()[0]})") from e
+    return model
+
+
+def apply_lora(model, rank: int, alpha: int, target_modules: list[str], dropout: float):
+    """Wrap ``model`` with peft LoRA adapters; only adapter weights stay trainable."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules), lora_dropout=dropout, bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(model, cfg)

@@ -1,0 +1,7 @@
+"""Rule-based rewards: built-in scorers (``gsm8k``, ``successor``), resolution of
+``reward.function`` and batch scoring with ``reward.on_error`` handling (``registry``).
+"""
+
+from .registry import BUILTIN_REWARDS, RewardError, RewardFn, get_reward_fn, score_responses
+
+__all__ = ["RewardError", "RewardFn", "BUILTIN_REWARDS", "get_reward_fn", "score_responses"]

@@ -1,0 +1,116 @@
+"""The rollout-engine interface every backend implements, and the shared post-processing.
+
+An engine owns its own copy of the weights (as vLLM does) and never trains:
+``load_weights`` receives tensors pushed by the sharding manager, ``sleep``
+releases its memory while the trainer works, ``wake_up`` takes it back, and
+``generate`` turns left-padded prompt ids into responses plus the log-probs of
+the sampled tokens. ``assemble_rollout`` is the one place that builds the
+trainer-facing tensors (``input_ids``, ``attention_mask``, ``position_ids``,
+``response_mask``) so every backend hands the trainer identical layouts.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from hybrid_rl.batch import Batch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 256
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def logprob_temperature(self) -> float:
+        # Log-probs are reported under the distribution actually sampled from
+        # (temperature-scaled, before top-k/top-p truncation), which is what the
+        # trainer recomputes. Greedy decoding reports the plain T=1 log-probs.
+        return 1.0 if self.greedy else self.temperature
+
+
+class RolloutEngine(abc.ABC):
+    """Narrow interface: generate, load_weights, sleep, wake_up."""
+
+    #: weight version currently resident in the engine (None after the weights were discarded)
+    weights_version: int | None = None
+
+    @abc.abstractmethod
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        """``prompts`` holds left-padded ``input_ids``/``attention_mask`` [B, P]; returns a batch of
+        B·n samples (each prompt repeated n times, consecutively) from ``assemble_rollout``."""
+
+    @abc.abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy (name, full tensor) pairs into the engine's weights."""
+
+    @abc.abstractmethod
+    def sleep(self, level: int = 1) -> None:
+        """Release memory: level 1 keeps the weights (offloaded), level 2 discards them."""
+
+    @abc.abstractmethod
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-acquire memory for ``tags`` (``weights``, ``kv_cache``; None = both)."""
+
+
+def assemble_rollout(prompts: Batch, responses: torch.Tensor, logprobs: torch.Tensor, n: int,
+                     eos_token_ids: list[int], pad_token_id: int) -> Batch:
+    """Build the trainer-facing rollout batch.
+
+    prompts: the original B prompts (left padded). responses [B·n, R] and
+    logprobs [B·n, R] are row-aligned with ``prompts.repeat_interleave(n)``.
+    The response mask covers tokens up to and including the first EOS; tokens
+    after it are replaced by pad and masked out.
+    """
+    rep = prompts.repeat_interleave(n)
+    prompt_ids = rep.tensors["input_ids"]  # [B·n, P]
+    prompt_mask = rep.tensors["attention_mask"]  # [B·n, P]
+    is_eos = torch.zeros_like(responses, dtype=torch.bool)
+    for e in eos_token_ids:
+        is_eos |= responses == e
+    # a token is inside the response if no EOS came strictly before it
+    eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
+    response_mask = (eos_before == 0).long()  # [B·n, R]
+    responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad_token_id))
+    logprobs = logprobs.float() * response_mask
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)  # [B·n, P+R]
+    position_ids = (torch.cumsum(attention_mask, dim=1) - 1).clamp(min=0)
+    # Real positions continue after the prompt even where the mask is 0, so
+    # padded tail tokens cannot alias an earlier position.
+    prompt_len = prompt_mask.sum(dim=1, keepdim=True)
+    resp_pos = prompt_len + torch.arange(responses.shape[1], device=responses.device)[None, :]
+    position_ids[:, prompt_ids.shape[1]:] = resp_pos
+    # group id: one per prompt within this batch, so the n samples of a prompt share it
+    uid = np.repeat(np.arange(len(prompts)), n)
+    if "uid" in prompts.non_tensors:
+        uid = np.repeat(prompts.non_tensors["uid"], n)
+    return rep.union(
+        tensors=dict(
+            prompts=prompt_ids,
+            responses=responses,
+            response_mask=response_mask,
+            input_ids=torch.cat([prompt_ids, responses], dim=1),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            rollout_log_probs=logprobs,
+        ),
+        non_tensors=dict(uid=uid),
+    )
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Left-padded prompt positions: 0 at the first real token (pads get 0 too)."""
+    return (torch.cumsum(attention_mask, dim=1) - 1).clamp(min=0)

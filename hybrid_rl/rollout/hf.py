@@ -1,0 +1,141 @@
+"""The transformers rollout engine: runs anywhere torch runs (CPU CI, one GPU, no vLLM).
+
+It holds its own copy of the model, like vLLM does, so the sharding manager's
+push is real and testable. Decoding is a plain KV-cache loop rather than
+``model.generate`` for two reasons: the per-step log-prob of each sampled token
+is recorded without keeping [B, R, V] logits alive, and sampling draws from the
+engine's own seeded ``torch.Generator`` so runs repeat regardless of what else
+consumed the global RNG. Left out: continuous batching, paged attention and
+CUDA graphs (that is what the vLLM backend is for).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Iterable
+
+import torch
+
+from hybrid_rl.batch import Batch
+from hybrid_rl.rollout.base import RolloutEngine, SamplingParams, assemble_rollout, position_ids_from_mask
+
+
+class HFRolloutEngine(RolloutEngine):
+    def __init__(self, model: torch.nn.Module, eos_token_ids: list[int], pad_token_id: int, device: torch.device,
+                 max_num_seqs: int = 256, seed: int = 0):
+        self.model = model.to(device).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.device = device
+        self.eos_token_ids = list(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self.max_num_seqs = max_num_seqs
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.weights_version = None
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._shapes = {id(p): (p.shape, p.dtype) for p in self._params.values()}
+        self._weights_present = True
+        # transformers renamed `past_key_values` to `cache` (5.2x); accept both.
+        forward_args = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in forward_args else "past_key_values"
+
+    # -- weights / memory --------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if not self._weights_present:
+            raise RuntimeError("load_weights on a sleeping engine: call wake_up(['weights']) first")
+        with torch.no_grad():
+            for name, tensor in weights:
+                param = self._params.get(name)
+                if param is None:
+                    raise KeyError(f"rollout engine has no weight named {name!r}")
+                param.copy_(tensor, non_blocking=True)
+
+    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The engine's weights (for tests and parity checks)."""
+        return self.model.named_parameters()
+
+    def sleep(self, level: int = 1) -> None:
+        if level >= 2:
+            # Discard weights: the next wake_up allocates uninitialised storage and
+            # the sharding manager must push again (weights_version says so).
+            for p in {id(p): p for p in self._params.values()}.values():
+                p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+            self._weights_present = False
+            self.weights_version = None
+        elif self.device.type == "cuda":
+            self.model.to("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        if tags is None or "weights" in tags:
+            if not self._weights_present:
+                for p in {id(p): p for p in self._params.values()}.values():
+                    shape, dtype = self._shapes[id(p)]
+                    p.data = torch.empty(shape, dtype=dtype, device=self.device)
+                self._weights_present = True
+            elif self.device.type == "cuda":
+                self.model.to(self.device)
+
+    # -- generation -------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        if not self._weights_present:
+            raise RuntimeError("generate on a sleeping engine: wake it up first")
+        ids = prompts.tensors["input_ids"].to(self.device)
+        mask = prompts.tensors["attention_mask"].to(self.device)
+        ids = ids.repeat_interleave(params.n, dim=0)
+        mask = mask.repeat_interleave(params.n, dim=0)
+        outs, lps = [], []
+        for start in range(0, ids.shape[0], self.max_num_seqs):
+            o, lp = self._decode(ids[start:start + self.max_num_seqs], mask[start:start + self.max_num_seqs], params)
+            outs.append(o)
+            lps.append(lp)
+        width = max(o.shape[1] for o in outs)
+        responses = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=self.pad_token_id) for o in outs])
+        logprobs = torch.cat([torch.nn.functional.pad(lp, (0, width - lp.shape[1])) for lp in lps])
+        return assemble_rollout(prompts.to(self.device), responses, logprobs, params.n, self.eos_token_ids, self.pad_token_id)
+
+    def _decode(self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        b = ids.shape[0]
+        pos = position_ids_from_mask(mask)
+        next_pos = mask.sum(dim=1)  # [b] position of the first generated token
+        eos = torch.tensor(self.eos_token_ids, device=self.device)
+        finished = torch.zeros(b, dtype=torch.bool, device=self.device)
+        tokens, logprobs = [], []
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        cache = getattr(out, self._cache_kw)
+        logits = out.logits[:, -1, :]
+        for _ in range(params.max_tokens):
+            tok, lp = self._sample(logits.float(), params)
+            tok = torch.where(finished, torch.full_like(tok, self.pad_token_id), tok)
+            tokens.append(tok)
+            logprobs.append(torch.where(finished, torch.zeros_like(lp), lp))
+            finished |= torch.isin(tok, eos)
+            if bool(finished.all()):
+                break
+            mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=self.device)], dim=1)
+            out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                             use_cache=True, **{self._cache_kw: cache})
+            cache = getattr(out, self._cache_kw)
+            logits = out.logits[:, -1, :]
+            next_pos = next_pos + 1
+        return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
+
+    def _sample(self, logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        logp = torch.log_softmax(logits / params.logprob_temperature, dim=-1)  # [b, V]
+        if params.greedy:
+            tok = logits.argmax(dim=-1)
+        else:
+            filtered = logp.clone()
+            if params.top_k > 0:
+                kth = torch.topk(filtered, min(params.top_k, filtered.shape[-1]), dim=-1).values[:, -1:]
+                filtered[filtered < kth] = float("-inf")
+            if params.top_p < 1.0:
+                sorted_lp, order = torch.sort(filtered, dim=-1, descending=True)
+                cum = torch.cumsum(sorted_lp.softmax(-1), dim=-1)
+                drop_sorted = (cum - sorted_lp.softmax(-1)) >= params.top_p  # keep the token that crosses top_p
+                drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+                filtered[drop] = float("-inf")
+            tok = torch.multinomial(filtered.softmax(-1), 1, generator=self.generator).squeeze(-1)
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)

@@ -1,0 +1,153 @@
+"""The driver: every rank runs this loop on its own shard of the prompts (SPMD).
+
+``fit`` reads top to bottom: one call per phase, each under a named timer.
+Set-up (data, reward function, worker, trackers) happens in ``__init__``;
+validation is greedy pass@1 on the validation prompts. Metrics are reduced
+across ranks (weighted means, maxima) and logged by rank 0 only. Left out on
+purpose: a single controller (there is none: torch.distributed is the engine)
+and the overlap mode, which lives beside ``train_step`` when it lands.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hybrid_rl.advantage import compute_advantage
+from hybrid_rl.batch import Batch
+from hybrid_rl.config import Config, save_config
+from hybrid_rl.data import PromptDataset, PromptSampler, collate_prompts, load_rows
+from hybrid_rl.distributed import DistInfo, reduce_max, reduce_weighted_means
+from hybrid_rl.metrics import batch_metrics
+from hybrid_rl.rewards import get_reward_fn
+from hybrid_rl.scoring import compute_scores
+from hybrid_rl.tracking import Timer, Tracker
+from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, dist: DistInfo):
+        self.cfg = cfg
+        self.dist = dist
+        seed_everything(cfg.trainer.seed + dist.rank)
+        d = cfg.data
+        from hybrid_rl.models import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
+        rows = load_rows(d.train_path, d.train_split, d.hub_config, d.task, d.num_synthetic, cfg.trainer.seed)
+        self.train_set = PromptDataset(rows, d.task, tokenizer, d.max_prompt_length, d.truncation, d.system_prompt)
+        self.sampler = PromptSampler(len(self.train_set), d.train_batch_size, dist.rank, dist.world_size,
+                                     cfg.trainer.seed, d.shuffle)
+        self.val_set = None
+        if d.val_path:
+            val_rows = load_rows(d.val_path, d.val_split, d.hub_config, d.task, max(d.num_synthetic // 4, 1), cfg.trainer.seed + 1)
+            if d.max_val_samples:
+                val_rows = val_rows[: d.max_val_samples]
+            self.val_set = PromptDataset(val_rows, d.task, tokenizer, d.max_prompt_length, d.truncation, d.system_prompt)
+        self.reward_fn = get_reward_fn(cfg.reward.function, d.task)
+        t = cfg.trainer
+        self.total_steps = t.total_steps or t.total_epochs * self.sampler.steps_per_epoch
+        self.worker = ActorRolloutRefWorker(cfg, dist, total_training_steps=self.total_steps)
+        self.tokenizer = self.worker.tokenizer
+        self.tracker = Tracker(t.output_dir, t.logger, self.total_steps, enabled=dist.is_main)
+        if dist.is_main:
+            save_config(cfg, Path(t.output_dir) / "config.yaml")
+        self.data_stats = {"data/train_prompts": len(self.train_set), "data/filtered_prompts": self.train_set.num_filtered,
+                           "data/truncated_prompts": self.train_set.num_truncated}
+
+    # -- the loop -----------------------------------------------------------------------
+    def fit(self) -> list[dict[str, float]]:
+        history = []
+        self.tracker.write(f"hybrid_rl: {self.total_steps} steps on {self.dist.world_size} rank(s), device {self.dist.device}; "
+                           f"{self.data_stats}")
+        if self.cfg.trainer.val_before_train and self.val_set is not None:
+            self.tracker.log(self.validate(), step=0)
+        for step in range(1, self.total_steps + 1):
+            metrics = self.train_step()
+            if self._due(step, self.cfg.trainer.test_freq) and self.val_set is not None:
+                metrics.update(self.validate())
+            self.tracker.log(metrics, step)
+            history.append({"step": step, **metrics})
+        self.tracker.close()
+        return history
+
+    def train_step(self) -> dict[str, float]:
+        timer, w, cfg = Timer(), self.worker, self.cfg
+        with timer("step"):
+            prompts = self.next_prompts()
+            with w.rollout_mode():
+                with timer("gen"):
+                    batch = w.generate(prompts)
+            with timer("reward"):
+                batch, reward_stats = compute_scores(batch, self.tokenizer, self.reward_fn, cfg.reward.on_error)
+            with timer("old_log_prob"):
+                batch = w.compute_log_prob(batch)
+            if cfg.need_ref:
+                with timer("ref"):
+                    batch = w.compute_ref_log_prob(batch)
+            with timer("adv"):
+                batch, adv_metrics = compute_advantage(batch, cfg.algorithm)
+            with timer("update"):
+                update_stats = w.update_actor(batch)
+        return self._step_metrics(batch, timer, reward_stats, update_stats, adv_metrics)
+
+    # -- helpers ------------------------------------------------------------------------
+    def next_prompts(self) -> Batch:
+        items = [self.train_set[i] for i in self.sampler.next_indices()]
+        # group ids unique across ranks and steps, so grouping can never mix prompts
+        batch = collate_prompts(items, self.tokenizer.pad_token_id)
+        uid = np.array([f"{self.sampler.epoch}-{it['index']}" for it in items], dtype=object)
+        return batch.union(non_tensors=dict(uid=uid))
+
+    @staticmethod
+    def _due(step: int, freq: int) -> bool:
+        return freq > 0 and step % freq == 0
+
+    def _step_metrics(self, batch: Batch, timer: Timer, reward_stats, update_stats, adv_metrics) -> dict[str, float]:
+        means, maxima = batch_metrics(batch, self.cfg.data.max_response_length)
+        means.update(reward_stats)
+        means.update(update_stats)
+        means.update({k: (v, 1.0) for k, v in adv_metrics.items()})
+        sm = self.worker.sharding_manager
+        times = timer.pop()
+        times["timing/sync_weights"] = sm.last_sync_s if sm else 0.0
+        out = reduce_weighted_means(means, self.dist.device)
+        out.update(reduce_max({**maxima, **times}, self.dist.device))
+        out["reward/min"] = -out.pop("reward/min_neg")
+        out["rollout/weight_sync_bytes"] = float(sm.last_sync_bytes) if sm else 0.0
+        out["rollout/weight_version"] = float(batch.meta.get("weight_version") or 0)
+        # per-step token counts are global sums (count 1 per rank), recover them from the means
+        world = self.dist.world_size
+        total_tokens = out.pop("perf/total_tokens") * world
+        response_tokens = out.pop("perf/response_tokens") * world
+        out["perf/tokens_per_s"] = total_tokens / max(out["timing/step"], 1e-9)
+        out["perf/gen_tokens_per_s"] = response_tokens / max(out["timing/gen"], 1e-9)
+        out["perf/throughput_per_gpu"] = out["perf/tokens_per_s"] / world
+        return out
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        assert self.val_set is not None
+        idx = list(range(self.dist.rank, len(self.val_set), self.dist.world_size))
+        chunk = self.cfg.data.train_batch_size
+        total, count, length = 0.0, 0.0, 0.0
+        with self.worker.rollout_mode():
+            for s in range(0, len(idx), chunk):
+                prompts = collate_prompts([self.val_set[i] for i in idx[s:s + chunk]], self.tokenizer.pad_token_id)
+                out = self.worker.generate(prompts, validate=True)
+                out, _ = compute_scores(out, self.tokenizer, self.reward_fn, self.cfg.reward.on_error)
+                total += float(out.tensors["scores"].sum())
+                length += float(out.tensors["response_mask"].sum())
+                count += len(out)
+        red = reduce_weighted_means({"val/reward_mean": (total, count), "val/response_length_mean": (length, count)},
+                                    self.dist.device)
+        return red

@@ -1,0 +1,1 @@
+"""Per-GPU workers and the training engine they hold."""

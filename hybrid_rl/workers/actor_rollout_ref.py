@@ -1,0 +1,201 @@
+"""``ActorRolloutRefWorker``: one per GPU, holding the actor, the reference policy and the rollout engine.
+
+The role string (``actor``, ``rollout``, ``ref``, ``actor_rollout``,
+``actor_rollout_ref``) decides which parts are built, as in verl. The actor is
+a ``TrainingEngine`` with an optimizer; the reference is a frozen copy loaded
+from the same checkpoint (only built when a KL term needs it); the rollout
+engine holds its own weights, refreshed by the sharding manager returned from
+``rollout_mode()``. ``update_actor`` is the PPO update: epochs × mini-batches ×
+micro-batches with gradient accumulation, each micro-batch loss normalised by
+the *mini-batch's global* token/sequence counts so that any micro-batch split
+(and any number of ranks) gives the same gradient up to rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hybrid_rl import algorithms as alg
+from hybrid_rl.batch import Batch
+from hybrid_rl.config import Config
+from hybrid_rl.distributed import DistInfo, all_reduce_sum
+from hybrid_rl.models import apply_lora, load_causal_lm, load_tokenizer, resolve_dtype
+from hybrid_rl.rollout.base import RolloutEngine, SamplingParams
+from hybrid_rl.sharding_manager import ShardingManager
+from hybrid_rl.workers.fsdp_engine import TrainingEngine
+
+ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
+
+
+@dataclass
+class _Stats:
+    """Per-update metric accumulators: (sum, count) pairs reduced across ranks by the driver."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, float] = field(default_factory=dict)
+
+    def add(self, key: str, value: float, weight: float = 1.0) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + float(value) * weight
+        self.counts[key] = self.counts.get(key, 0.0) + weight
+
+    def pairs(self) -> dict[str, tuple[float, float]]:
+        return {k: (self.sums[k], self.counts[k]) for k in self.sums}
+
+
+class ActorRolloutRefWorker:
+    def __init__(self, cfg: Config, dist: DistInfo, role: str = "actor_rollout_ref", total_training_steps: int = 1):
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        self.cfg = cfg
+        self.dist = dist
+        self.is_actor = role.startswith("actor")
+        self.is_rollout = "rollout" in role
+        self.is_ref = role.endswith("ref") and cfg.need_ref
+        self.weight_version = 0
+        self.device = dist.device
+        self.dtype = resolve_dtype(cfg.model.dtype, self.device)
+        mcfg = cfg.model
+        self.tokenizer = load_tokenizer(mcfg.tokenizer_path or mcfg.path, mcfg.trust_remote_code)
+
+        self.actor: TrainingEngine | None = None
+        if self.is_actor:
+            model = load_causal_lm(mcfg.path, torch.float32, mcfg.trust_remote_code)
+            if mcfg.lora.rank > 0:
+                model = apply_lora(model, mcfg.lora.rank, mcfg.lora.alpha, mcfg.lora.target_modules, mcfg.lora.dropout)
+            self.actor = TrainingEngine(model, self.device, self.dtype, trainable=True,
+                                        gradient_checkpointing=mcfg.enable_gradient_checkpointing)
+            a = cfg.actor
+            updates_per_step = a.ppo_epochs * (cfg.data.train_batch_size // a.ppo_mini_batch_size)
+            self.actor.configure_optimizer(a.lr, (a.betas[0], a.betas[1]), a.weight_decay, a.warmup_steps,
+                                           a.lr_scheduler, total_training_steps * updates_per_step, a.min_lr_ratio)
+        self.ref: TrainingEngine | None = None
+        if self.is_ref:
+            self.ref = TrainingEngine(load_causal_lm(mcfg.path, self.dtype, mcfg.trust_remote_code), self.device,
+                                      self.dtype, trainable=False)
+        self.rollout: RolloutEngine | None = None
+        self.sharding_manager: ShardingManager | None = None
+        if self.is_rollout:
+            self.rollout = self._build_rollout()
+            if self.actor is not None:
+                self.sharding_manager = ShardingManager(
+                    lambda: self.actor.iter_full_params(self.dtype), self.rollout, lambda: self.weight_version,
+                    cfg.rollout.weight_sync_bucket_mb, cfg.rollout.free_cache_engine)
+        self._shuffle_rng = np.random.default_rng(cfg.trainer.seed + 7919 * dist.rank)
+
+    # -- rollout ------------------------------------------------------------------------
+    def _build_rollout(self) -> RolloutEngine:
+        r = self.cfg.rollout
+        eos = [self.tokenizer.eos_token_id]
+        if r.name == "vllm":
+            raise NotImplementedError("rollout.name=vllm is not available yet; use rollout.name=hf")
+        from hybrid_rl.rollout.hf import HFRolloutEngine
+
+        # The engine starts from the checkpoint too (like vLLM's load on init); the
+        # sharding manager overwrites it with the actor's weights before first use.
+        model = load_causal_lm(self.cfg.model.path, self.dtype, self.cfg.model.trust_remote_code)
+        return HFRolloutEngine(model, eos, self.tokenizer.pad_token_id, self.device, max_num_seqs=r.max_num_seqs,
+                               seed=self.cfg.trainer.seed + 1000 * self.dist.rank)
+
+    def rollout_mode(self) -> ShardingManager:
+        if self.sharding_manager is None:
+            raise RuntimeError("rollout_mode() needs a worker with both the actor and rollout roles")
+        return self.sharding_manager
+
+    def sampling_params(self, validate: bool = False) -> SamplingParams:
+        r = self.cfg.rollout
+        if validate:
+            return SamplingParams(n=1, temperature=r.val_temperature, top_p=1.0 if r.val_temperature == 0 else r.top_p,
+                                  top_k=0, max_tokens=self.cfg.data.max_response_length)
+        return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_tokens=self.cfg.data.max_response_length)
+
+    def generate(self, prompts: Batch, validate: bool = False) -> Batch:
+        """Responses for ``prompts`` (n each) with the sampled tokens' log-probs; call inside ``rollout_mode()``."""
+        assert self.rollout is not None
+        params = self.sampling_params(validate)
+        out = self.rollout.generate(prompts, params)
+        return out.union(weight_version=self.rollout.weights_version, temperature=params.logprob_temperature)
+
+    # -- log-probs ----------------------------------------------------------------------
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        """``old_log_probs`` under the current actor weights (the PPO proximal policy)."""
+        assert self.actor is not None
+        lp, ent = self.actor.compute_log_prob(batch, self.cfg.actor.log_prob_micro_batch_size_per_device,
+                                              batch.meta["temperature"], with_entropy=True)
+        return batch.union(tensors=dict(old_log_probs=lp, old_entropy=ent))
+
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        assert self.ref is not None
+        lp, _ = self.ref.compute_log_prob(batch, self.cfg.ref.log_prob_micro_batch_size_per_device, batch.meta["temperature"])
+        return batch.union(tensors=dict(ref_log_prob=lp))
+
+    # -- update -------------------------------------------------------------------------
+    def update_actor(self, batch: Batch) -> dict[str, tuple[float, float]]:
+        """PPO update on this rank's share of ``batch``; returns (sum, count) metric pairs."""
+        assert self.actor is not None
+        a = self.cfg.actor
+        world = self.dist.world_size
+        seqs_per_mini = a.ppo_mini_batch_size // world * self.cfg.rollout.n
+        stats = _Stats()
+        self.actor.model.train()
+        for _ in range(a.ppo_epochs):
+            order = self._shuffle_rng.permutation(len(batch)) if a.shuffle_mini_batches else np.arange(len(batch))
+            for start in range(0, len(batch), seqs_per_mini):
+                mini = batch.index(order[start:start + seqs_per_mini])
+                self._update_mini_batch(mini, stats)
+        self.weight_version += 1
+        stats.add("actor/lr", self.actor.lr)
+        return stats.pairs()
+
+    def _update_mini_batch(self, mini: Batch, stats: _Stats) -> None:
+        a = self.cfg.actor
+        mask = mini.tensors["response_mask"].float()
+        # Global denominators across ranks: every micro-batch on every rank divides
+        # by the same counts, so the summed gradient equals one big batch's.
+        denom = torch.tensor([mask.sum().item(), float(len(mini))], dtype=torch.float64, device=self.device)
+        all_reduce_sum(denom)
+        num_tokens, num_seqs = denom[0].item(), denom[1].item()
+        # FSDP averages gradients over ranks; undo that so the loss is a global sum.
+        scale = float(self.dist.world_size) if self.actor.fsdp else 1.0
+        self.actor.zero_grad()
+        for micro in mini.split(a.ppo_micro_batch_size_per_device):
+            loss, m = self._micro_batch_loss(micro, num_tokens, num_seqs)
+            (loss * scale).backward()
+            ntok = float(micro.tensors["response_mask"].sum())
+            for k, v in m.items():
+                stats.add(k, v, ntok)
+        grad_norm, stepped = self.actor.optimizer_step(a.grad_clip)
+        stats.add("actor/grad_norm", grad_norm if stepped else 0.0)
+        stats.add("actor/skipped_updates", 0.0 if stepped else 1.0)
+
+    def _micro_batch_loss(self, micro: Batch, num_tokens: float, num_seqs: float) -> tuple[torch.Tensor, dict[str, float]]:
+        a = self.cfg.actor
+        t = micro.to(self.device).tensors
+        mask = t["response_mask"].float()  # [b, R]
+        log_prob, entropy = self.actor.forward(micro, micro.meta["temperature"], with_entropy=True)
+        pg_loss, pg_m = alg.ppo_clip_loss(log_prob, t["old_log_probs"], t["advantages"], mask,
+                                          clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
+                                          clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode,
+                                          num_tokens=num_tokens, num_seqs=num_seqs)
+        loss = pg_loss
+        metrics = {"actor/pg_clipfrac": float(pg_m["pg_clipfrac"]), "actor/ppo_kl": float(pg_m["ppo_kl"]),
+                   "actor/pg_clipfrac_lower": float(pg_m["pg_clipfrac_lower"])}
+        if entropy is not None:
+            ent_loss = alg.agg_loss(entropy, mask, a.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+            if a.entropy_coeff:
+                loss = loss - a.entropy_coeff * ent_loss
+            metrics["actor/entropy"] = float(alg.masked_mean(entropy.detach(), mask))
+        if a.use_kl_loss:
+            kl = alg.kl_loss(log_prob, t["ref_log_prob"], mask, kind=a.kl_loss_type, loss_agg_mode=a.loss_agg_mode,
+                             num_tokens=num_tokens, num_seqs=num_seqs)
+            loss = loss + a.kl_loss_coef * kl
+            metrics["actor/kl_loss"] = float(alg.masked_mean(alg.kl_penalty(log_prob.detach(), t["ref_log_prob"], a.kl_loss_type), mask))
+        # pg_loss is this micro-batch's share of the mini-batch loss. Scaled by
+        # num_tokens/ntok, its token-weighted mean over all micro-batches and ranks
+        # (how the driver reduces metrics) is exactly the mini-batch loss.
+        ntok = max(float(mask.sum()), 1.0)
+        metrics["actor/pg_loss"] = float(pg_loss.detach()) * num_tokens / ntok
+        return loss, metrics

@@ -1,0 +1,147 @@
+"""Tests for hybrid_rl.rewards: GSM8K extraction/scoring, successor scoring, and the registry."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from hybrid_rl.rewards import RewardError, get_reward_fn, score_responses  # noqa: E402
+from hybrid_rl.rewards import gsm8k, successor  # noqa: E402
+
+GSM8K_TEST = Path(__file__).resolve().parents[1].parent / "shared/data/gsm8k/test.jsonl"
+
+
+@pytest.mark.parametrize("text, strict, flexible", [
+    ("so 9 * 2 = 18\n#### 18", "18", "18"),
+    ("#### 5\nthen again #### 7", "7", "7"),
+    ("#### 1,000", "1000", "1000"),
+    ("#### $1,234.50", "1234.50", "1234.50"),
+    ("#### -3", "-3", "-3"),
+    ("#### 18 eggs.", "18", "18"),
+    ("The total is \\boxed{42}.", None, "42"),
+    ("Thus \\boxed{\\$1{,}250} in all", None, "1250"),
+    ("\\boxed{18 \\text{ dollars}}", None, "18"),
+    ("\\boxed{\\frac{1}{2}} is wrong but \\boxed{7}", None, "7"),
+    ("so \\boxed{x = 5}", None, "5"),
+    ("\\boxed{\\frac{1}{2}}", None, "\\frac{1}{2}"),  # not a plain number: kept whole, never "1"
+    ("She earns 3 per hour. The answer is $42 dollars.", None, "42"),
+    ("**Answer:** 12", None, "12"),
+    ("First 16 - 3 - 4 = 9, then 9 * 2 = 18 dollars.", None, "18"),
+    ("It costs $3.50 each.", None, "3.50"),
+    ("The temperature drops to -5 degrees", None, "-5"),
+    ("10-3 leaves", None, "3"),
+    ("We get 1, 2, 3", None, "3"),
+    ("I don't know.", None, None),
+    ("", None, None),
+])
+def test_extract_answer_table(text, strict, flexible):
+    assert gsm8k.extract_answer(text, "strict") == strict
+    assert gsm8k.extract_answer(text, "flexible") == flexible
+    assert gsm8k.extract_answer(text) == flexible
+
+
+@pytest.mark.parametrize("response, truth, score", [
+    ("#### 5.0", "5", 1.0),
+    ("#### 1,000", "1000", 1.0),
+    ("The answer is $18.", "18", 1.0),
+    ("#### 17", "18", 0.0),
+    ("no number", "18", 0.0),
+    ("#### -2", "-2", 1.0),
+    ("\\boxed{x+1}", "x + 1", 1.0),  # non-numeric: normalised string compare
+])
+def test_gsm8k_compute_score(response, truth, score):
+    assert gsm8k.compute_score(response, truth) == score
+
+
+def test_gsm8k_strict_method():
+    assert gsm8k.compute_score("so 18", "18") == 1.0
+    assert gsm8k.compute_score("so 18", "18", method="strict") == 0.0
+
+
+@pytest.mark.skipif(not GSM8K_TEST.exists(), reason="GSM8K test split not present")
+def test_gsm8k_real_answers_score_one():
+    from hybrid_rl.data import TASKS
+
+    with GSM8K_TEST.open() as f:
+        rows = [json.loads(next(f)) for _ in range(200)]
+    truths = [TASKS["gsm8k"].format_row(r, i)["ground_truth"] for i, r in enumerate(rows)]
+    # The reference solutions themselves must score 1, and against a shifted ground truth 0.
+    assert all(gsm8k.compute_score(r["answer"], t) == 1.0 for r, t in zip(rows, truths))
+    assert all(gsm8k.compute_score(r["answer"], str(float(t) + 1)) == 0.0 for r, t in zip(rows, truths))
+
+
+def test_successor_scores():
+    assert successor.compute_score("8", "8") == 1.0
+    assert successor.compute_score(" 8\n", "8") == 1.0
+    assert successor.compute_score("3", "8") == 0.1
+    assert successor.compute_score("88", "8") == 0.0
+    assert successor.compute_score("8.", "8") == 0.0
+    assert successor.compute_score("", "8") == 0.0
+    assert successor.compute_score("a", "8") == 0.0
+
+
+# --------------------------------------------------------------------------- registry
+def test_builtin_and_auto():
+    assert get_reward_fn("auto", "gsm8k") is gsm8k.compute_score
+    assert get_reward_fn("auto", "successor") is successor.compute_score
+    assert get_reward_fn("gsm8k", "successor") is gsm8k.compute_score
+    with pytest.raises(RewardError, match="reward.function"):
+        get_reward_fn("nonsense", "gsm8k")
+
+
+def test_module_function(tmp_path, monkeypatch):
+    (tmp_path / "my_reward_mod.py").write_text(
+        "def score(response, ground_truth):\n    return float(response == ground_truth)\nNOT_FN = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = get_reward_fn("my_reward_mod:score", "gsm8k")
+    assert fn("a", "a") == 1.0 and fn("a", "b") == 0.0
+    file_fn = get_reward_fn(f"{tmp_path / 'my_reward_mod.py'}:score", "gsm8k")
+    assert file_fn("a", "a") == 1.0
+    for name, what in [("no_such_module_xyz:score", "cannot import"), ("my_reward_mod:missing", "no attribute"),
+                       ("my_reward_mod:NOT_FN", "not a function")]:
+        with pytest.raises(RewardError) as ei:
+            get_reward_fn(name, "gsm8k")
+        assert "reward.function" in str(ei.value) and what in str(ei.value)
+
+
+def _raising(response, ground_truth):
+    if response == "boom":
+        raise KeyError("missing thing")
+    if response == "nan":
+        return math.nan
+    if response == "none":
+        return None
+    return 1.0
+
+
+def test_score_responses_raise_message():
+    with pytest.raises(RewardError) as ei:
+        score_responses(_raising, ["ok", "boom"], ["1", "gt-value"], on_error="raise")
+    msg = str(ei.value)
+    assert "\n" not in msg
+    for part in ("sample 1", "_raising", "KeyError", "missing thing", "'boom'", "'gt-value'", "reward.on_error=zero"):
+        assert part in msg, part
+
+
+def test_score_responses_shortens_long_text():
+    with pytest.raises(RewardError) as ei:
+        score_responses(_raising, ["none"], ["x\n" * 500], on_error="raise")
+    msg = str(ei.value)
+    assert "\n" not in msg and len(msg) < 600 and "sample 0" in msg
+
+
+def test_score_responses_zero_counts():
+    scores, failed = score_responses(_raising, ["ok", "boom", "nan", "none", "ok"], ["1"] * 5, on_error="zero")
+    assert scores == [1.0, 0.0, 0.0, 0.0, 1.0] and failed == 3
+    scores, failed = score_responses(lambda r, g: {"score": 0.5}, ["a"], ["b"], on_error="raise")
+    assert scores == [0.5] and failed == 0
+    with pytest.raises(RewardError, match="nan"):
+        score_responses(_raising, ["nan"], ["1"], on_error="raise")
+    with pytest.raises(RewardError, match="reward.on_error"):
+        score_responses(_raising, ["ok"], ["1"], on_error="skip")
