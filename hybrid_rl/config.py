@@ -107,6 +107,20 @@ class RolloutConfig:
     """Bucket size for pushing weights into the engine."""
     free_cache_engine: bool = True
     """Put the engine to sleep between rollouts (frees its memory for training)."""
+    sleep_level: Literal[1, 2] = 1
+    """Engine sleep depth: 1 offloads its weights to CPU, 2 discards them (re-pushed on wake)."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM: fraction of GPU memory the engine may take (weights + KV cache)."""
+    tensor_parallel_size: int = 1
+    """vLLM: GPUs per engine; ranks form data-parallel groups of this size."""
+    max_num_batched_tokens: int = 8192
+    """vLLM: tokens per scheduler step."""
+    max_model_len: Optional[int] = None
+    """vLLM: context length (default: max_prompt_length + max_response_length)."""
+    enforce_eager: bool = False
+    """vLLM: skip CUDA graphs (faster start, slower decode)."""
+    enable_prefix_caching: bool = True
+    """vLLM: reuse KV for shared prompt prefixes (the n samples of a prompt)."""
 
 
 @dataclass
@@ -147,6 +161,10 @@ class ActorConfig:
     """Weight of the KL loss term."""
     kl_loss_type: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator for the loss term."""
+    param_offload: bool = False
+    """Move actor parameters (and gradients) to CPU while the engine generates."""
+    optimizer_offload: bool = False
+    """Move AdamW state to CPU while the engine generates."""
     grad_clip: float = 1.0
     """Max global gradient norm (0 = off)."""
     shuffle_mini_batches: bool = False
@@ -157,6 +175,8 @@ class ActorConfig:
 class RefConfig:
     log_prob_micro_batch_size_per_device: int = 16
     """Sequences per forward when computing reference log-probs."""
+    offload: bool = False
+    """Keep the frozen reference on CPU between uses (full fine-tuning only; LoRA reuses the base)."""
 
 
 @dataclass
@@ -251,6 +271,10 @@ class Config:
         if self.algorithm.adv_estimator == "gae":
             raise ConfigError("algorithm.adv_estimator=gae needs a critic, which hybrid_rl does not build yet; "
                               "use grpo, dr_grpo, rloo or reinforce_pp")
+        if not 0 < r.gpu_memory_utilization < 1:
+            raise ConfigError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in (0, 1); 0.3-0.6 leaves room for training")
+        if r.tensor_parallel_size < 1 or world_size % r.tensor_parallel_size:
+            raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the {world_size} ranks")
         if not 0 < r.top_p <= 1:
             raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1]")
         if r.temperature <= 0:

@@ -38,12 +38,13 @@ def bucketize(params: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> 
 
 class ShardingManager:
     def __init__(self, iter_params: Callable[[], Iterable[tuple[str, torch.Tensor]]], engine: RolloutEngine,
-                 version: Callable[[], int], bucket_mb: int = 512, free_cache_engine: bool = True):
+                 version: Callable[[], int], bucket_mb: int = 512, free_cache_engine: bool = True, sleep_level: int = 1):
         self.iter_params = iter_params
         self.engine = engine
         self.version = version
         self.bucket_bytes = bucket_mb * 2**20
         self.free_cache_engine = free_cache_engine
+        self.sleep_level = sleep_level
         self.last_sync_s = 0.0
         self.last_sync_bytes = 0
         self.num_pushes = 0
@@ -69,4 +70,4 @@ class ShardingManager:
 
     def __exit__(self, *exc) -> None:
         if self.free_cache_engine:
-            self.engine.sleep(level=1)
+            self.engine.sleep(level=self.sleep_level)

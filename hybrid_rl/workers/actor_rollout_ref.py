@@ -82,7 +82,7 @@ class ActorRolloutRefWorker:
             if self.actor is not None:
                 self.sharding_manager = ShardingManager(
                     lambda: self.actor.iter_full_params(self.dtype), self.rollout, lambda: self.weight_version,
-                    cfg.rollout.weight_sync_bucket_mb, cfg.rollout.free_cache_engine)
+                    cfg.rollout.weight_sync_bucket_mb, cfg.rollout.free_cache_engine, cfg.rollout.sleep_level)
         self._shuffle_rng = np.random.default_rng(cfg.trainer.seed + 7919 * dist.rank)
 
     # -- rollout ------------------------------------------------------------------------
@@ -90,7 +90,9 @@ class ActorRolloutRefWorker:
         r = self.cfg.rollout
         eos = [self.tokenizer.eos_token_id]
         if r.name == "vllm":
-            raise NotImplementedError("rollout.name=vllm is not available yet; use rollout.name=hf")
+            from hybrid_rl.rollout.vllm import VLLMRolloutEngine
+
+            return VLLMRolloutEngine.from_config(self.cfg, self.dist, self.tokenizer)
         from hybrid_rl.rollout.hf import HFRolloutEngine
 
         # The engine starts from the checkpoint too (like vLLM's load on init); the
