@@ -228,13 +228,21 @@ class TrainerConfig:
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy checkpoint, dtype and LoRA."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Prompt datasets, batch size and lengths."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The generation engine and its sampling."""
     actor: ActorConfig = field(default_factory=ActorConfig)
+    """Optimiser and PPO update."""
     ref: RefConfig = field(default_factory=RefConfig)
+    """The frozen reference policy (built only when a KL term needs it)."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage estimator and KL-in-reward."""
     reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward function and its failure policy."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The driver loop: steps, validation, logging, output."""
 
     # -- derived -------------------------------------------------------------------
     @property

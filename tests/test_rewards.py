@@ -79,7 +79,7 @@ def test_gsm8k_real_answers_score_one():
 def test_successor_scores():
     assert successor.compute_score("8", "8") == 1.0
     assert successor.compute_score(" 8\n", "8") == 1.0
-    assert successor.compute_score("3", "8") == 0.1
+    assert successor.compute_score("3", "8") == 0.0
     assert successor.compute_score("88", "8") == 0.0
     assert successor.compute_score("8.", "8") == 0.0
     assert successor.compute_score("", "8") == 0.0

@@ -1,0 +1,496 @@
+"""Resumable checkpoints: sharded model + optimizer (DCP), per-rank small state, atomic publish, HF export.
+
+Why: an RL run is hours of rollouts; a crash or pre-emption must cost at most
+one save interval, and the resumed run must continue the *same* trajectory
+(same parameters, AdamW moments, LR schedule, data order and sampling RNG).
+
+Layout (``root`` is normally ``<trainer.output_dir>/checkpoints``, so the run's
+``config.yaml`` sits two directories above every ``step_*``)::
+
+    root/
+      latest                    # "step_00000020\\n": a hint, replaced atomically
+      step_00000020/
+        .metadata, __*_*.distcp # torch.distributed.checkpoint shards (model + optimizer)
+        extra_rank0.pt ...      # per-rank small state (torch.save, loaded with weights_only)
+        COMPLETE                # JSON {step, world_size, ...}; written last, by rank 0
+      .tmp-step_00000030/       # a save in progress (or a crashed one): never chosen
+
+Model and optimizer go through ``torch.distributed.checkpoint.state_dict``
+(``get_state_dict``/``set_state_dict``), so the same code path serves an FSDP2
+model (DTensor shards, each rank writes its own) and a plain module (a world
+of one), and DCP reshards on load: a checkpoint written by N ranks loads into
+a plain module in one process (that is how :func:`export_hf` works). The state
+dict keys are the module's FQNs, which ``fully_shard`` does not change, so the
+FSDP2 and plain keys are identical.
+
+Decisions:
+
+* The *full* model state is saved, LoRA included (frozen base + adapters). It
+  is the simplest correct choice: a checkpoint restores the exact module
+  without re-deriving which tensors were frozen, and export needs nothing but
+  the checkpoint and the base model's architecture. Cost: with LoRA on a large
+  model each checkpoint carries the frozen base too (use ``keep_last``).
+* ``extra`` (step, weight_version, sampler state, RNG states, ...) is saved per
+  rank because RNG streams differ per rank; so resuming needs the same world
+  size (model/optimizer alone would reshard, the extra cannot). It must be made
+  of tensors and Python primitives: it is validated at save time and loaded with
+  ``torch.load(weights_only=True)`` (no pickled code from checkpoint files).
+* The LR scheduler's ``state_dict`` is stored with the extra, and so are the
+  optimizer's param-group hyper-parameters when AdamW has no state yet (DCP's
+  ``get_state_dict`` would otherwise run a zero-lr "init" step on the *live*
+  optimizer, which advances Adam's step counter and changes later updates).
+* Publication is atomic: everything is written into ``.tmp-step_N``; after a
+  barrier rank 0 writes ``COMPLETE``, renames the directory to ``step_N``, then
+  replaces ``latest``, then prunes. A crash at any point leaves either the old
+  set of complete checkpoints or the new one. ``root`` must be on a file system
+  every rank sees (a shared one for multi-node runs).
+
+Left out: async/background saving, saving the frozen reference policy (it is
+rebuilt from ``model.path``), the rollout engine's weights (re-pushed from the
+actor by the sharding manager), and frozen-weight-free LoRA checkpoints.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+COMPLETE = "COMPLETE"
+LATEST = "latest"
+CHECKPOINT_SUBDIR = "checkpoints"
+"""Where the trainer should put checkpoints inside its run directory (``<output_dir>/checkpoints``)."""
+FORMAT_VERSION = 1
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_TMP_RE = re.compile(r"^\.tmp-step_(\d+)$")
+_META_KEY = "__hybrid_rl_checkpoint__"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written, found or loaded; the message names the path and the fix."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+# --------------------------------------------------------------------------- helpers
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temp file next to ``path``, fsync, then ``os.replace``."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _read_marker(path: Path) -> dict[str, Any] | None:
+    """The parsed COMPLETE marker of ``path``, or None when it is missing or unreadable."""
+    try:
+        marker = json.loads((path / COMPLETE).read_text())
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    p = Path(path)
+    return _STEP_RE.match(p.name) is not None and p.is_dir() and _read_marker(p) is not None
+
+
+def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete ``step_*`` directory under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    out = []
+    for child in root.iterdir():
+        m = _STEP_RE.match(child.name)
+        if m and is_complete(child):
+            out.append((int(m.group(1)), child))
+    return sorted(out)
+
+
+def _remove_checkpoint(path: Path) -> None:
+    # Drop the marker first: an interrupted rmtree must never leave a directory
+    # that still looks complete but is missing shards.
+    try:
+        (path / COMPLETE).unlink()
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _has_optimizer_state(optimizer: torch.optim.Optimizer | None) -> bool:
+    return optimizer is not None and any(len(s) > 0 for s in optimizer.state.values())
+
+
+def _check_weights_only(obj: Any, what: str) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    try:
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure means "not safely loadable"
+        raise CheckpointError(f"{what} must hold only tensors and Python primitives (dict/list/tuple/int/float/str/bool/None) "
+                              f"so it reloads with weights_only=True ({str(e).splitlines()[0][:200]}); convert it, e.g. with capture_rng()") from None
+    return buf.getvalue()
+
+
+# --------------------------------------------------------------------------- save
+def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                    scheduler: Any | None, extra: Mapping[str, Any] | None, keep_last: int = 0) -> Path:
+    """Save ``model``/``optimizer``/``scheduler`` + this rank's ``extra`` as ``root/step_{step:08d}``; every rank calls it.
+
+    Returns the published directory. ``keep_last`` > 0 prunes older complete
+    checkpoints (lower steps) beyond the newest ``keep_last``, only after the new
+    one is complete; 0 keeps all. Collective under a process group.
+    """
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if step < 0:
+        raise CheckpointError(f"checkpoint step must be >= 0, got {step}")
+    if keep_last < 0:
+        raise CheckpointError(f"keep_last={keep_last} must be >= 0 (0 keeps every checkpoint)")
+    root = Path(root)
+    rank, world = _rank_world()
+    name = step_dir_name(step)
+    tmp = root / f".tmp-{name}"
+    final = root / name
+
+    has_optim = _has_optimizer_state(optimizer)
+    meta = {
+        "format": FORMAT_VERSION,
+        "step": int(step),
+        "rank": rank,
+        "world_size": world,
+        "has_optimizer_state": has_optim,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        # Without AdamW state the DCP save skips the optimizer; keep its
+        # hyper-parameters (lr after warm-up/schedule, initial_lr) here instead.
+        "optimizer_param_groups": ([{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
+                                   if optimizer is not None and not has_optim else None),
+    }
+    payload = dict(extra or {})
+    if _META_KEY in payload:
+        raise CheckpointError(f"extra must not use the reserved key {_META_KEY!r}")
+    payload[_META_KEY] = meta
+    extra_bytes = _check_weights_only(payload, "checkpoint extra")
+
+    # A crashed earlier save of this step may have left a tmp dir: clear it before anyone writes.
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    _barrier()
+
+    if has_optim:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    else:
+        state = {"model": get_model_state_dict(model)}
+    dcp_save(state, storage_writer=FileSystemWriter(str(tmp)), no_dist=not (dist.is_available() and dist.is_initialized()))
+    _write_atomic(tmp / f"extra_rank{rank}.pt", extra_bytes)
+    _barrier()
+
+    if rank == 0:
+        missing = [r for r in range(world) if not (tmp / f"extra_rank{r}.pt").exists()]
+        if missing:
+            raise CheckpointError(f"{tmp}: ranks {missing} wrote no extra state; checkpoint root must be a file system every rank sees")
+        marker = {"format": FORMAT_VERSION, "step": int(step), "world_size": world, "has_optimizer_state": has_optim,
+                  "time": time.time()}
+        _write_atomic(tmp / COMPLETE, (json.dumps(marker) + "\n").encode())
+        if final.exists():  # re-saving a step (e.g. after resuming from it): swap, never leave a gap with a broken dir
+            trash = root / f".trash-{name}-{os.getpid()}"
+            os.rename(final, trash)
+            os.rename(tmp, final)
+            _remove_checkpoint(trash)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(root)
+        _write_atomic(root / LATEST, (name + "\n").encode())
+        _prune(root, step, keep_last)
+    _barrier()
+    return final
+
+
+def _prune(root: Path, step: int, keep_last: int) -> None:
+    # Stale tmp dirs of earlier steps are crashed saves: always garbage.
+    for child in root.iterdir():
+        m = _TMP_RE.match(child.name)
+        if m and int(m.group(1)) < step:
+            shutil.rmtree(child, ignore_errors=True)
+    if keep_last <= 0:
+        return
+    # Only checkpoints at or below the one just written are candidates; it is always kept.
+    older = [(s, p) for s, p in _complete_checkpoints(root) if s <= step]
+    for _, path in older[:-keep_last]:
+        _remove_checkpoint(path)
+
+
+# --------------------------------------------------------------------------- find
+def find_latest(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under ``root`` (or None).
+
+    ``latest`` is trusted when it names a complete directory and no complete
+    directory has a higher step (a crash between the rename and the ``latest``
+    update leaves the newer one complete); otherwise the ``step_*`` directories
+    are scanned. ``.tmp-*`` directories and directories without ``COMPLETE``
+    are never chosen.
+    """
+    root = Path(root)
+    complete = _complete_checkpoints(root)
+    if not complete:
+        return None
+    newest_step, newest = complete[-1]
+    try:
+        hinted = root / (root / LATEST).read_text().strip()
+    except OSError:
+        return newest
+    m = _STEP_RE.match(hinted.name)
+    if m and hinted.parent == root and is_complete(hinted) and int(m.group(1)) >= newest_step:
+        return hinted
+    return newest
+
+
+# --------------------------------------------------------------------------- load
+def _require_complete(path: Path) -> dict[str, Any]:
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist; pass a step_* directory or use find_latest(<run>/checkpoints)")
+    marker = _read_marker(path)
+    if marker is None or not _STEP_RE.match(path.name):
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a complete checkpoint (no {COMPLETE} marker or not a step_* directory); "
+                              f"it is a crashed or partial save: use find_latest() to pick the newest complete one")
+    return marker
+
+
+def _load_extra(path: Path, rank: int) -> dict[str, Any]:
+    f = path / f"extra_rank{rank}.pt"
+    try:
+        return torch.load(f, weights_only=True, map_location="cpu")
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {str(path)!r} has no {f.name}; it is damaged: resume from an older step_* directory") from None
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {str(f)!r} cannot be read ({str(e).splitlines()[0][:200]}); resume from an older step_* directory") from None
+
+
+def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    scheduler: Any | None = None) -> dict[str, Any]:
+    """Restore ``model``/``optimizer``/``scheduler`` in place from ``path``; returns this rank's ``extra``.
+
+    Every rank calls it (collective under a process group). The model (and
+    optimizer) must be built and, for FSDP2, sharded exactly as in the saving
+    run; the world size must match the saving run's (the per-rank extra
+    cannot be resharded).
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                         set_state_dict)
+
+    path = Path(path)
+    marker = _require_complete(path)
+    rank, world = _rank_world()
+    saved_world = int(marker.get("world_size", -1))
+    if saved_world != world:
+        raise CheckpointError(f"checkpoint {str(path)!r} was written by {saved_world} ranks but this run has {world}; "
+                              f"resume with the same number of ranks (or export it with hybrid_rl.export and start a new run)")
+    extra = _load_extra(path, rank)
+    meta = extra.pop(_META_KEY, None)
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint {str(path)!r}: extra_rank{rank}.pt was not written by hybrid_rl.checkpoint; pass a step_* directory it wrote")
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    load_optim = optimizer is not None and bool(meta.get("has_optimizer_state"))
+    try:
+        if load_optim:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp_load(state, storage_reader=FileSystemReader(str(path)), no_dist=no_dist)
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        else:
+            state = {"model": get_model_state_dict(model)}
+            dcp_load(state, storage_reader=FileSystemReader(str(path)), no_dist=no_dist)
+            set_model_state_dict(model, state["model"])
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - DCP raises several types for key/shape mismatches
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {str(path)!r} does not match this model/optimizer ({first}); "
+                              f"resume with the saving run's model.path and model.lora settings") from e
+    if optimizer is not None and not load_optim:
+        # Saved before AdamW had state: the resumed optimizer must have none either.
+        optimizer.state.clear()
+        groups = meta.get("optimizer_param_groups")
+        if groups:
+            if len(groups) != len(optimizer.param_groups):
+                raise CheckpointError(f"checkpoint {str(path)!r} has {len(groups)} optimizer param groups, this optimizer "
+                                      f"{len(optimizer.param_groups)}; build the optimizer as the saving run did")
+            for g, saved in zip(optimizer.param_groups, groups):
+                g.update(saved)
+    if scheduler is not None:
+        if meta.get("scheduler") is None:
+            raise CheckpointError(f"checkpoint {str(path)!r} holds no LR scheduler state; pass scheduler=None or resume from a checkpoint saved with one")
+        scheduler.load_state_dict(meta["scheduler"])
+    return extra
+
+
+# --------------------------------------------------------------------------- RNG
+def capture_rng(generators: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Python ``random``, numpy's global RNG, torch CPU, this device's CUDA RNG, and named generators.
+
+    ``generators`` maps names to ``torch.Generator`` (any device) or
+    ``numpy.random.Generator`` objects. The result holds only tensors and
+    primitives, so it can go into ``extra``.
+    """
+    version, mt, gauss = random.getstate()
+    np_state = np.random.get_state(legacy=False)
+    state: dict[str, Any] = {
+        "python": [version, list(mt), gauss],
+        "numpy": {"bit_generator": np_state["bit_generator"], "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+                  "pos": int(np_state["state"]["pos"]), "has_gauss": int(np_state["has_gauss"]), "gauss": float(np_state["gauss"])},
+        "torch": torch.get_rng_state(),
+        "cuda": None,
+        "generators": {},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = {"device": torch.cuda.current_device(), "state": torch.cuda.get_rng_state()}
+    for name, g in (generators or {}).items():
+        if isinstance(g, torch.Generator):
+            state["generators"][name] = {"kind": "torch", "state": g.get_state()}
+        elif isinstance(g, np.random.Generator):
+            state["generators"][name] = {"kind": "numpy", "state": json.dumps(g.bit_generator.state)}
+        else:
+            raise TypeError(f"capture_rng: generator {name!r} is a {type(g).__name__}, not a torch.Generator or numpy.random.Generator")
+    return state
+
+
+def restore_rng(state: Mapping[str, Any], generators: Mapping[str, Any] | None = None) -> None:
+    """Inverse of :func:`capture_rng`; every name in ``generators`` must be in ``state``."""
+    version, mt, gauss = state["python"]
+    random.setstate((version, tuple(mt), gauss))
+    n = state["numpy"]
+    np.random.set_state({"bit_generator": n["bit_generator"], "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
+                         "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda["state"])
+    saved = state.get("generators", {})
+    for name, g in (generators or {}).items():
+        if name not in saved:
+            raise CheckpointError(f"RNG state has no generator {name!r} (it has {sorted(saved)}); capture it with capture_rng({{{name!r}: ...}})")
+        entry = saved[name]
+        if isinstance(g, torch.Generator) and entry["kind"] == "torch":
+            g.set_state(entry["state"])
+        elif isinstance(g, np.random.Generator) and entry["kind"] == "numpy":
+            g.bit_generator.state = json.loads(entry["state"])
+        else:
+            raise CheckpointError(f"RNG state for {name!r} is a {entry['kind']} generator but a {type(g).__name__} was passed")
+
+
+# --------------------------------------------------------------------------- export
+def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, model_path: str,
+              lora: tuple[int, int, list[str], float] | None = None, merge_lora: bool = True,
+              trust_remote_code: bool = False, dtype: torch.dtype | None = None) -> Path:
+    """Write a Hugging Face model directory (safetensors + tokenizer) from a checkpoint, in this process alone.
+
+    The model is rebuilt from ``model_path`` (plus LoRA ``(rank, alpha,
+    target_modules, dropout)`` when given, exactly as the trainer built it),
+    the checkpoint's model weights are loaded with DCP (``no_dist``: any saving
+    world size reshards into the plain module), and then either the adapters
+    are merged (default; ``from_pretrained(out_dir)`` loads a plain model) or,
+    with ``merge_lora=False``, only the adapters are saved (peft's
+    ``adapter_model.safetensors`` + ``adapter_config.json``). ``dtype`` None
+    keeps the base model's dtype (its ``config.json``); training masters are fp32.
+    ``out_dir`` must not exist or be empty.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+
+    from hybrid_rl.models import apply_lora, load_causal_lm, load_tokenizer
+
+    ckpt = Path(checkpoint)
+    _require_complete(ckpt)
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"export directory {str(out)!r} exists and is not empty; remove it or pick another output directory")
+    if lora is None and not merge_lora:
+        raise CheckpointError(f"adapters-only export of {str(ckpt)!r} needs LoRA settings, but the run trained the full model (model.lora.rank=0); "
+                              f"export the merged model instead")
+
+    model = load_causal_lm(model_path, torch.float32, trust_remote_code)
+    target_dtype = dtype if dtype is not None else _config_dtype(model)
+    if lora is not None:
+        rank, alpha, target_modules, dropout = lora
+        model = apply_lora(model, rank, alpha, list(target_modules), dropout)
+    state = {k: v for k, v in model.state_dict().items()}
+    try:
+        dcp_load({"model": state}, storage_reader=FileSystemReader(str(ckpt)), no_dist=True)
+    except Exception as e:  # noqa: BLE001
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} does not match the model rebuilt from {model_path!r} "
+                              f"(lora={'none' if lora is None else lora[0]}): {first}; use the run's model.path and model.lora settings") from e
+    # DCP loads plain tensors in place (they share storage with the parameters);
+    # load_state_dict makes that explicit and checks every key was covered.
+    model.load_state_dict(state, strict=True)
+    model.eval()
+
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    if lora is not None and merge_lora:
+        model = model.merge_and_unload()
+    model.to(target_dtype)
+    # A merged/plain model writes config.json + model.safetensors; a PeftModel
+    # (merge_lora=False) writes adapter_model.safetensors + adapter_config.json only.
+    model.save_pretrained(tmp, safe_serialization=True)
+    load_tokenizer(model_path, trust_remote_code).save_pretrained(tmp)
+    if out.exists():
+        out.rmdir()  # empty, checked above
+    out.parent.mkdir(parents=True, exist_ok=True)
+    os.rename(tmp, out)
+    return out
+
+
+def _config_dtype(model: torch.nn.Module) -> torch.dtype:
+    d = getattr(model.config, "dtype", None) or getattr(model.config, "torch_dtype", None)
+    if isinstance(d, str):
+        d = getattr(torch, d, None)
+    return d if isinstance(d, torch.dtype) else torch.float32

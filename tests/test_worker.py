@@ -1,0 +1,189 @@
+"""The hybrid engine on one process: engine/trainer parity, the sharding manager, and the PPO update."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import cpu_dist, make_cfg
+from hybrid_rl.advantage import compute_advantage, sparse_scores
+from hybrid_rl.batch import Batch
+from hybrid_rl.data import collate_prompts
+from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
+
+
+def _prompts(worker, texts=("7", "Hello there, 12+5=?", "3", "a longer prompt with several words")) -> Batch:
+    tok = worker.tokenizer
+    items = [dict(input_ids=tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=False),
+                  ground_truth="8", data_source="successor", index=i) for i, t in enumerate(texts)]
+    return collate_prompts(items, tok.pad_token_id)
+
+
+def _actor_params(worker) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in worker.actor.model.named_parameters()}
+
+
+def _engine_params(worker) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in worker.rollout.named_weights()}
+
+
+def _rollout(worker, prompts=None) -> Batch:
+    with worker.rollout_mode():
+        return worker.generate(prompts if prompts is not None else _prompts(worker))
+
+
+def _scored(worker, batch: Batch, seed: int = 0) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, 2, (len(batch),), generator=g).float()
+    batch = batch.union(tensors=dict(token_level_scores=sparse_scores(scores, batch["response_mask"]), scores=scores))
+    batch = worker.compute_log_prob(batch)
+    batch, _ = compute_advantage(batch, worker.cfg.algorithm)
+    return batch
+
+
+@pytest.fixture
+def worker(tiny_model_path):
+    torch.manual_seed(0)
+    return ActorRolloutRefWorker(make_cfg(), cpu_dist(), total_training_steps=10)
+
+
+def test_role_flags(tiny_model_path):
+    w = ActorRolloutRefWorker(make_cfg(), cpu_dist(), role="actor_rollout")
+    assert (w.is_actor, w.is_rollout, w.is_ref) == (True, True, False) and w.ref is None
+    w = ActorRolloutRefWorker(make_cfg("actor.use_kl_loss=true"), cpu_dist(), role="actor_rollout_ref")
+    assert w.is_ref and w.ref is not None
+    with pytest.raises(ValueError, match="role must be one of"):
+        ActorRolloutRefWorker(make_cfg(), cpu_dist(), role="critic")
+
+
+def test_engine_logprobs_match_trainer(worker):
+    """The engine's sampled-token log-probs equal the trainer's recomputation (fp32, left padding, T != 1)."""
+    worker.cfg.rollout.temperature = 0.7
+    batch = _rollout(worker)
+    assert batch.meta["temperature"] == 0.7
+    assert batch["responses"].shape[0] == 4 * worker.cfg.rollout.n
+    batch = worker.compute_log_prob(batch)
+    mask = batch["response_mask"].bool()
+    diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()[mask]
+    assert mask.sum() > 20
+    assert diff.max().item() < 1e-5, diff.max()
+
+
+def test_response_mask_stops_after_eos(worker):
+    eos = worker.tokenizer.eos_token_id
+    batch0 = _rollout(worker)  # push weights first; the hook below only biases the engine
+    def favour_eos(module, args, out):
+        out[..., eos] += 4.0
+        return out
+    handle = worker.rollout.model.lm_head.register_forward_hook(favour_eos)
+    try:
+        with worker.rollout_mode():
+            batch = worker.generate(_prompts(worker))
+    finally:
+        handle.remove()
+    resp, mask, lps = batch["responses"], batch["response_mask"], batch["rollout_log_probs"]
+    lengths = mask.sum(dim=1)
+    assert (lengths < resp.shape[1]).any() and (resp == eos).any(), "expected some sequences to stop on EOS"
+    for r, m, lp in zip(resp, mask, lps):
+        n = int(m.sum())
+        hits = (r[:n] == eos).nonzero()
+        if len(hits):  # EOS is the last masked-in token; after it pad, zero log-prob, mask 0
+            assert hits[0].item() == n - 1
+            assert (r[n:] == worker.tokenizer.pad_token_id).all() and (lp[n:] == 0).all()
+        else:
+            assert n == resp.shape[1]
+    p = batch["prompts"].shape[1]
+    assert torch.equal(batch["attention_mask"][:, p:], mask)
+    assert torch.equal(batch["input_ids"][:, p:], resp)
+    # response positions continue from the prompt's last real position
+    prompt_len = batch["attention_mask"][:, :p].sum(dim=1)
+    assert torch.equal(batch["position_ids"][:, p], prompt_len)
+    assert len(batch0) == len(batch)
+
+
+def test_sharding_manager_pushes_actor_weights_and_skips_unchanged(worker):
+    with torch.no_grad():  # make the engine's copy differ from the actor
+        for p in worker.rollout.model.parameters():
+            p.add_(1.0)
+    with worker.rollout_mode():
+        engine = _engine_params(worker)
+    actor = _actor_params(worker)
+    for name, p in actor.items():
+        assert torch.equal(engine[name], p), name
+    assert torch.equal(worker.rollout.model.lm_head.weight, actor["model.embed_tokens.weight"])  # tied
+    sm = worker.sharding_manager
+    assert sm.num_pushes == 1 and sm.last_sync_bytes == sum(p.numel() * 4 for p in actor.values())
+    with worker.rollout_mode():
+        pass
+    assert sm.num_pushes == 1 and sm.last_sync_bytes == 0  # same version: no push
+
+
+def test_sleep_level2_discards_and_push_restores(worker):
+    worker.sharding_manager.sleep_level = 2
+    _rollout(worker)
+    assert worker.rollout.weights_version is None  # discarded on exit
+    assert all(p.numel() == 0 for _, p in worker.rollout.named_weights())
+    with pytest.raises(RuntimeError, match="sleeping engine"):
+        worker.rollout.generate(_prompts(worker), worker.sampling_params())
+    with worker.rollout_mode():
+        for name, p in worker.rollout.named_weights():
+            assert torch.equal(p, dict(worker.actor.model.named_parameters())[name])
+
+
+def test_update_changes_params_and_next_rollout_uses_them(worker):
+    before = _actor_params(worker)
+    batch = _scored(worker, _rollout(worker))
+    v0 = worker.weight_version
+    stats = worker.update_actor(batch)
+    assert worker.weight_version == v0 + 1
+    after = _actor_params(worker)
+    changed = [n for n in before if not torch.equal(before[n], after[n])]
+    assert len(changed) == len(before), "every parameter should move after an AdamW step"
+    assert stats["actor/grad_norm"][0] > 0
+    # the next rollout pushes the new weights and its log-probs follow them
+    old_engine = _engine_params(worker)
+    batch2 = _rollout(worker)
+    new_engine = _engine_params(worker)
+    assert all(torch.equal(new_engine[n], after[n]) for n in after)
+    assert any(not torch.equal(old_engine[n], new_engine[n]) for n in after)
+    batch2 = worker.compute_log_prob(batch2)
+    m = batch2["response_mask"].bool()
+    assert (batch2["rollout_log_probs"] - batch2["old_log_probs"]).abs()[m].max() < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batch_accumulation_invariance(tiny_model_path, mode):
+    """One micro-batch of 8 and eight micro-batches of 1 give the same update."""
+    results = []
+    for micro in (8, 1):
+        torch.manual_seed(0)
+        cfg = make_cfg("rollout.n=4", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2",
+                       f"actor.ppo_micro_batch_size_per_device={micro}", f"actor.loss_agg_mode={mode}",
+                       "actor.entropy_coeff=0.01")
+        w = ActorRolloutRefWorker(cfg, cpu_dist())
+        if not results:
+            saved = _scored(w, _rollout(w, _prompts(w, ("7", "a longer prompt here"))))
+        w.update_actor(saved)
+        results.append(_actor_params(w))
+    a, b = results
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_reference_policy_is_frozen(tiny_model_path):
+    cfg = make_cfg("actor.use_kl_loss=true", "actor.kl_loss_coef=0.1")
+    w = ActorRolloutRefWorker(cfg, cpu_dist())
+    ref_before = {n: p.detach().clone() for n, p in w.ref.model.named_parameters()}
+    batch = _scored(w, _rollout(w))
+    batch = w.compute_ref_log_prob(batch)
+    # before any update, reference == actor, so the log-probs agree
+    assert torch.allclose(batch["ref_log_prob"], batch["old_log_probs"], atol=1e-6)
+    stats = w.update_actor(batch)
+    assert "actor/kl_loss" in stats
+    for n, p in w.ref.model.named_parameters():
+        assert torch.equal(p, ref_before[n])
+    assert any(not torch.equal(p, ref_before[n]) for n, p in w.actor.model.named_parameters())
