@@ -180,6 +180,18 @@ class RefConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    enable: Literal["auto", "on", "off"] = "auto"
+    """Decoupled PPO (π_θ/π_prox clipped, weighted by π_prox/π_behav); ``auto`` = on for overlap with staleness ≥ 1."""
+    level: Literal["token", "sequence"] = "token"
+    """Importance weight per token, or one per sequence (product of token ratios)."""
+    mode: Literal["truncate", "mask"] = "truncate"
+    """Weights above ``cap`` are cut to ``cap`` (truncate) or drop their tokens/sequences (mask)."""
+    cap: Optional[float] = 2.0
+    """Upper bound on π_prox/π_behav (null = none)."""
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
     """Advantage estimator."""
@@ -195,6 +207,8 @@ class AlgorithmConfig:
     """KL estimator for the reward penalty."""
     kl_coef: float = 0.001
     """β for the reward penalty."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Off-policy correction between the rollout engine's policy and the trainer's."""
 
 
 @dataclass
@@ -223,6 +237,12 @@ class TrainerConfig:
     """Metric sinks."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto`` uses CUDA when present."""
+    mode: Literal["sync", "overlap"] = "sync"
+    """``sync``: generate then train. ``overlap``: generate batch k+1 while batch k trains."""
+    max_staleness: int = 1
+    """Overlap mode: the most weight versions a trained-on sample may lag (0 = sync semantics)."""
+    stale_policy: Literal["drop", "error"] = "drop"
+    """A batch beyond ``max_staleness`` is regenerated under the current weights (drop) or stops the run (error)."""
 
 
 @dataclass
@@ -245,6 +265,19 @@ class Config:
     """The driver loop: steps, validation, logging, output."""
 
     # -- derived -------------------------------------------------------------------
+    @property
+    def use_rollout_correction(self) -> bool:
+        """Whether the actor loss is decoupled PPO (behaviour = engine log-probs) instead of plain PPO."""
+        rc = self.algorithm.rollout_correction.enable
+        if rc == "auto":
+            return self.trainer.mode == "overlap" and self.trainer.max_staleness > 0
+        return rc == "on"
+
+    @property
+    def staleness_bound(self) -> int:
+        """Versions a sample may lag the trainer: 0 in sync mode."""
+        return self.trainer.max_staleness if self.trainer.mode == "overlap" else 0
+
     @property
     def need_ref(self) -> bool:
         """A reference policy is only built when a KL term uses it."""
@@ -296,6 +329,12 @@ class Config:
             raise ConfigError(f"actor.betas must hold two numbers, got {a.betas}")
         if self.model.lora.rank < 0:
             raise ConfigError("model.lora.rank must be >= 0 (0 = full fine-tuning)")
+        if self.trainer.max_staleness not in (0, 1):
+            raise ConfigError(f"trainer.max_staleness={self.trainer.max_staleness}: one-step overlap supports 0 or 1 "
+                              "(deeper pipelines are not built yet)")
+        rc = self.algorithm.rollout_correction
+        if rc.cap is not None and rc.cap <= 1:
+            raise ConfigError(f"algorithm.rollout_correction.cap={rc.cap} must be > 1 (or null for no cap)")
         if self.trainer.total_steps < 0 or self.trainer.total_epochs < 1:
             raise ConfigError("trainer.total_steps must be >= 0 and trainer.total_epochs >= 1")
         if d.task != "successor" and d.train_path.startswith("synthetic:"):

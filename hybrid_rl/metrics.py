@@ -12,7 +12,7 @@ import torch
 from hybrid_rl.batch import Batch
 
 
-def batch_metrics(batch: Batch, max_response_length: int) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
+def batch_metrics(batch: Batch, max_response_length: int, trainer_version: int) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
     t = batch.tensors
     mask = t["response_mask"].float()  # [B, R]
     n = float(len(batch))
@@ -21,6 +21,9 @@ def batch_metrics(batch: Batch, max_response_length: int) -> tuple[dict[str, tup
     ntok = float(mask.sum())
     diff = (t["rollout_log_probs"] - t["old_log_probs"]).abs() * mask
     scores = t["scores"].float()
+    # π_prox/π_behav per token: 1 in exact sync, drifts with staleness and engine numerics
+    is_ratio = torch.exp((t["old_log_probs"] - t["rollout_log_probs"]).clamp(-20, 20))
+    staleness = (trainer_version - t["weight_version"]).float()
     means = {
         "reward/mean": (float(scores.sum()), n),
         "rollout/response_length_mean": (float(resp_len.sum()), n),
@@ -29,6 +32,8 @@ def batch_metrics(batch: Batch, max_response_length: int) -> tuple[dict[str, tup
         "rollout/logprob_diff": (float(diff.sum()), ntok),
         "actor/advantages_mean": (float((t["advantages"] * mask).sum()), ntok),
         "actor/entropy_old": (float((t["old_entropy"] * mask).sum()), ntok) if "old_entropy" in t else (0.0, 0.0),
+        "rollout/is_ratio_mean": (float((is_ratio * mask).sum()), ntok),
+        "rollout/staleness_mean": (float(staleness.sum()), n),
         "perf/response_tokens": (ntok, 1.0),
         "perf/total_tokens": (ntok + float(prompt_len.sum()), 1.0),
     }
@@ -37,5 +42,7 @@ def batch_metrics(batch: Batch, max_response_length: int) -> tuple[dict[str, tup
         "reward/min_neg": float(-scores.min()),
         "rollout/response_length_max": float(resp_len.max()),
         "rollout/logprob_diff_max": float(diff.max()),
+        "rollout/is_ratio_max": float((is_ratio * mask).max()),
+        "rollout/staleness_max": float(staleness.max()),
     }
     return means, maxima

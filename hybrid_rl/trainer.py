@@ -5,7 +5,7 @@ Set-up (data, reward function, worker, trackers) happens in ``__init__``;
 validation is greedy pass@1 on the validation prompts. Metrics are reduced
 across ranks (weighted means, maxima) and logged by rank 0 only. Left out on
 purpose: a single controller (there is none: torch.distributed is the engine)
-and the overlap mode, which lives beside ``train_step`` when it lands.
+and partial rollouts carried across steps (see ``pipeline.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from hybrid_rl.config import Config, save_config
 from hybrid_rl.data import PromptDataset, PromptSampler, collate_prompts, load_rows
 from hybrid_rl.distributed import DistInfo, reduce_max, reduce_weighted_means
 from hybrid_rl.metrics import batch_metrics
+from hybrid_rl.pipeline import RolloutPipeline
 from hybrid_rl.rewards import get_reward_fn
 from hybrid_rl.scoring import compute_scores
 from hybrid_rl.tracking import Timer, Tracker
@@ -58,6 +59,7 @@ class Trainer:
         self.total_steps = t.total_steps or t.total_epochs * self.sampler.steps_per_epoch
         self.worker = ActorRolloutRefWorker(cfg, dist, total_training_steps=self.total_steps)
         self.tokenizer = self.worker.tokenizer
+        self.pipeline = RolloutPipeline(self.worker, cfg.staleness_bound, cfg.trainer.stale_policy)
         self.tracker = Tracker(t.output_dir, t.logger, self.total_steps, enabled=dist.is_main)
         if dist.is_main:
             save_config(cfg, Path(t.output_dir) / "config.yaml")
@@ -67,38 +69,61 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------
     def fit(self) -> list[dict[str, float]]:
         history = []
-        self.tracker.write(f"hybrid_rl: {self.total_steps} steps on {self.dist.world_size} rank(s), device {self.dist.device}; "
-                           f"{self.data_stats}")
+        self.tracker.write(f"hybrid_rl: {self.total_steps} steps, mode {self.cfg.trainer.mode}, {self.dist.world_size} rank(s), "
+                           f"device {self.dist.device}; {self.data_stats}")
         if self.cfg.trainer.val_before_train and self.val_set is not None:
             self.tracker.log(self.validate(), step=0)
+        step_fn = self.overlap_step if self.cfg.trainer.mode == "overlap" else self.sync_step
         for step in range(1, self.total_steps + 1):
-            metrics = self.train_step()
+            metrics = step_fn(last=step == self.total_steps)
             if self._due(step, self.cfg.trainer.test_freq) and self.val_set is not None:
                 metrics.update(self.validate())
             self.tracker.log(metrics, step)
             history.append({"step": step, **metrics})
+        self.pipeline.close()
         self.tracker.close()
         return history
 
-    def train_step(self) -> dict[str, float]:
-        timer, w, cfg = Timer(), self.worker, self.cfg
+    def sync_step(self, last: bool = False) -> dict[str, float]:
+        timer = Timer()
         with timer("step"):
             prompts = self.next_prompts()
-            with w.rollout_mode():
+            with self.worker.rollout_mode():
                 with timer("gen"):
-                    batch = w.generate(prompts)
-            with timer("reward"):
-                batch, reward_stats = compute_scores(batch, self.tokenizer, self.reward_fn, cfg.reward.on_error)
-            with timer("old_log_prob"):
-                batch = w.compute_log_prob(batch)
-            if cfg.need_ref:
-                with timer("ref"):
-                    batch = w.compute_ref_log_prob(batch)
-            with timer("adv"):
-                batch, adv_metrics = compute_advantage(batch, cfg.algorithm)
-            with timer("update"):
-                update_stats = w.update_actor(batch)
-        return self._step_metrics(batch, timer, reward_stats, update_stats, adv_metrics)
+                    batch = self.worker.generate(prompts)
+            metrics = self.train_on(batch, timer)
+        return self._finish_metrics(metrics, timer)
+
+    def overlap_step(self, last: bool = False) -> dict[str, float]:
+        """One-step overlap: train on batch k (sampled with θ_{k-1}) while batch k+1 is generated with θ_k."""
+        timer = Timer()
+        with timer("step"):
+            with timer("wait_gen"):
+                batch = self.pipeline.take(self.next_prompts)  # batch k, generated in the background
+            with self.worker.rollout_mode():  # push θ_k (the engine stays awake in overlap mode)
+                pass
+            if not last:
+                self.pipeline.start(self.next_prompts())  # batch k+1 under θ_k, concurrent with the update below
+            metrics = self.train_on(batch, timer)
+        timer.times["timing/gen"] = batch.meta["gen_s"]
+        return self._finish_metrics(metrics, timer)
+
+    def train_on(self, batch: Batch, timer: Timer) -> dict:
+        """reward → old log-prob → ref log-prob → advantage → update, on one generated batch."""
+        w, cfg = self.worker, self.cfg
+        batch = self.pipeline.check_staleness(batch, w.weight_version)
+        with timer("reward"):
+            batch, reward_stats = compute_scores(batch, self.tokenizer, self.reward_fn, cfg.reward.on_error)
+        with timer("old_log_prob"):
+            batch = w.compute_log_prob(batch)
+        if cfg.need_ref:
+            with timer("ref"):
+                batch = w.compute_ref_log_prob(batch)
+        with timer("adv"):
+            batch, adv_metrics = compute_advantage(batch, cfg.algorithm)
+        with timer("update"):
+            update_stats = w.update_actor(batch)
+        return dict(batch=batch, reward_stats=reward_stats, update_stats=update_stats, adv_metrics=adv_metrics)
 
     # -- helpers ------------------------------------------------------------------------
     def next_prompts(self) -> Batch:
@@ -112,11 +137,12 @@ class Trainer:
     def _due(step: int, freq: int) -> bool:
         return freq > 0 and step % freq == 0
 
-    def _step_metrics(self, batch: Batch, timer: Timer, reward_stats, update_stats, adv_metrics) -> dict[str, float]:
-        means, maxima = batch_metrics(batch, self.cfg.data.max_response_length)
-        means.update(reward_stats)
-        means.update(update_stats)
-        means.update({k: (v, 1.0) for k, v in adv_metrics.items()})
+    def _finish_metrics(self, parts: dict, timer: Timer) -> dict[str, float]:
+        batch = parts["batch"]
+        means, maxima = batch_metrics(batch, self.cfg.data.max_response_length, batch.meta["trainer_version"])
+        means.update(parts["reward_stats"])
+        means.update(parts["update_stats"])
+        means.update({k: (v, 1.0) for k, v in parts["adv_metrics"].items()})
         sm = self.worker.sharding_manager
         times = timer.pop()
         times["timing/sync_weights"] = sm.last_sync_s if sm else 0.0
@@ -125,6 +151,7 @@ class Trainer:
         out["reward/min"] = -out.pop("reward/min_neg")
         out["rollout/weight_sync_bytes"] = float(sm.last_sync_bytes) if sm else 0.0
         out["rollout/weight_version"] = float(batch.meta.get("weight_version") or 0)
+        out["rollout/dropped_batches"] = float(batch.meta.get("dropped_batches", 0))
         # per-step token counts are global sums (count 1 per rank), recover them from the means
         world = self.dist.world_size
         total_tokens = out.pop("perf/total_tokens") * world
@@ -137,6 +164,7 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         assert self.val_set is not None
+        self.pipeline.wait()  # the engine is shared with the in-flight rollout
         idx = list(range(self.dist.rank, len(self.val_set), self.dist.world_size))
         chunk = self.cfg.data.train_batch_size
         total, count, length = 0.0, 0.0, 0.0

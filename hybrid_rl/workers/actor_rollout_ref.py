@@ -118,8 +118,12 @@ class ActorRolloutRefWorker:
         """Responses for ``prompts`` (n each) with the sampled tokens' log-probs; call inside ``rollout_mode()``."""
         assert self.rollout is not None
         params = self.sampling_params(validate)
+        version = self.rollout.weights_version
         out = self.rollout.generate(prompts, params)
-        return out.union(weight_version=self.rollout.weights_version, temperature=params.logprob_temperature)
+        # every sample records the weight version that produced it (staleness accounting)
+        versions = torch.full((len(out),), -1 if version is None else version, dtype=torch.long)
+        return out.union(tensors=dict(weight_version=versions.to(out.tensors["responses"].device)),
+                         weight_version=version, temperature=params.logprob_temperature)
 
     # -- log-probs ----------------------------------------------------------------------
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -178,13 +182,21 @@ class ActorRolloutRefWorker:
         t = micro.to(self.device).tensors
         mask = t["response_mask"].float()  # [b, R]
         log_prob, entropy = self.actor.forward(micro, micro.meta["temperature"], with_entropy=True)
-        pg_loss, pg_m = alg.ppo_clip_loss(log_prob, t["old_log_probs"], t["advantages"], mask,
-                                          clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
-                                          clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode,
-                                          num_tokens=num_tokens, num_seqs=num_seqs)
+        clip = dict(clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+                    loss_agg_mode=a.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+        if self.cfg.use_rollout_correction:
+            # Decoupled PPO: trust region around the proximal policy (the trainer's
+            # old_log_probs under θ_k), importance-weighted back to the behaviour
+            # policy that sampled (the engine's log-probs, possibly θ_{k-1}).
+            rc = self.cfg.algorithm.rollout_correction
+            pg_loss, pg_m = alg.decoupled_ppo_loss(log_prob, t["old_log_probs"], t["rollout_log_probs"], t["advantages"],
+                                                   mask, is_cap=rc.cap, is_level=rc.level, is_mode=rc.mode, **clip)
+        else:
+            pg_loss, pg_m = alg.ppo_clip_loss(log_prob, t["old_log_probs"], t["advantages"], mask, **clip)
         loss = pg_loss
-        metrics = {"actor/pg_clipfrac": float(pg_m["pg_clipfrac"]), "actor/ppo_kl": float(pg_m["ppo_kl"]),
-                   "actor/pg_clipfrac_lower": float(pg_m["pg_clipfrac_lower"])}
+        names = {"pg_clipfrac": "actor/pg_clipfrac", "ppo_kl": "actor/ppo_kl", "pg_clipfrac_lower": "actor/pg_clipfrac_lower",
+                 "is_truncated_frac": "rollout/is_truncated_frac"}
+        metrics = {names[k]: float(v) for k, v in pg_m.items() if k in names}
         if entropy is not None:
             ent_loss = alg.agg_loss(entropy, mask, a.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
             if a.entropy_coeff:

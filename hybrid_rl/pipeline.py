@@ -1,0 +1,86 @@
+"""The rollout pipeline behind overlap mode: a double buffer with a staleness bound.
+
+Two batch slots: the one the trainer is working on, and at most one being
+generated in a background thread. ``start`` launches generation of the next
+batch with whatever weights the engine holds (the driver pushes θ_k first);
+``take`` hands over the finished batch, or generates one in the foreground
+when nothing is in flight (the first step, or ``max_staleness=0``, which makes
+overlap mode behave exactly like sync mode). ``check_staleness`` enforces the
+bound on recorded weight versions. The thread only touches the rollout
+engine, never the actor, and the driver never pushes weights while a
+generation is in flight. Left out: deeper queues (staleness > 1) and partial
+rollouts carried across the step boundary.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+from hybrid_rl.batch import Batch
+
+
+class StalenessError(RuntimeError):
+    """A batch older than ``trainer.max_staleness`` reached the trainer with ``trainer.stale_policy=error``."""
+
+
+class RolloutPipeline:
+    def __init__(self, worker, max_staleness: int, stale_policy: str = "drop"):
+        self.worker = worker
+        self.max_staleness = max_staleness
+        self.stale_policy = stale_policy
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if max_staleness > 0 else None
+        self.pending: Future | None = None
+        self.dropped = 0
+
+    def _generate(self, prompts: Batch) -> Batch:
+        start = time.perf_counter()
+        batch = self.worker.generate(prompts)
+        batch.meta["gen_s"] = time.perf_counter() - start
+        batch.meta["source_prompts"] = prompts  # kept so a stale batch can be regenerated
+        return batch
+
+    def start(self, prompts: Batch) -> None:
+        """Generate ``prompts`` in the background with the engine's current weights."""
+        if self.executor is None:
+            self._queued = prompts  # sync semantics: generated when taken, under the newest weights
+            return
+        if self.pending is not None:
+            raise RuntimeError("a rollout is already in flight; take() it first")
+        self.pending = self.executor.submit(self._generate, prompts)
+
+    def take(self, next_prompts: Callable[[], Batch]) -> Batch:
+        """The next batch to train on: the one in flight, or one generated now."""
+        if self.pending is not None:
+            batch, self.pending = self.pending.result(), None
+            return batch
+        prompts = getattr(self, "_queued", None) or next_prompts()
+        self._queued = None
+        with self.worker.rollout_mode():
+            return self._generate(prompts)
+
+    def wait(self) -> None:
+        """Block until the in-flight generation (if any) is done, keeping its result."""
+        if self.pending is not None:
+            self.pending.exception()
+
+    def check_staleness(self, batch: Batch, trainer_version: int) -> Batch:
+        """Enforce ``trainer_version - weight_version <= max_staleness`` for every sample."""
+        oldest = int(batch.tensors["weight_version"].min())
+        if trainer_version - oldest > self.max_staleness:
+            if self.stale_policy == "error":
+                raise StalenessError(f"batch sampled at weight version {oldest} reached the trainer at version "
+                                     f"{trainer_version}, beyond trainer.max_staleness={self.max_staleness}")
+            # drop it and regenerate the same prompts under the current weights
+            self.dropped += 1
+            with self.worker.rollout_mode():
+                batch = self._generate(batch.meta["source_prompts"])
+        batch.meta["trainer_version"] = trainer_version
+        batch.meta["dropped_batches"] = self.dropped
+        return batch
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.wait()
+            self.executor.shutdown(wait=True)
