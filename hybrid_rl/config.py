@@ -107,6 +107,8 @@ class RolloutConfig:
     """Bucket size for pushing weights into the engine."""
     free_cache_engine: bool = True
     """Put the engine to sleep between rollouts (frees its memory for training)."""
+    forced_lengths: Optional[str] = None
+    """Benchmarks only: ignore EOS and draw response lengths from ``lognormal:MEAN:SIGMA`` or ``fixed:N`` (capped at max_response_length)."""
     sleep_level: Literal[1, 2] = 1
     """Engine sleep depth: 1 offloads its weights to CPU, 2 discards them (re-pushed on wake)."""
     gpu_memory_utilization: float = 0.5
@@ -181,8 +183,8 @@ class RefConfig:
 
 @dataclass
 class RolloutCorrectionConfig:
-    enable: Literal["auto", "on", "off"] = "auto"
-    """Decoupled PPO (π_θ/π_prox clipped, weighted by π_prox/π_behav); ``auto`` = on for overlap with staleness ≥ 1."""
+    apply: Literal["auto", "always", "never"] = "auto"
+    """Decoupled PPO (π_θ/π_prox clipped, weighted by π_prox/π_behav); ``auto`` = only in overlap mode with staleness ≥ 1."""
     level: Literal["token", "sequence"] = "token"
     """Importance weight per token, or one per sequence (product of token ratios)."""
     mode: Literal["truncate", "mask"] = "truncate"
@@ -268,10 +270,10 @@ class Config:
     @property
     def use_rollout_correction(self) -> bool:
         """Whether the actor loss is decoupled PPO (behaviour = engine log-probs) instead of plain PPO."""
-        rc = self.algorithm.rollout_correction.enable
+        rc = self.algorithm.rollout_correction.apply
         if rc == "auto":
             return self.trainer.mode == "overlap" and self.trainer.max_staleness > 0
-        return rc == "on"
+        return rc == "always"
 
     @property
     def staleness_bound(self) -> int:
@@ -314,6 +316,8 @@ class Config:
                               "use grpo, dr_grpo, rloo or reinforce_pp")
         if not 0 < r.gpu_memory_utilization < 1:
             raise ConfigError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in (0, 1); 0.3-0.6 leaves room for training")
+        if r.forced_lengths is not None:
+            parse_forced_lengths(r.forced_lengths)
         if r.tensor_parallel_size < 1 or world_size % r.tensor_parallel_size:
             raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the {world_size} ranks")
         if not 0 < r.top_p <= 1:
@@ -340,6 +344,18 @@ class Config:
         if d.task != "successor" and d.train_path.startswith("synthetic:"):
             raise ConfigError(f"data.train_path={d.train_path} is a synthetic task but data.task={d.task}; set data.task to the synthetic task's name")
         return self
+
+
+def parse_forced_lengths(spec: str) -> tuple[str, list[float]]:
+    """``lognormal:MEAN:SIGMA`` or ``fixed:N`` → (kind, numbers); ConfigError naming the key otherwise."""
+    kind, _, rest = spec.partition(":")
+    try:
+        nums = [float(x) for x in rest.split(":")] if rest else []
+    except ValueError:
+        nums = []
+    if (kind, len(nums)) not in (("lognormal", 2), ("fixed", 1)) or any(x <= 0 for x in nums):
+        raise ConfigError(f"rollout.forced_lengths={spec!r} must be 'lognormal:MEAN:SIGMA' or 'fixed:N' with positive numbers")
+    return kind, nums
 
 
 def _positive(cfg: Config, keys: list[str]) -> None:

@@ -49,6 +49,19 @@ TINY_CONFIG: dict[str, Any] = dict(
 )
 
 
+# Published Qwen2.5 architectures, random-initialised for benchmarks (no download):
+# ``builtin:qwen2.5-0.5b-random`` has the real compute and memory shape of the
+# 0.5B model but knows nothing, so benchmark response lengths are imposed.
+RANDOM_ARCHS: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b-random": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                                num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0,
+                                tie_word_embeddings=True, rms_norm_eps=1e-6, vocab_size=151936),
+    "qwen2.5-1.5b-random": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                                num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0,
+                                tie_word_embeddings=True, rms_norm_eps=1e-6, vocab_size=151936),
+}
+
+
 class ModelLoadError(ValueError):
     """A model or tokenizer path that cannot be loaded; the message names the fix."""
 
@@ -66,7 +79,7 @@ def _byte_level_char(b: int) -> str:
     return chr(256 + [x for x in range(256) if x not in printable].index(b))
 
 
-def build_tiny_tokenizer():
+def build_tiny_tokenizer(vocab_size: int | None = None):
     """A byte-level Qwen2 tokenizer whose vocabulary is single printable-ASCII characters.
 
     It is a genuine ``Qwen2Tokenizer`` (BPE with no merges), so it saves and
@@ -76,7 +89,12 @@ def build_tiny_tokenizer():
     from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
     chars = sorted({_byte_level_char(ord(c)) for c in string.printable})
-    vocab = {tok: i for i, tok in enumerate([PAD_TOKEN, IM_START, IM_END] + chars)}
+    tokens = [PAD_TOKEN, IM_START, IM_END] + chars
+    if vocab_size is not None:
+        # Filler entries up to a real model's vocabulary, so any id a random-init
+        # model samples decodes to something (never produced when encoding).
+        tokens += [f"<|filler_{i}|>" for i in range(vocab_size - len(tokens))]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, eos_token=IM_END, pad_token=PAD_TOKEN,
                          extra_special_tokens=[IM_START])
     tok.chat_template = CHAT_TEMPLATE
@@ -84,22 +102,23 @@ def build_tiny_tokenizer():
     return tok
 
 
-def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0) -> Path:
-    """Write the tiny Qwen2 model + tokenizer to ``out_dir`` (random init from ``seed``)."""
+def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, arch: str = TINY_MODEL) -> Path:
+    """Write a random-init Qwen2 model + tokenizer to ``out_dir``: the tiny one, or a ``RANDOM_ARCHS`` shape."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     out = Path(out_dir)
-    tokenizer = build_tiny_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **TINY_CONFIG,
-    )
+    if arch == TINY_MODEL:
+        tokenizer = build_tiny_tokenizer()
+        shape = dict(TINY_CONFIG, vocab_size=len(tokenizer))
+        dtype = torch.float32
+    else:
+        shape = RANDOM_ARCHS[arch]
+        tokenizer = build_tiny_tokenizer(vocab_size=shape["vocab_size"])
+        dtype = torch.bfloat16  # halves the files; training upcasts to fp32 masters on load
+    config = Qwen2Config(bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **shape)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = Qwen2ForCausalLM(config).to(dtype)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     # Write atomically so concurrent ranks never read a half-written directory.
@@ -121,11 +140,12 @@ def resolve_model_path(path: str) -> str:
     if not path.startswith(BUILTIN_PREFIX):
         return path
     name = path[len(BUILTIN_PREFIX):]
-    if name != TINY_MODEL:
-        raise ModelLoadError(f"model.path: unknown built-in model {name!r}; the only one is '{BUILTIN_PREFIX}{TINY_MODEL}'")
-    out = cache_dir() / TINY_MODEL
+    known = [TINY_MODEL, *RANDOM_ARCHS]
+    if name not in known:
+        raise ModelLoadError(f"model.path: unknown built-in model {name!r}; choose one of {[BUILTIN_PREFIX + k for k in known]}")
+    out = cache_dir() / name
     if not (out / "config.json").exists():
-        build_tiny_model(out)
+        build_tiny_model(out, arch=name)
     return str(out)
 
 

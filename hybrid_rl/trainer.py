@@ -100,8 +100,6 @@ class Trainer:
         with timer("step"):
             with timer("wait_gen"):
                 batch = self.pipeline.take(self.next_prompts)  # batch k, generated in the background
-            with self.worker.rollout_mode():  # push θ_k (the engine stays awake in overlap mode)
-                pass
             if not last:
                 self.pipeline.start(self.next_prompts())  # batch k+1 under θ_k, concurrent with the update below
             metrics = self.train_on(batch, timer)
@@ -159,6 +157,10 @@ class Trainer:
         out["perf/tokens_per_s"] = total_tokens / max(out["timing/step"], 1e-9)
         out["perf/gen_tokens_per_s"] = response_tokens / max(out["timing/gen"], 1e-9)
         out["perf/throughput_per_gpu"] = out["perf/tokens_per_s"] / world
+        if self.dist.device.type == "cuda":
+            out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(self.dist.device) / 2**30
+            out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(self.dist.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(self.dist.device)
         return out
 
     @torch.no_grad()

@@ -29,6 +29,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     max_tokens: int = 256
+    response_lengths: tuple[int, ...] | None = None
+    """Benchmarks only: force each of the B·n responses to exactly this many tokens, ignoring EOS
+    (random-init models never stop on their own, so lengths must be imposed to be realistic)."""
 
     @property
     def greedy(self) -> bool:
@@ -67,13 +70,15 @@ class RolloutEngine(abc.ABC):
 
 
 def assemble_rollout(prompts: Batch, responses: torch.Tensor, logprobs: torch.Tensor, n: int,
-                     eos_token_ids: list[int], pad_token_id: int) -> Batch:
+                     eos_token_ids: list[int], pad_token_id: int,
+                     response_lengths: tuple[int, ...] | None = None) -> Batch:
     """Build the trainer-facing rollout batch.
 
     prompts: the original B prompts (left padded). responses [B·n, R] and
     logprobs [B·n, R] are row-aligned with ``prompts.repeat_interleave(n)``.
     The response mask covers tokens up to and including the first EOS; tokens
-    after it are replaced by pad and masked out.
+    after it are replaced by pad and masked out. With ``response_lengths`` the
+    mask covers exactly that many tokens instead (EOS ignored).
     """
     rep = prompts.repeat_interleave(n)
     prompt_ids = rep.tensors["input_ids"]  # [B·n, P]
@@ -84,6 +89,9 @@ def assemble_rollout(prompts: Batch, responses: torch.Tensor, logprobs: torch.Te
     # a token is inside the response if no EOS came strictly before it
     eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
     response_mask = (eos_before == 0).long()  # [B·n, R]
+    if response_lengths is not None:
+        lengths = torch.tensor(response_lengths, device=responses.device)[:, None]
+        response_mask = (torch.arange(responses.shape[1], device=responses.device)[None, :] < lengths).long()
     responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad_token_id))
     logprobs = logprobs.float() * response_mask
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)  # [B·n, P+R]

@@ -86,17 +86,23 @@ class HFRolloutEngine(RolloutEngine):
         mask = prompts.tensors["attention_mask"].to(self.device)
         ids = ids.repeat_interleave(params.n, dim=0)
         mask = mask.repeat_interleave(params.n, dim=0)
+        lengths = None
+        if params.response_lengths is not None:
+            lengths = torch.tensor(params.response_lengths, device=self.device)
         outs, lps = [], []
         for start in range(0, ids.shape[0], self.max_num_seqs):
-            o, lp = self._decode(ids[start:start + self.max_num_seqs], mask[start:start + self.max_num_seqs], params)
+            chunk = slice(start, start + self.max_num_seqs)
+            o, lp = self._decode(ids[chunk], mask[chunk], params, None if lengths is None else lengths[chunk])
             outs.append(o)
             lps.append(lp)
         width = max(o.shape[1] for o in outs)
         responses = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=self.pad_token_id) for o in outs])
         logprobs = torch.cat([torch.nn.functional.pad(lp, (0, width - lp.shape[1])) for lp in lps])
-        return assemble_rollout(prompts.to(self.device), responses, logprobs, params.n, self.eos_token_ids, self.pad_token_id)
+        return assemble_rollout(prompts.to(self.device), responses, logprobs, params.n, self.eos_token_ids,
+                                self.pad_token_id, params.response_lengths)
 
-    def _decode(self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode(self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
+                lengths: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         b = ids.shape[0]
         pos = position_ids_from_mask(mask)
         next_pos = mask.sum(dim=1)  # [b] position of the first generated token
@@ -106,12 +112,16 @@ class HFRolloutEngine(RolloutEngine):
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
         cache = getattr(out, self._cache_kw)
         logits = out.logits[:, -1, :]
-        for _ in range(params.max_tokens):
+        max_tokens = params.max_tokens if lengths is None else int(lengths.max())
+        for step in range(max_tokens):
             tok, lp = self._sample(logits.float(), params)
             tok = torch.where(finished, torch.full_like(tok, self.pad_token_id), tok)
             tokens.append(tok)
             logprobs.append(torch.where(finished, torch.zeros_like(lp), lp))
-            finished |= torch.isin(tok, eos)
+            if lengths is None:
+                finished |= torch.isin(tok, eos)
+            else:  # forced lengths (benchmarks): EOS is just another token
+                finished |= lengths <= step + 1
             if bool(finished.all()):
                 break
             mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=self.device)], dim=1)

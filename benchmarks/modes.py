@@ -1,0 +1,183 @@
+"""Sync vs one-step-overlap: the same recipe, seed and step count in each mode, measured end to end.
+
+Runs the real trainer (``python -m hybrid_rl train`` under torchrun) once per
+mode, samples GPU utilisation with ``nvidia-smi`` while it runs, drops warm-up
+steps, and reports per mode: step time and its phase breakdown, generated and
+trained tokens/s, GPU busy fraction, peak memory, and ``speedup_vs_sync``.
+Writes ``benchmarks/results/modes_<device>_<model>.json`` and a PNG beside it,
+and prints one JSON line per mode.
+
+    python benchmarks/modes.py --model builtin:qwen2.5-0.5b-random --gpus 1 --steps 8
+    python benchmarks/modes.py --cpu-smoke            # tiny model on CPU, checks the plumbing
+
+Random-init models never stop on their own, so response lengths are imposed
+from a long-tailed distribution (``rollout.forced_lengths``). Placement
+``split`` is not built yet and is not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PHASES = ["gen", "wait_gen", "sync_weights", "reward", "old_log_prob", "ref", "adv", "update"]
+
+
+def device_name(gpus: int) -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10).stdout.strip().splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        out = []
+    if not out:
+        return "CPU"
+    name = "H200" if "H200" in out[0] else "H100" if "H100" in out[0] else out[0].split()[-1]
+    return f"{name}x{gpus}"
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+class GpuSampler(threading.Thread):
+    """Mean GPU utilisation (nvidia-smi, every 0.25 s) while a run is going."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.samples: list[float] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, timeout=5).stdout.split()
+                if out:
+                    self.samples.append(sum(float(x) for x in out) / len(out) / 100.0)
+            except (OSError, subprocess.TimeoutExpired, ValueError):
+                return
+            self.stop.wait(0.25)
+
+
+def run_mode(name: str, overrides: list[str], args, out_dir: Path) -> dict:
+    run_dir = out_dir / f"run_{name}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}", "-m", "hybrid_rl",
+           "train", str(args.recipe), f"model.path={args.model}", f"trainer.output_dir={run_dir}",
+           f"trainer.total_steps={args.steps}", "trainer.logger=[jsonl]", *args.overrides, *overrides]
+    sampler = GpuSampler()
+    sampler.start()
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    sampler.stop.set()
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{proc.stderr[-4000:]}")
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "timing/step" in r][args.warmup:]
+    mean = lambda k: statistics.fmean(r.get(k, 0.0) for r in rows)
+    step_s = mean("timing/step")
+    # every rank's response/total tokens per step, recovered from the logged throughputs
+    gen_tokens = mean("rollout/response_length_mean") * args.prompts * args.n
+    total_tokens = mean("perf/tokens_per_s") * step_s
+    return {
+        "mode": name,
+        "overrides": overrides,
+        "steps_measured": len(rows),
+        "step_s": step_s,
+        "phases_s": {p: mean(f"timing/{p}") for p in PHASES if any(f"timing/{p}" in r for r in rows)},
+        "gen_tokens_per_s": gen_tokens / step_s,
+        "trained_tokens_per_s": total_tokens / step_s,
+        "engine_gen_tokens_per_s": mean("perf/gen_tokens_per_s"),
+        "gpu_busy_fraction": statistics.fmean(sampler.samples) if sampler.samples else None,
+        "peak_memory_allocated_gb": max((r.get("perf/max_memory_allocated_gb", 0.0) for r in rows), default=0.0),
+        "peak_memory_reserved_gb": max((r.get("perf/max_memory_reserved_gb", 0.0) for r in rows), default=0.0),
+        "reward_mean": mean("reward/mean"),
+        "staleness_max": max(r.get("rollout/staleness_max", 0.0) for r in rows),
+        "response_length_mean": mean("rollout/response_length_mean"),
+        "wall_s": wall,
+    }
+
+
+def plot(results: list[dict], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [r["mode"] for r in results]
+    bottom = [0.0] * len(results)
+    for phase in PHASES:
+        vals = [r["phases_s"].get(phase, 0.0) for r in results]
+        if any(vals):
+            ax1.bar(names, vals, bottom=bottom, label=phase)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    ax1.plot(names, [r["step_s"] for r in results], "k_", markersize=40, label="step (wall)")
+    ax1.set_ylabel("seconds per step")
+    ax1.set_title("phase time (overlap: gen runs beside the update)")
+    ax1.legend(fontsize=7)
+    ax2.bar(names, [r["trained_tokens_per_s"] for r in results], color="tab:green")
+    for i, r in enumerate(results):
+        ax2.text(i, r["trained_tokens_per_s"], f'{r.get("speedup_vs_sync", 1):.2f}x', ha="center", va="bottom")
+    ax2.set_ylabel("trained tokens / s")
+    ax2.set_title("throughput")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="builtin:qwen2.5-0.5b-random")
+    ap.add_argument("--recipe", default=str(ROOT / "recipes" / "bench_modes.yaml"))
+    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=64, help="data.train_batch_size (all ranks)")
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU: checks the plumbing only")
+    ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every mode")
+    args = ap.parse_args()
+    if args.cpu_smoke:
+        args.model, args.gpus, args.steps, args.warmup, args.prompts, args.n = "builtin:tiny-qwen2", 1, 4, 1, 8, 4
+        args.overrides += ["trainer.device=cpu", "data.max_response_length=32", "rollout.forced_lengths=lognormal:12:0.8",
+                           "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_device=8"]
+    args.overrides += [f"data.train_batch_size={args.prompts}", f"rollout.n={args.n}"]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = device_name(args.gpus) if not args.cpu_smoke else "CPU"
+    model_tag = args.model.split(":")[-1].split("/")[-1]
+    modes = [("sync", ["trainer.mode=sync"]),
+             ("overlap_colocated", ["trainer.mode=overlap", "trainer.max_staleness=1"])]
+    results = []
+    for name, overrides in modes:
+        r = run_mode(name, overrides, args, out_dir / f"modes_{device}_{model_tag}_runs")
+        results.append(r)
+    base = results[0]["step_s"]
+    for r in results:
+        r["speedup_vs_sync"] = base / r["step_s"]
+        print(json.dumps({"device": device, "commit": commit(), "model": args.model, **r}))
+    doc = {"device": device, "commit": commit(), "model": args.model, "gpus": args.gpus, "steps": args.steps,
+           "warmup": args.warmup, "prompts_per_step": args.prompts, "n": args.n, "recipe": str(Path(args.recipe).name),
+           "overrides": args.overrides, "modes": results,
+           "not_measured": "placement=split (not built yet)"}
+    stem = out_dir / f"modes_{device}_{model_tag}"
+    stem.with_suffix(".json").write_text(json.dumps(doc, indent=2))
+    plot(results, f"{args.model} on {device}", stem.with_suffix(".png"))
+    print(f"wrote {stem}.json and .png", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

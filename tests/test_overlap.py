@@ -1,0 +1,112 @@
+"""Overlap mode: staleness 0 is sync, the bound holds, the decoupled loss reduces to PPO, and it still learns."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import cpu_dist, make_cfg
+from hybrid_rl.pipeline import RolloutPipeline, StalenessError
+from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
+from test_worker import _actor_params, _prompts, _rollout, _scored
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "cpu_successor.yaml"
+VOLATILE = ("timing/", "perf/")
+
+
+def _train(out: Path, *overrides: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "hybrid_rl", "train", str(RECIPE), f"trainer.output_dir={out}", "trainer.logger=[jsonl]",
+           *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _stable(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE) and k != "timing/wait_gen"} for r in rows]
+
+
+def test_overlap_with_staleness_zero_reproduces_sync(tmp_path):
+    common = ["trainer.total_steps=4", "trainer.test_freq=2", "trainer.val_before_train=false"]
+    sync = _train(tmp_path / "sync", *common)
+    over = _train(tmp_path / "over", *common, "trainer.mode=overlap", "trainer.max_staleness=0")
+    assert _stable(sync) == _stable(over)
+    assert all(r["rollout/staleness_max"] == 0 for r in over)
+
+
+def test_one_step_overlap_respects_the_bound_and_differs_from_sync(tmp_path):
+    common = ["trainer.total_steps=6", "trainer.test_freq=0", "trainer.val_before_train=false", "actor.lr=0.01"]
+    over = _train(tmp_path / "over", *common, "trainer.mode=overlap", "trainer.max_staleness=1")
+    staleness = [r["rollout/staleness_max"] for r in over]
+    assert max(staleness) <= 1
+    assert staleness[0] == 0 and all(s == 1 for s in staleness[1:])  # batch k+1 is generated under θ_k
+    assert all("rollout/is_truncated_frac" in r for r in over)  # decoupled loss is on (auto)
+    sync = _train(tmp_path / "sync", *common)
+    assert _stable(sync)[2:] != _stable(over)[2:]
+
+
+def test_decoupled_loss_equals_ppo_when_behaviour_is_proximal(tiny_model_path):
+    """With behaviour log-probs set to the proximal ones, the correction changes nothing."""
+    results = []
+    for correction in ("never", "always"):
+        torch.manual_seed(0)
+        w = ActorRolloutRefWorker(make_cfg(f"algorithm.rollout_correction.apply={correction}"), cpu_dist())
+        if not results:
+            batch = _scored(w, _rollout(w))
+            batch = batch.union(tensors=dict(rollout_log_probs=batch["old_log_probs"].clone()))
+        stats = w.update_actor(batch)
+        assert ("rollout/is_truncated_frac" in stats) == (correction == "always")
+        results.append(_actor_params(w))
+    for n in results[0]:
+        assert torch.equal(results[0][n], results[1][n]), n
+
+
+def test_decoupled_loss_reweights_stale_samples(tiny_model_path):
+    """A behaviour policy far from the proximal one changes the update (the correction is not a no-op)."""
+    results = []
+    for shift in (0.0, 0.5):
+        torch.manual_seed(0)
+        w = ActorRolloutRefWorker(make_cfg("algorithm.rollout_correction.apply=always"), cpu_dist())
+        if not results:
+            base = _scored(w, _rollout(w))
+        batch = base.union(tensors=dict(rollout_log_probs=base["old_log_probs"] - shift))
+        stats = w.update_actor(batch)
+        results.append((_actor_params(w), stats))
+    (a, _), (b, stats_b) = results
+    assert any(not torch.equal(a[n], b[n]) for n in a)
+    # exp(0.5) = 1.65 < cap 2: nothing truncated
+    assert stats_b["rollout/is_truncated_frac"][0] == 0.0
+
+
+def test_pipeline_regenerates_or_refuses_stale_batches(tiny_model_path):
+    w = ActorRolloutRefWorker(make_cfg("trainer.mode=overlap"), cpu_dist())
+    pipe = RolloutPipeline(w, max_staleness=1, stale_policy="drop")
+    pipe.start(_prompts(w))  # engine not pushed yet: weights_version None → recorded as -1
+    with w.rollout_mode():
+        pass
+    pipe.pending.result()
+    batch = pipe.take(lambda: None)
+    assert int(batch["weight_version"].min()) == 0
+    w.weight_version = 3  # the trainer moved on by three versions
+    fresh = pipe.check_staleness(batch, w.weight_version)
+    assert pipe.dropped == 1 and int(fresh["weight_version"].min()) == 3 and fresh.meta["trainer_version"] == 3
+    strict = RolloutPipeline(w, max_staleness=1, stale_policy="error")
+    with pytest.raises(StalenessError, match="trainer.max_staleness=1"):
+        strict.check_staleness(batch, 5)
+    pipe.close()
+    strict.close()
+
+
+@pytest.mark.slow
+def test_overlap_mode_still_learns(tmp_path):
+    rows = _train(tmp_path / "over", "trainer.mode=overlap", "trainer.test_freq=0", "trainer.val_before_train=false")
+    train = [r for r in rows if "reward/mean" in r]
+    assert sum(r["reward/mean"] for r in train[:3]) / 3 <= 0.3
+    assert sum(r["reward/mean"] for r in train[-3:]) / 3 >= 0.8, [round(r["reward/mean"], 2) for r in train[-10:]]
+    assert max(r["rollout/staleness_max"] for r in train) == 1
