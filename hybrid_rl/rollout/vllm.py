@@ -1,0 +1,379 @@
+"""The vLLM rollout engine, colocated with the trainer in the same process (tested: vllm 0.26.0).
+
+One ``vllm.LLM`` per rank, started inside torchrun with
+``distributed_executor_backend="external_launcher"``: torchrun's ranks are cut
+into tensor-parallel groups of ``rollout.tensor_parallel_size`` consecutive
+ranks, each group one engine replica (vLLM's "external DP"), seeded per
+data-parallel rank. The engine starts from ``load_format="dummy"`` weights and
+refuses to generate until the sharding manager has pushed real ones.
+
+The hybrid cycle, driven by ``ShardingManager``: ``sleep(level)`` (1 offloads
+the weights to CPU, 2 discards them and clears ``weights_version``) →
+``wake_up(["weights"])`` → ``load_weights`` buckets, each handed to every
+worker through ``collective_rpc`` → prefix cache reset (stale KV of the old
+weights must never be reused) → ``wake_up(["kv_cache"])`` → ``generate``.
+``torch.cuda.empty_cache()`` runs after sleeping (the engine's activation
+blocks go back to the trainer) and before waking (the trainer's cached blocks
+go back to the driver, so vLLM's cuMem allocations fit).
+
+Prompts go in as token ids (left padding removed with the attention mask),
+responses come back as token ids plus the log-prob of each sampled token under
+``logprobs_mode="processed_logprobs"``: the temperature-scaled distribution the
+token was drawn from, which is what the trainer recomputes with ``logits / T``
+(greedy reports T=1). Stopping is on the tokenizer's EOS or ``max_tokens`` only:
+``generation_config="vllm"`` keeps the checkpoint's generation config (extra
+EOS ids, sampling defaults) out, so vLLM and the hf engine stop alike.
+Everything trainer-facing is built by ``assemble_rollout``.
+
+vLLM internals are touched in exactly one place, ``engine_model`` (worker →
+torch model), which the weight push and the read-back go through.
+
+Left out: vLLM's native LoRA (with LoRA the trainer pushes merged, HF-named
+full weights), quantised or multimodal models, pipeline parallelism,
+async/streaming and partial rollouts, per-request seeds, and scoring given
+tokens with the engine (log-prob parity is measured by the trainer). With ``top_p < 1`` or
+``top_k > 0`` vLLM's processed log-probs are those of the *truncated*
+distribution, while the trainer's recomputation (and the hf engine) use the
+untruncated one: they then differ by log(kept mass) per token.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from hybrid_rl.batch import Batch
+from hybrid_rl.models import ModelLoadError, resolve_dtype, resolve_model_path
+from hybrid_rl.rollout.base import RolloutEngine, SamplingParams, assemble_rollout
+
+VLLM_MISSING = "rollout.name=vllm needs vLLM: pip install -e '.[vllm]' (tested: vllm 0.26), or use rollout.name=hf"
+
+# Environment vLLM needs when it runs inside the trainer's process: the
+# external-launcher executor asserts in-process engine cores; the FlashInfer
+# sampler cannot return processed log-probs (and may not be installed).
+_VLLM_ENV_DEFAULTS = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+}
+
+
+def import_vllm():
+    """Import vLLM lazily; a missing install becomes a one-line ``ModelLoadError``."""
+    for key, value in _VLLM_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    try:
+        import vllm
+    except ModuleNotFoundError as e:
+        if e.name in (None, "vllm"):  # vLLM itself is absent (a missing piece of it is a broken install)
+            raise ModelLoadError(VLLM_MISSING) from None
+        raise ModelLoadError(f"rollout.name=vllm: importing vLLM failed ({e}); reinstall it with "
+                             f"pip install -e '.[vllm]' (tested: vllm 0.26), or use rollout.name=hf") from e
+    except ImportError as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelLoadError(f"rollout.name=vllm: importing vLLM failed ({first}); reinstall it with "
+                             f"pip install -e '.[vllm]' (tested: vllm 0.26), or use rollout.name=hf") from e
+    return vllm
+
+
+# --------------------------------------------------------------------------- the one adapter
+def engine_model(worker: Any) -> torch.nn.Module:
+    """The torch model held by a vLLM worker: the single place that knows vLLM's internals.
+
+    ``LLM.collective_rpc(fn, args)`` calls ``fn(worker, *args)`` on every worker.
+    In vLLM 0.26 ``worker`` is a ``WorkerWrapperBase`` (it forwards attribute
+    access to the real ``Worker``, also reachable as ``.worker``); the Worker
+    holds ``model_runner`` (``GPUModelRunner`` V1 or the default V2 runner for
+    dense models), whose ``get_model()`` unwraps CUDA-graph wrappers. Releases
+    before ~0.10 exposed only ``model_runner.model``; the path moved between
+    releases, so when it moves again, this is the function to change (and
+    ``tests/test_vllm_gpu.py::test_adapter_and_pushed_weights`` says so).
+    """
+    runner = getattr(worker, "model_runner", None)
+    if runner is None and getattr(worker, "worker", None) is not None:
+        runner = getattr(worker.worker, "model_runner", None)
+    if runner is None:
+        raise RuntimeError(f"vLLM worker {type(worker).__name__} has no model_runner; "
+                           "hybrid_rl.rollout.vllm.engine_model needs updating for this vLLM version")
+    get_model = getattr(runner, "get_model", None)
+    model = get_model() if callable(get_model) else getattr(runner, "model", None)
+    if not isinstance(model, torch.nn.Module):
+        raise RuntimeError(f"vLLM model runner {type(runner).__name__} holds no torch model; "
+                           "hybrid_rl.rollout.vllm.engine_model needs updating for this vLLM version")
+    return model
+
+
+def _rpc_load_weights(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> int:
+    """Runs on each vLLM worker: copy HF-named full tensors into the model (vLLM shards/stacks them)."""
+    loaded = engine_model(worker).load_weights(weights=weights)
+    return len(loaded) if loaded is not None else len(weights)
+
+
+def _rpc_read_weights(worker: Any, names: list[str] | None) -> list[tuple[str, torch.Tensor]]:
+    """Runs on each vLLM worker: CPU copies of the engine's own parameters (vLLM names, this rank's shard)."""
+    wanted = set(names) if names is not None else None
+    return [(n, p.detach().to("cpu", copy=True)) for n, p in engine_model(worker).named_parameters()
+            if wanted is None or n in wanted]
+
+
+# --------------------------------------------------------------------------- pure helpers
+def unpad_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
+    """Token-id lists of the real prompt tokens (padding, left or right, dropped by the mask)."""
+    if input_ids.shape != attention_mask.shape:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} differ")
+    ids, mask = input_ids.cpu(), attention_mask.cpu().bool()
+    out = [row[m].tolist() for row, m in zip(ids, mask)]
+    empty = [i for i, p in enumerate(out) if not p]
+    if empty:
+        raise ValueError(f"prompt rows {empty[:8]} have no tokens (attention_mask all 0); drop them before generating")
+    return out
+
+
+def sampling_kwargs(params: SamplingParams, eos_token_ids: Sequence[int], ignore_eos: bool = False) -> dict[str, Any]:
+    """``vllm.SamplingParams`` arguments for ``params``: token ids in/out, one log-prob per sampled token."""
+    greedy = params.greedy
+    return dict(
+        n=params.n,
+        temperature=0.0 if greedy else float(params.temperature),
+        top_p=1.0 if greedy else float(params.top_p),
+        top_k=0 if greedy or params.top_k <= 0 else int(params.top_k),  # vLLM: 0 = off
+        max_tokens=int(params.max_tokens),
+        stop_token_ids=[] if ignore_eos else list(eos_token_ids),  # vLLM's ignore_eos leaves stop ids active
+        ignore_eos=bool(ignore_eos),
+        logprobs=0,  # the sampled token's log-prob only
+        flat_logprobs=True,  # one flat list per sequence instead of a dict per token
+        detokenize=False,
+    )
+
+
+def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> list[float]:
+    """The log-prob of each sampled token from a vLLM ``CompletionOutput.logprobs``.
+
+    Accepts vLLM's ``FlatLogprobs`` (flat lists with per-position start/end
+    indices; the sampled token comes first at each position) and the classic
+    ``list[dict[token_id, Logprob]]``.
+    """
+    if logprobs is None:
+        raise RuntimeError("vLLM returned no log-probs; SamplingParams.logprobs must be 0")
+    if len(logprobs) != len(token_ids):
+        raise RuntimeError(f"vLLM returned {len(logprobs)} log-prob positions for {len(token_ids)} tokens")
+    starts = getattr(logprobs, "start_indices", None)
+    if starts is not None:  # FlatLogprobs
+        flat_ids, flat_lps, ends = logprobs.token_ids, logprobs.logprobs, logprobs.end_indices
+        out = []
+        for i, tok in enumerate(token_ids):
+            s, e = starts[i], ends[i]
+            j = s if s < e and flat_ids[s] == tok else next((k for k in range(s, e) if flat_ids[k] == tok), None)
+            if j is None:
+                raise RuntimeError(f"vLLM log-probs at position {i} do not include the sampled token {tok}")
+            out.append(float(flat_lps[j]))
+        return out
+    return [float(pos[tok].logprob) for pos, tok in zip(logprobs, token_ids)]
+
+
+def collect_outputs(request_outputs: Sequence[Any], n: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM ``RequestOutput``s (one per prompt, n completions each) → right-padded responses and log-probs.
+
+    Returns ``responses`` [B·n, R] (pad id past each sequence's end) and
+    ``logprobs`` [B·n, R] (0 there), rows ordered prompt by prompt, sample by
+    sample (``repeat_interleave(n)`` order), R = the longest response.
+    """
+    rows: list[tuple[list[int], list[float]]] = []
+    for ro in request_outputs:
+        outs = sorted(ro.outputs, key=lambda o: o.index)
+        if len(outs) != n:
+            raise RuntimeError(f"vLLM returned {len(outs)} completions for a prompt, expected n={n}")
+        for o in outs:
+            toks = list(o.token_ids)
+            rows.append((toks, sampled_logprobs(toks, o.logprobs)))
+    width = max((len(t) for t, _ in rows), default=0)
+    responses = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, (toks, lps) in enumerate(rows):
+        if toks:
+            responses[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
+            logprobs[i, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
+    return responses, logprobs
+
+
+def engine_kwargs(cfg, dist) -> dict[str, Any]:
+    """``vllm.LLM`` arguments for this rank from the config tree (pure: no vLLM needed)."""
+    r, d = cfg.rollout, cfg.data
+    tp = r.tensor_parallel_size
+    if tp < 1 or dist.world_size % tp:
+        raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the {dist.world_size} ranks")
+    dtype = resolve_dtype(cfg.model.dtype, dist.device)
+    dp_rank = dist.rank // tp
+    return dict(
+        model=resolve_model_path(cfg.model.path),
+        skip_tokenizer_init=True,
+        trust_remote_code=cfg.model.trust_remote_code,
+        dtype=str(dtype).replace("torch.", ""),
+        load_format="dummy",  # the sharding manager pushes the real weights
+        distributed_executor_backend="external_launcher",
+        tensor_parallel_size=tp,
+        enable_sleep_mode=True,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        max_num_seqs=r.max_num_seqs,
+        max_num_batched_tokens=r.max_num_batched_tokens,
+        max_model_len=r.max_model_len or (d.max_prompt_length + d.max_response_length),
+        enforce_eager=r.enforce_eager,
+        enable_prefix_caching=r.enable_prefix_caching,
+        logprobs_mode="processed_logprobs",  # temperature-scaled, as the trainer recomputes
+        generation_config="vllm",  # stop on our EOS only; no sampling defaults from the checkpoint
+        seed=cfg.trainer.seed + 1000 * dp_rank,  # one stream per engine replica, shared inside a TP group
+    )
+
+
+def _ensure_launcher_env(dist) -> None:
+    """The external launcher reads torchrun's variables; a plain one-process run gets a world of one."""
+    if "MASTER_ADDR" in os.environ:
+        return
+    if dist.world_size != 1:
+        raise RuntimeError("rollout.name=vllm with several ranks needs torchrun (MASTER_ADDR is not set)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(RANK="0", LOCAL_RANK=str(dist.local_rank), WORLD_SIZE="1",
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        os.environ.setdefault(key, value)
+
+
+# --------------------------------------------------------------------------- the engine
+class VLLMRolloutEngine(RolloutEngine):
+    def __init__(self, llm: Any, eos_token_ids: Sequence[int], pad_token_id: int, device: torch.device,
+                 make_sampling_params: Callable[..., Any], tp_group: Any = None, ignore_eos: bool = False):
+        self.llm = llm
+        self.eos_token_ids = list(eos_token_ids)
+        self.pad_token_id = int(pad_token_id)
+        self.device = device
+        self.make_sampling_params = make_sampling_params
+        self.tp_group = tp_group  # torch.distributed group of this engine's TP ranks (None for TP=1)
+        self.ignore_eos = ignore_eos  # benchmarks: fixed-length responses
+        self.weights_version = None
+        self._asleep: set[str] = set()  # tags currently released
+        self._weights_real = False  # False while the engine holds dummy or discarded weights
+        self._prefix_cache_stale = False
+        self.last_generate_stats: dict[str, float] = {}
+
+    @classmethod
+    def from_config(cls, cfg, dist, tokenizer, **llm_overrides: Any) -> "VLLMRolloutEngine":
+        vllm = import_vllm()
+        kwargs = {**engine_kwargs(cfg, dist), **llm_overrides}
+        _ensure_launcher_env(dist)
+        if dist.device.type == "cuda":
+            torch.cuda.set_device(dist.device)
+            torch.cuda.empty_cache()  # vLLM sizes itself from the free memory
+        llm = vllm.LLM(**kwargs)
+        tp_group = None
+        tp = kwargs["tensor_parallel_size"]
+        if tp > 1:
+            import torch.distributed as tdist
+
+            for start in range(0, dist.world_size, tp):  # every rank creates every group, in order
+                group = tdist.new_group(list(range(start, start + tp)), backend="gloo")
+                if start <= dist.rank < start + tp:
+                    tp_group = group
+        return cls(llm, [tokenizer.eos_token_id], tokenizer.pad_token_id, dist.device, vllm.SamplingParams, tp_group)
+
+    # -- weights / memory --------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if "weights" in self._asleep:
+            raise RuntimeError("load_weights on a sleeping engine: call wake_up(['weights']) first")
+        items = list(weights)
+        if not items:
+            return
+        self.llm.collective_rpc(_rpc_load_weights, args=(items,))
+        self._weights_real = True
+        self._prefix_cache_stale = True  # KV computed with the old weights must not be reused
+
+    def named_weights(self, names: list[str] | None = None) -> list[tuple[str, torch.Tensor]]:
+        """CPU copies of the engine's parameters under vLLM's names (fused ``qkv_proj``/``gate_up_proj``;
+        this rank's shard under TP). For tests and parity checks."""
+        if "weights" in self._asleep:
+            raise RuntimeError("named_weights on a sleeping engine: wake it up first")
+        return self.llm.collective_rpc(_rpc_read_weights, args=(names,))[0]
+
+    def sleep(self, level: int = 1) -> None:
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (offload weights) or 2 (discard weights), got {level}")
+        if self._asleep >= {"weights", "kv_cache"}:
+            return
+        if self._asleep:  # half awake: vLLM only sleeps a fully awake engine
+            self.wake_up(None)
+        self.llm.sleep(level=level)
+        self._asleep = {"weights", "kv_cache"}
+        self._prefix_cache_stale = False  # vLLM drops the prefix cache when it sleeps
+        if level >= 2:
+            self._weights_real = False
+            self.weights_version = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        wanted = {"weights", "kv_cache"} if tags is None else set(tags)
+        unknown = wanted - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"wake_up tags must be 'weights' and/or 'kv_cache', got {sorted(unknown)}")
+        todo = sorted(wanted & self._asleep)
+        if not todo:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the trainer's cached blocks back before vLLM maps its pools
+        self.llm.wake_up(tags=todo)
+        self._asleep -= set(todo)
+        if "kv_cache" in todo:
+            self._reset_prefix_cache_if_stale()
+
+    def _reset_prefix_cache_if_stale(self) -> None:
+        if self._prefix_cache_stale and "kv_cache" not in self._asleep:
+            if self.llm.reset_prefix_cache() is False:
+                raise RuntimeError("vLLM refused to reset its prefix cache after a weight update (requests running?)")
+            self._prefix_cache_stale = False
+
+    # -- generation -------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        if self._asleep:
+            raise RuntimeError(f"generate on a sleeping engine ({sorted(self._asleep)} released): wake it up first")
+        if not self._weights_real:
+            raise RuntimeError("generate before any weights were pushed (the engine holds dummy or discarded "
+                               "weights): run it inside the sharding manager")
+        self._reset_prefix_cache_if_stale()
+        own = unpad_prompts(prompts.tensors["input_ids"], prompts.tensors["attention_mask"])
+        batch_prompts, offset = self._gather_tp(own)
+        sp = self.make_sampling_params(**sampling_kwargs(params, self.eos_token_ids, self.ignore_eos))
+        start = time.perf_counter()
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in batch_prompts], sp, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        outputs = outputs[offset:offset + len(own)]
+        responses, logprobs = collect_outputs(outputs, params.n, self.pad_token_id)
+        self.last_generate_stats = {"seconds": seconds,
+                                    "num_tokens": float(sum(len(o.token_ids) for ro in outputs for o in ro.outputs)),
+                                    "num_sequences": float(responses.shape[0])}
+        return assemble_rollout(prompts.to(self.device), responses.to(self.device), logprobs.to(self.device),
+                                params.n, self.eos_token_ids, self.pad_token_id)
+
+    def _gather_tp(self, own: list[list[int]]) -> tuple[list[list[int]], int]:
+        """Under TP every rank of an engine must submit the same requests: generate the group's union,
+        keep this rank's slice. Returns (all prompts, offset of this rank's prompts)."""
+        if self.tp_group is None:
+            return own, 0
+        import torch.distributed as tdist
+
+        parts: list[Any] = [None] * tdist.get_world_size(self.tp_group)
+        tdist.all_gather_object(parts, own, group=self.tp_group)
+        me = tdist.get_rank(self.tp_group)
+        return [p for part in parts for p in part], sum(len(part) for part in parts[:me])
+
+    def shutdown(self) -> None:
+        """Drop the engine and its GPU memory (one vLLM engine per process at a time)."""
+        self.llm = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,292 @@
+"""GPU tests of the vLLM rollout engine colocated with the FSDP2 trainer (one process, world of one).
+
+Run on a CUDA machine with vLLM 0.26 installed:  pytest -m gpu tests/test_vllm_gpu.py
+Skips cleanly without CUDA or without vLLM.
+
+The model is the Qwen2.5-0.5B architecture (hidden 896, 24 layers, 14 heads, 2 KV heads,
+intermediate 4864, vocab 151936, tied embeddings) with random weights, built from a config and
+saved to a temporary directory: no download. One engine serves all tests (vLLM's cuMem allocator
+allows one engine per process), so the tests run in file order and share the trainer.
+
+1. parity: the engine's sampled-token log-probs at T=0.7 match the trainer's forward at T=0.7
+   (and clearly do not match T=1, so the engine reports temperature-scaled log-probs);
+   greedy decoding matches the trainer's argmax and stops on EOS.
+2. the engine's weights after a push equal the pushed tensors, read back through the adapter.
+3. staleness canary: a real optimizer step, a push, and the engine's log-probs of the same
+   tokens move with the trainer's (a silently stale engine fails).
+4. sleep frees memory; level 1 keeps the weights; 50 sleep/wake/push cycles do not grow memory.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+for _k, _v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0",
+               "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}.items():
+    os.environ.setdefault(_k, _v)
+vllm = pytest.importorskip("vllm")
+
+from hybrid_rl.batch import Batch  # noqa: E402
+from hybrid_rl.rollout import vllm as vr  # noqa: E402
+from hybrid_rl.rollout.base import SamplingParams  # noqa: E402
+
+QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0,
+                  max_position_embeddings=32768, rms_norm_eps=1e-6)
+EOS, PAD = 151645, 151643  # Qwen2.5's <|im_end|> and <|endoftext|>
+TOL = 2e-2  # mean |Δ log-prob| allowed between engine and trainer in bf16
+GPU_UTIL = 0.3
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    mask = mask.float()
+    return float((x.float() * mask).sum() / mask.sum().clamp(min=1))
+
+
+def random_prompts(num: int, lo: int, hi: int, seed: int) -> Batch:
+    """Left-padded random prompts of lengths in [lo, hi]."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (num,), generator=g)
+    ids = torch.full((num, hi), PAD, dtype=torch.long)
+    mask = torch.zeros((num, hi), dtype=torch.long)
+    for i, n in enumerate(lens.tolist()):
+        ids[i, hi - n:] = torch.randint(0, 150000, (n,), generator=g)
+        mask[i, hi - n:] = 1
+    return Batch({"input_ids": ids, "attention_mask": mask})
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """trainer (FSDP2, world of one) + vLLM engine + sharding manager, as the worker builds them."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from hybrid_rl.config import load_config
+    from hybrid_rl.distributed import init_distributed
+    from hybrid_rl.models import load_causal_lm
+    from hybrid_rl.sharding_manager import ShardingManager
+    from hybrid_rl.workers.fsdp_engine import TrainingEngine
+
+    if "MASTER_ADDR" not in os.environ:  # pytest is not torchrun: a world of one
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist = init_distributed("cuda")
+
+    path = tmp_path_factory.mktemp("qwen25_05b_arch")
+    torch.manual_seed(0)
+    with torch.device(dist.device):
+        model = Qwen2ForCausalLM(Qwen2Config(eos_token_id=EOS, pad_token_id=PAD, **QWEN25_05B)).to(torch.bfloat16)
+    model.save_pretrained(path)
+    del model
+    torch.cuda.empty_cache()
+
+    cfg = load_config(None, [f"model.path={path}", "model.dtype=bfloat16", "trainer.device=cuda", "rollout.name=vllm",
+                             f"rollout.gpu_memory_utilization={GPU_UTIL}", "rollout.enforce_eager=true",
+                             "rollout.max_num_seqs=64", "rollout.sleep_level=2", "rollout.max_model_len=256",
+                             "data.max_prompt_length=64", "data.max_response_length=64"])
+    actor = TrainingEngine(load_causal_lm(str(path), torch.float32), dist.device, torch.bfloat16, trainable=True)
+    actor.configure_optimizer(1e-3, (0.9, 0.999), 0.0, 0, "constant", 100, 0.0)
+    engine = vr.VLLMRolloutEngine.from_config(cfg, dist, SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD))
+    version = [0]
+    sm = ShardingManager(actor, engine, lambda: version[0], dtype=torch.bfloat16, bucket_mb=256,
+                         free_cache_engine=True, sleep_level=2)
+    yield SimpleNamespace(actor=actor, engine=engine, sm=sm, version=version, dist=dist, cfg=cfg)
+    engine.shutdown()
+
+
+def trainer_logprobs(h, batch: Batch, temperature: float) -> torch.Tensor:
+    lp, _ = h.actor.compute_log_prob(batch, 16, temperature)
+    return lp
+
+
+def engine_score(engine, batch: Batch) -> torch.Tensor:
+    """T=1 log-probs of the batch's response tokens under the engine's current weights, via vLLM's
+    prompt log-probs of prompt+response (test-only: the product never scores given tokens)."""
+    ids, am = batch.tensors["input_ids"].cpu(), batch.tensors["attention_mask"].cpu().bool()
+    rmask = batch.tensors["response_mask"].cpu()
+    seqs = [row[m].tolist() for row, m in zip(ids, am)]
+    sp = vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+    outs = engine.llm.generate([{"prompt_token_ids": s} for s in seqs], sp, use_tqdm=False)
+    scores = torch.zeros(rmask.shape, dtype=torch.float32)
+    for i, (o, s) in enumerate(zip(outs, seqs)):
+        n = int(rmask[i].sum())
+        plps = o.prompt_logprobs
+        scores[i, :n] = torch.tensor([plps[j][s[j]].logprob for j in range(len(s) - n, len(s))])
+    return scores.to(batch.tensors["responses"].device)
+
+
+# --------------------------------------------------------------------------- 1. parity
+def test_parity_sampled_logprobs_at_temperature(hybrid):
+    h = hybrid
+    prompts = random_prompts(8, 12, 40, seed=1)
+    with h.sm as eng:
+        batch = eng.generate(prompts, SamplingParams(n=4, temperature=0.7, max_tokens=48))
+    t = batch.tensors
+    assert t["responses"].shape == (32, 48) and t["input_ids"].shape == (32, 40 + 48)
+    assert torch.equal(t["prompts"].cpu(), prompts.tensors["input_ids"].repeat_interleave(4, 0))
+    mask = t["response_mask"]
+    assert int(mask.sum()) > 0.9 * 32 * 48  # random weights: EOS is rare
+    diff = masked_mean((t["rollout_log_probs"] - trainer_logprobs(h, batch, 0.7)).abs(), mask)
+    diff_t1 = masked_mean((t["rollout_log_probs"] - trainer_logprobs(h, batch, 1.0)).abs(), mask)
+    print(f"parity T=0.7: mean|Δ|={diff:.5f}; vs the T=1 recomputation: {diff_t1:.5f}")
+    assert diff <= TOL
+    assert diff_t1 > max(5 * diff, 0.05), "engine log-probs are not temperature-scaled (logprobs_mode?)"
+
+
+def test_greedy_matches_trainer_and_stops_on_eos(hybrid):
+    h = hybrid
+    prompts = random_prompts(4, 16, 32, seed=2)
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=16)
+    with h.sm as eng:
+        a = eng.generate(prompts, greedy)
+        b = eng.generate(prompts, greedy)
+        assert torch.equal(a.tensors["responses"], b.tensors["responses"])
+        lp = trainer_logprobs(h, a, 1.0)  # greedy reports T=1 log-probs
+        mask = a.tensors["response_mask"]
+        diff = masked_mean((a.tensors["rollout_log_probs"] - lp).abs(), mask)
+        # the engine's greedy token is the trainer's argmax (bf16 near-ties aside)
+        width = a.tensors["responses"].shape[1]
+        with torch.no_grad():
+            out = h.actor.model(input_ids=a.tensors["input_ids"], attention_mask=a.tensors["attention_mask"],
+                                position_ids=a.tensors["position_ids"], use_cache=False)
+        argmax = out.logits[:, -width - 1:-1].argmax(-1)
+        agree = float((argmax == a.tensors["responses"]).float().mean())
+        print(f"greedy: mean|Δ|={diff:.5f}, argmax agreement={agree:.3f}")
+        assert diff <= TOL and agree >= 0.9
+        # make row 0's 4th greedy token the EOS: generation must stop there, right-padded after it
+        row = a.tensors["responses"][0].tolist()
+        eos = next(tok for k, tok in enumerate(row[3:], 3) if tok not in row[:k])
+        stop_at = row.index(eos)
+        eng.eos_token_ids = [eos]
+        try:
+            c = eng.generate(prompts, greedy)
+        finally:
+            eng.eos_token_ids = [EOS]
+    r0 = c.tensors["responses"][0].tolist()
+    assert r0[:stop_at + 1] == row[:stop_at + 1] and all(x == PAD for x in r0[stop_at + 1:])
+    assert int(c.tensors["response_mask"][0].sum()) == stop_at + 1
+    assert float(c.tensors["rollout_log_probs"][0, stop_at + 1:].abs().sum()) == 0.0
+
+
+# --------------------------------------------------------------------------- 2. weights read back
+def test_adapter_and_pushed_weights(hybrid):
+    """If this fails after a vLLM upgrade, hybrid_rl.rollout.vllm.engine_model is the place to fix."""
+    h = hybrid
+    names = h.engine.llm.collective_rpc(lambda w: type(vr.engine_model(w)).__name__)
+    assert names == ["Qwen2ForCausalLM"]
+    pushed = {n: t.detach().cpu() for n, t in h.actor.iter_full_params(torch.bfloat16)}
+    with h.sm as eng:
+        engine_w = dict(eng.named_weights())
+
+    def expected(name: str) -> torch.Tensor:
+        fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+        for fused_name, parts in fused.items():
+            if f".{fused_name}." in name:
+                return torch.cat([pushed[name.replace(fused_name, p)] for p in parts], dim=0)
+        return pushed[name]
+
+    assert len(engine_w) == 1 + 24 * 7 + 1  # embed, 24 × (qkv w+b, o, gate_up, down, 2 norms), final norm
+    for name, w in engine_w.items():
+        ref = expected(name)
+        assert w.dtype == torch.bfloat16 and torch.equal(w[:ref.shape[0]], ref), name
+
+
+# --------------------------------------------------------------------------- 3. staleness canary
+def test_staleness_canary_real_optimizer_step(hybrid):
+    h = hybrid
+    prompts = random_prompts(8, 16, 32, seed=3)
+    with h.sm as eng:
+        batch = eng.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=32))
+        engine_before = engine_score(eng, batch)
+    mask = batch.tensors["response_mask"]
+    trainer_before = trainer_logprobs(h, batch, 1.0)
+    assert masked_mean((engine_before - trainer_before).abs(), mask) <= TOL
+    # one real AdamW step that raises the sampled tokens' log-probs
+    h.actor.model.train()
+    h.actor.zero_grad()
+    lp, _ = h.actor.forward(batch, 1.0)
+    (-(lp * mask).sum() / mask.sum()).backward()
+    _, stepped = h.actor.optimizer_step(grad_clip=1.0)
+    assert stepped
+    h.version[0] += 1
+    trainer_after = trainer_logprobs(h, batch, 1.0)
+    with h.sm as eng:
+        assert h.sm.last_sync_bytes > 0  # the new version was pushed
+        engine_after = engine_score(eng, batch)
+    moved_trainer = masked_mean(trainer_after - trainer_before, mask)
+    moved_engine = masked_mean(engine_after - engine_before, mask)
+    parity_after = masked_mean((engine_after - trainer_after).abs(), mask)
+    stale_gap = masked_mean((engine_after - trainer_before).abs(), mask)
+    print(f"canary: trainer moved {moved_trainer:+.4f}, engine moved {moved_engine:+.4f}, "
+          f"parity after {parity_after:.5f}, |engine - old trainer| {stale_gap:.4f}")
+    assert moved_trainer > 10 * TOL, "the optimizer step did not change the policy enough to test anything"
+    assert parity_after <= TOL
+    assert stale_gap > 5 * TOL, "engine log-probs still match the old weights"
+    assert abs(moved_engine - moved_trainer) <= TOL + 0.05 * abs(moved_trainer)
+
+
+# --------------------------------------------------------------------------- 4. memory
+def test_sleep_level1_keeps_weights(hybrid):
+    h = hybrid
+    prompts = random_prompts(4, 16, 32, seed=4)
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=16)
+    h.sm.sleep_level = 1
+    try:
+        with h.sm as eng:
+            a = eng.generate(prompts, greedy)
+        assert h.engine.weights_version == h.version[0]  # offloaded, still the pushed version
+        with h.sm as eng:
+            assert h.sm.last_sync_bytes == 0  # nothing re-pushed
+            b = eng.generate(prompts, greedy)
+    finally:
+        h.sm.sleep_level = 2
+    assert torch.equal(a.tensors["responses"], b.tensors["responses"])
+
+
+def test_sleep_frees_memory_and_50_cycles_do_not_grow(hybrid):
+    h = hybrid
+    total = torch.cuda.mem_get_info()[1]
+    prompts = random_prompts(2, 8, 16, seed=5)
+    with h.sm as eng:
+        eng.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=8))
+        torch.cuda.synchronize()
+        free_awake = torch.cuda.mem_get_info()[0]
+    free_asleep = torch.cuda.mem_get_info()[0]
+    freed = free_asleep - free_awake
+    print(f"sleep(2) freed {freed / 2**30:.2f} GiB (awake free {free_awake / 2**30:.2f}, asleep {free_asleep / 2**30:.2f})")
+    assert freed >= 0.25 * GPU_UTIL * total
+    free_trace, alloc_trace = [], []
+    pushes = h.sm.num_pushes
+    for _ in range(50):
+        h.version[0] += 1
+        with h.sm as eng:
+            eng.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=8))
+        assert h.engine.weights_version is None  # level 2 discarded them
+        torch.cuda.synchronize()
+        free_trace.append(torch.cuda.mem_get_info()[0])
+        alloc_trace.append(torch.cuda.memory_allocated())
+    assert h.sm.num_pushes == pushes + 50
+    growth = free_trace[0] - min(free_trace)
+    alloc_growth = max(alloc_trace) - alloc_trace[0]
+    print(f"50 cycles: free-memory drop {growth / 2**20:.1f} MiB, allocated growth {alloc_growth / 2**20:.1f} MiB")
+    assert growth <= 256 * 2**20 and alloc_growth <= 64 * 2**20
+    # and the engine still answers correctly afterwards
+    with h.sm as eng:
+        batch = eng.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=16))
+    diff = masked_mean((batch.tensors["rollout_log_probs"] - trainer_logprobs(h, batch, 1.0)).abs(),
+                       batch.tensors["response_mask"])
+    assert diff <= TOL
