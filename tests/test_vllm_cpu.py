@@ -96,11 +96,12 @@ class FakeLLM:
 
     def generate(self, prompts, sp, use_tqdm=False):
         self.calls.append(("generate", [p["prompt_token_ids"] for p in prompts], sp))
+        sps = sp if isinstance(sp, list) else [sp] * len(prompts)  # vLLM accepts one per request too
         outs = []
-        for pi, _ in enumerate(prompts):
+        for pi, (_, one) in enumerate(zip(prompts, sps)):
             comps = []
-            for s in reversed(range(sp["n"])):  # out of order on purpose: the engine must sort by index
-                toks = [20 + 10 * s + i for i in range(self.length)]
+            for s in reversed(range(one["n"])):  # out of order on purpose: the engine must sort by index
+                toks = [20 + 10 * s + i for i in range(min(self.length, one["max_tokens"]))]
                 cut = self.eos_at.get((pi, s))
                 if cut is not None:
                     toks = toks[:cut] + [EOS]
@@ -272,6 +273,21 @@ def test_generate_builds_the_same_layout_as_assemble_rollout():
         assert torch.equal(out.tensors[k], ref.tensors[k]), k
     assert out.non_tensors["uid"].tolist() == [0, 0, 1, 1]
     assert eng.last_generate_stats["num_tokens"] == 4 + 3 + 4 + 4 and eng.last_generate_stats["num_sequences"] == 4
+
+
+def test_forced_lengths_become_one_request_per_sample():
+    """Benchmarks impose each sample's length: n=1 requests with their own max_tokens and EOS ignored."""
+    llm = FakeLLM(eos_at={}, length=8)
+    eng = make_engine(llm)
+    eng.load_weights([("w", torch.zeros(2))])
+    lengths = (3, 1, 5, 2)
+    out = eng.generate(prompts_batch(), SamplingParams(n=2, max_tokens=8, response_lengths=lengths))
+    gen = [c for c in llm.calls if c[0] == "generate"][0]
+    assert gen[1] == [[3, 4], [3, 4], [5, 6, 8, 9], [5, 6, 8, 9]]
+    assert [sp["max_tokens"] for sp in gen[2]] == list(lengths)
+    assert all(sp["n"] == 1 and sp["ignore_eos"] and sp["stop_token_ids"] == [] for sp in gen[2])
+    assert out.tensors["response_mask"].sum(dim=1).tolist() == list(lengths)
+    assert out.non_tensors["uid"].tolist() == [0, 0, 1, 1]
 
 
 def test_generate_refuses_dummy_weights_and_sleeping_engine():

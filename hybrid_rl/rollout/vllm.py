@@ -39,6 +39,7 @@ untruncated one: they then differ by log(kept mass) per token.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import socket
@@ -346,18 +347,32 @@ class VLLMRolloutEngine(RolloutEngine):
                                "weights): run it inside the sharding manager")
         self._reset_prefix_cache_if_stale()
         own = unpad_prompts(prompts.tensors["input_ids"], prompts.tensors["attention_mask"])
+        if params.response_lengths is not None:
+            # Forced lengths (benchmarks): one request per sample with its own
+            # max_tokens and EOS ignored; prefix caching still shares the prompt.
+            lengths = list(params.response_lengths)
+            own = [(p, lengths[i * params.n + j]) for i, p in enumerate(own) for j in range(params.n)]
         batch_prompts, offset = self._gather_tp(own)
-        sp = self.make_sampling_params(**sampling_kwargs(params, self.eos_token_ids, self.ignore_eos))
         start = time.perf_counter()
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in batch_prompts], sp, use_tqdm=False)
+        if params.response_lengths is not None:
+            one = dataclasses.replace(params, n=1)
+            sps = [self.make_sampling_params(**sampling_kwargs(dataclasses.replace(one, max_tokens=length),
+                                                               self.eos_token_ids, ignore_eos=True))
+                   for _, length in batch_prompts]
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p, _ in batch_prompts], sps, use_tqdm=False)
+            n_per_request = 1
+        else:
+            sp = self.make_sampling_params(**sampling_kwargs(params, self.eos_token_ids, self.ignore_eos))
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in batch_prompts], sp, use_tqdm=False)
+            n_per_request = params.n
         seconds = time.perf_counter() - start
         outputs = outputs[offset:offset + len(own)]
-        responses, logprobs = collect_outputs(outputs, params.n, self.pad_token_id)
+        responses, logprobs = collect_outputs(outputs, n_per_request, self.pad_token_id)
         self.last_generate_stats = {"seconds": seconds,
                                     "num_tokens": float(sum(len(o.token_ids) for ro in outputs for o in ro.outputs)),
                                     "num_sequences": float(responses.shape[0])}
         return assemble_rollout(prompts.to(self.device), responses.to(self.device), logprobs.to(self.device),
-                                params.n, self.eos_token_ids, self.pad_token_id)
+                                params.n, self.eos_token_ids, self.pad_token_id, params.response_lengths)
 
     def _gather_tp(self, own: list[list[int]]) -> tuple[list[list[int]], int]:
         """Under TP every rank of an engine must submit the same requests: generate the group's union,
