@@ -101,7 +101,7 @@ class FakeLLM:
         for pi, (_, one) in enumerate(zip(prompts, sps)):
             comps = []
             for s in reversed(range(one["n"])):  # out of order on purpose: the engine must sort by index
-                toks = [20 + 10 * s + i for i in range(min(self.length, one["max_tokens"]))]
+                toks = [20 + 10 * s + i for i in range(min(self.length, one.get("max_tokens", self.length)))]
                 cut = self.eos_at.get((pi, s))
                 if cut is not None:
                     toks = toks[:cut] + [EOS]
