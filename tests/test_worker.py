@@ -187,3 +187,18 @@ def test_reference_policy_is_frozen(tiny_model_path):
     for n, p in w.ref.model.named_parameters():
         assert torch.equal(p, ref_before[n])
     assert any(not torch.equal(p, ref_before[n]) for n, p in w.actor.model.named_parameters())
+
+
+def test_forced_lengths_for_benchmarks(tiny_model_path):
+    """rollout.forced_lengths imposes long-tailed response lengths (EOS ignored), capped at max_response_length."""
+    w = ActorRolloutRefWorker(make_cfg("rollout.forced_lengths=lognormal:4:1.0", "data.max_response_length=12"), cpu_dist())
+    batch = _rollout(w)
+    lengths = batch["response_mask"].sum(dim=1)
+    assert lengths.min() >= 1 and lengths.max() <= 12 and len(set(lengths.tolist())) > 2
+    assert batch["responses"].shape[1] == int(lengths.max())
+    batch = w.compute_log_prob(batch)  # parity holds on forced lengths too
+    m = batch["response_mask"].bool()
+    assert (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()[m].max() < 1e-5
+    from hybrid_rl.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match="rollout.forced_lengths"):
+        load_config(None, ["rollout.forced_lengths=zipf:3"]).validate()
