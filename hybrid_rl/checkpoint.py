@@ -59,6 +59,8 @@ import random
 import re
 import shutil
 import time
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -89,11 +91,6 @@ def _rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -156,18 +153,37 @@ def _remove_checkpoint(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _summary(e: BaseException) -> str:
+    """One line from an exception; DCP's CheckpointException (a BaseException) wraps the per-rank causes."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, (exc, _) = sorted(failures.items(), key=lambda kv: kv[0])[0]
+        return f"rank {rank}: {_summary(exc)}"
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:300]
+
+
+@contextmanager
+def _quiet_single_process():
+    # DCP warns on every single-process save/load that it "assumes the intent";
+    # here that is the intent (no_dist is passed explicitly).
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def _has_optimizer_state(optimizer: torch.optim.Optimizer | None) -> bool:
     return optimizer is not None and any(len(s) > 0 for s in optimizer.state.values())
 
 
 def _check_weights_only(obj: Any, what: str) -> bytes:
     buf = io.BytesIO()
-    torch.save(obj, buf)
     try:
+        torch.save(obj, buf)
         torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure means "not safely loadable"
         raise CheckpointError(f"{what} must hold only tensors and Python primitives (dict/list/tuple/int/float/str/bool/None) "
-                              f"so it reloads with weights_only=True ({str(e).splitlines()[0][:200]}); convert it, e.g. with capture_rng()") from None
+                              f"so it reloads with weights_only=True ({_summary(e)[:200]}); convert it, e.g. with capture_rng()") from None
     return buf.getvalue()
 
 
@@ -211,44 +227,75 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module, 
     if _META_KEY in payload:
         raise CheckpointError(f"extra must not use the reserved key {_META_KEY!r}")
     payload[_META_KEY] = meta
-    extra_bytes = _check_weights_only(payload, "checkpoint extra")
-
-    # A crashed earlier save of this step may have left a tmp dir: clear it before anyone writes.
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    _barrier()
+    # Every failure below is agreed on by all ranks (_agree), so a rank-local
+    # error raises everywhere instead of leaving the others in a barrier.
+    extra_bytes, error = None, None
+    try:
+        extra_bytes = _check_weights_only(payload, "checkpoint extra")
+    except CheckpointError as e:
+        error = e
+    if rank == 0 and error is None:
+        try:  # a crashed earlier save of this step may have left a tmp dir: clear it before anyone writes
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            error = CheckpointError(f"cannot create {str(tmp)!r} ({e}); make the checkpoint directory writable")
+    _agree(error, tmp)
 
     if has_optim:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
     else:
         state = {"model": get_model_state_dict(model)}
-    dcp_save(state, storage_writer=FileSystemWriter(str(tmp)), no_dist=not (dist.is_available() and dist.is_initialized()))
-    _write_atomic(tmp / f"extra_rank{rank}.pt", extra_bytes)
-    _barrier()
+    with _quiet_single_process():  # DCP agrees on its own failures across ranks
+        dcp_save(state, storage_writer=FileSystemWriter(str(tmp)), no_dist=not (dist.is_available() and dist.is_initialized()))
+    try:
+        _write_atomic(tmp / f"extra_rank{rank}.pt", extra_bytes)
+    except OSError as e:
+        error = CheckpointError(f"cannot write {str(tmp / f'extra_rank{rank}.pt')!r} ({e}); check free space and permissions")
+    _agree(error, tmp)
 
     if rank == 0:
-        missing = [r for r in range(world) if not (tmp / f"extra_rank{r}.pt").exists()]
-        if missing:
-            raise CheckpointError(f"{tmp}: ranks {missing} wrote no extra state; checkpoint root must be a file system every rank sees")
-        marker = {"format": FORMAT_VERSION, "step": int(step), "world_size": world, "has_optimizer_state": has_optim,
-                  "time": time.time()}
-        _write_atomic(tmp / COMPLETE, (json.dumps(marker) + "\n").encode())
-        if final.exists():  # re-saving a step (e.g. after resuming from it): swap, never leave a gap with a broken dir
-            trash = root / f".trash-{name}-{os.getpid()}"
-            os.rename(final, trash)
-            os.rename(tmp, final)
-            _remove_checkpoint(trash)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(root)
-        _write_atomic(root / LATEST, (name + "\n").encode())
-        _prune(root, step, keep_last)
-    _barrier()
+        try:
+            missing = [r for r in range(world) if not (tmp / f"extra_rank{r}.pt").exists()]
+            if missing:
+                raise CheckpointError(f"{str(tmp)!r}: ranks {missing} wrote no extra state; the checkpoint directory must be on a "
+                                      f"file system every rank sees")
+            marker = {"format": FORMAT_VERSION, "step": int(step), "world_size": world, "has_optimizer_state": has_optim,
+                      "time": time.time()}
+            _write_atomic(tmp / COMPLETE, (json.dumps(marker) + "\n").encode())
+            if final.exists():  # re-saving a step (e.g. after resuming from it): swap it in, then drop the old one
+                trash = root / f".trash-{name}-{os.getpid()}"
+                os.rename(final, trash)
+                os.rename(tmp, final)
+                _remove_checkpoint(trash)
+            else:
+                os.rename(tmp, final)
+            _fsync_dir(root)
+            _write_atomic(root / LATEST, (name + "\n").encode())
+            _prune(root, step, keep_last)
+        except (OSError, CheckpointError) as e:
+            error = e if isinstance(e, CheckpointError) else CheckpointError(f"cannot publish {str(final)!r} ({e}); check free space and permissions")
+    _agree(error, final)
     return final
+
+
+def _agree(error: BaseException | None, path: Path) -> None:
+    """Raise on every rank if any rank failed (this rank's own error where it has one); also a barrier."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if error is not None:
+            raise error
+        return
+    backend = str(dist.get_backend())
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend and torch.cuda.is_available() else torch.device("cpu")
+    flag = torch.tensor([1 if error is not None else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if error is not None:
+        raise error
+    if int(flag.item()):
+        raise CheckpointError(f"checkpoint {str(path)!r} failed on another rank; that rank's log has the reason")
 
 
 def _prune(root: Path, step: int, keep_last: int) -> None:
@@ -308,7 +355,26 @@ def _load_extra(path: Path, rank: int) -> dict[str, Any]:
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {str(path)!r} has no {f.name}; it is damaged: resume from an older step_* directory") from None
     except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"checkpoint {str(f)!r} cannot be read ({str(e).splitlines()[0][:200]}); resume from an older step_* directory") from None
+        raise CheckpointError(f"checkpoint {str(f)!r} cannot be read ({_summary(e)}); resume from an older step_* directory") from None
+
+
+def _load_into(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, no_dist: bool) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                         set_state_dict)
+
+    if optimizer is not None:
+        # get_state_dict gives the (sharded, for FSDP2) layout to read into; on a
+        # fresh optimizer it first materialises AdamW state, which the load overwrites.
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp_load(state, storage_reader=FileSystemReader(str(path)), no_dist=no_dist)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        state = {"model": get_model_state_dict(model)}
+        dcp_load(state, storage_reader=FileSystemReader(str(path)), no_dist=no_dist)
+        set_model_state_dict(model, state["model"])
 
 
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -320,10 +386,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
     run; the world size must match the saving run's (the per-rank extra
     cannot be resharded).
     """
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint import load as dcp_load
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                         set_state_dict)
+    from torch.distributed.checkpoint import CheckpointException
 
     path = Path(path)
     marker = _require_complete(path)
@@ -339,20 +402,12 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
     no_dist = not (dist.is_available() and dist.is_initialized())
     load_optim = optimizer is not None and bool(meta.get("has_optimizer_state"))
     try:
-        if load_optim:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            state = {"model": model_sd, "optim": optim_sd}
-            dcp_load(state, storage_reader=FileSystemReader(str(path)), no_dist=no_dist)
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        else:
-            state = {"model": get_model_state_dict(model)}
-            dcp_load(state, storage_reader=FileSystemReader(str(path)), no_dist=no_dist)
-            set_model_state_dict(model, state["model"])
+        with _quiet_single_process():
+            _load_into(path, model, optimizer if load_optim else None, no_dist)
     except CheckpointError:
         raise
-    except Exception as e:  # noqa: BLE001 - DCP raises several types for key/shape mismatches
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {str(path)!r} does not match this model/optimizer ({first}); "
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises several types for key/shape mismatches
+        raise CheckpointError(f"checkpoint {str(path)!r} does not match this model/optimizer ({_summary(e)}); "
                               f"resume with the saving run's model.path and model.lora settings") from e
     if optimizer is not None and not load_optim:
         # Saved before AdamW had state: the resumed optimizer must have none either.
@@ -441,7 +496,7 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, model_p
     keeps the base model's dtype (its ``config.json``); training masters are fp32.
     ``out_dir`` must not exist or be empty.
     """
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import CheckpointException, FileSystemReader
     from torch.distributed.checkpoint import load as dcp_load
 
     from hybrid_rl.models import apply_lora, load_causal_lm, load_tokenizer
@@ -462,11 +517,11 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, model_p
         model = apply_lora(model, rank, alpha, list(target_modules), dropout)
     state = {k: v for k, v in model.state_dict().items()}
     try:
-        dcp_load({"model": state}, storage_reader=FileSystemReader(str(ckpt)), no_dist=True)
-    except Exception as e:  # noqa: BLE001
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        with _quiet_single_process():
+            dcp_load({"model": state}, storage_reader=FileSystemReader(str(ckpt)), no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001
         raise CheckpointError(f"checkpoint {str(ckpt)!r} does not match the model rebuilt from {model_path!r} "
-                              f"(lora={'none' if lora is None else lora[0]}): {first}; use the run's model.path and model.lora settings") from e
+                              f"(lora rank {0 if lora is None else lora[0]}): {_summary(e)}; use the run's model.path and model.lora settings") from e
     # DCP loads plain tensors in place (they share storage with the parameters);
     # load_state_dict makes that explicit and checks every key was covered.
     model.load_state_dict(state, strict=True)

@@ -21,9 +21,9 @@ from hybrid_rl.checkpoint import (COMPLETE, LATEST, CheckpointError, capture_rng
 LORA_TARGETS = ["q_proj", "v_proj"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    """The built-in tiny model, materialised in a session-private cache (HYBRID_RL_CACHE)."""
+    """The built-in tiny model, materialised in a cache private to this module (HYBRID_RL_CACHE, restored after)."""
     from hybrid_rl.models import resolve_model_path
 
     mp = pytest.MonkeyPatch()
@@ -206,8 +206,9 @@ def test_load_rejects_other_world_size_and_bad_extra(tmp_path):
     with pytest.raises(CheckpointError, match="written by 2 ranks but this run has 1") as ei:
         load_checkpoint(ckpt, model, opt, sched)
     assert str(ckpt) in str(ei.value) and "\n" not in str(ei.value)
-    with pytest.raises(CheckpointError, match="weights_only"):
-        save_checkpoint(tmp_path, 2, model, opt, sched, {"obj": object()}, keep_last=0)
+    for bad in (object(), lambda: 0):
+        with pytest.raises(CheckpointError, match="weights_only"):
+            save_checkpoint(tmp_path, 2, model, opt, sched, {"obj": bad}, keep_last=0)
     assert not (tmp_path / "step_00000002").exists()
     (ckpt / COMPLETE).write_text(json.dumps(marker))
     with pytest.raises(CheckpointError, match="does not match this model") as ei:
@@ -218,19 +219,30 @@ def test_load_rejects_other_world_size_and_bad_extra(tmp_path):
 # --------------------------------------------------------------------------- (4) FSDP2, 2 ranks (gloo)
 def _fsdp_worker(rank: int, world: int, port: int, model_path: str, out: str) -> None:
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # An explicit CPU mesh: fully_shard's default mesh is CUDA whenever a GPU is visible.
+    mesh = init_device_mesh("cpu", (world,))
     try:
+        # A failure on one rank (unsaveable extra on rank 1) raises on every rank, not a hang in a barrier.
+        with pytest.raises(CheckpointError) as ei:
+            save_checkpoint(Path(out) / "bad", 0, torch.nn.Linear(2, 2), None, None,
+                            {"obj": object()} if rank == 1 else {}, keep_last=0)
+        assert ("another rank" in str(ei.value)) == (rank == 0)
+        assert find_latest(Path(out) / "bad") is None
         for lora in (False, True):
             def sharded():
                 m = _build(model_path, lora=lora)
                 layer_classes = set(getattr(m, "_no_split_modules", None) or [])
                 for module in m.modules():
                     if type(module).__name__ in layer_classes:
-                        fully_shard(module)
-                fully_shard(m)
+                        fully_shard(module, mesh=mesh)
+                fully_shard(m, mesh=mesh)
+                assert all(isinstance(p, DTensor) for p in m.parameters())
                 return m
 
             torch.manual_seed(0)  # LoRA init draws from the global RNG: same on every rank
@@ -289,6 +301,67 @@ def test_fsdp2_checkpoint_refuses_single_rank_resume_but_exports(fsdp_run, tiny_
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     at_save = torch.load(fsdp_run / "full_at_save.pt", weights_only=True)
     _assert_equal(at_save, _params(exported))
+
+
+def _nccl_engine_worker(rank: int, world: int, port: int, model_path: str, out: str) -> None:
+    """The trainer's real path on GPUs: TrainingEngine (FSDP2, bf16 compute, fp32 masters) + NCCL + CUDA RNG."""
+    import torch.distributed as dist
+
+    from hybrid_rl.workers.fsdp_engine import TrainingEngine
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, device_id=device)
+    try:
+        for lora in (False, True):
+            def engine():
+                e = TrainingEngine(_build(model_path, lora=lora), device, torch.bfloat16, trainable=True)
+                e.configure_optimizer(1e-3, (0.9, 0.99), 0.01, 2, "cosine", 10, 0.1)
+                return e
+
+            def step(e, seed):
+                e.zero_grad()
+                ids = _batch(seed, _vocab(e.model)).to(device)
+                e.model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                e.optimizer_step(1.0)
+
+            torch.manual_seed(0)
+            eng = engine()
+            gen = torch.Generator(device=device).manual_seed(10 + rank)
+            step(eng, 100 + rank)
+            root = Path(out) / ("lora" if lora else "full")
+            extra = {"rank": rank, "weight_version": 1, "rng": capture_rng({"rollout": gen})}
+            save_checkpoint(root, 1, eng.model, eng.optimizer, eng.scheduler, extra, keep_last=1)
+            draws = (torch.rand(4, device=device), torch.rand(4, device=device, generator=gen))
+            step(eng, 200 + rank)
+            want, want_lr = _params(eng.model), eng.lr
+
+            torch.manual_seed(1234)
+            eng2 = engine()
+            gen2 = torch.Generator(device=device).manual_seed(999)
+            got = load_checkpoint(find_latest(root), eng2.model, eng2.optimizer, eng2.scheduler)
+            assert got["rank"] == rank and got["weight_version"] == 1
+            restore_rng(got["rng"], {"rollout": gen2})
+            assert torch.equal(torch.rand(4, device=device), draws[0])
+            assert torch.equal(torch.rand(4, device=device, generator=gen2), draws[1])
+            step(eng2, 200 + rank)
+            _assert_equal(want, _params(eng2.model))
+            assert eng2.lr == want_lr
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_fsdp2_nccl_training_engine_resume_is_bit_exact(tiny_path, tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_nccl_engine_worker, args=(2, _free_port(), tiny_path, str(tmp_path)), nprocs=2, join=True)
+    for name in ("full", "lora"):
+        assert find_latest(tmp_path / name) == tmp_path / name / "step_00000001"
 
 
 # --------------------------------------------------------------------------- (5) export
