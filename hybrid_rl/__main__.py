@@ -16,9 +16,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from hybrid_rl.config import ConfigError
     from hybrid_rl.data import DataError
     from hybrid_rl.models import ModelLoadError
+    from hybrid_rl.checkpoint import CheckpointError
+    from hybrid_rl.pipeline import StalenessError
     from hybrid_rl.rewards import RewardError
+    from hybrid_rl.trainer import TrainingDiverged
 
-    return (ConfigError, DataError, ModelLoadError, RewardError)
+    return (ConfigError, DataError, ModelLoadError, RewardError, CheckpointError, StalenessError, TrainingDiverged)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -43,6 +46,12 @@ def cmd_build_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from hybrid_rl.export import main as export_main
+
+    return export_main(args.checkpoint, args.out_dir, args.adapters_only, args.dtype)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hybrid_rl", description="hybrid_rl: colocated RL trainer for LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -50,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("recipe", help="path to a recipe YAML (see recipes/)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=10")
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory (LoRA merged by default)")
+    p.add_argument("checkpoint", help="<output_dir>/checkpoints/step_N, or a run directory (its newest checkpoint)")
+    p.add_argument("out_dir")
+    p.add_argument("--adapters-only", action="store_true", help="LoRA runs: save the adapters instead of merging")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.set_defaults(func=cmd_export)
     p = sub.add_parser("build-tiny-model", help="write the built-in tiny Qwen2 model + tokenizer to a directory")
     p.add_argument("out_dir")
     p.add_argument("--seed", type=int, default=0)

@@ -95,6 +95,18 @@ class Batch:
         non = {k: np.concatenate([b.non_tensors[k] for b in batches]) for k in first.non_tensors}
         return Batch(tensors, non, dict(first.meta))
 
+    def state_dict(self) -> dict[str, Any]:
+        """Plain tensors/lists/scalars (loadable with ``torch.load(weights_only=True)``), for checkpoints."""
+        meta = {k: (v.state_dict() if isinstance(v, Batch) else v) for k, v in self.meta.items()}
+        return {"tensors": {k: v.cpu() for k, v in self.tensors.items()},
+                "non_tensors": {k: v.tolist() for k, v in self.non_tensors.items()},
+                "meta": meta, "nested": [k for k, v in self.meta.items() if isinstance(v, Batch)]}
+
+    @staticmethod
+    def from_state_dict(state: dict[str, Any]) -> "Batch":
+        meta = {k: (Batch.from_state_dict(v) if k in state["nested"] else v) for k, v in state["meta"].items()}
+        return Batch(dict(state["tensors"]), {k: _as_object_array(v) for k, v in state["non_tensors"].items()}, meta)
+
     def to(self, device: torch.device | str) -> "Batch":
         return Batch({k: v.to(device) for k, v in self.tensors.items()}, dict(self.non_tensors), dict(self.meta))
 

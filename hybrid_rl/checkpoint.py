@@ -257,6 +257,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module, 
         error = CheckpointError(f"cannot write {str(tmp / f'extra_rank{rank}.pt')!r} ({e}); check free space and permissions")
     _agree(error, tmp)
 
+    _fault_point(f"save:{step}")
     if rank == 0:
         try:
             missing = [r for r in range(world) if not (tmp / f"extra_rank{r}.pt").exists()]
@@ -280,6 +281,14 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module, 
             error = e if isinstance(e, CheckpointError) else CheckpointError(f"cannot publish {str(final)!r} ({e}); check free space and permissions")
     _agree(error, final)
     return final
+
+
+def _fault_point(name: str) -> None:
+    """Crash-test hook: ``HYBRID_RL_FAULT=save:N`` SIGKILLs the process here (shards written, not yet published)."""
+    if os.environ.get("HYBRID_RL_FAULT") == name:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _agree(error: BaseException | None, path: Path) -> None:

@@ -243,6 +243,14 @@ class TrainerConfig:
     """``sync``: generate then train. ``overlap``: generate batch k+1 while batch k trains."""
     max_staleness: int = 1
     """Overlap mode: the most weight versions a trained-on sample may lag (0 = sync semantics)."""
+    save_freq: int = 0
+    """Checkpoint every N steps (0 = only at the end)."""
+    keep_last: int = 2
+    """Complete checkpoints kept (older ones pruned after a new one is complete; 0 = all)."""
+    resume: str = "auto"
+    """``auto`` (newest complete checkpoint in output_dir, else fresh), ``never``, or a checkpoint path."""
+    max_skipped_updates: int = 3
+    """Stop after this many consecutive steps whose update was skipped for a non-finite loss/grad norm."""
     stale_policy: Literal["drop", "error"] = "drop"
     """A batch beyond ``max_staleness`` is regenerated under the current weights (drop) or stops the run (error)."""
 
@@ -333,6 +341,8 @@ class Config:
             raise ConfigError(f"actor.betas must hold two numbers, got {a.betas}")
         if self.model.lora.rank < 0:
             raise ConfigError("model.lora.rank must be >= 0 (0 = full fine-tuning)")
+        if self.trainer.save_freq < 0 or self.trainer.keep_last < 0 or self.trainer.max_skipped_updates < 1:
+            raise ConfigError("trainer.save_freq and trainer.keep_last must be >= 0, trainer.max_skipped_updates >= 1")
         if self.trainer.max_staleness not in (0, 1):
             raise ConfigError(f"trainer.max_staleness={self.trainer.max_staleness}: one-step overlap supports 0 or 1 "
                               "(deeper pipelines are not built yet)")

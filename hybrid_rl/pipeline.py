@@ -62,6 +62,18 @@ class RolloutPipeline:
         with self.worker.rollout_mode():
             return self._generate(prompts)
 
+    def peek(self) -> Batch | None:
+        """The finished in-flight batch (after ``wait``), for checkpoints; None when nothing is in flight."""
+        if self.pending is None:
+            return None
+        return self.pending.result()
+
+    def restore(self, batch: Batch) -> None:
+        """Put a checkpointed in-flight batch back, so a resumed run trains on exactly what it would have."""
+        done: Future = Future()
+        done.set_result(batch)
+        self.pending = done
+
     def wait(self) -> None:
         """Block until the in-flight generation (if any) is done, keeping its result."""
         if self.pending is not None:

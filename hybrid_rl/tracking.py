@@ -60,7 +60,7 @@ class Tracker:
 
             self.tb = SummaryWriter(log_dir=str(self.out / "tensorboard"))
         if "jsonl" in loggers:
-            self.jsonl = open(self.out / "metrics.jsonl", "a", buffering=1)
+            self.jsonl = open(self.out / "metrics.jsonl", "a", buffering=1)  # the trainer trims it on (re)start
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:

@@ -18,6 +18,7 @@ import torch
 
 from hybrid_rl.advantage import compute_advantage
 from hybrid_rl.batch import Batch
+from hybrid_rl.checkpoint import CHECKPOINT_SUBDIR, capture_rng, find_latest, load_checkpoint, restore_rng, save_checkpoint
 from hybrid_rl.config import Config, save_config
 from hybrid_rl.data import PromptDataset, PromptSampler, collate_prompts, load_rows
 from hybrid_rl.distributed import DistInfo, reduce_max, reduce_weighted_means
@@ -27,6 +28,22 @@ from hybrid_rl.rewards import get_reward_fn
 from hybrid_rl.scoring import compute_scores
 from hybrid_rl.tracking import Timer, Tracker
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive non-finite updates; the message names the knob and the way out."""
+
+
+def _trim_metrics(path: Path, last_step: int) -> None:
+    """Keep only the lines of steps <= ``last_step`` (a fresh run: none), so a resumed log has no duplicates."""
+    if not path.exists():
+        return
+    import json
+
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep) if last_step > 0 else "")
+    tmp.replace(path)
 
 
 def seed_everything(seed: int) -> None:
@@ -60,7 +77,12 @@ class Trainer:
         self.worker = ActorRolloutRefWorker(cfg, dist, total_training_steps=self.total_steps)
         self.tokenizer = self.worker.tokenizer
         self.pipeline = RolloutPipeline(self.worker, cfg.staleness_bound, cfg.trainer.stale_policy)
-        self.tracker = Tracker(t.output_dir, t.logger, self.total_steps, enabled=dist.is_main)
+        self.ckpt_root = Path(t.output_dir) / CHECKPOINT_SUBDIR
+        self.start_step = self._restore()
+        if dist.is_main:
+            _trim_metrics(Path(t.output_dir) / "metrics.jsonl", self.start_step)
+        self.tracker = Tracker(t.output_dir, t.logger, self.total_steps, enabled=dist.is_main, initial_step=self.start_step)
+        self.skipped_in_a_row = 0
         if dist.is_main:
             save_config(cfg, Path(t.output_dir) / "config.yaml")
         self.data_stats = {"data/train_prompts": len(self.train_set), "data/filtered_prompts": self.train_set.num_filtered,
@@ -69,17 +91,25 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------
     def fit(self) -> list[dict[str, float]]:
         history = []
+        if getattr(self, "tracker_note", None):
+            self.tracker.write(self.tracker_note)
         self.tracker.write(f"hybrid_rl: {self.total_steps} steps, mode {self.cfg.trainer.mode}, {self.dist.world_size} rank(s), "
                            f"device {self.dist.device}; {self.data_stats}")
-        if self.cfg.trainer.val_before_train and self.val_set is not None:
+        if self.start_step >= self.total_steps:
+            self.tracker.write(f"nothing to do: the checkpoint is at step {self.start_step} of {self.total_steps}; "
+                               "raise trainer.total_steps (or total_epochs) to train further")
+        elif self.start_step == 0 and self.cfg.trainer.val_before_train and self.val_set is not None:
             self.tracker.log(self.validate(), step=0)
         step_fn = self.overlap_step if self.cfg.trainer.mode == "overlap" else self.sync_step
-        for step in range(1, self.total_steps + 1):
+        for step in range(self.start_step + 1, self.total_steps + 1):
             metrics = step_fn(last=step == self.total_steps)
+            self._guard_skipped_updates(metrics)
             if self._due(step, self.cfg.trainer.test_freq) and self.val_set is not None:
                 metrics.update(self.validate())
             self.tracker.log(metrics, step)
             history.append({"step": step, **metrics})
+            if self._due(step, self.cfg.trainer.save_freq) or step == self.total_steps:
+                self.save(step)
         self.pipeline.close()
         self.tracker.close()
         return history
@@ -122,6 +152,52 @@ class Trainer:
         with timer("update"):
             update_stats = w.update_actor(batch)
         return dict(batch=batch, reward_stats=reward_stats, update_stats=update_stats, adv_metrics=adv_metrics)
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def _rng_generators(self) -> dict:
+        w = self.worker
+        gens = {"shuffle": w._shuffle_rng, "lengths": w._length_rng}
+        if isinstance(getattr(w.rollout, "generator", None), torch.Generator):
+            gens["rollout"] = w.rollout.generator
+        return gens
+
+    def save(self, step: int) -> None:
+        w = self.worker
+        self.pipeline.wait()  # the in-flight batch is part of the state (and must not race the RNG capture)
+        pending = self.pipeline.peek()
+        extra = {"step": step, "weight_version": w.weight_version, "sampler": self.sampler.state_dict(),
+                 "rng": capture_rng(self._rng_generators()), "skipped_in_a_row": self.skipped_in_a_row,
+                 "pending_batch": pending.state_dict() if pending is not None else None}
+        save_checkpoint(self.ckpt_root, step, w.actor.model, w.actor.optimizer, w.actor.scheduler, extra,
+                        self.cfg.trainer.keep_last)
+
+    def _restore(self) -> int:
+        """Load the checkpoint ``trainer.resume`` names; returns the step to continue after (0 = fresh)."""
+        resume = self.cfg.trainer.resume
+        if resume == "never":
+            return 0
+        path = find_latest(self.ckpt_root) if resume == "auto" else Path(resume)
+        if path is None:
+            return 0
+        w = self.worker
+        extra = load_checkpoint(path, w.actor.model, w.actor.optimizer, w.actor.scheduler)
+        w.weight_version = extra["weight_version"]
+        self.sampler.load_state_dict(extra["sampler"])
+        self.skipped_in_a_row = extra.get("skipped_in_a_row", 0)
+        if extra.get("pending_batch") is not None:
+            self.pipeline.restore(Batch.from_state_dict(extra["pending_batch"]).to(self.dist.device))
+        restore_rng(extra["rng"], self._rng_generators())  # last: building models consumed the global RNG
+        self.tracker_note = f"resumed from {path} (step {extra['step']})"
+        return int(extra["step"])
+
+    def _guard_skipped_updates(self, metrics: dict[str, float]) -> None:
+        """A non-finite loss/grad norm skips the update; too many in a row stops the run."""
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if metrics.get("actor/skipped_updates", 0) > 0 else 0
+        limit = self.cfg.trainer.max_skipped_updates
+        if self.skipped_in_a_row >= limit:
+            raise TrainingDiverged(f"{self.skipped_in_a_row} steps in a row had a non-finite loss or gradient norm and were "
+                                   f"skipped (trainer.max_skipped_updates={limit}); lower actor.lr, check the reward "
+                                   f"function, or resume from the last checkpoint in {self.ckpt_root}")
 
     # -- helpers ------------------------------------------------------------------------
     def next_prompts(self) -> Batch:
