@@ -61,8 +61,10 @@ class GpuSampler(threading.Thread):
     def run(self) -> None:
         while not self.stop.is_set():
             try:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
-                                     capture_output=True, text=True, timeout=5).stdout.split()
+                ids = os.environ.get("CUDA_VISIBLE_DEVICES")
+                cmd = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"]
+                out = subprocess.run(cmd + ([f"--id={ids}"] if ids else []), capture_output=True, text=True,
+                                     timeout=5).stdout.split()
                 if out:
                     self.samples.append(sum(float(x) for x in out) / len(out) / 100.0)
             except (OSError, subprocess.TimeoutExpired, ValueError):

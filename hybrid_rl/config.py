@@ -303,6 +303,9 @@ class Config:
                          "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size_per_device", "actor.ppo_epochs",
                          "actor.log_prob_micro_batch_size_per_device", "ref.log_prob_micro_batch_size_per_device",
                          "rollout.max_num_seqs", "rollout.weight_sync_bucket_mb"])
+        if self.algorithm.adv_estimator in ("grpo", "dr_grpo", "rloo") and r.n < 2:
+            raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares the samples of one prompt, "
+                              f"so rollout.n must be >= 2 (got {r.n}); raise rollout.n or use reinforce_pp")
         if d.train_batch_size % world_size:
             raise ConfigError(f"data.train_batch_size={d.train_batch_size} must be divisible by the {world_size} ranks "
                               f"(a prompt's samples stay on one rank); set it to a multiple of {world_size}")
@@ -316,9 +319,6 @@ class Config:
         if seqs_per_rank % a.ppo_micro_batch_size_per_device:
             raise ConfigError(f"a mini-batch holds {seqs_per_rank} sequences per device (actor.ppo_mini_batch_size / ranks × rollout.n), "
                               f"not divisible by actor.ppo_micro_batch_size_per_device={a.ppo_micro_batch_size_per_device}; use a divisor of {seqs_per_rank}")
-        if self.algorithm.adv_estimator in ("grpo", "dr_grpo", "rloo") and r.n < 2:
-            raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares the samples of one prompt, "
-                              f"so rollout.n must be >= 2 (got {r.n}); raise rollout.n or use reinforce_pp")
         if self.algorithm.adv_estimator == "gae":
             raise ConfigError("algorithm.adv_estimator=gae needs a critic, which hybrid_rl does not build yet; "
                               "use grpo, dr_grpo, rloo or reinforce_pp")

@@ -164,15 +164,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
+def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model.path"):
+    """``key`` is the config key the path came from (``model.tokenizer_path`` when set), for error messages."""
     from transformers import AutoTokenizer
 
     path = resolve_model_path(path)
-    _check_local(path, "model.tokenizer_path")
+    _check_local(path, key)
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as e:
-        raise ModelLoadError(f"model.tokenizer_path: cannot load a tokenizer from {path!r} ({str(e).splitlines()[0]})") from e
+        raise ModelLoadError(f"{key}: cannot load a tokenizer from {path!r} ({str(e).splitlines()[0]})") from e
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token

@@ -60,7 +60,8 @@ class Trainer:
         d = cfg.data
         from hybrid_rl.models import load_tokenizer
 
-        tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
+        tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code,
+                                   "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
         rows = load_rows(d.train_path, d.train_split, d.hub_config, d.task, d.num_synthetic, cfg.trainer.seed)
         self.train_set = PromptDataset(rows, d.task, tokenizer, d.max_prompt_length, d.truncation, d.system_prompt)
         self.sampler = PromptSampler(len(self.train_set), d.train_batch_size, dist.rank, dist.world_size,

@@ -415,3 +415,11 @@ def test_named_weights_reads_through_collective_rpc():
     eng = make_engine(llm)
     names = [n for n, _ in eng.named_weights()]
     assert names == ["weight", "bias"] and ("rpc", "_rpc_read_weights") in llm.calls
+
+
+def test_memory_budget_is_checked_before_vllm_starts():
+    gib = 2**30
+    vr.check_memory_budget(0.5, free_bytes=60 * gib, total_bytes=80 * gib)  # 40 GiB of 60 free: fine
+    with pytest.raises(ModelLoadError, match=r"rollout.gpu_memory_utilization=0.9 asks for 72.0 GiB but only 30.0 GiB") as e:
+        vr.check_memory_budget(0.9, free_bytes=30 * gib, total_bytes=80 * gib)
+    assert "lower it (e.g. 0.32)" in str(e.value) and "\n" not in str(e.value)

@@ -231,6 +231,17 @@ def engine_kwargs(cfg, dist) -> dict[str, Any]:
     )
 
 
+def check_memory_budget(utilization: float, free_bytes: int, total_bytes: int) -> None:
+    """vLLM claims ``utilization × total`` of the GPU; with the actor already resident that must fit in what is free."""
+    want = utilization * total_bytes
+    if want > free_bytes:
+        fits = max(0.05, int(free_bytes / total_bytes * 100 - 5) / 100)
+        raise ModelLoadError(
+            f"rollout.gpu_memory_utilization={utilization} asks for {want / 2**30:.1f} GiB but only {free_bytes / 2**30:.1f} GiB "
+            f"of {total_bytes / 2**30:.1f} GiB is free next to the actor; lower it (e.g. {fits}) or set "
+            f"actor.param_offload=true / ref.offload=true")
+
+
 def _ensure_launcher_env(dist) -> None:
     """The external launcher reads torchrun's variables; a plain one-process run gets a world of one."""
     if "MASTER_ADDR" in os.environ:
@@ -270,6 +281,7 @@ class VLLMRolloutEngine(RolloutEngine):
         if dist.device.type == "cuda":
             torch.cuda.set_device(dist.device)
             torch.cuda.empty_cache()  # vLLM sizes itself from the free memory
+            check_memory_budget(kwargs["gpu_memory_utilization"], *torch.cuda.mem_get_info(dist.device))
         llm = vllm.LLM(**kwargs)
         tp_group = None
         tp = kwargs["tensor_parallel_size"]

@@ -1,0 +1,90 @@
+"""Every bad input gets one line naming the key or file and the fix, exit code 2, and no traceback.
+
+The README's "Bad input" table is this list; ``python tests/test_bad_inputs.py`` prints it from real runs.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = "recipes/cpu_successor.yaml"
+FAST = ["trainer.total_steps=1", "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.logger=[jsonl]"]
+
+
+def _setup(tmp: Path) -> dict[str, str]:
+    bad_rows = tmp / "bad.jsonl"
+    bad_rows.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": "2+2?", "answer": \n')
+    no_field = tmp / "nofield.jsonl"
+    no_field.write_text('{"prompt": "1+1?"}\n')
+    raising = tmp / "raising_reward.py"
+    raising.write_text("def score(response, ground_truth):\n    raise ZeroDivisionError('boom')\n")
+    return {"bad_rows": str(bad_rows), "no_field": str(no_field), "raising": f"{raising}:score", "tmp": str(tmp)}
+
+
+# (what, arguments after `python -m hybrid_rl`, substrings the one-line message must contain)
+CASES = [
+    ("misspelt key", ["train", "recipes/gsm8k_grpo.yaml", "algorithm.adv_estimatr=grpo"], ["algorithm.adv_estimator"]),
+    ("recipe that does not exist", ["train", "recipes/nope.yaml"], ["does not exist", "recipes/"]),
+    ("wrong type", ["train", RECIPE, "rollout.n=many"], ["rollout.n must be an integer"]),
+    ("value not in the choices", ["train", RECIPE, "algorithm.adv_estimator=ppo"], ["algorithm.adv_estimator", "grpo"]),
+    ("batch not divisible into mini-batches", ["train", RECIPE, "actor.ppo_mini_batch_size=48"], ["actor.ppo_mini_batch_size"]),
+    ("GRPO with one sample per prompt", ["train", RECIPE, "rollout.n=1"], ["rollout.n must be >= 2"]),
+    ("missing model directory", ["train", RECIPE, "model.path=./no/such/model"], ["model.path", "does not exist"]),
+    ("missing data file", ["train", RECIPE, "data.train_path=./no/such/train.jsonl", "data.task=gsm8k"],
+     ["no/such/train.jsonl", "data.train_path"]),
+    ("malformed dataset row", ["train", RECIPE, "data.train_path={bad_rows}", "data.task=gsm8k", "data.val_path=null"],
+     ["bad.jsonl:2"]),
+    ("dataset row without the task's field", ["train", RECIPE, "data.train_path={no_field}", "data.task=gsm8k",
+                                              "data.val_path=null"], ["question"]),
+    ("prompt longer than max_prompt_length", ["train", RECIPE, "data.max_prompt_length=5"], ["data.max_prompt_length"]),
+    ("reward function that raises", ["train", RECIPE, "reward.function={raising}", "data.val_path=null"],
+     ["ZeroDivisionError", "reward.on_error=zero"]),
+    ("reward function that does not exist", ["train", RECIPE, "reward.function=no_such_module:score"], ["reward.function"]),
+    ("vLLM requested but not installed", ["train", RECIPE, "rollout.name=vllm"], ["pip install", "rollout.name=hf"]),
+    ("resume from a path that is no checkpoint", ["train", RECIPE, "trainer.resume={tmp}", "trainer.output_dir={tmp}/run"],
+     ["checkpoint"]),
+    ("export of a missing checkpoint", ["export", "{tmp}/nothing", "{tmp}/out"], ["does not exist"]),
+]
+
+
+def _run(args: list[str], paths: dict[str, str]) -> subprocess.CompletedProcess:
+    args = [a.format(**paths) for a in args]
+    extra = FAST + [f"trainer.output_dir={paths['tmp']}/run_default"] if args[0] == "train" and not any(
+        a.startswith("trainer.output_dir") for a in args) else []
+    return subprocess.run([sys.executable, "-m", "hybrid_rl", *args, *extra], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("what, args, expected", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_clear_line(tmp_path, what, args, expected):
+    if what.startswith("vLLM"):
+        pytest.importorskip("torch")
+        try:
+            import vllm  # noqa: F401
+            pytest.skip("vllm is installed here")
+        except ImportError:
+            pass
+    proc = _run(args, _setup(tmp_path))
+    err = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(err) == 1 and len(err[0]) < 600, proc.stderr[-2000:]
+    for s in expected:
+        assert s in err[0], (s, err[0])
+
+
+if __name__ == "__main__":  # print the README table from real runs
+    import tempfile
+
+    print("| bad input | what `python -m hybrid_rl` prints (exit code 2) |\n|---|---|")
+    with tempfile.TemporaryDirectory() as d:
+        paths = _setup(Path(d))
+        for what, args, _ in CASES:
+            proc = _run(args, paths)
+            line = next((l for l in proc.stderr.splitlines() if l.startswith("error:")), proc.stderr.strip()[-200:])
+            print(f"| {what} | `{line.replace(d, '/tmp/x').replace('|', '/')}` |")
