@@ -18,7 +18,8 @@ import torch
 
 from hybrid_rl.advantage import compute_advantage
 from hybrid_rl.batch import Batch
-from hybrid_rl.checkpoint import CHECKPOINT_SUBDIR, capture_rng, find_latest, load_checkpoint, restore_rng, save_checkpoint
+from hybrid_rl.checkpoint import (CHECKPOINT_SUBDIR, CheckpointError, capture_rng, find_latest, is_complete, load_checkpoint,
+                                  restore_rng, save_checkpoint)
 from hybrid_rl.config import Config, save_config
 from hybrid_rl.data import PromptDataset, PromptSampler, collate_prompts, load_rows
 from hybrid_rl.distributed import DistInfo, reduce_max, reduce_weighted_means
@@ -180,6 +181,10 @@ class Trainer:
         path = find_latest(self.ckpt_root) if resume == "auto" else Path(resume)
         if path is None:
             return 0
+        if not is_complete(path):
+            raise CheckpointError(f"trainer.resume={resume!r} is not a complete checkpoint (no COMPLETE marker: missing, "
+                                  f"crashed or partial); point it at a <output_dir>/checkpoints/step_* directory, or use "
+                                  f"trainer.resume=auto to pick the newest complete one")
         w = self.worker
         extra = load_checkpoint(path, w.actor.model, w.actor.optimizer, w.actor.scheduler)
         w.weight_version = extra["weight_version"]

@@ -47,7 +47,7 @@ CASES = [
     ("reward function that does not exist", ["train", RECIPE, "reward.function=no_such_module:score"], ["reward.function"]),
     ("vLLM requested but not installed", ["train", RECIPE, "rollout.name=vllm"], ["pip install", "rollout.name=hf"]),
     ("resume from a path that is no checkpoint", ["train", RECIPE, "trainer.resume={tmp}", "trainer.output_dir={tmp}/run"],
-     ["checkpoint"]),
+     ["trainer.resume", "trainer.resume=auto"]),
     ("export of a missing checkpoint", ["export", "{tmp}/nothing", "{tmp}/out"], ["does not exist"]),
 ]
 
