@@ -1,24 +1,45 @@
 """The hybrid switch: hand the GPU from the trainer to the rollout engine and back.
 
 On entry the engine wakes up, and if it does not already hold the actor's
-current weight version, the actor's parameters are gathered one by one,
-cast to the engine dtype, grouped into buckets of ``bucket_mb`` and handed to
-``engine.load_weights``; each bucket is dropped as soon as it is loaded, so
-the full state dict never exists at once. On exit the engine goes to sleep
-and returns its memory to training. The push is skipped when the version is
-unchanged (e.g. validation right after a rollout). Timing and bytes pushed are
-recorded for the driver's metrics. Left out here: LoRA-only pushes and
-parameter/optimizer offload, which belong to the multi-GPU work.
+current weight version the actor streams its weights out
+(``TrainingEngine.iter_full_params``: one all-gather per FSDP module group in
+the engine dtype, the next group in flight while the current one loads, LoRA
+merged on the fly, tied duplicates once); they are grouped into buckets of
+``bucket_mb`` and handed to ``engine.load_weights``, each bucket dropped as
+soon as it is loaded, so the full state dict never exists at once. Weights
+that only depend on frozen parameters (with LoRA: embeddings, norms,
+untargeted linears) are pushed once and skipped afterwards, for as long as the
+engine keeps them (sleep level 2 discards them: the next push is full again).
+Then the actor's parameters (+ gradients) and/or optimizer state go to CPU if
+``param_offload``/``optimizer_offload`` ask for it, and the engine's KV cache
+wakes. On exit the engine goes to sleep and the actor comes back. The push is
+skipped when the version is unchanged (e.g. validation right after a
+rollout). Timing and bytes pushed are recorded for the driver's metrics.
+
+Left out: pushing LoRA adapters alone into an engine with native LoRA support
+(the engine always receives merged, HF-named full weights) and offload while a
+background generation overlaps training (offload is for the sync loop: the
+actor must not train while its shards sit on CPU).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
 
 from hybrid_rl.rollout.base import RolloutEngine
+
+
+class WeightSource(Protocol):
+    """What the sharding manager needs from the training side (``TrainingEngine`` implements it)."""
+
+    def iter_full_params(self, dtype: torch.dtype | None = None, skip_static: bool = False) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def offload(self, params: bool = True, optimizer: bool = True) -> None: ...
+
+    def onload(self) -> None: ...
 
 
 def bucketize(params: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -37,37 +58,73 @@ def bucketize(params: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> 
 
 
 class ShardingManager:
-    def __init__(self, iter_params: Callable[[], Iterable[tuple[str, torch.Tensor]]], engine: RolloutEngine,
-                 version: Callable[[], int], bucket_mb: int = 512, free_cache_engine: bool = True, sleep_level: int = 1):
-        self.iter_params = iter_params
+    def __init__(self, source: WeightSource, engine: RolloutEngine, version: Callable[[], int],
+                 dtype: torch.dtype | None = None, bucket_mb: int = 512, free_cache_engine: bool = True,
+                 sleep_level: int = 1, param_offload: bool = False, optimizer_offload: bool = False):
+        self.source = source
         self.engine = engine
         self.version = version
+        self.dtype = dtype
         self.bucket_bytes = bucket_mb * 2**20
         self.free_cache_engine = free_cache_engine
         self.sleep_level = sleep_level
+        self.param_offload = param_offload
+        self.optimizer_offload = optimizer_offload
         self.last_sync_s = 0.0
         self.last_sync_bytes = 0
+        self.last_sync_tensors = 0
         self.num_pushes = 0
+        self._engine_has_static = False
 
-    def __enter__(self) -> RolloutEngine:
-        self.engine.wake_up(["weights"])
+    def invalidate(self) -> None:
+        """Forget what the engine holds: the next entry pushes every weight (e.g. after loading a checkpoint)."""
+        self._engine_has_static = False
+        self.engine.weights_version = None
+
+    def push(self) -> None:
+        """Bring the engine to the actor's current version (no-op when it is already there)."""
         version = self.version()
         start = time.perf_counter()
-        pushed = 0
+        pushed, tensors = 0, 0
         if self.engine.weights_version != version:
-            for bucket in bucketize(self.iter_params(), self.bucket_bytes):
+            # The engine keeps whatever it was given unless it discarded its weights
+            # (sleep level 2 clears weights_version): only then resend frozen weights.
+            skip_static = self._engine_has_static and self.engine.weights_version is not None
+            # a push that fails half-way leaves the engine at no known version
+            self.engine.weights_version = None
+            self._engine_has_static = False
+            for bucket in bucketize(self.source.iter_full_params(self.dtype, skip_static=skip_static), self.bucket_bytes):
                 self.engine.load_weights(bucket)
                 pushed += sum(t.numel() * t.element_size() for _, t in bucket)
+                tensors += len(bucket)
                 del bucket
             self.engine.weights_version = version
+            self._engine_has_static = True
             self.num_pushes += 1
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
         self.last_sync_s = time.perf_counter() - start
         self.last_sync_bytes = pushed
-        self.engine.wake_up(["kv_cache"])
+        self.last_sync_tensors = tensors
+
+    def __enter__(self) -> RolloutEngine:
+        self.engine.wake_up(["weights"])
+        self.push()
+        offload = self.param_offload or self.optimizer_offload
+        if offload:
+            self.source.offload(params=self.param_offload, optimizer=self.optimizer_offload)
+        try:
+            self.engine.wake_up(["kv_cache"])
+        except BaseException:
+            if offload:
+                self.source.onload()
+            raise
         return self.engine
 
     def __exit__(self, *exc) -> None:
-        if self.free_cache_engine:
-            self.engine.sleep(level=self.sleep_level)
+        try:
+            if self.free_cache_engine:
+                self.engine.sleep(level=self.sleep_level)
+        finally:
+            if self.param_offload or self.optimizer_offload:
+                self.source.onload()

@@ -2,8 +2,10 @@
 
 The role string (``actor``, ``rollout``, ``ref``, ``actor_rollout``,
 ``actor_rollout_ref``) decides which parts are built, as in verl. The actor is
-a ``TrainingEngine`` with an optimizer; the reference is a frozen copy loaded
-from the same checkpoint (only built when a KL term needs it); the rollout
+a ``TrainingEngine`` with an optimizer; the reference (only built when a KL
+term needs it) is a frozen copy loaded from the same checkpoint, optionally
+parked on CPU between uses, or with LoRA the actor itself with its adapters
+disabled; the rollout
 engine holds its own weights, refreshed by the sharding manager returned from
 ``rollout_mode()``. ``update_actor`` is the PPO update: epochs × mini-batches ×
 micro-batches with gradient accumulation, each micro-batch loss normalised by
@@ -13,6 +15,7 @@ the *mini-batch's global* token/sequence counts so that any micro-batch split
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,12 +23,12 @@ import torch
 
 from hybrid_rl import algorithms as alg
 from hybrid_rl.batch import Batch
-from hybrid_rl.config import Config
+from hybrid_rl.config import Config, parse_forced_lengths
 from hybrid_rl.distributed import DistInfo, all_reduce_sum
 from hybrid_rl.models import apply_lora, load_causal_lm, load_tokenizer, resolve_dtype
 from hybrid_rl.rollout.base import RolloutEngine, SamplingParams
 from hybrid_rl.sharding_manager import ShardingManager
-from hybrid_rl.workers.fsdp_engine import TrainingEngine
+from hybrid_rl.workers.fsdp_engine import AdapterDisabledReference, FrozenReference, TrainingEngine
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
 
@@ -58,7 +61,8 @@ class ActorRolloutRefWorker:
         self.device = dist.device
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         mcfg = cfg.model
-        self.tokenizer = load_tokenizer(mcfg.tokenizer_path or mcfg.path, mcfg.trust_remote_code)
+        self.tokenizer = load_tokenizer(mcfg.tokenizer_path or mcfg.path, mcfg.trust_remote_code,
+                                        "model.tokenizer_path" if mcfg.tokenizer_path else "model.path")
 
         self.actor: TrainingEngine | None = None
         if self.is_actor:
@@ -71,19 +75,27 @@ class ActorRolloutRefWorker:
             updates_per_step = a.ppo_epochs * (cfg.data.train_batch_size // a.ppo_mini_batch_size)
             self.actor.configure_optimizer(a.lr, (a.betas[0], a.betas[1]), a.weight_decay, a.warmup_steps,
                                            a.lr_scheduler, total_training_steps * updates_per_step, a.min_lr_ratio)
-        self.ref: TrainingEngine | None = None
+        self.ref: FrozenReference | AdapterDisabledReference | None = None
         if self.is_ref:
-            self.ref = TrainingEngine(load_causal_lm(mcfg.path, self.dtype, mcfg.trust_remote_code), self.device,
-                                      self.dtype, trainable=False)
+            if mcfg.lora.rank > 0 and self.actor is not None:
+                # LoRA: the reference is the base model, i.e. the actor with its adapters off (no second copy)
+                self.ref = AdapterDisabledReference(self.actor)
+            else:
+                ref_engine = TrainingEngine(load_causal_lm(mcfg.path, self.dtype, mcfg.trust_remote_code), self.device,
+                                            self.dtype, trainable=False)
+                self.ref = FrozenReference(ref_engine, offload=cfg.ref.offload)
         self.rollout: RolloutEngine | None = None
         self.sharding_manager: ShardingManager | None = None
         if self.is_rollout:
             self.rollout = self._build_rollout()
             if self.actor is not None:
+                r = cfg.rollout
                 self.sharding_manager = ShardingManager(
-                    lambda: self.actor.iter_full_params(self.dtype), self.rollout, lambda: self.weight_version,
-                    cfg.rollout.weight_sync_bucket_mb, cfg.rollout.free_cache_engine, cfg.rollout.sleep_level)
+                    self.actor, self.rollout, lambda: self.weight_version, dtype=self.dtype,
+                    bucket_mb=r.weight_sync_bucket_mb, free_cache_engine=r.free_cache_engine, sleep_level=r.sleep_level,
+                    param_offload=cfg.actor.param_offload, optimizer_offload=cfg.actor.optimizer_offload)
         self._shuffle_rng = np.random.default_rng(cfg.trainer.seed + 7919 * dist.rank)
+        self._length_rng = np.random.default_rng(cfg.trainer.seed + 104729 * (dist.rank + 1))
 
     # -- rollout ------------------------------------------------------------------------
     def _build_rollout(self) -> RolloutEngine:
@@ -118,12 +130,25 @@ class ActorRolloutRefWorker:
         """Responses for ``prompts`` (n each) with the sampled tokens' log-probs; call inside ``rollout_mode()``."""
         assert self.rollout is not None
         params = self.sampling_params(validate)
+        if self.cfg.rollout.forced_lengths and not validate:
+            params = dataclasses.replace(params, response_lengths=self._forced_lengths(len(prompts) * params.n))
         version = self.rollout.weights_version
         out = self.rollout.generate(prompts, params)
         # every sample records the weight version that produced it (staleness accounting)
         versions = torch.full((len(out),), -1 if version is None else version, dtype=torch.long)
         return out.union(tensors=dict(weight_version=versions.to(out.tensors["responses"].device)),
                          weight_version=version, temperature=params.logprob_temperature)
+
+    def _forced_lengths(self, count: int) -> tuple[int, ...]:
+        """Benchmark response lengths: a long-tailed draw (lognormal with the given mean), capped."""
+        kind, nums = parse_forced_lengths(self.cfg.rollout.forced_lengths)
+        cap = self.cfg.data.max_response_length
+        if kind == "fixed":
+            return tuple([min(int(nums[0]), cap)] * count)
+        mean, sigma = nums
+        mu = np.log(mean) - sigma**2 / 2  # so that E[length] = mean before capping
+        draws = self._length_rng.lognormal(mu, sigma, size=count)
+        return tuple(int(x) for x in np.clip(np.round(draws), 1, cap))
 
     # -- log-probs ----------------------------------------------------------------------
     def compute_log_prob(self, batch: Batch) -> Batch:

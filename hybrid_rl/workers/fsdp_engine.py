@@ -2,18 +2,38 @@
 
 Narrow on purpose (verl's newer ``engine/base.py`` shape): ``forward`` for
 log-probs/entropy of response tokens, ``compute_log_prob`` for no-grad passes
-in micro-batches, ``backward``/``optimizer_step`` for training, and
-``iter_full_params`` for the sharding manager. It knows nothing about PPO;
-the worker composes losses on top. With ``torch.distributed`` initialised the
-model is wrapped with ``fully_shard`` per decoder block and at the root
-(bf16 compute, fp32 gradient reduction on GPU); a world of one without a
-process group runs the plain module, with bf16 autocast on GPU.
+in micro-batches, ``backward``/``optimizer_step`` for training,
+``iter_full_params`` for the sharding manager and ``offload``/``onload`` for
+handing the GPU to the rollout engine. It knows nothing about PPO; the worker
+composes losses on top. With ``torch.distributed`` initialised the model is
+wrapped with ``fully_shard`` per decoder block and at the root (bf16 compute,
+fp32 gradient reduction on GPU); a world of one without a process group runs
+the plain module, with bf16 autocast on GPU.
+
+The weight push (``iter_full_params``) streams the model out one FSDP module
+group (one decoder block, or the root's embeddings + final norm) at a time:
+every rank casts its local dim-0 shards to the engine dtype into one flat
+buffer and a single ``all_gather_into_tensor`` per group brings the whole
+block over (the next group's gather is already in flight while the consumer
+loads the current one). Names are the base model's HF names: peft prefixes
+and ``.base_layer`` are stripped, tied duplicates come once, and LoRA-wrapped
+linears are merged on the fly (W + scale·B@A, the actor is never mutated).
+Outputs that only depend on frozen parameters are marked static so the caller
+can skip them once the engine holds them.
+
+Left out: HSDP / 2-D meshes and non-dim-0 sharding take the slow per-parameter
+``full_tensor()`` path, LoRA variants other than plain linear adapters (DoRA,
+LoRA on embeddings/convolutions, lora_bias) are refused at set-up, and CPU
+offload is the explicit ``offload``/``onload`` pair (FSDP2's always-on
+``CPUOffloadPolicy`` trains on CPU-resident shards, which is not what a
+colocated engine wants).
 """
 
 from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -22,10 +42,189 @@ import torch.distributed as dist
 from hybrid_rl.algorithms import entropy_from_logits, logprobs_from_logits
 from hybrid_rl.batch import Batch
 
+# Name segments that wrappers insert and the engine's (HF) names do not have.
+_PEFT_ROOT = "base_model.model."
+_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "base_layer.")
+
 
 def _decoder_layer_classes(model: torch.nn.Module) -> set[str]:
     names = getattr(model, "_no_split_modules", None) or []
     return set(names)
+
+
+def engine_param_name(name: str) -> str:
+    """The base model's parameter name for an actor parameter name (peft/FSDP/checkpoint wrappers removed)."""
+    if name.startswith(_PEFT_ROOT):
+        name = name[len(_PEFT_ROOT):]
+    for seg in _WRAPPER_SEGMENTS:
+        name = name.replace(seg, "")
+    return name
+
+
+# --------------------------------------------------------------------------- push plan
+@dataclass
+class _Output:
+    """One tensor the engine receives: a copy of ``sources[0]``, or a LoRA merge of (W, A_1, B_1, A_2, B_2, ...)."""
+
+    name: str
+    sources: tuple[torch.nn.Parameter, ...]
+    scales: tuple[float, ...] = ()
+    """LoRA: one scaling per (A, B) pair; empty = plain copy."""
+    fan_in_fan_out: bool = False
+    static: bool = False
+    """Every source is frozen: the value never changes during training."""
+
+    @property
+    def numel(self) -> int:
+        return self.sources[0].numel()
+
+
+def _lora_layers(model: torch.nn.Module) -> dict[int, tuple[torch.nn.Module, list[str]]]:
+    """id(base weight) → (peft LoRA layer, active adapter names) for every LoRA-wrapped module."""
+    try:
+        from peft.tuners.lora.layer import Linear as LoraLinear, LoraLayer
+    except ImportError:  # peft not installed: no LoRA layers possible
+        return {}
+    out = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        adapters = [a for a in module.active_adapters if a in module.lora_A]
+        unsupported = (not isinstance(module, LoraLinear) or any(module.use_dora.get(a, False) for a in adapters)
+                       or any(getattr(module, "lora_bias", {}).get(a, False) for a in adapters)
+                       or any(a in getattr(module, "lora_variant", {}) for a in adapters))
+        if unsupported:
+            raise NotImplementedError(f"LoRA on {name} ({type(module).__name__}): the weight push merges plain linear "
+                                      "adapters only; restrict model.lora.target_modules to linear layers without DoRA")
+        if module.merged:
+            raise RuntimeError(f"{name}: adapters are merged into the base weight; unmerge them before training")
+        out[id(module.base_layer.weight)] = (module, adapters)
+    return out
+
+
+def _owner_map(model: torch.nn.Module, fsdp: bool) -> dict[int, int]:
+    """id(param) → index of its gather group: the innermost FSDP module (or decoder block) that holds it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    layer_classes = _decoder_layer_classes(model)
+    owners: dict[int, int] = {}
+    for idx, module in enumerate(model.modules()):  # pre-order: inner modules overwrite outer ones
+        if idx == 0 or (isinstance(module, FSDPModule) if fsdp else type(module).__name__ in layer_classes):
+            for p in module.parameters():
+                owners[id(p)] = idx
+    return owners
+
+
+def build_push_plan(model: torch.nn.Module, fsdp: bool) -> list[list[_Output]]:
+    """The engine-facing outputs of ``model`` grouped by gather group, in module order."""
+    lora = _lora_layers(model)
+    adapter_ids = {id(m.lora_A[a].weight) for m, ads in lora.values() for a in ads}
+    adapter_ids |= {id(m.lora_B[a].weight) for m, ads in lora.values() for a in ads}
+    owners = _owner_map(model, fsdp)
+    groups: dict[int, list[_Output]] = {}
+    seen: set[str] = set()
+    for name, p in model.named_parameters():  # dedups tied weights: the first name wins
+        if id(p) in adapter_ids:
+            continue
+        out_name = engine_param_name(name)
+        if id(p) in lora:
+            module, adapters = lora[id(p)]
+            sources = [p]
+            for a in adapters:
+                sources += [module.lora_A[a].weight, module.lora_B[a].weight]
+            out = _Output(out_name, tuple(sources), tuple(float(module.scaling[a]) for a in adapters),
+                          bool(module.fan_in_fan_out))
+        else:
+            out = _Output(out_name, (p,))
+        out.static = not any(s.requires_grad for s in out.sources)
+        if out_name in seen:
+            raise RuntimeError(f"two actor parameters map to the engine name {out_name!r}")
+        seen.add(out_name)
+        groups.setdefault(owners.get(id(p), 0), []).append(out)
+    return [groups[k] for k in sorted(groups)]
+
+
+# --------------------------------------------------------------------------- gathering
+def _fast_gather_group(p: torch.Tensor) -> dist.ProcessGroup | None:
+    """The process group of a DTensor sharded FSDP2-style (1-D mesh, Shard(0), mesh order = group order), else None."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(p, DTensor) or p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),) or p.dim() == 0:
+        return None
+    group = p.device_mesh.get_group()
+    if p.device_mesh.mesh.tolist() != dist.get_process_group_ranks(group):
+        return None
+    return group
+
+
+# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single; 2.11 only has the old name
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _PendingGather:
+    """One group's gathers in flight: one ``all_gather_into_tensor`` per (process group, dtype)."""
+
+    def __init__(self, params: list[torch.Tensor], dtypes: list[torch.dtype]):
+        self.full: dict[int, torch.Tensor] = {}
+        self.jobs = []  # (work, out, send, ws, total, layout)
+        buckets: dict[tuple, list[torch.Tensor]] = {}
+        for p, dt in zip(params, dtypes):
+            group = _fast_gather_group(p)
+            if group is None:
+                # plain tensor, or a sharding the fast path does not know: correct and simple
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                self.full[id(p)] = full.to(dt)
+            elif group.size() == 1:
+                self.full[id(p)] = p.to_local().to(dt)
+            else:
+                buckets.setdefault((group, dt), []).append(p)
+        for (group, dt), ps in buckets.items():
+            self._launch(group, dt, ps)
+
+    def _launch(self, group: dist.ProcessGroup, dtype: torch.dtype, params: list[torch.Tensor]) -> None:
+        ws = group.size()
+        layout, locals_, total = [], [], 0
+        for p in params:
+            chunk = -(-p.shape[0] // ws)  # torch.chunk's (and FSDP2's) padded dim-0 shard size
+            per_rank = chunk * math.prod(p.shape[1:])
+            layout.append((p, total, chunk, per_rank))
+            locals_.append(p.to_local())  # this rank's rows: fewer, or none, on the last ranks
+            total += per_rank
+        send = torch.empty(total, dtype=dtype, device=locals_[0].device)
+        # one foreach copy casts every local shard into the send buffer (the padding is never read)
+        dsts = [send[off:off + t.numel()] for (_, off, _, _), t in zip(layout, locals_) if t.numel()]
+        if dsts:
+            torch._foreach_copy_(dsts, [t.reshape(-1) for t in locals_ if t.numel()])
+        device = send.device
+        out = torch.empty(ws * total, dtype=dtype, device=device)
+        work = _all_gather_single(out, send, group=group, async_op=True)
+        self.jobs.append((work, out, send, ws, total, layout))
+
+    def wait(self) -> dict[int, torch.Tensor]:
+        for work, out, _send, ws, total, layout in self.jobs:
+            work.wait()
+            # rank-major [ws, Σ per-rank sizes] → one padded [ws·chunk, ...] tensor per parameter in a single
+            # split-copy (FSDP2's own copy-out), then the padding rows are dropped by a view
+            padded = [torch.empty(ws * chunk, *p.shape[1:], dtype=out.dtype, device=out.device) for p, _, chunk, _ in layout]
+            torch.split_with_sizes_copy(out.view(ws, total), [n for *_, n in layout], dim=1,
+                                        out=[t.view(ws, -1) for t in padded])
+            for (p, *_), t in zip(layout, padded):
+                self.full[id(p)] = t[:p.shape[0]]
+        self.jobs = []
+        return self.full
+
+
+def _materialise(out: _Output, full: dict[int, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    w = full[id(out.sources[0])]
+    if not out.scales:
+        return w
+    # W + Σ scale·(B @ A), computed in fp32 from fp32 adapters, then cast once (peft's get_delta_weight order)
+    merged = w.float()
+    for i, scale in enumerate(out.scales):
+        a, b = full[id(out.sources[1 + 2 * i])], full[id(out.sources[2 + 2 * i])]
+        delta = (b.float() @ a.float()) * scale
+        merged = merged + (delta.T if out.fan_in_fan_out else delta)
+    return merged.to(dtype)
 
 
 class TrainingEngine:
@@ -50,6 +249,15 @@ class TrainingEngine:
         self.model = model
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        # after sharding: the plan holds the (DTensor) parameters themselves
+        self._push_plan = build_push_plan(model, self.fsdp)
+        self.push_prefetch = True
+        self.offload_device = torch.device("cpu")
+        self.offload_copy = False
+        """Copy on offload/onload even when the devices are equal (tests exercise the round trip on CPU)."""
+        self.params_offloaded = False
+        self._offloaded_opt_state: dict[tuple[int, str], torch.device] = {}
+        """(id(param), state key) → the device it came from, for every optimizer tensor that was moved."""
 
     def _shard(self, model: torch.nn.Module) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -140,8 +348,136 @@ class TrainingEngine:
         return torch.cat(lps), (torch.cat(ents) if ents else None)
 
     # -- weights ------------------------------------------------------------------------
-    def iter_full_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) for every unique parameter, gathered from shards one at a time."""
-        for name, p in self.model.named_parameters():
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-            yield name, (full.to(dtype) if dtype is not None else full)
+    def push_names(self, skip_static: bool = False) -> list[tuple[str, int, bool]]:
+        """(engine name, numel, static) of every tensor ``iter_full_params`` yields, in order."""
+        return [(o.name, o.numel, o.static) for group in self._push_plan for o in group if not (skip_static and o.static)]
+
+    def iter_full_params(self, dtype: torch.dtype | None = None, skip_static: bool = False,
+                         prefetch: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(engine name, full tensor in ``dtype``) for every unique weight, gathered one module group per collective.
+
+        ``skip_static`` leaves out outputs that depend only on frozen parameters
+        (with LoRA: embeddings, norms, untargeted linears), and groups left empty
+        are not gathered at all. With ``prefetch`` (default: ``self.push_prefetch``)
+        the next group's all-gather is issued before the current group is handed
+        out, so communication overlaps the consumer's copies at the cost of one
+        more group in memory. Every rank must iterate to the end (collectives).
+        """
+        dtype = dtype or self.compute_dtype
+        prefetch = self.push_prefetch if prefetch is None else prefetch
+        groups = [[o for o in g if not (skip_static and o.static)] for g in self._push_plan]
+        groups = [g for g in groups if g]
+        adapter_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+        def launch(group: list[_Output]) -> _PendingGather:
+            params, dtypes, ids = [], [], set()
+            for o in group:
+                for i, s in enumerate(o.sources):
+                    if id(s) not in ids:
+                        ids.add(id(s))
+                        params.append(s)
+                        dtypes.append(dtype if i == 0 else adapter_dtype)  # LoRA A/B merge in fp32
+            return _PendingGather(params, dtypes)
+
+        with torch.no_grad():
+            pending = launch(groups[0]) if groups else None
+            try:
+                for i, group in enumerate(groups):
+                    full = pending.wait()
+                    pending = None
+                    if prefetch and i + 1 < len(groups):
+                        pending = launch(groups[i + 1])  # in flight while the consumer loads this group
+                    for o in group:
+                        yield o.name, _materialise(o, full, dtype)
+                    del full
+                    if pending is None and i + 1 < len(groups):
+                        pending = launch(groups[i + 1])
+            finally:
+                if pending is not None:  # an abandoned iteration must not leave a collective half-done
+                    pending.wait()
+
+    # -- offload ------------------------------------------------------------------------
+    def _move(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return t.to(device, non_blocking=True, copy=self.offload_copy)
+
+    @torch.no_grad()
+    def offload(self, params: bool = True, optimizer: bool = True) -> None:
+        """Move the sharded parameters (+ gradients) and/or the optimizer state to ``offload_device``."""
+        if params and not self.params_offloaded:
+            # nn.Module._apply swaps DTensor parameters in place (the optimizer's
+            # references stay valid) and FSDP2's _apply re-registers the new shards.
+            self.model._apply(lambda t: self._move(t, self.offload_device))
+            self.params_offloaded = True
+        if optimizer and self.optimizer is not None and not self._offloaded_opt_state:
+            for p, state in self.optimizer.state.items():
+                for key, value in state.items():
+                    # Adam's scalar `step` already lives on CPU (non-capturable): leave it.
+                    if isinstance(value, torch.Tensor) and (value.device != self.offload_device or self.offload_copy):
+                        self._offloaded_opt_state[(id(p), key)] = value.device
+                        state[key] = self._move(value, self.offload_device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # hand the freed blocks to the engine's allocator
+
+    @property
+    def optimizer_offloaded(self) -> bool:
+        return bool(self._offloaded_opt_state)
+
+    @torch.no_grad()
+    def onload(self) -> None:
+        """Undo ``offload``: everything that was moved comes back to ``device``."""
+        if self.params_offloaded:
+            self.model._apply(lambda t: self._move(t, self.device))
+            self.params_offloaded = False
+        if self._offloaded_opt_state and self.optimizer is not None:
+            for p, state in self.optimizer.state.items():
+                for key, value in state.items():
+                    home = self._offloaded_opt_state.get((id(p), key))
+                    if home is not None:
+                        state[key] = self._move(value, home)
+            self._offloaded_opt_state.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+# --------------------------------------------------------------------------- reference
+class FrozenReference:
+    """Full fine-tuning's reference policy: a frozen (FSDP2) copy, optionally parked on CPU between uses."""
+
+    def __init__(self, engine: TrainingEngine, offload: bool = False):
+        self.engine = engine
+        self.offload = offload
+        if offload:
+            engine.offload(params=True, optimizer=False)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.engine.model
+
+    def compute_log_prob(self, batch: Batch, micro_batch_size: int, temperature: float,
+                         with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.offload:
+            self.engine.onload()
+        try:
+            return self.engine.compute_log_prob(batch, micro_batch_size, temperature, with_entropy)
+        finally:
+            if self.offload:
+                self.engine.offload(params=True, optimizer=False)
+
+
+class AdapterDisabledReference:
+    """LoRA's reference policy: the actor itself with its adapters switched off (no second copy)."""
+
+    def __init__(self, actor: TrainingEngine):
+        if not hasattr(actor.model, "disable_adapter"):
+            raise TypeError("AdapterDisabledReference needs a peft model (model.lora.rank > 0)")
+        self.actor = actor
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.actor.model
+
+    def compute_log_prob(self, batch: Batch, micro_batch_size: int, temperature: float,
+                         with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with self.actor.model.disable_adapter():
+            return self.actor.compute_log_prob(batch, micro_batch_size, temperature, with_entropy)

@@ -1,0 +1,316 @@
+"""Weight-sync benchmark: how fast the sharding manager pushes an FSDP2 actor into a colocated engine.
+
+    torchrun --standalone --nproc_per_node=N benchmarks/weight_sync.py --model qwen2.5-1.5b
+    torchrun --standalone --nproc_per_node=2 benchmarks/weight_sync.py --model tiny --switches 5   # CPU smoke test
+
+A randomly initialised model of the named architecture (no download) is
+FSDP2-sharded over the N ranks exactly as the actor is (fp32 masters, bf16
+compute on GPU), and ``ShardingManager`` pushes it ``--switches`` times into an
+engine: ``--sink copy`` mimics vLLM's load (a device-to-device copy into
+preallocated engine tensors), ``--sink hf`` is the real ``HFRolloutEngine``
+(with its sleep/wake moves, which are outside the timed push). Every switch
+bumps the weight version, so every switch is a full push.
+
+Printed as one JSON line (and written to
+``benchmarks/results/weight_sync_<device>x<N>_<model>.json``, e.g. ``H100x2``): the median push
+time ``sync_s`` (per switch, the slowest rank), its physical bound ``bound_s`` =
+the model's bytes in the engine dtype through one all-gather of those same
+bytes (measured here, NCCL-tests bus bandwidth reported) plus one device copy
+of them, and memory before/after the switches (GPU ``memory_allocated`` /
+``max_memory_reserved``, host RSS) to catch leaks. Left out: vLLM itself (its
+``load_weights`` adds name mapping and QKV fusion on top of the copy) and
+multi-node runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hybrid_rl.rollout.base import RolloutEngine  # noqa: E402
+from hybrid_rl.sharding_manager import ShardingManager  # noqa: E402
+from hybrid_rl.workers.fsdp_engine import TrainingEngine  # noqa: E402
+
+# Qwen2.5 architectures (tied embeddings, as the released checkpoints); tiny = the built-in test model
+ARCHS = {
+    "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=103, tie_word_embeddings=True),
+}
+
+
+class CopySink(RolloutEngine):
+    """What vLLM's load costs at least: engine-owned tensors, preallocated, filled by a device copy."""
+
+    def __init__(self, shapes: dict[str, torch.Size], dtype: torch.dtype, device: torch.device):
+        self.tensors = {n: torch.empty(s, dtype=dtype, device=device) for n, s in shapes.items()}
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            self.tensors[name].copy_(t, non_blocking=True)
+
+    def named_weights(self):
+        return self.tensors.items()
+
+    def generate(self, prompts, params):
+        raise NotImplementedError("CopySink only receives weights")
+
+    def sleep(self, level: int = 1) -> None:
+        pass
+
+    def wake_up(self, tags=None) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------- helpers
+def _init_dist(device_pref: str) -> tuple[int, int, torch.device]:
+    if "RANK" not in os.environ:  # plain `python`: a world of one, still through FSDP2 like torchrun would
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from hybrid_rl.distributed import init_distributed
+
+    d = init_distributed(device_pref)
+    return d.rank, d.world_size, d.device
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return _max_over_ranks(statistics.median(times), device)
+
+
+def _max_over_ranks(x: float, device: torch.device) -> float:
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _rss_bytes() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _memory(device: torch.device) -> dict[str, int]:
+    mem = {"host_rss": _rss_bytes()}
+    if device.type == "cuda":
+        _sync(device)
+        mem.update(allocated=torch.cuda.memory_allocated(device), reserved=torch.cuda.memory_reserved(device),
+                   max_allocated=torch.cuda.max_memory_allocated(device),
+                   max_reserved=torch.cuda.max_memory_reserved(device))
+    return mem
+
+
+def _device_tag(device: torch.device, world: int) -> tuple[str, str]:
+    """(``H100x2``-style tag, as benchmarks/vllm_bench.py writes it; full device name)."""
+    if device.type != "cuda":
+        return f"cpux{world}", "cpu"
+    name = torch.cuda.get_device_name(device)
+    m = re.search(r"(H100|H200|H20|A100|A10G|L40S|L4|B200|GH200|MI300X)", name)
+    return f"{m.group(1) if m else re.sub(r'[^A-Za-z0-9]', '', name)[:16]}x{world}", name
+
+
+def _commit() -> str:
+    """The checked-out commit, read from .git without running git."""
+    try:
+        git = ROOT / ".git"
+        head = (git / "HEAD").read_text().strip()
+        if head.startswith("ref: "):
+            ref = head[5:]
+            if (git / ref).exists():
+                return (git / ref).read_text().strip()[:12]
+            for line in (git / "packed-refs").read_text().splitlines():
+                if line.endswith(" " + ref):
+                    return line.split()[0][:12]
+        return head[:12]
+    except OSError:
+        return "unknown"
+
+
+def measure_bound(nbytes: int, dtype: torch.dtype, device: torch.device, world: int, repeats: int) -> dict:
+    """All-gather of ``nbytes`` (in ``dtype``) over the world + one device copy of them."""
+    esize = torch.tensor([], dtype=dtype).element_size()
+    per_rank = -(-nbytes // (esize * world))
+    shard = torch.randn(per_rank, device=device).to(dtype)
+    gathered = torch.empty(per_rank * world, dtype=dtype, device=device)
+    dst = torch.empty_like(gathered)
+    out: dict = {}
+    if world > 1:
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+        t_ag = _timed(lambda: all_gather(gathered, shard), device, repeats)
+        out.update(allgather_s=t_ag, allgather_busbw_GBps=nbytes * (world - 1) / world / t_ag / 1e9,
+                   allgather_algbw_GBps=nbytes / t_ag / 1e9)
+    else:
+        t_ag = 0.0  # one rank holds every shard already: no communication is needed
+        out.update(allgather_s=0.0, allgather_busbw_GBps=None, allgather_algbw_GBps=None)
+    t_copy = _timed(lambda: dst.copy_(gathered), device, repeats)
+    out.update(copy_s=t_copy, copy_GBps=nbytes / t_copy / 1e9, bound_s=t_ag + t_copy)
+    del shard, gathered, dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+# --------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=sorted(ARCHS), default="qwen2.5-0.5b")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="engine dtype (auto: bf16 on GPU, fp32 on CPU)")
+    ap.add_argument("--sink", choices=["copy", "hf"], default="copy")
+    ap.add_argument("--switches", type=int, default=50, help="timed switches (each a full push); memory is compared across them")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--bucket-mb", type=int, default=512)
+    ap.add_argument("--no-prefetch", action="store_true", help="gather a group only after the previous one was loaded")
+    ap.add_argument("--naive", action="store_true",
+                    help="baseline: the previous push, one full_tensor() of the fp32 master per parameter, then the cast")
+    ap.add_argument("--param-offload", action="store_true")
+    ap.add_argument("--optimizer-offload", action="store_true")
+    ap.add_argument("--no-verify", action="store_true", help="skip the bit-for-bit check of the engine after the last push")
+    ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args(argv)
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from hybrid_rl.models import resolve_dtype
+    from hybrid_rl.workers.fsdp_engine import engine_param_name
+
+    rank, world, device = _init_dist(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    config = Qwen2Config(**ARCHS[args.model], rms_norm_eps=1e-6, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config)
+    actor = TrainingEngine(model, device, dtype, trainable=True)
+    if args.param_offload or args.optimizer_offload:  # give AdamW its state so there is something to offload
+        actor.configure_optimizer(1e-6, (0.9, 0.999), 0.0, 0, "constant", 1, 0.0)
+        for p in actor.model.parameters():
+            p.grad = torch.zeros_like(p)
+        actor.optimizer.step()
+        actor.zero_grad()
+    names = actor.push_names()
+    numel = sum(n for _, n, _ in names)
+    nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+
+    with torch.device("meta"):
+        shapes = {engine_param_name(n): p.shape for n, p in Qwen2ForCausalLM(config).named_parameters()}
+    if args.sink == "copy":
+        sink = CopySink(shapes, dtype, device)
+    else:
+        from hybrid_rl.rollout.hf import HFRolloutEngine
+
+        with torch.device(device):
+            engine_model = Qwen2ForCausalLM(config).to(dtype)
+        sink = HFRolloutEngine(engine_model, [0], 0, device)
+    version = [0]
+    sm = ShardingManager(actor, sink, lambda: version[0], dtype=dtype, bucket_mb=args.bucket_mb,
+                         free_cache_engine=True, sleep_level=1, param_offload=args.param_offload,
+                         optimizer_offload=args.optimizer_offload)
+    actor.push_prefetch = not args.no_prefetch
+    if args.naive:
+        def naive_params(dt=None, skip_static=False):
+            for name, p in actor.model.named_parameters():
+                yield engine_param_name(name), (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).to(dt)
+
+        actor.iter_full_params = naive_params
+
+    def switch() -> tuple[float, float]:
+        version[0] += 1
+        start = time.perf_counter()
+        with sm:
+            pass
+        _sync(device)
+        return sm.last_sync_s, time.perf_counter() - start
+
+    dist.barrier()
+    first = switch()[0]
+    for _ in range(max(args.warmup - 1, 0)):
+        switch()
+    bound = measure_bound(nbytes, dtype, device, world, repeats=5)
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    mem_before = _memory(device)
+    sync_times, switch_times = [], []
+    for _ in range(args.switches):
+        dist.barrier()
+        s, w = switch()
+        sync_times.append(_max_over_ranks(s, device))
+        switch_times.append(_max_over_ranks(w, device))
+    mem_after = _memory(device)
+    assert sm.last_sync_bytes == nbytes, (sm.last_sync_bytes, nbytes)
+
+    verified = None
+    if not args.no_verify:
+        if args.sink == "hf":
+            sink.wake_up(["weights"])
+        engine = dict(sink.named_weights())
+        bad = 0
+        for name, p in actor.model.named_parameters():  # one parameter at a time: never the whole state dict
+            full = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to(dtype)
+            bad += int(not torch.equal(engine[engine_param_name(name)], full))
+        verified = _max_over_ranks(float(bad), device) == 0
+
+    tag, device_name = _device_tag(device, world)
+    sync_s = statistics.median(sync_times)
+    record = {
+        "bench": "weight_sync", "model": args.model, "params": numel, "bytes": nbytes, "dtype": str(dtype).replace("torch.", ""),
+        "world_size": world, "device": tag, "device_name": device_name, "sink": args.sink, "bucket_mb": args.bucket_mb,
+        "impl": "naive" if args.naive else "grouped", "prefetch": not args.no_prefetch, "param_offload": args.param_offload, "optimizer_offload": args.optimizer_offload,
+        "sync_s": sync_s, "sync_s_min": min(sync_times), "sync_s_max": max(sync_times), "first_sync_s": first,
+        "switch_s": statistics.median(switch_times), "sync_GBps": nbytes / sync_s / 1e9,
+        **bound, "bound_ratio": sync_s / bound["bound_s"], "tensors": sm.last_sync_tensors, "switches": args.switches,
+        "memory_before": mem_before, "memory_after": mem_after, "verified": verified,
+        "torch": torch.__version__, "commit": _commit(),
+    }
+    if rank == 0:
+        print(json.dumps(record), flush=True)
+        out = Path(args.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"weight_sync_{tag}_{args.model}{'_naive' if args.naive else ''}.json").write_text(json.dumps(record, indent=1) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+    return record
+
+
+if __name__ == "__main__":
+    main()
