@@ -17,24 +17,24 @@ nvidia-smi -L
 python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" || true
 python -c "from hybrid_rl.models import resolve_model_path as r; r('builtin:qwen2.5-0.5b-random'); r('builtin:qwen2.5-1.5b-random')"
 T0=$(date +%s)
-stamp() { echo "== $1 at +$(( $(date +%s) - T0 ))s"; }
+# pack after every part, so a run cut short by the call's time limit still returns what finished
+stamp() { echo "== $1 at +$(( $(date +%s) - T0 ))s"; tar czf "$OUT/results.tgz" -C "$RES" . 2>/dev/null; }
 
 # 1. weight sync into the engine vs its all-gather bound (2 ranks), both sizes
 for m in qwen2.5-0.5b qwen2.5-1.5b; do
   stamp "weight_sync $m x2"
-  timeout 150 torchrun --standalone --nproc_per_node=2 benchmarks/weight_sync.py --model $m --switches 50 --out-dir "$RES" || echo "weight_sync $m failed"
+  timeout 80 torchrun --standalone --nproc_per_node=2 benchmarks/weight_sync.py --model $m --switches 50 --out-dir "$RES" || echo "weight_sync $m failed"
 done
 
 # 2. the real trainer with vLLM: 20 GRPO steps on 2 GPUs (0.5B shape, random init, GSM8K prompts)
 stamp "train vllm x2"
 BENCH="data.train_path=.devdata/train.jsonl rollout.name=vllm data.max_response_length=512 rollout.forced_lengths=lognormal:200:0.8 trainer.logger=[jsonl]"
-timeout 240 torchrun --standalone --nproc_per_node=2 -m hybrid_rl train recipes/bench_modes.yaml $BENCH \
-  trainer.total_steps=20 data.train_batch_size=64 trainer.output_dir=$RES/train_vllm_x2 || echo "train vllm x2 failed"
+timeout 150 torchrun --standalone --nproc_per_node=2 -m hybrid_rl train recipes/bench_modes.yaml $BENCH \
+  rollout.enforce_eager=true trainer.total_steps=20 data.train_batch_size=32 trainer.output_dir=$RES/train_vllm_x2 || echo "train vllm x2 failed"
 
 # 3. sync vs one-step overlap on 1 GPU (same recipe, seed, steps)
 stamp "modes x1"
-CUDA_VISIBLE_DEVICES=0 timeout 330 python benchmarks/modes.py --gpus 1 --steps 10 --warmup 2 --prompts 32 --n 8 --out "$RES" \
+CUDA_VISIBLE_DEVICES=0 timeout 240 python benchmarks/modes.py --gpus 1 --steps 8 --warmup 2 --prompts 32 --n 8 --out "$RES" \
   $BENCH || echo "modes failed"
 stamp "done"
-tar czf "$OUT/results.tgz" -C "$RES" . 2>/dev/null
 ls -R "$RES" | head -50

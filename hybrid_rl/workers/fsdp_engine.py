@@ -265,7 +265,13 @@ class TrainingEngine:
         mp = None
         if self.device.type == "cuda" and self.compute_dtype != torch.float32:
             mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
-        kwargs = {"mp_policy": mp} if mp is not None else {}
+        from torch.distributed.device_mesh import init_device_mesh
+
+        # An explicit mesh on the training device: without it fully_shard picks CUDA
+        # whenever a GPU is visible, which breaks trainer.device=cpu on a GPU host.
+        kwargs: dict = {"mesh": init_device_mesh(self.device.type, (dist.get_world_size(),))}
+        if mp is not None:
+            kwargs["mp_policy"] = mp
         layer_classes = _decoder_layer_classes(model)
         for module in model.modules():
             if type(module).__name__ in layer_classes:
