@@ -18,7 +18,7 @@ python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__
 python -c "from hybrid_rl.models import resolve_model_path as r; r('builtin:qwen2.5-0.5b-random'); r('builtin:qwen2.5-1.5b-random')"
 T0=$(date +%s)
 # pack after every part, so a run cut short by the call's time limit still returns what finished
-stamp() { echo "== $1 at +$(( $(date +%s) - T0 ))s"; tar czf "$OUT/results.tgz" -C "$RES" . 2>/dev/null; }
+stamp() { echo "== $1 at +$(( $(date +%s) - T0 ))s"; tar czf "$OUT/results.tgz" --exclude=checkpoints --exclude=tensorboard -C "$RES" . 2>/dev/null; }
 
 # 1. weight sync into the engine vs its all-gather bound (2 ranks), both sizes
 for m in qwen2.5-0.5b qwen2.5-1.5b; do

@@ -244,7 +244,7 @@ class TrainerConfig:
     max_staleness: int = 1
     """Overlap mode: the most weight versions a trained-on sample may lag (0 = sync semantics)."""
     save_freq: int = 0
-    """Checkpoint every N steps (0 = only at the end)."""
+    """Checkpoint every N steps (0 = only at the end, -1 = never, e.g. for benchmarks)."""
     keep_last: int = 2
     """Complete checkpoints kept (older ones pruned after a new one is complete; 0 = all)."""
     resume: str = "auto"
@@ -341,8 +341,9 @@ class Config:
             raise ConfigError(f"actor.betas must hold two numbers, got {a.betas}")
         if self.model.lora.rank < 0:
             raise ConfigError("model.lora.rank must be >= 0 (0 = full fine-tuning)")
-        if self.trainer.save_freq < 0 or self.trainer.keep_last < 0 or self.trainer.max_skipped_updates < 1:
-            raise ConfigError("trainer.save_freq and trainer.keep_last must be >= 0, trainer.max_skipped_updates >= 1")
+        if self.trainer.save_freq < -1 or self.trainer.keep_last < 0 or self.trainer.max_skipped_updates < 1:
+            raise ConfigError("trainer.save_freq must be >= -1 (-1 = never), trainer.keep_last >= 0, "
+                              "trainer.max_skipped_updates >= 1")
         if self.trainer.max_staleness not in (0, 1):
             raise ConfigError(f"trainer.max_staleness={self.trainer.max_staleness}: one-step overlap supports 0 or 1 "
                               "(deeper pipelines are not built yet)")

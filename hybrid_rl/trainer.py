@@ -110,7 +110,8 @@ class Trainer:
                 metrics.update(self.validate())
             self.tracker.log(metrics, step)
             history.append({"step": step, **metrics})
-            if self._due(step, self.cfg.trainer.save_freq) or step == self.total_steps:
+            save_freq = self.cfg.trainer.save_freq
+            if save_freq >= 0 and (self._due(step, save_freq) or step == self.total_steps):
                 self.save(step)
         self.pipeline.close()
         self.tracker.close()
