@@ -40,18 +40,16 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from hybrid_rl.models import RANDOM_ARCHS, TINY_CONFIG  # noqa: E402
 from hybrid_rl.rollout.base import RolloutEngine  # noqa: E402
 from hybrid_rl.sharding_manager import ShardingManager  # noqa: E402
 from hybrid_rl.workers.fsdp_engine import TrainingEngine  # noqa: E402
 
 # Qwen2.5 architectures (tied embeddings, as the released checkpoints); tiny = the built-in test model
 ARCHS = {
-    "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                         intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, vocab_size=103, tie_word_embeddings=True),
+    "qwen2.5-0.5b": RANDOM_ARCHS["qwen2.5-0.5b-random"],
+    "qwen2.5-1.5b": RANDOM_ARCHS["qwen2.5-1.5b-random"],
+    "tiny": dict(TINY_CONFIG, vocab_size=103),
 }
 
 
@@ -215,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     rank, world, device = _init_dist(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    config = Qwen2Config(**ARCHS[args.model], rms_norm_eps=1e-6, max_position_embeddings=4096)
+    config = Qwen2Config(**{**ARCHS[args.model], "rms_norm_eps": 1e-6, "max_position_embeddings": 4096})
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2ForCausalLM(config)

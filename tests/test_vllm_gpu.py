@@ -40,12 +40,11 @@ for _k, _v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPL
 vllm = pytest.importorskip("vllm")
 
 from hybrid_rl.batch import Batch  # noqa: E402
+from hybrid_rl.models import RANDOM_ARCHS  # noqa: E402
 from hybrid_rl.rollout import vllm as vr  # noqa: E402
 from hybrid_rl.rollout.base import SamplingParams  # noqa: E402
 
-QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0,
-                  max_position_embeddings=32768, rms_norm_eps=1e-6)
+QWEN25_05B = RANDOM_ARCHS["qwen2.5-0.5b-random"]  # the published Qwen2.5-0.5B shape
 EOS, PAD = 151645, 151643  # Qwen2.5's <|im_end|> and <|endoftext|>
 TOL = 2e-2  # mean |Δ log-prob| allowed between engine and trainer in bf16
 GPU_UTIL = 0.3
