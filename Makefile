@@ -28,5 +28,9 @@ test: $(VPY)
 test-gpu: $(VPY)
 	$(VPY) -m pytest -q -m gpu $(PYTEST_ARGS)
 
+# sync vs one-step overlap on the GPUs of this box (writes benchmarks/results/modes_<device>_<model>.json + .png)
+bench: $(VPY)
+	$(VPY) benchmarks/modes.py --gpus $(GPUS) $(ARGS)
+
 clean:
 	rm -rf runs outputs .pytest_cache
