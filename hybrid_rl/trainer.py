@@ -105,10 +105,10 @@ class Trainer:
         step_fn = self.overlap_step if self.cfg.trainer.mode == "overlap" else self.sync_step
         for step in range(self.start_step + 1, self.total_steps + 1):
             metrics = step_fn(last=step == self.total_steps)
-            self._guard_skipped_updates(metrics)
             if self._due(step, self.cfg.trainer.test_freq) and self.val_set is not None:
                 metrics.update(self.validate())
             self.tracker.log(metrics, step)
+            self._guard_skipped_updates(metrics)
             history.append({"step": step, **metrics})
             save_freq = self.cfg.trainer.save_freq
             if save_freq >= 0 and (self._due(step, save_freq) or step == self.total_steps):

@@ -133,3 +133,30 @@ def test_export_round_trip_matches_trainer_logprobs(tmp_path, reference):
     a = torch.log_softmax(exported(input_ids=ids).logits, -1)
     b = torch.log_softmax(trained(input_ids=ids).logits, -1)
     assert (a - b).abs().max() < 1e-6
+
+
+def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
+    """A NaN gradient norm skips the optimizer step (params unchanged, counted); N in a row end the run with a message."""
+    from conftest import cpu_dist
+    from hybrid_rl.config import load_config
+    from hybrid_rl.trainer import Trainer, TrainingDiverged
+
+    cfg = load_config(RECIPE, [f"trainer.output_dir={tmp_path}", "trainer.total_steps=5", "trainer.max_skipped_updates=2",
+                               "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.logger=[jsonl]",
+                               "trainer.save_freq=-1"]).validate()
+    trainer = Trainer(cfg, cpu_dist())
+    engine = trainer.worker.actor
+    before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    real_clip = torch.nn.utils.clip_grad_norm_
+
+    def poisoned(params, max_norm, *a, **k):  # what a NaN loss produces: a non-finite global norm
+        real_clip(params, max_norm, *a, **k)
+        return torch.tensor(float("nan"))
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", poisoned)
+    with pytest.raises(TrainingDiverged, match="trainer.max_skipped_updates=2"):
+        trainer.fit()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["actor/skipped_updates"] for r in rows] == [1.0, 1.0]  # both logged, then the run stopped
+    for n, p in engine.model.named_parameters():
+        assert torch.equal(p, before[n]), n
