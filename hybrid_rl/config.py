@@ -284,6 +284,11 @@ class Config:
         return rc == "always"
 
     @property
+    def engine_sleeps(self) -> bool:
+        """The engine releases its memory after each rollout: sync mode only (in overlap mode it generates while training)."""
+        return self.rollout.free_cache_engine and self.trainer.mode == "sync"
+
+    @property
     def staleness_bound(self) -> int:
         """Versions a sample may lag the trainer: 0 in sync mode."""
         return self.trainer.max_staleness if self.trainer.mode == "overlap" else 0
@@ -347,6 +352,9 @@ class Config:
         if self.trainer.max_staleness not in (0, 1):
             raise ConfigError(f"trainer.max_staleness={self.trainer.max_staleness}: one-step overlap supports 0 or 1 "
                               "(deeper pipelines are not built yet)")
+        if self.trainer.mode == "overlap" and (a.param_offload or a.optimizer_offload):
+            raise ConfigError("actor.param_offload/actor.optimizer_offload need trainer.mode=sync: in overlap mode the actor "
+                              "trains while the engine generates, so there is no idle phase to offload in")
         rc = self.algorithm.rollout_correction
         if rc.cap is not None and rc.cap <= 1:
             raise ConfigError(f"algorithm.rollout_correction.cap={rc.cap} must be > 1 (or null for no cap)")

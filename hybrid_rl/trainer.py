@@ -80,11 +80,12 @@ class Trainer:
         self.tokenizer = self.worker.tokenizer
         self.pipeline = RolloutPipeline(self.worker, cfg.staleness_bound, cfg.trainer.stale_policy)
         self.ckpt_root = Path(t.output_dir) / CHECKPOINT_SUBDIR
+        self.skipped_in_a_row = 0
+        self.tracker_note: str | None = None
         self.start_step = self._restore()
         if dist.is_main:
             _trim_metrics(Path(t.output_dir) / "metrics.jsonl", self.start_step)
         self.tracker = Tracker(t.output_dir, t.logger, self.total_steps, enabled=dist.is_main, initial_step=self.start_step)
-        self.skipped_in_a_row = 0
         if dist.is_main:
             save_config(cfg, Path(t.output_dir) / "config.yaml")
         self.data_stats = {"data/train_prompts": len(self.train_set), "data/filtered_prompts": self.train_set.num_filtered,
@@ -93,7 +94,7 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------
     def fit(self) -> list[dict[str, float]]:
         history = []
-        if getattr(self, "tracker_note", None):
+        if self.tracker_note:
             self.tracker.write(self.tracker_note)
         self.tracker.write(f"hybrid_rl: {self.total_steps} steps, mode {self.cfg.trainer.mode}, {self.dist.world_size} rank(s), "
                            f"device {self.dist.device}; {self.data_stats}")

@@ -84,6 +84,20 @@ def test_decoupled_loss_reweights_stale_samples(tiny_model_path):
     assert stats_b["rollout/is_truncated_frac"][0] == 0.0
 
 
+def test_engine_stays_awake_in_overlap_mode(tiny_model_path):
+    """The background rollout needs the engine resident: overlap mode never puts it to sleep."""
+    from hybrid_rl.config import ConfigError, load_config
+
+    sync = ActorRolloutRefWorker(make_cfg("rollout.sleep_level=2"), cpu_dist())
+    _rollout(sync)
+    assert sync.rollout.weights_version is None  # slept at level 2 after the rollout
+    over = ActorRolloutRefWorker(make_cfg("rollout.sleep_level=2", "trainer.mode=overlap"), cpu_dist())
+    _rollout(over)
+    assert over.rollout.weights_version == 0  # still holds θ_0, awake
+    with pytest.raises(ConfigError, match="need trainer.mode=sync"):
+        load_config(None, ["trainer.mode=overlap", "actor.param_offload=true"]).validate()
+
+
 def test_pipeline_regenerates_or_refuses_stale_batches(tiny_model_path):
     w = ActorRolloutRefWorker(make_cfg("trainer.mode=overlap"), cpu_dist())
     pipe = RolloutPipeline(w, max_staleness=1, stale_policy="drop")

@@ -92,7 +92,7 @@ class ActorRolloutRefWorker:
                 r = cfg.rollout
                 self.sharding_manager = ShardingManager(
                     self.actor, self.rollout, lambda: self.weight_version, dtype=self.dtype,
-                    bucket_mb=r.weight_sync_bucket_mb, free_cache_engine=r.free_cache_engine, sleep_level=r.sleep_level,
+                    bucket_mb=r.weight_sync_bucket_mb, free_cache_engine=cfg.engine_sleeps, sleep_level=r.sleep_level,
                     param_offload=cfg.actor.param_offload, optimizer_offload=cfg.actor.optimizer_offload)
         self._shuffle_rng = np.random.default_rng(cfg.trainer.seed + 7919 * dist.rank)
         self._length_rng = np.random.default_rng(cfg.trainer.seed + 104729 * (dist.rank + 1))
