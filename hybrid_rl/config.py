@@ -147,6 +147,10 @@ class ActorConfig:
     """Sequences per forward/backward on one device (gradient accumulation fills the mini-batch)."""
     log_prob_micro_batch_size_per_device: int = 16
     """Sequences per forward when computing log-probs."""
+    use_dynamic_bsz: bool = False
+    """Cut micro-batches by padded tokens (``max_token_len_per_device``) instead of a sequence count, in every pass."""
+    max_token_len_per_device: int = 16384
+    """Token budget of one micro-batch with ``use_dynamic_bsz`` (prompt + response, padded)."""
     clip_ratio_low: float = 0.2
     """PPO clip ε below 1."""
     clip_ratio_high: float = 0.2
@@ -338,6 +342,9 @@ class Config:
         if r.temperature <= 0:
             raise ConfigError(f"rollout.temperature={r.temperature} must be > 0 for training rollouts; "
                               "use rollout.val_temperature=0 for greedy validation")
+        if a.use_dynamic_bsz and a.max_token_len_per_device < d.max_prompt_length + d.max_response_length:
+            raise ConfigError(f"actor.max_token_len_per_device={a.max_token_len_per_device} must hold one full sequence: raise it "
+                              f"to at least data.max_prompt_length + data.max_response_length = {d.max_prompt_length + d.max_response_length}")
         if a.clip_ratio_c is not None and a.clip_ratio_c <= 1:
             raise ConfigError(f"actor.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual clip), or null to turn it off")
         if not (0 <= a.clip_ratio_low < 1 and a.clip_ratio_high >= 0):

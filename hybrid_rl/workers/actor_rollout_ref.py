@@ -24,6 +24,7 @@ import torch
 from hybrid_rl import algorithms as alg
 from hybrid_rl.batch import Batch
 from hybrid_rl.config import Config, parse_forced_lengths
+from hybrid_rl.micro_batching import micro_batches
 from hybrid_rl.distributed import DistInfo, all_reduce_sum
 from hybrid_rl.models import apply_lora, load_causal_lm, load_tokenizer, resolve_dtype
 from hybrid_rl.rollout.base import RolloutEngine, SamplingParams
@@ -94,6 +95,8 @@ class ActorRolloutRefWorker:
                     self.actor, self.rollout, lambda: self.weight_version, dtype=self.dtype,
                     bucket_mb=r.weight_sync_bucket_mb, free_cache_engine=cfg.engine_sleeps, sleep_level=r.sleep_level,
                     param_offload=cfg.actor.param_offload, optimizer_offload=cfg.actor.optimizer_offload)
+        # dynamic batch size: micro-batches cut by padded tokens instead of a sequence count
+        self._token_budget = cfg.actor.max_token_len_per_device if cfg.actor.use_dynamic_bsz else None
         self._shuffle_rng = np.random.default_rng(cfg.trainer.seed + 7919 * dist.rank)
         self._length_rng = np.random.default_rng(cfg.trainer.seed + 104729 * (dist.rank + 1))
 
@@ -155,12 +158,13 @@ class ActorRolloutRefWorker:
         """``old_log_probs`` under the current actor weights (the PPO proximal policy)."""
         assert self.actor is not None
         lp, ent = self.actor.compute_log_prob(batch, self.cfg.actor.log_prob_micro_batch_size_per_device,
-                                              batch.meta["temperature"], with_entropy=True)
+                                              batch.meta["temperature"], with_entropy=True, max_tokens=self._token_budget)
         return batch.union(tensors=dict(old_log_probs=lp, old_entropy=ent))
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         assert self.ref is not None
-        lp, _ = self.ref.compute_log_prob(batch, self.cfg.ref.log_prob_micro_batch_size_per_device, batch.meta["temperature"])
+        lp, _ = self.ref.compute_log_prob(batch, self.cfg.ref.log_prob_micro_batch_size_per_device, batch.meta["temperature"],
+                                          max_tokens=self._token_budget)
         return batch.union(tensors=dict(ref_log_prob=lp))
 
     # -- update -------------------------------------------------------------------------
@@ -192,7 +196,7 @@ class ActorRolloutRefWorker:
         # FSDP averages gradients over ranks; undo that so the loss is a global sum.
         scale = float(self.dist.world_size) if self.actor.fsdp else 1.0
         self.actor.zero_grad()
-        for micro in mini.split(a.ppo_micro_batch_size_per_device):
+        for _, micro in micro_batches(mini, a.ppo_micro_batch_size_per_device, self._token_budget):
             loss, m = self._micro_batch_loss(micro, num_tokens, num_seqs)
             (loss * scale).backward()
             ntok = float(micro.tensors["response_mask"].sum())

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from hybrid_rl.algorithms import entropy_from_logits, logprobs_from_logits
 from hybrid_rl.batch import Batch
+from hybrid_rl.micro_batching import micro_batches
 
 # Name segments that wrappers insert and the engine's (HF) names do not have.
 _PEFT_ROOT = "base_model.model."
@@ -340,18 +341,22 @@ class TrainingEngine:
         return log_probs, entropy
 
     @torch.no_grad()
-    def compute_log_prob(self, batch: Batch, micro_batch_size: int, temperature: float,
-                         with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def compute_log_prob(self, batch: Batch, micro_batch_size: int, temperature: float, with_entropy: bool = False,
+                         max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """No-grad log-probs [B, R] (0 past each response) in micro-batches of ``micro_batch_size`` or ``max_tokens``."""
         was_training = self.model.training
         self.model.eval()
-        lps, ents = [], []
-        for micro in batch.split(micro_batch_size):
+        n, width = len(batch), batch.tensors["responses"].shape[1]
+        lps = torch.zeros(n, width, device=self.device)
+        ents = torch.zeros(n, width, device=self.device) if with_entropy else None
+        for idx, micro in micro_batches(batch, micro_batch_size, max_tokens):
             lp, ent = self.forward(micro, temperature, with_entropy)
-            lps.append(lp)
-            if ent is not None:
-                ents.append(ent)
+            rows = torch.as_tensor(idx, device=self.device)
+            lps[rows, :lp.shape[1]] = lp
+            if ents is not None and ent is not None:
+                ents[rows, :ent.shape[1]] = ent
         self.model.train(was_training)
-        return torch.cat(lps), (torch.cat(ents) if ents else None)
+        return lps, ents
 
     # -- weights ------------------------------------------------------------------------
     def push_names(self, skip_static: bool = False) -> list[tuple[str, int, bool]]:
@@ -460,12 +465,12 @@ class FrozenReference:
     def model(self) -> torch.nn.Module:
         return self.engine.model
 
-    def compute_log_prob(self, batch: Batch, micro_batch_size: int, temperature: float,
-                         with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def compute_log_prob(self, batch: Batch, micro_batch_size: int, temperature: float, with_entropy: bool = False,
+                         max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.offload:
             self.engine.onload()
         try:
-            return self.engine.compute_log_prob(batch, micro_batch_size, temperature, with_entropy)
+            return self.engine.compute_log_prob(batch, micro_batch_size, temperature, with_entropy, max_tokens)
         finally:
             if self.offload:
                 self.engine.offload(params=True, optimizer=False)
@@ -483,7 +488,7 @@ class AdapterDisabledReference:
     def model(self) -> torch.nn.Module:
         return self.actor.model
 
-    def compute_log_prob(self, batch: Batch, micro_batch_size: int, temperature: float,
-                         with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def compute_log_prob(self, batch: Batch, micro_batch_size: int, temperature: float, with_entropy: bool = False,
+                         max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         with self.actor.model.disable_adapter():
-            return self.actor.compute_log_prob(batch, micro_batch_size, temperature, with_entropy)
+            return self.actor.compute_log_prob(batch, micro_batch_size, temperature, with_entropy, max_tokens)

@@ -1,0 +1,88 @@
+"""Micro-batches for the forward/backward passes: fixed-size or by a token budget, with padding trimmed.
+
+A rollout batch is padded to its longest prompt (left) and longest response
+(right), so a micro-batch of short sequences would still pay for the longest
+one. ``trim_padding`` cuts every micro-batch down to its own longest prompt and
+response (positions are explicit, so nothing else changes). With a token
+budget (``actor.use_dynamic_bsz``), sequences are packed longest-first into
+micro-batches whose padded size stays near ``max_tokens``; every rank uses the
+same number of micro-batches (the maximum over ranks), because each FSDP2
+forward is a collective. Loss normalisation by the mini-batch's global counts
+(in the worker) makes the result independent of how sequences are grouped.
+Left out: sequence packing without padding (``use_remove_padding``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hybrid_rl.batch import Batch
+
+PROMPT_KEYS = ("prompts",)
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def trim_padding(batch: Batch) -> Batch:
+    """Drop prompt columns that are padding in every row (left) and response columns past the longest response."""
+    t = batch.tensors
+    p_width, r_width = t["prompts"].shape[1], t["responses"].shape[1]
+    keep_p = max(int(t["attention_mask"][:, :p_width].sum(dim=1).max()), 1)
+    keep_r = max(int(t["response_mask"].sum(dim=1).max()), 1)
+    if keep_p == p_width and keep_r == r_width:
+        return batch
+    out = {}
+    for k, v in t.items():
+        if k in PROMPT_KEYS:
+            out[k] = v[:, p_width - keep_p:]
+        elif k in SEQUENCE_KEYS:
+            out[k] = v[:, p_width - keep_p:p_width + keep_r]
+        elif v.dim() >= 2 and v.shape[1] == r_width:  # per-response-token tensors
+            out[k] = v[:, :keep_r]
+        else:
+            out[k] = v
+    return Batch(out, dict(batch.non_tensors), dict(batch.meta))
+
+
+def _lengths(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+    t = batch.tensors
+    p_width = t["prompts"].shape[1]
+    return (t["attention_mask"][:, :p_width].sum(dim=1).cpu().numpy(), t["response_mask"].sum(dim=1).cpu().numpy())
+
+
+def _greedy_count(p_len: np.ndarray, r_len: np.ndarray, max_tokens: int) -> int:
+    """How many micro-batches longest-first packing needs so that count × (max prompt + max response) ≤ budget."""
+    count, size, mp, mr = 0, 0, 0, 0
+    for i in np.argsort(-(p_len + r_len), kind="stable"):
+        np_, nr = max(mp, p_len[i]), max(mr, r_len[i])
+        if size and (size + 1) * (np_ + nr) > max_tokens:
+            count, size, np_, nr = count + 1, 0, p_len[i], r_len[i]
+        size, mp, mr = size + 1, np_, nr
+    return count + (1 if size else 0)
+
+
+def plan_micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = None) -> list[np.ndarray]:
+    """Row indices of each micro-batch: consecutive chunks of ``max_seqs``, or token-balanced bins."""
+    n = len(batch)
+    if max_tokens is None:
+        return [np.arange(s, min(s + max_seqs, n)) for s in range(0, n, max_seqs)]
+    p_len, r_len = _lengths(batch)
+    k = torch.tensor(_greedy_count(p_len, r_len, max_tokens))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        k = k.to("cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(k, op=dist.ReduceOp.MAX)  # same number of FSDP forwards on every rank
+    k = min(int(k), n)
+    # longest-processing-time: each sequence to the bin with the fewest tokens so far
+    bins: list[list[int]] = [[] for _ in range(k)]
+    load = np.zeros(k)
+    for i in np.argsort(-(p_len + r_len), kind="stable"):
+        j = int(np.argmin(load))
+        bins[j].append(int(i))
+        load[j] += p_len[i] + r_len[i]
+    return [np.array(sorted(b)) for b in bins if b]
+
+
+def micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = None) -> list[tuple[np.ndarray, Batch]]:
+    """(row indices, trimmed micro-batch) pairs covering ``batch``."""
+    return [(idx, trim_padding(batch.index(idx))) for idx in plan_micro_batches(batch, max_seqs, max_tokens)]
