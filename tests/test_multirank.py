@@ -31,8 +31,14 @@ def _env(**extra: str) -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
 
 
+_RENDEZVOUS_ERRORS = ("address already in use", "EADDRINUSE", "DistNetworkError", "RendezvousConnectionError")
+
+
 def _run(cmd: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 and any(e in proc.stderr for e in _RENDEZVOUS_ERRORS):
+        # torchrun --standalone picks a free port that another process can grab first: launch once more
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
