@@ -9,11 +9,22 @@ is needed: a prompt's n samples live on one rank.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from hybrid_rl import algorithms as alg
 from hybrid_rl.batch import Batch
 from hybrid_rl.config import AlgorithmConfig
+
+
+# Each outcome/return estimator with the config knobs it reads; groups are the ``uid``s.
+_ESTIMATORS: dict[str, Callable] = {
+    "grpo": lambda r, m, uid, cfg: alg.grpo_advantage(r, m, uid, norm_by_std=cfg.norm_adv_by_std_in_grpo),
+    "dr_grpo": lambda r, m, uid, cfg: alg.dr_grpo_advantage(r, m, uid),
+    "rloo": lambda r, m, uid, cfg: alg.rloo_advantage(r, m, uid),
+    "reinforce_pp": lambda r, m, uid, cfg: alg.reinforce_pp_advantage(r, m, gamma=cfg.gamma),
+}
 
 
 def compute_advantage(batch: Batch, cfg: AlgorithmConfig) -> tuple[Batch, dict[str, float]]:
@@ -26,16 +37,10 @@ def compute_advantage(batch: Batch, cfg: AlgorithmConfig) -> tuple[Batch, dict[s
         metrics["actor/reward_kl_penalty"] = float(kl_mean)
     else:
         rewards = scores
-    index = batch.non_tensors["uid"]
-    est = cfg.adv_estimator
-    if est == "grpo":
-        adv, ret = alg.grpo_advantage(rewards, mask, index, norm_by_std=cfg.norm_adv_by_std_in_grpo)
-    elif est in ("dr_grpo", "rloo"):
-        adv, ret = alg.ADV_ESTIMATORS[est](rewards, mask, index)
-    elif est == "reinforce_pp":
-        adv, ret = alg.reinforce_pp_advantage(rewards, mask, gamma=cfg.gamma)
-    else:  # gae is rejected by Config.validate until a critic exists
-        raise ValueError(f"algorithm.adv_estimator={est} is not supported by the driver yet")
+    estimator = _ESTIMATORS.get(cfg.adv_estimator)
+    if estimator is None:  # gae is rejected by Config.validate until a critic exists
+        raise ValueError(f"algorithm.adv_estimator={cfg.adv_estimator} is not supported by the driver yet")
+    adv, ret = estimator(rewards, mask, batch.non_tensors["uid"], cfg)
     return batch.union(tensors=dict(token_level_rewards=rewards, advantages=adv, returns=ret)), metrics
 
 
