@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 from hybrid_rl.batch import Batch  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
 from hybrid_rl.distributed import init_distributed  # noqa: E402
-from hybrid_rl.models import RANDOM_ARCHS  # noqa: E402
+from hybrid_rl.models import RANDOM_ARCHS, write_random_model  # noqa: E402
 from hybrid_rl.rollout.base import SamplingParams  # noqa: E402
 from hybrid_rl.rollout.vllm import VLLMRolloutEngine, engine_kwargs, import_vllm, sampling_kwargs  # noqa: E402
 
@@ -116,14 +116,7 @@ class Reporter:
 # --------------------------------------------------------------------------- set-up
 def build_model_dir(path: Path, dist) -> None:
     if dist.is_main and not (path / "config.json").exists():
-        from transformers import Qwen2Config, Qwen2ForCausalLM
-
-        torch.manual_seed(0)
-        with torch.device(dist.device):
-            model = Qwen2ForCausalLM(Qwen2Config(eos_token_id=EOS, pad_token_id=PAD, **QWEN25_05B)).to(torch.bfloat16)
-        model.save_pretrained(path)
-        del model
-        torch.cuda.empty_cache()
+        write_random_model(path, QWEN25_05B, dist.device, eos_token_id=EOS, pad_token_id=PAD)
     if tdist.is_initialized():
         tdist.barrier()
 

@@ -135,6 +135,25 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, arch: str = TINY
     return out
 
 
+def write_random_model(out_dir: str | os.PathLike, arch: dict[str, Any], device: str | torch.device = "cpu",
+                       dtype: torch.dtype = torch.bfloat16, seed: int = 0, **config: Any) -> Path:
+    """A random-init Qwen2 of shape ``arch`` (weights + config, no tokenizer) saved to ``out_dir``.
+
+    Built directly on ``device`` (a GPU builds a 0.5B model in a second); ``config``
+    adds fields such as ``eos_token_id``. For GPU tests and benchmarks that feed token ids.
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(Qwen2Config(**{**arch, **config})).to(dtype)
+    model.save_pretrained(out_dir)
+    del model
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return Path(out_dir)
+
+
 def resolve_model_path(path: str) -> str:
     """Map ``builtin:NAME`` to a materialised directory; leave other paths alone."""
     if not path.startswith(BUILTIN_PREFIX):

@@ -40,7 +40,7 @@ for _k, _v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPL
 vllm = pytest.importorskip("vllm")
 
 from hybrid_rl.batch import Batch  # noqa: E402
-from hybrid_rl.models import RANDOM_ARCHS  # noqa: E402
+from hybrid_rl.models import RANDOM_ARCHS, write_random_model  # noqa: E402
 from hybrid_rl.rollout import vllm as vr  # noqa: E402
 from hybrid_rl.rollout.base import SamplingParams  # noqa: E402
 
@@ -70,7 +70,6 @@ def random_prompts(num: int, lo: int, hi: int, seed: int) -> Batch:
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
     """trainer (FSDP2, world of one) + vLLM engine + sharding manager, as the worker builds them."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from hybrid_rl.config import load_config
     from hybrid_rl.distributed import init_distributed
@@ -85,13 +84,8 @@ def hybrid(tmp_path_factory):
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist = init_distributed("cuda")
 
-    path = tmp_path_factory.mktemp("qwen25_05b_arch")
-    torch.manual_seed(0)
-    with torch.device(dist.device):
-        model = Qwen2ForCausalLM(Qwen2Config(eos_token_id=EOS, pad_token_id=PAD, **QWEN25_05B)).to(torch.bfloat16)
-    model.save_pretrained(path)
-    del model
-    torch.cuda.empty_cache()
+    path = write_random_model(tmp_path_factory.mktemp("qwen25_05b_arch"), QWEN25_05B, dist.device,
+                              eos_token_id=EOS, pad_token_id=PAD)
 
     cfg = load_config(None, [f"model.path={path}", "model.dtype=bfloat16", "trainer.device=cuda", "rollout.name=vllm",
                              f"rollout.gpu_memory_utilization={GPU_UTIL}", "rollout.enforce_eager=true",
