@@ -1,7 +1,8 @@
 # hybrid_rl: `make train` and `make test` do all set-up on a fresh clone.
 PY      ?= python3
 VENV    ?= .venv
-VPY     := $(VENV)/bin/python
+# an existing interpreter (absolute path) skips the venv, e.g. on a prepared GPU box: make train VPY=$$(command -v python3)
+VPY     ?= $(VENV)/bin/python
 RECIPE  ?= cpu_successor
 ARGS    ?=
 # ranks: all visible GPUs, or one process on CPU
@@ -20,7 +21,7 @@ $(VPY):
 install: $(VPY)
 
 train: $(VPY)
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(GPUS) -m hybrid_rl train recipes/$(RECIPE).yaml $(ARGS)
+	$(VPY) -m torch.distributed.run --standalone --nproc_per_node=$(GPUS) -m hybrid_rl train recipes/$(RECIPE).yaml $(ARGS)
 
 test: $(VPY)
 	$(VPY) -m pytest -q $(PYTEST_ARGS)

@@ -257,6 +257,11 @@ class TrainerConfig:
     """Stop after this many consecutive steps whose update was skipped for a non-finite loss/grad norm."""
     stale_policy: Literal["drop", "error"] = "drop"
     """A batch beyond ``max_staleness`` is regenerated under the current weights (drop) or stops the run (error)."""
+    placement: Literal["colocated", "split"] = "colocated"
+    """``colocated``: every rank trains and generates. ``split``: ranks ``0..R-1`` only generate, the rest only train
+    (weights broadcast over NCCL after each update; benchmark-grade: no checkpoints or validation yet)."""
+    rollout_ranks: int = 0
+    """Split placement: R, the number of generate-only ranks (0 = half the world, rounded down)."""
 
 
 @dataclass
@@ -305,9 +310,17 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def split_layout(self, world_size: int) -> tuple[int, int]:
+        """(rollout ranks, trainer ranks) of ``trainer.placement=split`` on ``world_size`` ranks."""
+        n = self.trainer.rollout_ranks or world_size // 2
+        return n, world_size - n
+
     def validate(self, world_size: int = 1) -> "Config":
         """Cross-field checks; raises ConfigError naming the key and the fix."""
         d, a, r = self.data, self.actor, self.rollout
+        world = world_size
+        if self.trainer.placement == "split":
+            world_size = self._validate_split(world)  # the trainer ranks: what batch sizes must divide
         _positive(self, ["data.train_batch_size", "data.max_prompt_length", "data.max_response_length", "rollout.n",
                          "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size_per_device", "actor.ppo_epochs",
                          "actor.log_prob_micro_batch_size_per_device", "ref.log_prob_micro_batch_size_per_device",
@@ -335,8 +348,8 @@ class Config:
             raise ConfigError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in (0, 1); 0.3-0.6 leaves room for training")
         if r.forced_lengths is not None:
             parse_forced_lengths(r.forced_lengths)
-        if r.tensor_parallel_size < 1 or world_size % r.tensor_parallel_size:
-            raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the {world_size} ranks")
+        if r.tensor_parallel_size < 1 or world % r.tensor_parallel_size:
+            raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the {world} ranks")
         if not 0 < r.top_p <= 1:
             raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1]")
         if r.temperature <= 0:
@@ -370,6 +383,27 @@ class Config:
         if d.task != "successor" and d.train_path.startswith("synthetic:"):
             raise ConfigError(f"data.train_path={d.train_path} is a synthetic task but data.task={d.task}; set data.task to the synthetic task's name")
         return self
+
+    def _validate_split(self, world: int) -> int:
+        t, d, r = self.trainer, self.data, self.rollout
+        if world < 2:
+            raise ConfigError("trainer.placement=split needs at least 2 ranks (one generates, one trains); "
+                              "launch more processes (make train GPUS=2) or use trainer.placement=colocated")
+        n_roll, n_train = self.split_layout(world)
+        if not 0 < n_roll < world:
+            raise ConfigError(f"trainer.rollout_ranks={t.rollout_ranks} must be in 1..{world - 1} on {world} ranks")
+        if d.train_batch_size % n_roll:
+            raise ConfigError(f"data.train_batch_size={d.train_batch_size} must be divisible by the {n_roll} rollout ranks "
+                              f"(trainer.rollout_ranks); set it to a multiple of {n_roll}")
+        if n_roll % r.tensor_parallel_size:
+            raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the {n_roll} rollout ranks")
+        if t.save_freq != -1 or t.test_freq or t.val_before_train:
+            raise ConfigError("trainer.placement=split does not checkpoint or validate yet: set trainer.save_freq=-1, "
+                              "trainer.test_freq=0 and trainer.val_before_train=false, or use trainer.placement=colocated")
+        if self.actor.param_offload or self.actor.optimizer_offload:
+            raise ConfigError("trainer.placement=split keeps the actor on its own GPUs, so actor.param_offload/"
+                              "optimizer_offload have nothing to give way to; set them to false")
+        return n_train
 
 
 def parse_forced_lengths(spec: str) -> tuple[str, list[float]]:

@@ -4,8 +4,11 @@ Every rank runs the same loop (no Ray, no controller). Under torchrun the
 process group comes from the environment (NCCL on GPU, gloo on CPU), even for
 one rank, so the actor takes the FSDP2 path; a plain ``python -m hybrid_rl``
 run is a world of one without a process group. Metrics are reduced as (sum, count) pairs so that means are weighted by
-how many samples or tokens each rank saw. Left out: multi-node launch helpers
-(torchrun's rendezvous already does that).
+how many samples or tokens each rank saw. The collectives here run over the
+*data-parallel group*: the whole world, except under ``trainer.placement=split``
+where the trainer ranks and the rollout ranks each reduce among themselves
+(``set_dp_group``). Left out: multi-node launch helpers (torchrun's rendezvous
+already does that).
 """
 
 from __future__ import annotations
@@ -47,14 +50,41 @@ def init_distributed(device_pref: str = "auto") -> DistInfo:
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
 
 
+_DP_GROUP: "dist.ProcessGroup | None" = None
+"""The group the training collectives (FSDP mesh, loss denominators, metrics) run over; None = the world."""
+
+
+def set_dp_group(group: "dist.ProcessGroup | None") -> None:
+    global _DP_GROUP
+    _DP_GROUP = group
+
+
+def dp_group() -> "dist.ProcessGroup | None":
+    return _DP_GROUP
+
+
 def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return dist.get_world_size(_DP_GROUP) if dist.is_initialized() else 1
+
+
+def _reduce(t: torch.Tensor, op) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size(_DP_GROUP) > 1:
+        dist.all_reduce(t, op=op, group=_DP_GROUP)
+    return t
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
+    return _reduce(t, dist.ReduceOp.SUM)
+
+
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    """In place; a CPU tensor is moved to the group's device for NCCL and back."""
+    if not (dist.is_initialized() and dist.get_world_size(_DP_GROUP) > 1):
+        return t
+    if dist.get_backend(_DP_GROUP) == "nccl" and t.device.type != "cuda":
+        t.copy_(_reduce(t.to("cuda"), dist.ReduceOp.MAX))
+        return t
+    return _reduce(t, dist.ReduceOp.MAX)
 
 
 def reduce_weighted_means(stats: dict[str, tuple[float, float]], device: torch.device) -> dict[str, float]:
@@ -72,14 +102,13 @@ def reduce_max(values: dict[str, float], device: torch.device) -> dict[str, floa
         return {}
     keys = sorted(values)
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    all_reduce_max(t)
     return {k: t[i].item() for i, k in enumerate(keys)}
 
 
 def barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=_DP_GROUP)
 
 
 def destroy() -> None:

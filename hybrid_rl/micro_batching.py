@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from hybrid_rl.batch import Batch
+from hybrid_rl.distributed import all_reduce_max
 
 PROMPT_KEYS = ("prompts",)
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -42,6 +42,34 @@ def trim_padding(batch: Batch) -> Batch:
             out[k] = v[:, :keep_r]
         else:
             out[k] = v
+    return Batch(out, dict(batch.non_tensors), dict(batch.meta))
+
+
+def pad_widths(batch: Batch, p_width: int, r_width: int, pad_token_id: int) -> Batch:
+    """The inverse of ``trim_padding``: left-pad the prompt part to ``p_width`` and right-pad the response
+    part to ``r_width`` (masks 0, ids ``pad_token_id``, positions continued), so batches from several ranks concat."""
+    t = batch.tensors
+    dp, dr = p_width - t["prompts"].shape[1], r_width - t["responses"].shape[1]
+    if dp < 0 or dr < 0:
+        raise ValueError(f"cannot pad a batch of widths {t['prompts'].shape[1]}/{t['responses'].shape[1]} "
+                         f"down to {p_width}/{r_width}")
+    if dp == 0 and dr == 0:
+        return batch
+    fill = {"input_ids": pad_token_id, "prompts": pad_token_id, "responses": pad_token_id}
+    r_old = t["responses"].shape[1]
+    out = {}
+    for k, v in t.items():
+        left = dp if k in PROMPT_KEYS or k in SEQUENCE_KEYS else 0
+        right = dr if k in SEQUENCE_KEYS or (k not in PROMPT_KEYS and v.dim() >= 2 and v.shape[1] == r_old) else 0
+        if not left and not right:
+            out[k] = v
+            continue
+        parts = [torch.full((v.shape[0], left, *v.shape[2:]), fill.get(k, 0), dtype=v.dtype, device=v.device), v]
+        if k == "position_ids" and right:
+            parts.append(v[:, -1:] + torch.arange(1, right + 1, device=v.device, dtype=v.dtype)[None, :])
+        else:
+            parts.append(torch.full((v.shape[0], right, *v.shape[2:]), fill.get(k, 0), dtype=v.dtype, device=v.device))
+        out[k] = torch.cat(parts, dim=1)
     return Batch(out, dict(batch.non_tensors), dict(batch.meta))
 
 
@@ -69,9 +97,7 @@ def plan_micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = Non
         return [np.arange(s, min(s + max_seqs, n)) for s in range(0, n, max_seqs)]
     p_len, r_len = _lengths(batch)
     k = torch.tensor(_greedy_count(p_len, r_len, max_tokens))
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        k = k.to("cuda" if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(k, op=dist.ReduceOp.MAX)  # same number of FSDP forwards on every rank
+    all_reduce_max(k)  # same number of FSDP forwards on every rank
     k = min(int(k), n)
     # longest-processing-time: each sequence to the bin with the fewest tokens so far
     bins: list[list[int]] = [[] for _ in range(k)]

@@ -26,11 +26,13 @@ class StalenessError(RuntimeError):
 
 
 class RolloutPipeline:
-    def __init__(self, worker, max_staleness: int, stale_policy: str = "drop"):
+    def __init__(self, worker, max_staleness: int, stale_policy: str = "drop", background: bool = True):
         self.worker = worker
         self.max_staleness = max_staleness
         self.stale_policy = stale_policy
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if max_staleness > 0 else None
+        # split placement generates on other ranks: no background thread, and nothing to regenerate here
+        use_thread = max_staleness > 0 and background
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if use_thread else None
         self.pending: Future | None = None
         self.dropped = 0
 
@@ -40,6 +42,10 @@ class RolloutPipeline:
         batch.meta["gen_s"] = time.perf_counter() - start
         batch.meta["source_prompts"] = prompts  # kept so a stale batch can be regenerated
         return batch
+
+    def generate_now(self, prompts: Batch) -> Batch:
+        """Generate in the foreground with the engine's current weights (split placement's rollout ranks)."""
+        return self._generate(prompts)
 
     def start(self, prompts: Batch) -> None:
         """Generate ``prompts`` in the background with the engine's current weights."""
@@ -83,7 +89,7 @@ class RolloutPipeline:
         """Enforce ``trainer_version - weight_version <= max_staleness`` for every sample."""
         oldest = int(batch.tensors["weight_version"].min())
         if trainer_version - oldest > self.max_staleness:
-            if self.stale_policy == "error":
+            if self.stale_policy == "error" or "source_prompts" not in batch.meta:
                 raise StalenessError(f"batch sampled at weight version {oldest} reached the trainer at version "
                                      f"{trainer_version}, beyond trainer.max_staleness={self.max_staleness}")
             # drop it and regenerate the same prompts under the current weights

@@ -3,9 +3,12 @@
 ``fit`` reads top to bottom: one call per phase, each under a named timer.
 Set-up (data, reward function, worker, trackers) happens in ``__init__``;
 validation is greedy pass@1 on the validation prompts. Metrics are reduced
-across ranks (weighted means, maxima) and logged by rank 0 only. Left out on
-purpose: a single controller (there is none: torch.distributed is the engine)
-and partial rollouts carried across steps (see ``pipeline.py``).
+across ranks (weighted means, maxima) and logged by rank 0 only. Under
+``trainer.placement=split`` the rollout ranks run ``split_rollout_step`` and
+the trainer ranks ``split_train_step`` (see ``split.py``); the first trainer
+rank logs. Left out on purpose: a single controller (there is none:
+torch.distributed is the engine) and partial rollouts carried across steps
+(see ``pipeline.py``).
 """
 
 from __future__ import annotations
@@ -22,13 +25,21 @@ from hybrid_rl.checkpoint import (CHECKPOINT_SUBDIR, CheckpointError, capture_rn
                                   restore_rng, save_checkpoint)
 from hybrid_rl.config import Config, save_config
 from hybrid_rl.data import PromptDataset, PromptSampler, collate_prompts, load_rows
-from hybrid_rl.distributed import DistInfo, reduce_max, reduce_weighted_means
+from hybrid_rl.distributed import DistInfo, reduce_max, reduce_weighted_means, set_dp_group
 from hybrid_rl.metrics import batch_metrics
 from hybrid_rl.pipeline import RolloutPipeline
 from hybrid_rl.rewards import get_reward_fn
 from hybrid_rl.scoring import compute_scores
 from hybrid_rl.tracking import Timer, Tracker
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
+
+
+class _NoParams:
+    """A weight source with nothing to send (the engine already holds this version)."""
+
+    @staticmethod
+    def iter_full_params(dtype=None, skip_static=False):
+        return iter(())
 
 
 class TrainingDiverged(RuntimeError):
@@ -56,8 +67,22 @@ def seed_everything(seed: int) -> None:
 class Trainer:
     def __init__(self, cfg: Config, dist: DistInfo):
         self.cfg = cfg
-        self.dist = dist
+        self.global_dist = dist
         seed_everything(cfg.trainer.seed + dist.rank)
+        self.split = None
+        sampler_rank, sampler_world, role = dist.rank, dist.world_size, "actor_rollout_ref"
+        if cfg.trainer.placement == "split":
+            from hybrid_rl.split import make_layout
+
+            self.split = make_layout(cfg.split_layout(dist.world_size)[0])
+            sp = self.split
+            set_dp_group(sp.rollout_group if sp.is_rollout else sp.trainer_group)
+            sampler_rank, sampler_world = (sp.index, sp.n_rollout) if sp.is_rollout else (0, sp.n_rollout)
+            role = "rollout" if sp.is_rollout else "actor_ref"
+            if not sp.is_rollout:  # the trainer ranks' own data-parallel world
+                dist = DistInfo(rank=sp.index, world_size=sp.side_size, local_rank=dist.local_rank, device=dist.device)
+        self.dist = dist
+        self.is_logger = self.split.rank == self.split.leader if self.split else dist.is_main
         d = cfg.data
         from hybrid_rl.models import load_tokenizer
 
@@ -65,7 +90,7 @@ class Trainer:
                                    "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
         rows = load_rows(d.train_path, d.train_split, d.hub_config, d.task, d.num_synthetic, cfg.trainer.seed)
         self.train_set = PromptDataset(rows, d.task, tokenizer, d.max_prompt_length, d.truncation, d.system_prompt)
-        self.sampler = PromptSampler(len(self.train_set), d.train_batch_size, dist.rank, dist.world_size,
+        self.sampler = PromptSampler(len(self.train_set), d.train_batch_size, sampler_rank, sampler_world,
                                      cfg.trainer.seed, d.shuffle)
         self.val_set = None
         if d.val_path:
@@ -76,17 +101,21 @@ class Trainer:
         self.reward_fn = get_reward_fn(cfg.reward.function, d.task)
         t = cfg.trainer
         self.total_steps = t.total_steps or t.total_epochs * self.sampler.steps_per_epoch
-        self.worker = ActorRolloutRefWorker(cfg, dist, total_training_steps=self.total_steps)
+        self.worker = ActorRolloutRefWorker(cfg, self.global_dist if role == "rollout" else dist, role=role,
+                                            total_training_steps=self.total_steps)
         self.tokenizer = self.worker.tokenizer
-        self.pipeline = RolloutPipeline(self.worker, cfg.staleness_bound, cfg.trainer.stale_policy)
+        self.pipeline = RolloutPipeline(self.worker, cfg.staleness_bound, cfg.trainer.stale_policy,
+                                        background=self.split is None)
+        if self.split is not None:
+            self._init_split()
         self.ckpt_root = Path(t.output_dir) / CHECKPOINT_SUBDIR
         self.skipped_in_a_row = 0
         self.tracker_note: str | None = None
-        self.start_step = self._restore()
-        if dist.is_main:
+        self.start_step = self._restore() if self.split is None else 0
+        if self.is_logger:
             _trim_metrics(Path(t.output_dir) / "metrics.jsonl", self.start_step)
-        self.tracker = Tracker(t.output_dir, t.logger, self.total_steps, enabled=dist.is_main, initial_step=self.start_step)
-        if dist.is_main:
+        self.tracker = Tracker(t.output_dir, t.logger, self.total_steps, enabled=self.is_logger, initial_step=self.start_step)
+        if self.is_logger:
             save_config(cfg, Path(t.output_dir) / "config.yaml")
         self.data_stats = {"data/train_prompts": len(self.train_set), "data/filtered_prompts": self.train_set.num_filtered,
                            "data/truncated_prompts": self.train_set.num_truncated}
@@ -96,14 +125,18 @@ class Trainer:
         history = []
         if self.tracker_note:
             self.tracker.write(self.tracker_note)
-        self.tracker.write(f"hybrid_rl: {self.total_steps} steps, mode {self.cfg.trainer.mode}, {self.dist.world_size} rank(s), "
-                           f"device {self.dist.device}; {self.data_stats}")
+        placement = (f"split ({self.split.n_rollout} rollout + {self.split.world - self.split.n_rollout} trainer ranks)"
+                     if self.split else "colocated")
+        self.tracker.write(f"hybrid_rl: {self.total_steps} steps, mode {self.cfg.trainer.mode}, placement {placement}, "
+                           f"{self.global_dist.world_size} rank(s), device {self.dist.device}; {self.data_stats}")
         if self.start_step >= self.total_steps:
             self.tracker.write(f"nothing to do: the checkpoint is at step {self.start_step} of {self.total_steps}; "
                                "raise trainer.total_steps (or total_epochs) to train further")
         elif self.start_step == 0 and self.cfg.trainer.val_before_train and self.val_set is not None:
             self.tracker.log(self.validate(), step=0)
         step_fn = self.overlap_step if self.cfg.trainer.mode == "overlap" else self.sync_step
+        if self.split is not None:
+            step_fn = self.split_rollout_step if self.split.is_rollout else self.split_train_step
         for step in range(self.start_step + 1, self.total_steps + 1):
             metrics = step_fn(last=step == self.total_steps)
             if self._due(step, self.cfg.trainer.test_freq) and self.val_set is not None:
@@ -136,6 +169,69 @@ class Trainer:
                 batch = self.pipeline.take(self.next_prompts)  # batch k, generated in the background
             if not last:
                 self.pipeline.start(self.next_prompts())  # batch k+1 under θ_k, concurrent with the update below
+            metrics = self.train_on(batch, timer)
+        timer.times["timing/gen"] = batch.meta["gen_s"]
+        return self._finish_metrics(metrics, timer)
+
+    # -- split placement (see split.py for the exchange order) ---------------------------
+    def _init_split(self) -> None:
+        from hybrid_rl.split import broadcast_weights, receive_weights, send_batch
+
+        self._send_batch, self._broadcast, self._receive = send_batch, broadcast_weights, receive_weights
+        self._split_sync = (0.0, 0)
+        self._sent_version: int | None = None
+        self._pending: Batch | None = None
+        if self.cfg.rollout.name == "vllm" and not self.split.is_rollout:
+            # vLLM's external launcher creates its groups over the whole world: build a twin and
+            # release it at once (sleep level 2 frees weights and KV cache), so the collectives pair up.
+            from hybrid_rl.rollout.vllm import VLLMRolloutEngine
+
+            VLLMRolloutEngine.from_config(self.cfg, self.global_dist, self.tokenizer).sleep(level=2)
+
+    def _exchange_weights(self) -> None:
+        """θ from the trainer ranks to the rollout ranks (skipped when the rollout already has this version)."""
+        w = self.worker
+        if self.split.is_rollout:
+            self._split_sync = self._receive(self.split, w.rollout, self.global_dist.device)
+            return
+        skip = self._sent_version == w.weight_version
+        src = _NoParams() if skip else w.actor
+        self._split_sync = self._broadcast(self.split, src, self.worker.dtype, self.cfg.rollout.weight_sync_bucket_mb * 2**20,
+                                           w.weight_version, self.dist.device)
+        self._sent_version = w.weight_version
+
+    def _exchange_batch(self, batch: Batch | None) -> Batch | None:
+        d = self.cfg.data
+        return self._send_batch(self.split, batch, (d.max_prompt_length, d.max_response_length),
+                                self.tokenizer.pad_token_id)
+
+    def split_rollout_step(self, last: bool = False) -> dict[str, float]:
+        """Rollout ranks: generate, hand the batch over, take the new weights (and, overlapping, generate the next)."""
+        overlap = self.cfg.staleness_bound > 0
+        if not overlap or self._pending is None:
+            self._exchange_weights()
+            self._pending = self.pipeline.generate_now(self.next_prompts())
+        self._exchange_batch(self._pending)
+        self._pending = None
+        if overlap:
+            self._exchange_weights()  # θ_k, pushed while the trainer ranks update on batch k
+            if not last:
+                self._pending = self.pipeline.generate_now(self.next_prompts())
+        return {}
+
+    def split_train_step(self, last: bool = False) -> dict[str, float]:
+        """Trainer ranks: take batch k from the rollout ranks, send θ_k back, update on batch k."""
+        overlap = self.cfg.staleness_bound > 0
+        timer = Timer()
+        with timer("step"):
+            if not overlap or self._sent_version is None:
+                with timer("sync_weights"):
+                    self._exchange_weights()
+            with timer("wait_gen"):
+                batch = self._exchange_batch(None).to(self.dist.device)
+            if overlap:
+                with timer("sync_weights"):
+                    self._exchange_weights()
             metrics = self.train_on(batch, timer)
         timer.times["timing/gen"] = batch.meta["gen_s"]
         return self._finish_metrics(metrics, timer)
@@ -227,11 +323,12 @@ class Trainer:
         means.update({k: (v, 1.0) for k, v in parts["adv_metrics"].items()})
         sm = self.worker.sharding_manager
         times = timer.pop()
-        times["timing/sync_weights"] = sm.last_sync_s if sm else 0.0
+        sync_s, sync_bytes = (sm.last_sync_s, sm.last_sync_bytes) if sm else self._split_sync if self.split else (0.0, 0)
+        times["timing/sync_weights"] = sync_s
         out = reduce_weighted_means(means, self.dist.device)
         out.update(reduce_max({**maxima, **times}, self.dist.device))
         out["reward/min"] = -out.pop("reward/min_neg")
-        out["rollout/weight_sync_bytes"] = float(sm.last_sync_bytes) if sm else 0.0
+        out["rollout/weight_sync_bytes"] = float(sync_bytes)
         out["rollout/weight_version"] = float(batch.meta.get("weight_version") or 0)
         out["rollout/dropped_batches"] = float(batch.meta.get("dropped_batches", 0))
         # per-step token counts are global sums (count 1 per rank), recover them from the means
@@ -240,7 +337,7 @@ class Trainer:
         response_tokens = out.pop("perf/response_tokens") * world
         out["perf/tokens_per_s"] = total_tokens / max(out["timing/step"], 1e-9)
         out["perf/gen_tokens_per_s"] = response_tokens / max(out["timing/gen"], 1e-9)
-        out["perf/throughput_per_gpu"] = out["perf/tokens_per_s"] / world
+        out["perf/throughput_per_gpu"] = out["perf/tokens_per_s"] / self.global_dist.world_size
         if self.dist.device.type == "cuda":
             out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(self.dist.device) / 2**30
             out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(self.dist.device) / 2**30

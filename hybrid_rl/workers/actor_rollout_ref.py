@@ -31,7 +31,7 @@ from hybrid_rl.rollout.base import RolloutEngine, SamplingParams
 from hybrid_rl.sharding_manager import ShardingManager
 from hybrid_rl.workers.fsdp_engine import AdapterDisabledReference, FrozenReference, TrainingEngine
 
-ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
+ROLES = ("actor", "rollout", "ref", "actor_ref", "actor_rollout", "actor_rollout_ref")
 
 
 @dataclass

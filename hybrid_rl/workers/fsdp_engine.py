@@ -266,11 +266,17 @@ class TrainingEngine:
         mp = None
         if self.device.type == "cuda" and self.compute_dtype != torch.float32:
             mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        from hybrid_rl.distributed import dp_group
 
         # An explicit mesh on the training device: without it fully_shard picks CUDA
         # whenever a GPU is visible, which breaks trainer.device=cpu on a GPU host.
-        kwargs: dict = {"mesh": init_device_mesh(self.device.type, (dist.get_world_size(),))}
+        # Split placement shards over the trainer ranks only (the data-parallel group).
+        group = dp_group()
+        mesh = (DeviceMesh.from_group(group, self.device.type) if group is not None
+                else init_device_mesh(self.device.type, (dist.get_world_size(),)))
+        kwargs: dict = {"mesh": mesh}
         if mp is not None:
             kwargs["mp_policy"] = mp
         layer_classes = _decoder_layer_classes(model)

@@ -1,0 +1,156 @@
+"""Split placement: ranks ``0..R-1`` only generate, ranks ``R..W-1`` only train.
+
+The colocated hybrid engine time-shares every GPU; split placement gives the
+rollout engine GPUs of its own (as verl's one-step-off policy and AReaL do),
+inside the same torchrun world. Each step moves two things, always in the same
+order on both sides, so the collectives pair up:
+
+1. the generated batch, rollout ranks → trainer ranks (pickled CPU tensors over a
+   gloo group; every trainer rank keeps its share of the prompt groups);
+2. the trainer's weights, trainer ranks → rollout ranks: the trainer ranks
+   stream full tensors out of FSDP2 (``iter_full_params``, a collective among
+   them), the first trainer rank packs them into flat buckets of the engine
+   dtype and broadcasts each over NCCL to the rollout ranks, which load it into
+   their engine bucket by bucket (the full state dict never exists at once).
+
+With ``trainer.mode=overlap`` the rollout ranks generate batch k+1 with θ_k
+while the trainer ranks update on batch k (staleness ≤ 1, as colocated overlap);
+with ``sync`` each side waits for the other. vLLM's ``external_launcher`` builds
+its process groups over the whole world, so with ``rollout.name=vllm`` the
+trainer ranks build an engine too and put it to sleep at level 2 (weights and
+KV cache released) right away; it only exists so the group creation pairs up.
+
+Left out: checkpoints and validation under split placement (the config refuses
+them), more than one step of staleness, and resizing R at run time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hybrid_rl.batch import Batch
+from hybrid_rl.micro_batching import pad_widths
+from hybrid_rl.sharding_manager import bucketize
+
+
+@dataclass
+class SplitLayout:
+    rank: int
+    n_rollout: int
+    world: int
+    trainer_group: dist.ProcessGroup
+    rollout_group: dist.ProcessGroup
+    obj_group: dist.ProcessGroup
+    """gloo over the whole world: batches and bucket metadata."""
+    bcast_group: dist.ProcessGroup
+    """The first trainer rank plus every rollout rank: the weight broadcast (NCCL on GPU)."""
+    meta_group: dist.ProcessGroup
+    """Same ranks as ``bcast_group``, on gloo: the bucket metadata."""
+
+    @property
+    def is_rollout(self) -> bool:
+        return self.rank < self.n_rollout
+
+    @property
+    def leader(self) -> int:
+        """The first trainer rank: it broadcasts the weights and logs the metrics."""
+        return self.n_rollout
+
+    @property
+    def index(self) -> int:
+        """This rank's index inside its side (rollout or trainer)."""
+        return self.rank if self.is_rollout else self.rank - self.n_rollout
+
+    @property
+    def side_size(self) -> int:
+        return self.n_rollout if self.is_rollout else self.world - self.n_rollout
+
+
+def make_layout(n_rollout: int) -> SplitLayout:
+    """Create the groups (every rank calls this, in the same order)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rollout_ranks, trainer_ranks = list(range(n_rollout)), list(range(n_rollout, world))
+    backend = dist.get_backend()
+    trainer_group = dist.new_group(trainer_ranks, backend=backend)
+    rollout_group = dist.new_group(rollout_ranks, backend=backend)
+    obj_group = dist.new_group(list(range(world)), backend="gloo")
+    bcast_ranks = [n_rollout, *rollout_ranks]
+    bcast_group = dist.new_group(bcast_ranks, backend=backend)
+    meta_group = dist.new_group(bcast_ranks, backend="gloo")
+    return SplitLayout(rank, n_rollout, world, trainer_group, rollout_group, obj_group, bcast_group, meta_group)
+
+
+# --------------------------------------------------------------------------- batches
+def send_batch(layout: SplitLayout, batch: Batch | None, widths: tuple[int, int], pad_token_id: int) -> Batch | None:
+    """Collective over the world: the rollout ranks contribute their batch, every trainer rank gets its share.
+
+    Rollout batches are padded to ``widths`` (max prompt, max response) so they
+    concatenate; the trainer trims padding per micro-batch anyway.
+    """
+    payload = None
+    if layout.is_rollout:
+        meta = {k: v for k, v in batch.meta.items() if not isinstance(v, Batch)}
+        payload = Batch(batch.tensors, batch.non_tensors, meta)
+        payload = pad_widths(payload.to("cpu"), *widths, pad_token_id).state_dict()
+    parts: list = [None] * layout.world
+    dist.all_gather_object(parts, payload, group=layout.obj_group)
+    if layout.is_rollout:
+        return None
+    batches = [Batch.from_state_dict(p) for p in parts[:layout.n_rollout]]
+    full = Batch.concat(batches)
+    full.meta["gen_s"] = max(b.meta.get("gen_s", 0.0) for b in batches)
+    versions = [b.meta.get("weight_version") for b in batches]
+    full.meta["weight_version"] = None if None in versions else min(versions)
+    # every trainer rank takes a contiguous slice of whole prompt groups (n samples each)
+    share = len(full) // layout.side_size
+    return full.index(slice(layout.index * share, (layout.index + 1) * share))
+
+
+# --------------------------------------------------------------------------- weights
+def broadcast_weights(layout: SplitLayout, source, dtype: torch.dtype, bucket_bytes: int, version: int,
+                      device: torch.device) -> tuple[float, int]:
+    """Trainer side (every trainer rank calls it): stream θ to the rollout ranks. Returns (seconds, bytes)."""
+    start, sent = time.perf_counter(), 0
+    lead = layout.rank == layout.leader
+    for bucket in bucketize(source.iter_full_params(dtype), bucket_bytes):
+        if lead:
+            meta = [(name, tuple(t.shape)) for name, t in bucket]
+            flat = torch.cat([t.reshape(-1).to(dtype) for _, t in bucket]) if len(bucket) > 1 else bucket[0][1].reshape(-1)
+            dist.broadcast_object_list([{"done": False, "meta": meta, "dtype": str(dtype)}], src=layout.leader,
+                                       group=layout.meta_group)
+            dist.broadcast(flat.contiguous(), src=layout.leader, group=layout.bcast_group)
+            sent += flat.numel() * flat.element_size()
+        del bucket
+    if lead:
+        dist.broadcast_object_list([{"done": True, "version": version}], src=layout.leader, group=layout.meta_group)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start, sent
+
+
+def receive_weights(layout: SplitLayout, engine, device: torch.device) -> tuple[float, int]:
+    """Rollout side: load the broadcast buckets into ``engine``; sets its ``weights_version``."""
+    start, got = time.perf_counter(), 0
+    engine.weights_version = None  # a push that fails half-way leaves no known version
+    while True:
+        msg = [None]
+        dist.broadcast_object_list(msg, src=layout.leader, group=layout.meta_group)
+        m = msg[0]
+        if m["done"]:
+            engine.weights_version = m["version"]
+            break
+        dtype = getattr(torch, m["dtype"].replace("torch.", ""))
+        sizes = [int(torch.Size(shape).numel()) for _, shape in m["meta"]]
+        flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+        dist.broadcast(flat, src=layout.leader, group=layout.bcast_group)
+        views = [(name, t.view(shape)) for (name, shape), t in zip(m["meta"], flat.split(sizes))]
+        engine.load_weights(views)
+        got += flat.numel() * flat.element_size()
+        del flat, views
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start, got

@@ -1,0 +1,117 @@
+"""Split placement (``trainer.placement=split``): generate-only and train-only ranks in one torchrun world.
+
+With one rollout rank and one trainer rank the run must be the colocated
+one-rank run, step for step: same prompts, same engine RNG, same weights
+pushed (broadcast instead of copied), same update. That is checked for both
+modes on CPU (gloo), plus a 3-rank layout (1 rollout, 2 trainer ranks) for the
+batch hand-over and the FSDP mesh over the trainer ranks only, and the
+config's refusals.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybrid_rl.batch import Batch
+from hybrid_rl.config import ConfigError
+from hybrid_rl.micro_batching import pad_widths, trim_padding
+
+from test_multirank import _run
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["-m", "hybrid_rl", "train", "recipes/cpu_successor.yaml", "trainer.total_steps=10", "trainer.save_freq=-1",
+          "trainer.test_freq=0", "trainer.val_before_train=false", "trainer.logger=[jsonl]", "trainer.resume=never",
+          "model.path=builtin:tiny-qwen2"]
+# compared exactly: everything but wall-clock figures
+SKIP = ("timing/", "perf/")
+
+
+def _torchrun(n: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
+
+
+def _metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("mode", ["sync", "overlap"])
+def test_split_one_plus_one_equals_colocated_one_rank(tiny_model_path, tmp_path, mode):
+    split, colo = tmp_path / "split", tmp_path / "colo"
+    _run(_torchrun(2) + COMMON + [f"trainer.mode={mode}", "trainer.placement=split", f"trainer.output_dir={split}"])
+    _run(_torchrun(1) + COMMON + [f"trainer.mode={mode}", f"trainer.output_dir={colo}"])
+    a, b = _metrics(split), _metrics(colo)
+    assert [r["step"] for r in a] == list(range(1, 11)) == [r["step"] for r in b]
+    # the run must actually learn something, or equality would be vacuous
+    assert any(r["actor/grad_norm"] > 0 for r in a)
+    for x, y in zip(a, b):
+        keys = {k for k in y if not k.startswith(SKIP)}
+        assert keys <= set(x), keys - set(x)
+        diff = {k: (x[k], y[k]) for k in keys if abs(x[k] - y[k]) > 1e-6}
+        assert not diff, f"step {x['step']}: {diff}"
+    # overlap: batch k+1 is generated while batch k trains, never more than one version behind
+    assert max(r["rollout/staleness_max"] for r in a) == (1.0 if mode == "overlap" else 0.0)
+    # the broadcast moved the full fp32 model (tied embedding once) whenever the version changed
+    assert a[1]["rollout/weight_sync_bytes"] == 80896 * 4
+
+
+def test_split_one_rollout_two_trainer_ranks(tiny_model_path, tmp_path):
+    _run(_torchrun(3) + COMMON + ["trainer.total_steps=4", "trainer.mode=overlap", "trainer.placement=split",
+                                 "trainer.rollout_ranks=1", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8",
+                                 "actor.ppo_micro_batch_size_per_device=32",
+                                 f"trainer.output_dir={tmp_path}"], timeout=400)
+    rows = _metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["rollout/weight_version"] for r in rows] == [0, 0, 1, 2]
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+    # perf/tokens_per_s counts the whole global batch: 16 prompts × 16 samples reached the two trainer ranks
+    assert rows[-1]["rollout/response_length_mean"] > 0
+    assert rows[-1]["perf/tokens_per_s"] * rows[-1]["timing/step"] >= 16 * 16 * 5
+
+
+def test_pad_widths_inverts_trim_padding():
+    torch.manual_seed(0)
+    b, p, r = 4, 5, 6
+    prompt_mask = torch.ones(b, p, dtype=torch.long)
+    prompt_mask[0, :2] = 0
+    response_mask = torch.ones(b, r, dtype=torch.long)
+    response_mask[1, 3:] = 0
+    attn = torch.cat([prompt_mask, response_mask], 1)
+    pos = (attn.cumsum(1) - 1).clamp(min=0)
+    batch = Batch({"prompts": torch.randint(1, 9, (b, p)), "responses": torch.randint(1, 9, (b, r)),
+                   "input_ids": torch.randint(1, 9, (b, p + r)), "attention_mask": attn, "position_ids": pos,
+                   "response_mask": response_mask, "rollout_log_probs": torch.randn(b, r), "weight_version": torch.zeros(b)})
+    wide = pad_widths(batch, 9, 11, pad_token_id=0)
+    assert wide.tensors["prompts"].shape == (b, 9) and wide.tensors["input_ids"].shape == (b, 20)
+    assert wide.tensors["rollout_log_probs"].shape == (b, 11) and wide.tensors["weight_version"].shape == (b,)
+    assert int(wide.tensors["attention_mask"].sum()) == int(attn.sum())
+    back = trim_padding(wide)
+    for k, v in batch.tensors.items():
+        assert torch.equal(back.tensors[k], v), k
+
+
+def _cfg(*overrides: str):
+    from hybrid_rl.config import load_config
+
+    return load_config("recipes/cpu_successor.yaml", ["trainer.placement=split", *overrides])
+
+
+def test_split_config_refusals():
+    ok = ["trainer.save_freq=-1", "trainer.test_freq=0", "trainer.val_before_train=false"]
+    _cfg(*ok).validate(2)
+    assert _cfg(*ok).split_layout(8) == (4, 4) and _cfg(*ok, "trainer.rollout_ranks=2").split_layout(8) == (2, 6)
+    with pytest.raises(ConfigError, match="at least 2 ranks"):
+        _cfg(*ok).validate(1)
+    with pytest.raises(ConfigError, match="trainer.save_freq=-1"):
+        _cfg("trainer.save_freq=0").validate(2)
+    with pytest.raises(ConfigError, match="rollout_ranks"):
+        _cfg(*ok, "trainer.rollout_ranks=2").validate(2)
+    with pytest.raises(ConfigError, match="param_offload"):
+        _cfg(*ok, "actor.param_offload=true").validate(2)
+    with pytest.raises(ConfigError, match="divisible by the 3 rollout ranks"):
+        _cfg(*ok, "trainer.rollout_ranks=3").validate(4)
