@@ -1,40 +1,60 @@
 #!/usr/bin/env bash
-# Everything that needs GPUs, in one lease (the device tool's machines start bare).
+# Everything that needs GPUs, in one lease of a 2-GPU machine (the device tool's machines start bare).
 # Expects vLLM 0.26 staged at /tmp/vs (../shared/device/README.md) and GSM8K in .devdata/.
-#   bash benchmarks/gpu_session.sh            # writes $OUT/results.tgz and $OUT/session.log
+#   bash benchmarks/gpu_session.sh PART     # PART = modes2 | modes1 | checks ; writes $OUT/PART.tgz and $OUT/PART.log
+# Each part fits one 600 s device call; every piece has its own timeout and results are packed after each piece,
+# so a part cut short still returns what finished.
 set -u
+PART=${1:?usage: gpu_session.sh modes2|modes1|checks}
 OUT=${OUT:-/tmp/gpu_out}
-RES=/tmp/res
+RES=/tmp/res/$PART
 mkdir -p "$OUT" "$RES"
-exec > >(tee "$OUT/session.log") 2>&1
-if [ -d /tmp/vs ]; then
+exec > >(tee "$OUT/$PART.log") 2>&1
+if [ -d /tmp/vs ] && [ ! -d /tmp/site/vllm ]; then
   bash /tmp/vs/install_remote.sh /tmp/vs /tmp/site --with-datasets >/dev/null || echo "vllm install failed"
-  export PYTHONPATH=/tmp/site:$PWD
 fi
+export PYTHONPATH=/tmp/site:$PWD
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
 export PYTHONUNBUFFERED=1 HYBRID_RL_CACHE=/tmp/hrc TOKENIZERS_PARALLELISM=false
 nvidia-smi -L
 python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" || true
 python -c "from hybrid_rl.models import resolve_model_path as r; r('builtin:qwen2.5-0.5b-random'); r('builtin:qwen2.5-1.5b-random')"
 T0=$(date +%s)
-# pack after every part, so a run cut short by the call's time limit still returns what finished
-stamp() { echo "== $1 at +$(( $(date +%s) - T0 ))s"; tar czf "$OUT/results.tgz" --exclude=checkpoints --exclude=tensorboard -C "$RES" . 2>/dev/null; }
+stamp() { echo "== $1 at +$(( $(date +%s) - T0 ))s"; tar czf "$OUT/$PART.tgz" --exclude=checkpoints --exclude=tensorboard -C "$RES" . 2>/dev/null; }
+# the benchmark recipe on GSM8K prompts with vLLM: 64 prompts x 8 samples, lognormal lengths (mean 200, cap 512)
+BENCH="data.train_path=.devdata/train.jsonl rollout.name=vllm data.max_response_length=512 rollout.forced_lengths=lognormal:200:0.8"
 
-# 1. weight sync into the engine vs its all-gather bound (2 ranks), both sizes
-for m in qwen2.5-0.5b qwen2.5-1.5b; do
-  stamp "weight_sync $m x2"
-  timeout 80 torchrun --standalone --nproc_per_node=2 benchmarks/weight_sync.py --model $m --switches 50 --out-dir "$RES" || echo "weight_sync $m failed"
-done
-
-# 2. the real trainer with vLLM: 20 GRPO steps on 2 GPUs (0.5B shape, random init, GSM8K prompts)
-stamp "train vllm x2"
-BENCH="data.train_path=.devdata/train.jsonl rollout.name=vllm data.max_response_length=512 rollout.forced_lengths=lognormal:200:0.8 trainer.logger=[jsonl]"
-timeout 150 torchrun --standalone --nproc_per_node=2 -m hybrid_rl train recipes/bench_modes.yaml $BENCH \
-  rollout.enforce_eager=true trainer.total_steps=20 data.train_batch_size=32 trainer.output_dir=$RES/train_vllm_x2 || echo "train vllm x2 failed"
-
-# 3. sync vs one-step overlap on 1 GPU (same recipe, seed, steps)
-stamp "modes x1"
-CUDA_VISIBLE_DEVICES=0 timeout 240 python benchmarks/modes.py --gpus 1 --steps 8 --warmup 2 --prompts 32 --n 8 --out "$RES" \
-  $BENCH || echo "modes failed"
+case $PART in
+modes2)  # sync vs overlap (colocated, split) on 2 GPUs; the sync run is also the 20-step vLLM training run on 2 GPUs
+  stamp "modes x2"
+  timeout 560 python benchmarks/modes.py --gpus 2 --steps 20 --warmup 3 --prompts 64 --n 8 --mode-timeout 175 \
+    --out "$RES" $BENCH || echo "modes x2 failed"
+  ;;
+modes1)  # the same on 1 GPU (sync, overlap colocated); the sync run is the 20-step vLLM training run on 1 GPU
+  stamp "modes x1"
+  CUDA_VISIBLE_DEVICES=0 timeout 560 python benchmarks/modes.py --gpus 1 --steps 20 --warmup 3 --prompts 64 --n 8 \
+    --mode-timeout 270 --out "$RES" $BENCH || echo "modes x1 failed"
+  ;;
+checks)
+  for m in qwen2.5-0.5b qwen2.5-1.5b; do
+    stamp "weight_sync $m x2"
+    timeout 70 torchrun --standalone --nproc_per_node=2 benchmarks/weight_sync.py --model $m --switches 50 --out-dir "$RES" \
+      || echo "weight_sync $m x2 failed"
+  done
+  stamp "weight_sync x1"
+  CUDA_VISIBLE_DEVICES=0 timeout 50 torchrun --standalone --nproc_per_node=1 benchmarks/weight_sync.py --model qwen2.5-0.5b \
+    --switches 50 --out-dir "$RES" || echo "weight_sync x1 failed"
+  stamp "offload memory x2"
+  timeout 90 torchrun --standalone --nproc_per_node=2 benchmarks/offload_memory.py --out-dir "$RES" || echo "offload failed"
+  stamp "vllm throughput x1"
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python benchmarks/vllm_bench.py --what throughput --out-dir "$RES" || echo "vllm_bench failed"
+  stamp "make train hf x2"
+  timeout 120 make train VPY="$(command -v python3)" RECIPE=bench_modes GPUS=2 ARGS="data.train_path=.devdata/train.jsonl \
+    rollout.name=hf data.max_response_length=128 rollout.forced_lengths=lognormal:64:0.8 data.train_batch_size=16 \
+    trainer.total_steps=4 trainer.logger=[jsonl] trainer.output_dir=$RES/train_hf_x2" || echo "make train hf x2 failed"
+  stamp "pytest -m gpu"
+  timeout 120 python -m pytest -q -m gpu -x tests/ 2>&1 | tail -15 || echo "pytest gpu failed"
+  ;;
+esac
 stamp "done"
-ls -R "$RES" | head -50
+ls -R "$RES" | head -40
