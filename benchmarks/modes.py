@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -85,19 +86,24 @@ def run_mode(name: str, overrides: list[str], args, out_dir: Path) -> dict:
     sampler = GpuSampler()
     sampler.start()
     start = time.perf_counter()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # own session, so a timeout kills torchrun *and* its workers (a survivor would hold the GPU for the next mode)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.mode_timeout)
-    except subprocess.TimeoutExpired as e:
+        _, stderr = proc.communicate(timeout=args.mode_timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
         sampler.stop.set()
-        tail = (e.stderr or b"")[-3000:]
+        (run_dir / "stderr.log").write_text(stderr[-200000:])
         return {"mode": name, "overrides": overrides, "error": f"timed out after {args.mode_timeout} s",
-                "stderr_tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail}
+                "stderr_tail": stderr[-3000:]}
     wall = time.perf_counter() - start
     sampler.stop.set()
-    (run_dir / "stderr.log").write_text(proc.stderr[-200000:])
+    (run_dir / "stderr.log").write_text(stderr[-200000:])
     if proc.returncode != 0:
-        print(f"{name} failed:\n{proc.stderr[-4000:]}", file=sys.stderr)
-        return {"mode": name, "overrides": overrides, "error": f"exit {proc.returncode}", "stderr_tail": proc.stderr[-3000:]}
+        print(f"{name} failed:\n{stderr[-4000:]}", file=sys.stderr)
+        return {"mode": name, "overrides": overrides, "error": f"exit {proc.returncode}", "stderr_tail": stderr[-3000:]}
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "timing/step" in r][args.warmup:]
     mean = lambda k: statistics.fmean(r.get(k, 0.0) for r in rows)
@@ -200,9 +206,9 @@ def write_results(results: list[dict], args, device: str, stem: Path) -> None:
     doc = {"device": device, "commit": commit(), "model": args.model, "gpus": args.gpus, "steps": args.steps,
            "warmup": args.warmup, "prompts_per_step": args.prompts, "n": args.n, "recipe": str(Path(args.recipe).name),
            "overrides": args.overrides, "modes": results}
-    stem.with_suffix(".json").write_text(json.dumps(doc, indent=2))
+    Path(f"{stem}.json").write_text(json.dumps(doc, indent=2))
     if ok:
-        plot(ok, f"{args.model} on {device}", stem.with_suffix(".png"))
+        plot(ok, f"{args.model} on {device}", Path(f"{stem}.png"))
 
 
 if __name__ == "__main__":

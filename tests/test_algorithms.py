@@ -559,3 +559,19 @@ def test_apply_kl_in_reward():
     close(rewards, [[-0.1, 0.1, 1.0], [-0.05, 2.0, 0.0]])
     assert isinstance(kl_mean, float)
     close(kl_mean, 0.1)  # (1 - 1 + 0 + .5 + 0) / 5
+
+
+def test_temperature_inside_the_chunked_kernels_matches_dividing_first():
+    """logprobs/entropy at temperature T applied chunk by chunk equal the same ops on logits / T, values and grads."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11, dtype=torch.float64)
+    labels = torch.randint(0, 11, (3, 5))
+    for t in (1.0, 0.7, 1.3):
+        a = logits.clone().requires_grad_(True)
+        b = logits.clone().requires_grad_(True)
+        lp_a, ent_a = logprobs_from_logits(a, labels, t), entropy_from_logits(a, t)
+        lp_b, ent_b = logprobs_from_logits(b / t, labels), entropy_from_logits(b / t)
+        assert torch.allclose(lp_a, lp_b, atol=1e-12) and torch.allclose(ent_a, ent_b, atol=1e-12)
+        (lp_a.sum() + 0.5 * ent_a.sum()).backward()
+        (lp_b.sum() + 0.5 * ent_b.sum()).backward()
+        assert torch.allclose(a.grad, b.grad, atol=1e-12)

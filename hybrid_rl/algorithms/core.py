@@ -115,64 +115,74 @@ def _row_chunks(n: int):
 # and the backward recomputes softmax chunk by chunk.
 
 
+def _scaled(x: Tensor, dtype: torch.dtype, temperature: float) -> Tensor:
+    # the same ops as (logits.float() / T) on the whole tensor, one chunk at a time
+    x = x.to(dtype)
+    return x / temperature if temperature != 1.0 else x
+
+
 class _LogProbFromLogits(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, labels: Tensor) -> Tensor:  # [N, V], [N] -> [N]
+    def forward(ctx, logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:  # [N, V], [N] -> [N]
         dtype = _compute_dtype(logits.dtype)
         n = logits.shape[0]
         out = torch.empty(n, dtype=dtype, device=logits.device)
         lse = torch.empty(n, dtype=dtype, device=logits.device)
         for rows in _row_chunks(n):
-            x = logits[rows].to(dtype)  # [C, V]
+            x = _scaled(logits[rows], dtype, temperature)  # [C, V]
             lse[rows] = torch.logsumexp(x, dim=-1)
             out[rows] = x.gather(-1, labels[rows].unsqueeze(-1)).squeeze(-1) - lse[rows]
         ctx.save_for_backward(logits, labels, lse)
+        ctx.temperature = temperature
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: Tensor):
         logits, labels, lse = ctx.saved_tensors
+        t = ctx.temperature
         grad = torch.empty_like(logits)  # [N, V]
         for rows in _row_chunks(logits.shape[0]):
             g = grad_out[rows].to(lse.dtype).unsqueeze(-1)  # [C, 1]
-            # d log p_y / d l = onehot(y) - softmax(l)
-            probs = torch.exp(logits[rows].to(lse.dtype) - lse[rows].unsqueeze(-1))  # [C, V]
+            # d log p_y / d x = onehot(y) - softmax(x), x = l / T
+            probs = torch.exp(_scaled(logits[rows], lse.dtype, t) - lse[rows].unsqueeze(-1))  # [C, V]
             chunk = -g * probs
             chunk.scatter_add_(-1, labels[rows].unsqueeze(-1), g)
-            grad[rows] = chunk.to(grad.dtype)
-        return grad, None
+            grad[rows] = (chunk / t if t != 1.0 else chunk).to(grad.dtype)
+        return grad, None, None
 
 
 class _EntropyFromLogits(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor) -> Tensor:  # [N, V] -> [N]
+    def forward(ctx, logits: Tensor, temperature: float = 1.0) -> Tensor:  # [N, V] -> [N]
         dtype = _compute_dtype(logits.dtype)
         n = logits.shape[0]
         out = torch.empty(n, dtype=dtype, device=logits.device)
         lse = torch.empty(n, dtype=dtype, device=logits.device)
         for rows in _row_chunks(n):
-            x = logits[rows].to(dtype)
+            x = _scaled(logits[rows], dtype, temperature)
             lse[rows] = torch.logsumexp(x, dim=-1)
             probs = torch.exp(x - lse[rows].unsqueeze(-1))
             out[rows] = lse[rows] - _expected_logit(probs, x)
         ctx.save_for_backward(logits, lse)
+        ctx.temperature = temperature
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: Tensor):
         logits, lse = ctx.saved_tensors
+        t = ctx.temperature
         grad = torch.empty_like(logits)
         for rows in _row_chunks(logits.shape[0]):
-            x = logits[rows].to(lse.dtype)
+            x = _scaled(logits[rows], lse.dtype, t)
             probs = torch.exp(x - lse[rows].unsqueeze(-1))  # [C, V]
             mean_logit = _expected_logit(probs, x).unsqueeze(-1)  # [C, 1]
-            # dH / dl_i = -p_i (l_i - E_p[l])
+            # dH / dx_i = -p_i (x_i - E_p[x]), x = l / T
             centred = torch.where(probs > 0, x - mean_logit, torch.zeros((), dtype=x.dtype, device=x.device))
             chunk = -grad_out[rows].to(lse.dtype).unsqueeze(-1) * probs * centred
-            grad[rows] = chunk.to(grad.dtype)
-        return grad
+            grad[rows] = (chunk / t if t != 1.0 else chunk).to(grad.dtype)
+        return grad, None
 
 
 def _expected_logit(probs: Tensor, logits: Tensor) -> Tensor:
@@ -182,8 +192,8 @@ def _expected_logit(probs: Tensor, logits: Tensor) -> Tensor:
     return terms.sum(dim=-1)
 
 
-def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
-    """log softmax(logits)[labels], computed in float32.
+def logprobs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
+    """log softmax(logits / temperature)[labels], computed in float32.
 
     logits: [B, T, V] (any float dtype), labels: [B, T] ints in [0, V).
     Returns [B, T] float32 (float64 for float64 logits); differentiable
@@ -196,19 +206,19 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
             f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on the leading dims"
         )
     flat = logits.reshape(-1, logits.shape[-1])  # [N, V]
-    out = _LogProbFromLogits.apply(flat, labels.reshape(-1).long())  # [N]
+    out = _LogProbFromLogits.apply(flat, labels.reshape(-1).long(), float(temperature))  # [N]
     return out.reshape(labels.shape)
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of softmax(logits) along the last dim, in float32.
+def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Entropy of softmax(logits / temperature) along the last dim, in float32.
 
     logits: [B, T, V]; returns [B, T], differentiable. Uses
     logsumexp(l) - sum(p * l), which stays finite for very peaked
     distributions where -sum(p * log p) would hit 0 * -inf.
     """
     flat = logits.reshape(-1, logits.shape[-1])  # [N, V]
-    return _EntropyFromLogits.apply(flat).reshape(logits.shape[:-1])
+    return _EntropyFromLogits.apply(flat, float(temperature)).reshape(logits.shape[:-1])
 
 
 # ---------------------------------------------------------------------------
