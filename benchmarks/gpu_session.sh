@@ -20,20 +20,23 @@ nvidia-smi -L
 python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" || true
 python -c "from hybrid_rl.models import resolve_model_path as r; r('builtin:qwen2.5-0.5b-random'); r('builtin:qwen2.5-1.5b-random')"
 T0=$(date +%s)
-stamp() { echo "== $1 at +$(( $(date +%s) - T0 ))s"; tar czf "$OUT/$PART.tgz" --exclude=checkpoints --exclude=tensorboard -C "$RES" . 2>/dev/null; }
-# the benchmark recipe on GSM8K prompts with vLLM: 64 prompts x 8 samples, lognormal lengths (mean 200, cap 512)
+pack() { tar czf "$OUT/$PART.tgz.tmp" --exclude=checkpoints --exclude=tensorboard -C "$RES" . 2>/dev/null && mv "$OUT/$PART.tgz.tmp" "$OUT/$PART.tgz"; }
+stamp() { echo "== $1 at +$(( $(date +%s) - T0 ))s"; pack; }
+# and every 20 s, so a call killed at its limit still returns what was written
+(while sleep 20; do pack; done) &
+# the benchmark recipe on GSM8K prompts with vLLM: 32 prompts x 8 samples per GPU, lognormal lengths (mean 200, cap 512)
 BENCH="data.train_path=.devdata/train.jsonl rollout.name=vllm data.max_response_length=512 rollout.forced_lengths=lognormal:200:0.8"
 
 case $PART in
 modes2)  # sync vs overlap (colocated, split) on 2 GPUs; the sync run is also the 20-step vLLM training run on 2 GPUs
   stamp "modes x2"
-  timeout 560 python benchmarks/modes.py --gpus 2 --steps 20 --warmup 3 --prompts 64 --n 8 --mode-timeout 175 \
+  timeout 520 python benchmarks/modes.py --gpus 2 --steps 20 --warmup 3 --prompts 64 --n 8 --mode-timeout 170 \
     --out "$RES" $BENCH || echo "modes x2 failed"
   ;;
 modes1)  # the same on 1 GPU (sync, overlap colocated); the sync run is the 20-step vLLM training run on 1 GPU
   stamp "modes x1"
-  CUDA_VISIBLE_DEVICES=0 timeout 560 python benchmarks/modes.py --gpus 1 --steps 20 --warmup 3 --prompts 64 --n 8 \
-    --mode-timeout 270 --out "$RES" $BENCH || echo "modes x1 failed"
+  CUDA_VISIBLE_DEVICES=0 timeout 520 python benchmarks/modes.py --gpus 1 --steps 20 --warmup 3 --prompts 32 --n 8 \
+    --mode-timeout 250 --out "$RES" $BENCH || echo "modes x1 failed"
   ;;
 checks)
   for m in qwen2.5-0.5b qwen2.5-1.5b; do
