@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -63,6 +64,8 @@ class GpuSampler(threading.Thread):
         super().__init__(daemon=True)
         self.samples: list[float] = []
         self.stop = threading.Event()
+        self.active = False
+        """Samples count only while set: from the end of the warm-up steps to the last step (no init, no teardown)."""
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -71,11 +74,18 @@ class GpuSampler(threading.Thread):
                 cmd = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"]
                 out = subprocess.run(cmd + ([f"--id={ids}"] if ids else []), capture_output=True, text=True,
                                      timeout=5).stdout.split()
-                if out:
+                if out and self.active:
                     self.samples.append(sum(float(x) for x in out) / len(out) / 100.0)
             except (OSError, subprocess.TimeoutExpired, ValueError):
                 return
             self.stop.wait(0.25)
+
+
+def _steps_logged(path: Path) -> int:
+    try:
+        return sum(1 for line in path.read_text().splitlines() if '"timing/step"' in line)
+    except OSError:
+        return 0
 
 
 def run_mode(name: str, overrides: list[str], args, out_dir: Path) -> dict:
@@ -86,22 +96,32 @@ def run_mode(name: str, overrides: list[str], args, out_dir: Path) -> dict:
     sampler = GpuSampler()
     sampler.start()
     start = time.perf_counter()
+    shutil.rmtree(run_dir, ignore_errors=True)  # a stale metrics.jsonl would end the wait at once
     run_dir.mkdir(parents=True, exist_ok=True)
     # own session, so a timeout kills torchrun *and* its workers (a survivor would hold the GPU for the next mode)
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=args.mode_timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate()
-        sampler.stop.set()
-        (run_dir / "stderr.log").write_text(stderr[-200000:])
-        return {"mode": name, "overrides": overrides, "error": f"timed out after {args.mode_timeout} s",
-                "stderr_tail": stderr[-3000:]}
-    wall = time.perf_counter() - start
+    log = (run_dir / "stderr.log").open("w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics = run_dir / "metrics.jsonl"
+    done_at = None
+    while proc.poll() is None:
+        time.sleep(1.0)
+        elapsed = time.perf_counter() - start
+        logged = _steps_logged(metrics) if metrics.exists() else 0
+        sampler.active = args.warmup <= logged < args.steps
+        if done_at is None and logged >= args.steps:
+            done_at = elapsed  # every step is logged: the rest is teardown, which gets a short grace period
+        if (done_at is not None and elapsed - done_at > 30) or (args.mode_timeout and elapsed > args.mode_timeout):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            break
+    wall = (done_at if done_at is not None else time.perf_counter() - start)
     sampler.stop.set()
-    (run_dir / "stderr.log").write_text(stderr[-200000:])
-    if proc.returncode != 0:
+    log.close()
+    stderr = (run_dir / "stderr.log").read_text(errors="replace")
+    if done_at is None and proc.returncode != 0:
+        if args.mode_timeout and time.perf_counter() - start > args.mode_timeout:
+            return {"mode": name, "overrides": overrides, "error": f"timed out after {args.mode_timeout} s",
+                    "stderr_tail": stderr[-3000:]}
         print(f"{name} failed:\n{stderr[-4000:]}", file=sys.stderr)
         return {"mode": name, "overrides": overrides, "error": f"exit {proc.returncode}", "stderr_tail": stderr[-3000:]}
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -150,7 +170,8 @@ def plot(results: list[dict], title: str, path: Path) -> None:
     ax1.legend(fontsize=7)
     ax2.bar(names, [r["trained_tokens_per_s"] for r in results], color="tab:green")
     for i, r in enumerate(results):
-        ax2.text(i, r["trained_tokens_per_s"], f'{r.get("speedup_vs_sync", 1):.2f}x', ha="center", va="bottom")
+        if r.get("speedup_vs_sync") is not None:
+            ax2.text(i, r["trained_tokens_per_s"], f'{r["speedup_vs_sync"]:.2f}x', ha="center", va="bottom")
     ax2.set_ylabel("trained tokens / s")
     ax2.set_title("throughput")
     fig.suptitle(title)

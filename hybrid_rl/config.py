@@ -257,6 +257,9 @@ class TrainerConfig:
     """Stop after this many consecutive steps whose update was skipped for a non-finite loss/grad norm."""
     stale_policy: Literal["drop", "error"] = "drop"
     """A batch beyond ``max_staleness`` is regenerated under the current weights (drop) or stops the run (error)."""
+    profile_steps: list[int] = field(default_factory=list)
+    """Steps to run under ``torch.profiler``; each rank writes its top ops by CUDA and CPU time to
+    ``<output_dir>/profile/step_<N>_rank<R>.txt`` (e.g. ``trainer.profile_steps=[5]``)."""
     placement: Literal["colocated", "split"] = "colocated"
     """``colocated``: every rank trains and generates. ``split``: ranks ``0..R-1`` only generate, the rest only train
     (weights broadcast over NCCL after each update; benchmark-grade: no checkpoints or validation yet)."""

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+import torch
+
 
 def rank0_print(*args: Any, rank: int = 0) -> None:
     if rank == 0:
@@ -32,7 +34,8 @@ class Timer:
     def __call__(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(f"phase/{name}"):  # phases show up in trainer.profile_steps tables
+                yield
         finally:
             self.times[f"timing/{name}"] = self.times.get(f"timing/{name}", 0.0) + time.perf_counter() - start
 

@@ -14,6 +14,7 @@ torch.distributed is the engine) and partial rollouts carried across steps
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -138,7 +139,8 @@ class Trainer:
         if self.split is not None:
             step_fn = self.split_rollout_step if self.split.is_rollout else self.split_train_step
         for step in range(self.start_step + 1, self.total_steps + 1):
-            metrics = step_fn(last=step == self.total_steps)
+            with self._profiled(step):
+                metrics = step_fn(last=step == self.total_steps)
             if self._due(step, self.cfg.trainer.test_freq) and self.val_set is not None:
                 metrics.update(self.validate())
             self.tracker.log(metrics, step)
@@ -304,6 +306,27 @@ class Trainer:
                                    f"function, or resume from the last checkpoint in {self.ckpt_root}")
 
     # -- helpers ------------------------------------------------------------------------
+    @contextmanager
+    def _profiled(self, step: int):
+        """``trainer.profile_steps``: this step under torch.profiler, summarised per rank (where the time goes)."""
+        if step not in self.cfg.trainer.profile_steps:
+            yield
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.dist.device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            yield
+        out = Path(self.cfg.trainer.output_dir) / "profile" / f"step_{step}_rank{self.global_dist.rank}.txt"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        table = prof.key_averages()
+        parts = [f"step {step}, rank {self.global_dist.rank}"]
+        if self.dist.device.type == "cuda":
+            parts.append(table.table(sort_by="cuda_time_total", row_limit=30))
+        parts.append(table.table(sort_by="cpu_time_total", row_limit=30))
+        out.write_text("\n\n".join(parts))
+
+
     def next_prompts(self) -> Batch:
         items = [self.train_set[i] for i in self.sampler.next_indices()]
         # group ids unique across ranks and steps, so grouping can never mix prompts
