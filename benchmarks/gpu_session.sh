@@ -24,14 +24,14 @@ pack() { tar czf "$OUT/$PART.tgz.tmp" --exclude=checkpoints --exclude=tensorboar
 stamp() { echo "== $1 at +$(( $(date +%s) - T0 ))s"; pack; }
 # and every 20 s, so a call killed at its limit still returns what was written
 (while sleep 20; do pack; done) &
-# the benchmark recipe on GSM8K prompts with vLLM: 32 prompts x 8 samples per GPU, lognormal lengths (mean 200, cap 512)
+# the benchmark recipe on GSM8K prompts with vLLM (32 prompts x 8 samples per step), lognormal lengths (mean 200, cap 512)
 BENCH="data.train_path=.devdata/train.jsonl rollout.name=vllm data.max_response_length=512 rollout.forced_lengths=lognormal:200:0.8"
 
 case $PART in
 modes2)  # sync vs overlap (colocated, split) on 2 GPUs; the sync run is also the 20-step vLLM training run on 2 GPUs
   stamp "modes x2"
-  timeout 520 python benchmarks/modes.py --gpus 2 --steps 20 --warmup 3 --prompts 64 --n 8 --mode-timeout 170 \
-    --out "$RES" $BENCH || echo "modes x2 failed"
+  timeout 540 python benchmarks/modes.py --gpus 2 --steps 20 --warmup 3 --prompts 32 --n 8 --mode-timeout 170 \
+    --out "$RES" $BENCH trainer.profile_steps=[2] || echo "modes x2 failed"
   ;;
 modes1)  # the same on 1 GPU (sync, overlap colocated); the sync run is the 20-step vLLM training run on 1 GPU
   stamp "modes x1"
