@@ -88,6 +88,14 @@ def _steps_logged(path: Path) -> int:
         return 0
 
 
+def _kill(proc: subprocess.Popen) -> None:
+    """torchrun and every worker it started (workers sit in their own process groups, so killpg alone misses them)."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    subprocess.run(["pkill", "-9", "-f", "-m hybrid_rl train"], check=False)
+    time.sleep(3)  # let the driver release the GPU memory
+
+
 def run_mode(name: str, overrides: list[str], args, out_dir: Path) -> dict:
     run_dir = out_dir / f"run_{name}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}", "-m", "hybrid_rl",
@@ -110,9 +118,8 @@ def run_mode(name: str, overrides: list[str], args, out_dir: Path) -> dict:
         sampler.active = args.warmup <= logged < args.steps
         if done_at is None and logged >= args.steps:
             done_at = elapsed  # every step is logged: the rest is teardown, which gets a short grace period
-        if (done_at is not None and elapsed - done_at > 30) or (args.mode_timeout and elapsed > args.mode_timeout):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if (done_at is not None and elapsed - done_at > 15) or (args.mode_timeout and elapsed > args.mode_timeout):
+            _kill(proc)
             break
     wall = (done_at if done_at is not None else time.perf_counter() - start)
     sampler.stop.set()
