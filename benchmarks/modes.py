@@ -92,7 +92,7 @@ def _kill(proc: subprocess.Popen) -> None:
     """torchrun and every worker it started (workers sit in their own process groups, so killpg alone misses them)."""
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    subprocess.run(["pkill", "-9", "-f", "-m hybrid_rl train"], check=False)
+    subprocess.run(["pkill", "-9", "-f", "hybrid_rl train"], check=False)
     time.sleep(3)  # let the driver release the GPU memory
 
 

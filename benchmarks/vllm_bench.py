@@ -4,10 +4,12 @@ Run on GPUs under torchrun (vLLM 0.26 installed), one process per GPU:
 
     torchrun --standalone --nproc_per_node=1 benchmarks/vllm_bench.py --standalone   # baseline: vLLM alone
     torchrun --standalone --nproc_per_node=1 benchmarks/vllm_bench.py                # the hybrid set-up
+    torchrun --standalone --nproc_per_node=1 benchmarks/vllm_bench.py --only throughput   # issue 4 alone (~1.5 min)
 
 The hybrid run builds what the worker builds — a ``TrainingEngine`` (FSDP2, fp32 masters, bf16
 compute), a ``VLLMRolloutEngine`` from the config tree and a ``ShardingManager`` — for the
-Qwen2.5-0.5B architecture with random weights (made from a config, no download), and measures:
+Qwen2.5-0.5B architecture with random weights (made from a config, no download), and measures
+(``--only`` picks a comma-separated subset):
 
 * ``parity``: mean/p99/max |engine sampled-token log-prob − trainer log-prob| at T=1.0 and T=0.7;
 * ``push``: time and bytes of a full weight push (gather + cast + ``load_weights``), and the
@@ -15,18 +17,38 @@ Qwen2.5-0.5B architecture with random weights (made from a config, no download),
 * ``sleep``: free GPU memory awake vs asleep, for sleep levels 1 and 2;
 * ``cycles``: free memory and allocated memory over 50 sleep → wake → push → generate cycles;
 * ``throughput``: 64 prompts × 8 samples × 512 tokens (prompt 256, ``ignore_eos``: random weights,
-  fixed lengths) through ``VLLMRolloutEngine.generate`` after a sleep/wake/push, through the same
-  ``LLM`` object directly, and (when ``--standalone`` ran first) through a vLLM engine alone in its
-  process with the same settings.
+  fixed lengths) through ``VLLMRolloutEngine.generate`` after a sleep/wake/push ("in-engine"),
+  through the same ``LLM`` object directly ("same LLM, raw"), and (when ``--standalone`` ran
+  first) through a vLLM engine alone in its process ("standalone").
+
+How throughput compares like with like: every mode sends the same prompts with the same
+``vllm.SamplingParams`` (built by ``sampling_kwargs``: ``logprobs=0``, ``flat_logprobs`` where
+vLLM has it, EOS ignored; the engine's own arguments are captured and must equal the raw
+ones) to an engine built from the same ``engine_kwargs``; the hybrid run checks the
+standalone record against its own (device, world size, engine and sampling arguments, workload)
+and lists any difference under ``like_for_like``. Each mode first runs one untimed warm-up of
+the full batch shape (same prompts and n, ``--warmup-tokens`` tokens: CUDA graphs, Triton JITs
+and allocator pools of the full batch), then ``--repeats`` timed runs (the in-engine and raw runs
+alternate, the prefix cache is reset before each). The in-engine time is the wall time of
+``VLLMRolloutEngine.generate`` — un-padding, request construction, ``LLM.generate``,
+``collect_outputs`` and ``assemble_rollout`` on the GPU — so it includes all our post-processing;
+``postprocess_s`` is its part outside ``LLM.generate``. Each run records the time the Python
+garbage collector took inside it. ``--after-wake-runs`` more in-engine runs each follow a full
+sleep → wake → push with no warm-up (what every RL step sees). Reported: the median and the best
+run per mode (per run, the slowest rank's time), and ``in_engine_over_standalone`` (median over
+median; issue 4 asks ≥ 0.95) and ``in_engine_over_same_llm``.
 
 Each result is printed as one JSON line and written to ``<out>/vllm_<device>_<what>.json``
 (device like ``H100x1``), naming the device, commit, config and figures. With several ranks each
 rank has its own engine (tensor_parallel_size=1, data parallel) or ``--tp`` ranks share one.
+Left out: workloads other than fixed-length sampling at T=1 (no top-p/top-k, no EOS stops).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import os
 import re
@@ -50,11 +72,15 @@ from hybrid_rl.config import load_config  # noqa: E402
 from hybrid_rl.distributed import init_distributed  # noqa: E402
 from hybrid_rl.models import RANDOM_ARCHS, write_random_model  # noqa: E402
 from hybrid_rl.rollout.base import SamplingParams  # noqa: E402
-from hybrid_rl.rollout.vllm import VLLMRolloutEngine, engine_kwargs, import_vllm, sampling_kwargs  # noqa: E402
+from hybrid_rl.rollout.vllm import (VLLMRolloutEngine, engine_kwargs, import_vllm, sampling_kwargs,  # noqa: E402
+                                    supports_flat_logprobs)
 
 QWEN25_05B = RANDOM_ARCHS["qwen2.5-0.5b-random"]  # the published Qwen2.5-0.5B shape
 EOS, PAD = 151645, 151643
+PROMPT_ID_HIGH = 150000  # random prompt ids are drawn below this
 GiB, MiB = 2**30, 2**20
+SECTIONS = ("parity", "push", "sleep", "cycles", "throughput")
+TARGET = 0.95  # issue 4: in-engine throughput >= 95% of standalone
 
 
 # --------------------------------------------------------------------------- bookkeeping
@@ -133,7 +159,7 @@ def make_cfg(args, path: Path):
 
 def random_prompts(num: int, length: int, seed: int) -> Batch:
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 150000, (num, length), generator=g)
+    ids = torch.randint(0, PROMPT_ID_HIGH, (num, length), generator=g)
     return Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
 
 
@@ -143,47 +169,182 @@ def masked_stats(diff: torch.Tensor, mask: torch.Tensor) -> dict:
                 tokens=int(vals.numel()))
 
 
-def throughput_prompts(args, dist) -> Batch:
-    """This rank's share: under TP the ranks of one engine bring args.prompts / tp prompts each."""
-    return random_prompts(args.prompts // args.tp, args.prompt_length, seed=1000 + dist.rank)
+def throughput_prompts(args, rank: int) -> Batch:
+    """Rank ``rank``'s share: under TP the ranks of one engine bring args.prompts / tp prompts each."""
+    return random_prompts(args.prompts // args.tp, args.prompt_length, seed=1000 + rank)
 
 
-def engine_prompts(prompts: Batch, tp_group) -> Batch:
-    """What one engine replica generates: the union of its TP ranks' prompts (the raw runs submit it all)."""
-    if tp_group is None:
-        return prompts
-    parts = [None] * tdist.get_world_size(tp_group)
-    tdist.all_gather_object(parts, prompts.tensors["input_ids"], group=tp_group)
-    ids = torch.cat(parts)
-    return Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+def engine_prompt_ids(args, rank: int) -> list[list[int]]:
+    """What rank ``rank``'s engine generates: the prompts of every rank of its TP group, in rank order
+    (under TP every rank of an engine must submit the same requests; the raw and standalone runs send it all)."""
+    first = rank - rank % args.tp
+    return [row.tolist() for r in range(first, first + args.tp)
+            for row in throughput_prompts(args, r).tensors["input_ids"]]
 
 
-def time_raw_generate(llm, vllm, prompts: Batch, args) -> dict:
-    """The same prompts straight through ``LLM.generate`` (no conversion, no assembly)."""
-    ids = [row.tolist() for row in prompts.tensors["input_ids"]]
-    sp = vllm.SamplingParams(**sampling_kwargs(SamplingParams(n=args.n, temperature=1.0, max_tokens=args.response_length),
-                                               [EOS], ignore_eos=True))
-    warm = vllm.SamplingParams(**sampling_kwargs(SamplingParams(n=2, temperature=1.0, max_tokens=16), [EOS], ignore_eos=True))
-    llm.generate([{"prompt_token_ids": p} for p in ids[:8]], warm, use_tqdm=False)
+# --------------------------------------------------------------------------- throughput helpers
+def cuda_sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def barrier() -> None:
     if tdist.is_initialized():
         tdist.barrier()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in ids], sp, use_tqdm=False)
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
+
+
+def bench_params(args) -> SamplingParams:
+    """The throughput workload's sampling: T=1, ``args.n`` samples of ``args.response_length`` tokens."""
+    return SamplingParams(n=args.n, temperature=1.0, max_tokens=args.response_length)
+
+
+def raw_sampling_kwargs(args, sampling_params_cls) -> dict:
+    """What the raw and standalone runs pass to ``vllm.SamplingParams``: exactly what the engine builds."""
+    return sampling_kwargs(bench_params(args), [EOS], ignore_eos=True,
+                           flat_logprobs=supports_flat_logprobs(sampling_params_cls))
+
+
+class GcTimer:
+    """Time spent in Python's garbage collector (and collections per generation) while active."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.collections = [0, 0, 0]
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.collections[info.get("generation", 2)] += 1
+
+    def __enter__(self) -> "GcTimer":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+def timed(fn, sync=cuda_sync) -> tuple[object, dict]:
+    """Run ``fn`` between two device syncs; returns (its result, seconds and GC figures)."""
+    sync()
+    with GcTimer() as g:
+        t0 = time.perf_counter()
+        result = fn()
+        sync()
+        seconds = time.perf_counter() - t0
+    return result, dict(seconds=seconds, gc_s=round(g.seconds, 4), gc_collections=list(g.collections))
+
+
+def raw_run(llm, make_sp, ids: list[list[int]], kwargs: dict, sync=cuda_sync) -> dict:
+    """One timed ``LLM.generate`` of ``ids`` (request construction included, no conversion, no assembly)."""
+    sp = make_sp(**kwargs)
+    outs, t = timed(lambda: llm.generate([{"prompt_token_ids": p} for p in ids], sp, use_tqdm=False), sync)
     tokens = sum(len(o.token_ids) for r in outs for o in r.outputs)
-    return dict(tokens=tokens, seconds=dt, tok_per_s=tokens / dt)
+    return dict(tokens=tokens, tok_per_s=tokens / t["seconds"], **t)
 
 
-def aggregate(per_rank: list[dict], tp: int, replicated: bool = True) -> dict:
-    # replicated: each rank of a TP group reports its engine's tokens (count each replica once);
-    # otherwise each rank reports its own share (the hybrid engine's slice)
-    replicas = per_rank[::tp] if replicated else per_rank
-    tokens = sum(r["tokens"] for r in replicas)
-    seconds = max(r["seconds"] for r in per_rank)
-    return dict(tokens=tokens, seconds=round(seconds, 3), tok_per_s=round(tokens / seconds),
-                tok_per_s_per_gpu=round(tokens / seconds / len(per_rank)))
+def engine_run(eng, prompts: Batch, params: SamplingParams, sync=cuda_sync) -> dict:
+    """One timed ``VLLMRolloutEngine.generate``: our whole path, post-processing included."""
+    batch, t = timed(lambda: eng.generate(prompts, params), sync)
+    stats = dict(eng.last_generate_stats)
+    tokens = int(stats["num_tokens"])
+    return dict(tokens=tokens, tok_per_s=tokens / t["seconds"], vllm_seconds=stats["seconds"],
+                postprocess_s=t["seconds"] - stats["seconds"], masked_tokens=int(batch.tensors["response_mask"].sum()), **t)
+
+
+def throughput_runs(eng, prompts: Batch, raw_ids: list[list[int]], params: SamplingParams, raw_kwargs: dict,
+                    make_sp, repeats: int, warmup_tokens: int, sync=cuda_sync) -> dict:
+    """Inside an awake engine: one untimed full-shape warm-up, then ``repeats`` in-engine/raw pairs.
+
+    ``raw_ids`` is what this rank's engine generates (under TP the group's union). The engine's
+    ``vllm.SamplingParams`` arguments are captured and returned for the like-for-like check.
+    """
+    captured: list[dict] = []
+    make = eng.make_sampling_params
+    eng.make_sampling_params = lambda **kw: captured.append(kw) or make(**kw)
+    eng.ignore_eos = True
+    try:
+        warm = time.perf_counter()
+        eng.generate(prompts, dataclasses.replace(params, max_tokens=warmup_tokens))
+        sync()
+        warmup_s = time.perf_counter() - warm
+        barrier()
+        in_engine, raw = [], []
+        for _ in range(repeats):
+            eng.llm.reset_prefix_cache()  # no run may reuse the prompts another run cached
+            barrier()
+            in_engine.append(engine_run(eng, prompts, params, sync))
+            eng.llm.reset_prefix_cache()
+            barrier()
+            raw.append(raw_run(eng.llm, make_sp, raw_ids, raw_kwargs, sync))
+    finally:
+        eng.ignore_eos = False
+        eng.make_sampling_params = make
+    return dict(in_engine=in_engine, raw=raw, warmup_s=warmup_s, engine_sampling_kwargs=captured[-1])
+
+
+def standalone_runs(llm, make_sp, ids: list[list[int]], raw_kwargs: dict, repeats: int, warmup_tokens: int,
+                    sync=cuda_sync) -> dict:
+    """vLLM alone: one untimed full-shape warm-up, then ``repeats`` timed runs."""
+    warm = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in ids], make_sp(**dict(raw_kwargs, max_tokens=warmup_tokens)),
+                 use_tqdm=False)
+    sync()
+    warmup_s = time.perf_counter() - warm
+    barrier()
+    runs = []
+    for _ in range(repeats):
+        llm.reset_prefix_cache()
+        barrier()
+        runs.append(raw_run(llm, make_sp, ids, raw_kwargs, sync))
+    return dict(runs=runs, warmup_s=warmup_s)
+
+
+def summarize(per_rank: list[list[dict]], tp: int, replicated: bool, expected_tokens: int) -> dict:
+    """Runs of every rank → one figure per run index (tokens of all engines / the slowest rank's time).
+
+    ``replicated``: each rank of a TP group reports its whole engine's tokens (count each engine
+    once); otherwise each rank reports its own share. Median and best over the runs.
+    """
+    if not per_rank or not per_rank[0]:
+        raise ValueError("no timed runs to summarize")
+    owners = per_rank[::tp] if replicated else per_rank
+    runs = []
+    for i in range(len(per_rank[0])):
+        tokens = sum(r[i]["tokens"] for r in owners)
+        seconds = max(r[i]["seconds"] for r in per_rank)
+        runs.append(dict(tokens=tokens, seconds=round(seconds, 3), tok_per_s=round(tokens / seconds),
+                         gc_s=round(max(r[i].get("gc_s", 0.0) for r in per_rank), 4)))
+    rates = [r["tok_per_s"] for r in runs]
+    out = dict(tok_per_s_median=round(statistics.median(rates)), tok_per_s_best=max(rates),
+               tok_per_s_per_gpu_median=round(statistics.median(rates) / len(per_rank)),
+               seconds_median=round(statistics.median(r["seconds"] for r in runs), 3),
+               tokens_as_expected=all(r["tokens"] == expected_tokens for r in runs), expected_tokens=expected_tokens,
+               runs=runs)
+    if "postprocess_s" in per_rank[0][0]:
+        out["postprocess_s_median"] = round(statistics.median(max(r[i]["postprocess_s"] for r in per_rank)
+                                                              for i in range(len(runs))), 4)
+    return out
+
+
+def like_for_like(mine: dict, theirs: dict) -> list[str]:
+    """Differences between two runs' workload descriptions (empty = comparable)."""
+    keys = sorted(set(mine) | set(theirs))
+    return [f"{k}: {theirs.get(k)!r} (standalone) vs {mine.get(k)!r} (hybrid)" for k in keys if mine.get(k) != theirs.get(k)]
+
+
+def workload(args, dist, kwargs: dict, sampling: dict) -> dict:
+    """What must be equal between the standalone and the hybrid throughput runs."""
+    return dict(device=device_tag(dist.world_size), world_size=dist.world_size, tp=args.tp, prompts=args.prompts, n=args.n,
+                prompt_length=args.prompt_length, response_length=args.response_length,
+                engine_kwargs=dict(kwargs), sampling_kwargs=dict(sampling))
+
+
+def ratio(a: float, b: float) -> float:
+    return round(a / b, 3) if b else float("nan")
 
 
 # --------------------------------------------------------------------------- modes
@@ -197,15 +358,16 @@ def run_standalone(args, dist) -> None:
     t0 = time.perf_counter()
     llm = vllm.LLM(**kwargs)
     init_s = time.perf_counter() - t0
-    prompts = throughput_prompts(args, dist)
-    runs = []
-    for _ in range(args.repeats):
-        llm.reset_prefix_cache()
-        runs.append(time_raw_generate(llm, vllm, prompts, args))
-    best = max(runs, key=lambda r: r["tok_per_s"])
-    per_rank = gather(dict(best, init_s=init_s, runs=runs))
+    ids = engine_prompt_ids(args, dist.rank)
+    raw_kwargs = raw_sampling_kwargs(args, vllm.SamplingParams)
+    res = standalone_runs(llm, vllm.SamplingParams, ids, raw_kwargs, args.repeats, args.warmup_tokens)
+    per_rank = gather(dict(res, init_s=init_s))
     if dist.is_main:
-        rec = dict(standalone=aggregate(per_rank, args.tp), per_rank=per_rank, engine_kwargs=kwargs)
+        expected = args.prompts * args.n * args.response_length * dist.world_size // args.tp
+        rec = dict(standalone=summarize([r["runs"] for r in per_rank], args.tp, True, expected),
+                   workload=workload(args, dist, kwargs, raw_kwargs), per_rank=per_rank, vllm=vllm.__version__,
+                   gpu=torch.cuda.get_device_name(0), commit=commit(),
+                   time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         Path(args.standalone_json).write_text(json.dumps(rec, default=str))
         print("STANDALONE " + json.dumps(rec, default=str), flush=True)
 
@@ -253,6 +415,9 @@ def run_hybrid(args, dist) -> None:
         return result, dict(enter_s=enter_s, push_s=sm.last_sync_s, wake_s=enter_s - sm.last_sync_s, sleep_s=exit_s,
                             push_bytes=sm.last_sync_bytes)
 
+    only = set(args.only)
+    first = None
+
     # ---- parity (the first push happens here)
     def parity(eng):
         out = {}
@@ -267,25 +432,39 @@ def run_hybrid(args, dist) -> None:
                                                                  batch.tensors["response_mask"])
         return out
 
-    par, first = cycle(parity, bump=False)
-    par_ranks = gather(par)
-    rep.write("parity", dict(logprob_diff={k: dict(mean=statistics.mean(r[k]["mean"] for r in par_ranks),
-                                                   max=max(r[k]["max"] for r in par_ranks),
-                                                   p99=max(r[k]["p99"] for r in par_ranks))
-                                          for k in par_ranks[0]},
-                             threshold_mean=2e-2, engine_init_s=round(init_s, 1)), per_rank=par_ranks)
+    if "parity" in only:
+        par, first = cycle(parity, bump=False)
+        par_ranks = gather(par)
+        rep.write("parity", dict(logprob_diff={k: dict(mean=statistics.mean(r[k]["mean"] for r in par_ranks),
+                                                       max=max(r[k]["max"] for r in par_ranks),
+                                                       p99=max(r[k]["p99"] for r in par_ranks))
+                                              for k in par_ranks[0]},
+                                 threshold_mean=2e-2, engine_init_s=round(init_s, 1)), per_rank=par_ranks)
 
     # ---- push timing (weights unchanged, but a new version forces a full push)
-    pushes = [first] + [cycle()[1] for _ in range(args.pushes)]
-    timed = pushes[1:]
-    push_fig = dict(first_push_s=round(first["push_s"], 4), push_s_median=round(statistics.median(p["push_s"] for p in timed), 4),
-                    push_s_all=[round(p["push_s"], 4) for p in timed], push_bytes=timed[0]["push_bytes"],
-                    push_gb_per_s=round(timed[0]["push_bytes"] / 1e9 / statistics.median(p["push_s"] for p in timed), 2),
-                    wake_s_median=round(statistics.median(p["wake_s"] for p in timed), 4),
-                    sleep_s_median=round(statistics.median(p["sleep_s"] for p in timed), 4))
-    rep.write("push", push_fig, per_rank=gather(push_fig))
+    if "push" in only:
+        if first is None:
+            first = cycle(bump=False)[1]
+        pushes = [first] + [cycle()[1] for _ in range(args.pushes)]
+        later = pushes[1:]
+        push_fig = dict(first_push_s=round(first["push_s"], 4),
+                        push_s_median=round(statistics.median(p["push_s"] for p in later), 4),
+                        push_s_all=[round(p["push_s"], 4) for p in later], push_bytes=later[0]["push_bytes"],
+                        push_gb_per_s=round(later[0]["push_bytes"] / 1e9 / statistics.median(p["push_s"] for p in later), 2),
+                        wake_s_median=round(statistics.median(p["wake_s"] for p in later), 4),
+                        sleep_s_median=round(statistics.median(p["sleep_s"] for p in later), 4))
+        rep.write("push", push_fig, per_rank=gather(push_fig))
+    if "sleep" in only:
+        sleep_section(args, rep, sm, cycle, free_before_engine, free_after_engine)
+    if "cycles" in only:
+        cycles_section(args, rep, cycle)
+    if "throughput" in only:
+        throughput_section(args, dist, rep, engine, cycle, vllm, kwargs, init_s)
+    engine.shutdown()
 
-    # ---- sleep memory, levels 2 and 1
+
+def sleep_section(args, rep, sm, cycle, free_before_engine, free_after_engine) -> None:
+    """Free GPU memory awake vs asleep, for both sleep levels."""
     sleep_fig = dict(free_before_engine_gib=round(free_before_engine / GiB, 2),
                      free_after_engine_init_gib=round(free_after_engine / GiB, 2))
     for level in (args.sleep_level, 3 - args.sleep_level):
@@ -304,7 +483,9 @@ def run_hybrid(args, dist) -> None:
     sm.sleep_level = args.sleep_level
     rep.write("sleep", sleep_fig, per_rank=gather(sleep_fig))
 
-    # ---- 50 cycles
+
+def cycles_section(args, rep, cycle) -> None:
+    """Free and allocated memory over ``args.cycles`` sleep → wake → push → generate cycles."""
     free_trace, alloc_trace, cycle_s = [], [], []
     small = random_prompts(4, 32, seed=11)
     for _ in range(args.cycles):
@@ -320,51 +501,53 @@ def run_hybrid(args, dist) -> None:
                free_asleep_trace_gib=[round(f / GiB, 3) for f in free_trace])
     rep.write("cycles", cyc, per_rank=gather({k: v for k, v in cyc.items() if k != "free_asleep_trace_gib"}))
 
-    # ---- throughput: in-engine (after sleep/wake/push) vs the same LLM raw vs standalone
-    prompts = throughput_prompts(args, dist)
-    params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.response_length)
 
-    union = engine_prompts(prompts, engine.tp_group)
+def throughput_section(args, dist, rep, engine, cycle, vllm, kwargs, init_s) -> None:
+    """In-engine vs the same LLM raw (alternating, after a warm-up), then runs right after a wake, vs standalone."""
+    prompts = throughput_prompts(args, dist.rank)
+    params = bench_params(args)
+    raw_ids = engine_prompt_ids(args, dist.rank)
+    raw_kwargs = raw_sampling_kwargs(args, vllm.SamplingParams)
+    cycle()  # push and sleep once, so the timed runs below follow a sleep → wake → push, as in training
+    thr, _ = cycle(lambda eng: throughput_runs(eng, prompts, raw_ids, params, raw_kwargs, vllm.SamplingParams,
+                                               args.repeats, args.warmup_tokens))
+    after_wake = []
+    for _ in range(args.after_wake_runs):  # sleep → wake → push → generate, no warm-up: what each RL step sees
+        def first_batch(eng):
+            eng.ignore_eos = True
+            try:
+                barrier()
+                return engine_run(eng, prompts, params)
+            finally:
+                eng.ignore_eos = False
 
-    def in_engine(eng):
-        eng.ignore_eos = True
-        try:
-            eng.generate(prompts.index(slice(0, 8)), SamplingParams(n=2, max_tokens=16))
-            if tdist.is_initialized():
-                tdist.barrier()
-            hybrid_runs, raw_runs = [], []
-            for _ in range(args.repeats):  # alternate, so warm-up effects show up in the first pair only
-                eng.llm.reset_prefix_cache()  # no run may reuse the prompts another run cached
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                batch = eng.generate(prompts, params)
-                torch.cuda.synchronize()
-                wall = time.perf_counter() - t0
-                stats = dict(eng.last_generate_stats)
-                hybrid_runs.append(dict(tokens=int(stats["num_tokens"]), seconds=wall, tok_per_s=stats["num_tokens"] / wall,
-                                        vllm_seconds=stats["seconds"], masked_tokens=int(batch.tensors["response_mask"].sum())))
-                eng.llm.reset_prefix_cache()
-                raw_runs.append(time_raw_generate(eng.llm, vllm, union, args))
-        finally:
-            eng.ignore_eos = False
-        best = lambda runs: dict(max(runs, key=lambda r: r["tok_per_s"]), runs=runs)  # noqa: E731
-        return dict(hybrid=best(hybrid_runs), same_llm_raw=best(raw_runs))
-
-    thr, _ = cycle(in_engine)
-    thr_ranks = gather(thr)
-    figures = dict(hybrid_generate=aggregate([r["hybrid"] for r in thr_ranks], args.tp, replicated=False),
-                   same_llm_raw_generate=aggregate([r["same_llm_raw"] for r in thr_ranks], args.tp),
-                   conversion_overhead_s=round(max(r["hybrid"]["seconds"] - r["hybrid"]["vllm_seconds"] for r in thr_ranks), 3))
-    if Path(args.standalone_json).exists() and args.tp == 1:
-        sa = json.loads(Path(args.standalone_json).read_text())
-        figures["standalone_generate"] = sa["standalone"]
-        figures["hybrid_over_standalone"] = round(figures["hybrid_generate"]["tok_per_s"] / sa["standalone"]["tok_per_s"], 3)
+        after_wake.append(cycle(first_batch)[0])
+    thr_ranks = gather(dict(thr, after_wake=after_wake))
+    expected = args.prompts * args.n * args.response_length * dist.world_size // args.tp
+    in_engine = summarize([r["in_engine"] for r in thr_ranks], args.tp, False, expected)
+    raw = summarize([r["raw"] for r in thr_ranks], args.tp, True, expected)
+    mine = workload(args, dist, kwargs, raw_kwargs)
+    figures = dict(in_engine=in_engine, same_llm_raw=raw,
+                   in_engine_over_same_llm=ratio(in_engine["tok_per_s_median"], raw["tok_per_s_median"]),
+                   engine_sampling_kwargs_equal_raw=all(r["engine_sampling_kwargs"] == raw_kwargs for r in thr_ranks),
+                   sampling_kwargs=raw_kwargs, warmup_tokens=args.warmup_tokens,
+                   warmup_s=round(max(r["warmup_s"] for r in thr_ranks), 2), hybrid_engine_init_s=round(init_s, 1))
+    if after_wake:
+        figures["in_engine_after_wake"] = summarize([r["after_wake"] for r in thr_ranks], args.tp, False, expected)
+    sa = json.loads(Path(args.standalone_json).read_text()) if Path(args.standalone_json).exists() else {}
+    if "tok_per_s_median" in sa.get("standalone", {}):
+        figures["standalone"] = sa["standalone"]
         figures["standalone_init_s"] = round(max(r["init_s"] for r in sa["per_rank"]), 1)
+        figures["like_for_like"] = like_for_like(json.loads(json.dumps(mine, default=str)), sa.get("workload", {}))
+        figures["in_engine_over_standalone"] = ratio(in_engine["tok_per_s_median"], sa["standalone"]["tok_per_s_median"])
+        figures["in_engine_over_standalone_best"] = ratio(in_engine["tok_per_s_best"], sa["standalone"]["tok_per_s_best"])
+        figures["target"] = TARGET
+        figures["meets_target"] = (figures["in_engine_over_standalone"] >= TARGET and not figures["like_for_like"]
+                                   and in_engine["tokens_as_expected"] and sa["standalone"]["tokens_as_expected"])
     else:
-        figures["standalone_generate"] = "not run (run with --standalone first)"
-    figures["hybrid_engine_init_s"] = round(init_s, 1)
+        figures["standalone"] = (f"not run: no record of this format at {args.standalone_json} "
+                                 "(run with --standalone first)")
     rep.write("throughput", figures, per_rank=thr_ranks)
-    engine.shutdown()
 
 
 class _Tok:
@@ -372,7 +555,7 @@ class _Tok:
     pad_token_id = PAD
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--standalone", action="store_true", help="only the vLLM-alone throughput baseline")
     ap.add_argument("--standalone-json", default="/tmp/hybrid_rl_vllm_standalone.json")
@@ -390,9 +573,23 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--sleep-level", type=int, default=2, choices=(1, 2))
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=2, help="timed throughput runs per mode (best is reported)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed throughput runs per mode (median and best reported)")
+    ap.add_argument("--warmup-tokens", type=int, default=64,
+                    help="tokens per sample of the untimed full-shape warm-up before the timed throughput runs")
+    ap.add_argument("--after-wake-runs", type=int, default=1,
+                    help="in-engine throughput runs that each follow a sleep → wake → push, without warm-up")
+    ap.add_argument("--only", default=",".join(SECTIONS),
+                    help=f"comma-separated hybrid sections to run, of {','.join(SECTIONS)} (default: all)")
     ap.add_argument("--enforce-eager", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    args.only = [x.strip() for x in args.only.split(",") if x.strip()]
+    unknown = sorted(set(args.only) - set(SECTIONS))
+    if unknown:
+        ap.error(f"--only: unknown sections {unknown}; choose from {list(SECTIONS)}")
+    if args.repeats < 1 or args.warmup_tokens < 1 or args.after_wake_runs < 0:
+        ap.error("--repeats and --warmup-tokens must be >= 1, --after-wake-runs >= 0")
+    if args.prompts % args.tp:
+        ap.error(f"--prompts {args.prompts} must be divisible by --tp {args.tp}")
     args.out = args.out or [str(ROOT / "benchmarks" / "results")]
     dist = init_distributed("cuda")
     try:

@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc_per_node=N benchmarks/weight_sync.py --model qwen2.5-1.5b
     torchrun --standalone --nproc_per_node=2 benchmarks/weight_sync.py --model tiny --switches 5   # CPU smoke test
+    torchrun --standalone --nproc_per_node=2 benchmarks/weight_sync.py --model tiny-deep --device cpu  # 290 tiny tensors: per-tensor overhead
 
 A randomly initialised model of the named architecture (no download) is
 FSDP2-sharded over the N ranks exactly as the actor is (fp32 masters, bf16
@@ -9,7 +10,10 @@ compute on GPU), and ``ShardingManager`` pushes it ``--switches`` times into an
 engine: ``--sink copy`` mimics vLLM's load (a device-to-device copy into
 preallocated engine tensors), ``--sink hf`` is the real ``HFRolloutEngine``
 (with its sleep/wake moves, which are outside the timed push). Every switch
-bumps the weight version, so every switch is a full push.
+bumps the weight version, so every switch is a full push. The first push records
+the sink's loads and later ones replay them (``hybrid_rl.weight_replay``) unless
+``--no-replay``; consecutive decoder blocks share one all-gather up to
+``--gather-mb``.
 
 Printed as one JSON line (and written to
 ``benchmarks/results/weight_sync_<device>x<N>_<model>.json``, e.g. ``H100x2``): the median push
@@ -17,7 +21,11 @@ time ``sync_s`` (per switch, the slowest rank), its physical bound ``bound_s`` =
 the model's bytes in the engine dtype through one all-gather of those same
 bytes (measured here, NCCL-tests bus bandwidth reported) plus one device copy
 of them, and memory before/after the switches (GPU ``memory_allocated`` /
-``max_memory_reserved``, host RSS) to catch leaks. Left out: vLLM itself (its
+``max_memory_reserved``, host RSS) to catch leaks. The breakdown: ``gather_s``
+is the same stream of buckets with nothing loaded (median, slowest rank), so
+``sync_s - gather_s`` estimates what loading adds on top of the gather (the two
+overlap, so it is not the load's own duration); ``replayed_tensors`` says how
+many tensors of the last push skipped the sink's loader. Left out: vLLM itself (its
 ``load_weights`` adds name mapping and QKV fusion on top of the copy) and
 multi-node runs.
 """
@@ -50,6 +58,8 @@ ARCHS = {
     "qwen2.5-0.5b": RANDOM_ARCHS["qwen2.5-0.5b-random"],
     "qwen2.5-1.5b": RANDOM_ARCHS["qwen2.5-1.5b-random"],
     "tiny": dict(TINY_CONFIG, vocab_size=103),
+    # the 0.5B model's 290 tensors at the tiny model's width: what the push costs per tensor, on any device
+    "tiny-deep": dict(TINY_CONFIG, vocab_size=103, num_hidden_layers=24),
 }
 
 
@@ -186,6 +196,14 @@ def measure_bound(nbytes: int, dtype: torch.dtype, device: torch.device, world: 
     return out
 
 
+def _drain(actor: TrainingEngine, dtype: torch.dtype, bucket_bytes: int) -> None:
+    """The push's gather and bucketing with nothing loaded (the breakdown's ``gather_s``)."""
+    from hybrid_rl.sharding_manager import bucketize
+
+    for bucket in bucketize(actor.iter_full_params(dtype), bucket_bytes):
+        del bucket
+
+
 # --------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -197,7 +215,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--switches", type=int, default=50, help="timed switches (each a full push); memory is compared across them")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--bucket-mb", type=int, default=512)
-    ap.add_argument("--no-prefetch", action="store_true", help="gather a group only after the previous one was loaded")
+    ap.add_argument("--no-prefetch", action="store_true", help="gather a chunk only after the previous one was loaded")
+    ap.add_argument("--gather-mb", type=int, default=256,
+                    help="consecutive decoder blocks share one all-gather up to this many MB (0: one block each)")
+    ap.add_argument("--no-replay", action="store_true", help="call the sink's load_weights on every push (no record-and-replay)")
     ap.add_argument("--naive", action="store_true",
                     help="baseline: the previous push, one full_tensor() of the fp32 master per parameter, then the cast")
     ap.add_argument("--param-offload", action="store_true")
@@ -241,8 +262,9 @@ def main(argv: list[str] | None = None) -> dict:
     version = [0]
     sm = ShardingManager(actor, sink, lambda: version[0], dtype=dtype, bucket_mb=args.bucket_mb,
                          free_cache_engine=True, sleep_level=1, param_offload=args.param_offload,
-                         optimizer_offload=args.optimizer_offload)
+                         optimizer_offload=args.optimizer_offload, replay=not args.no_replay)
     actor.push_prefetch = not args.no_prefetch
+    actor.push_gather_bytes = args.gather_mb * 2**20
     if args.naive:
         def naive_params(dt=None, skip_static=False):
             for name, p in actor.model.named_parameters():
@@ -276,6 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
         switch_times.append(_max_over_ranks(w, device))
     mem_after = _memory(device)
     assert sm.last_sync_bytes == nbytes, (sm.last_sync_bytes, nbytes)
+    gather = _timed(lambda: _drain(actor, dtype, sm.bucket_bytes), device, repeats=max(3, min(args.switches, 10)), warmup=1)
 
     verified = None
     if not args.no_verify:
@@ -294,7 +317,10 @@ def main(argv: list[str] | None = None) -> dict:
         "bench": "weight_sync", "model": args.model, "params": numel, "bytes": nbytes, "dtype": str(dtype).replace("torch.", ""),
         "world_size": world, "device": tag, "device_name": device_name, "sink": args.sink, "bucket_mb": args.bucket_mb,
         "impl": "naive" if args.naive else "grouped", "prefetch": not args.no_prefetch, "param_offload": args.param_offload, "optimizer_offload": args.optimizer_offload,
+        "gather_mb": args.gather_mb, "replay": sm.replayer is not None, "replayed_tensors": sm.last_sync_replayed,
+        "replay_stats": vars(sm.replayer.stats) if sm.replayer is not None else None,
         "sync_s": sync_s, "sync_s_min": min(sync_times), "sync_s_max": max(sync_times), "first_sync_s": first,
+        "gather_s": gather, "load_over_gather_s": sync_s - gather,
         "switch_s": statistics.median(switch_times), "sync_GBps": nbytes / sync_s / 1e9,
         **bound, "bound_ratio": sync_s / bound["bound_s"], "tensors": sm.last_sync_tensors, "switches": args.switches,
         "memory_before": mem_before, "memory_after": mem_after, "verified": verified,
@@ -304,7 +330,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(record), flush=True)
         out = Path(args.out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"weight_sync_{tag}_{args.model}{'_naive' if args.naive else ''}.json").write_text(json.dumps(record, indent=1) + "\n")
+        suffix = ("_naive" if args.naive else "") + ("_noreplay" if args.no_replay else "") + ("" if args.sink == "copy" else f"_{args.sink}")
+        (out / f"weight_sync_{tag}_{args.model}{suffix}.json").write_text(json.dumps(record, indent=1) + "\n")
     dist.barrier()
     dist.destroy_process_group()
     return record

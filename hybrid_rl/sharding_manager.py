@@ -2,14 +2,21 @@
 
 On entry the engine wakes up, and if it does not already hold the actor's
 current weight version the actor streams its weights out
-(``TrainingEngine.iter_full_params``: one all-gather per FSDP module group in
-the engine dtype, the next group in flight while the current one loads, LoRA
-merged on the fly, tied duplicates once); they are grouped into buckets of
+(``TrainingEngine.iter_full_params``: one all-gather per few FSDP module
+groups in the engine dtype, the next one in flight while the current one loads,
+LoRA merged on the fly, tied duplicates once); they are grouped into buckets of
 ``bucket_mb`` and handed to ``engine.load_weights``, each bucket dropped as
 soon as it is loaded, so the full state dict never exists at once. Weights
 that only depend on frozen parameters (with LoRA: embeddings, norms,
 untargeted linears) are pushed once and skipped afterwards, for as long as the
 engine keeps them (sleep level 2 discards them: the next push is full again).
+With ``replay`` (config ``rollout.weight_load_replay``) each bucket goes through a
+``WeightReplayer``: the first time a bucket layout arrives the engine's real
+``load_weights`` runs and its copies are recorded; later pushes of the same
+layout replay them with one ``torch._foreach_copy_`` and skip the engine's
+Python loader (one small tensor per push still takes the real path, for the
+engine's bookkeeping). A level-2 sleep drops the recordings, and so does any
+sign that the engine re-allocated its weights (see ``hybrid_rl.weight_replay``).
 Then the actor's parameters (+ gradients) and/or optimizer state go to CPU if
 ``param_offload``/``optimizer_offload`` ask for it, and the engine's KV cache
 wakes. On exit the engine goes to sleep and the actor comes back. The push is
@@ -30,6 +37,7 @@ from typing import Callable, Iterable, Iterator, Protocol
 import torch
 
 from hybrid_rl.rollout.base import RolloutEngine
+from hybrid_rl.weight_replay import WeightReplayer
 
 
 class WeightSource(Protocol):
@@ -60,7 +68,8 @@ def bucketize(params: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> 
 class ShardingManager:
     def __init__(self, source: WeightSource, engine: RolloutEngine, version: Callable[[], int],
                  dtype: torch.dtype | None = None, bucket_mb: int = 512, free_cache_engine: bool = True,
-                 sleep_level: int = 1, param_offload: bool = False, optimizer_offload: bool = False):
+                 sleep_level: int = 1, param_offload: bool = False, optimizer_offload: bool = False,
+                 replay: bool = True):
         self.source = source
         self.engine = engine
         self.version = version
@@ -73,8 +82,12 @@ class ShardingManager:
         self.last_sync_s = 0.0
         self.last_sync_bytes = 0
         self.last_sync_tensors = 0
+        self.last_sync_replayed = 0
+        """Tensors of the last push whose load was replayed instead of going through the engine's loader."""
         self.num_pushes = 0
         self._engine_has_static = False
+        # the engine's load_weights is looked up at call time, so a wrapper set on the engine later still sees loads
+        self.replayer = WeightReplayer(lambda bucket: self.engine.load_weights(bucket)) if replay else None
 
     def invalidate(self) -> None:
         """Forget what the engine holds: the next entry pushes every weight (e.g. after loading a checkpoint)."""
@@ -85,7 +98,7 @@ class ShardingManager:
         """Bring the engine to the actor's current version (no-op when it is already there)."""
         version = self.version()
         start = time.perf_counter()
-        pushed, tensors = 0, 0
+        pushed, tensors, replayed = 0, 0, 0
         if self.engine.weights_version != version:
             # The engine keeps whatever it was given unless it discarded its weights
             # (sleep level 2 clears weights_version): only then resend frozen weights.
@@ -93,11 +106,18 @@ class ShardingManager:
             # a push that fails half-way leaves the engine at no known version
             self.engine.weights_version = None
             self._engine_has_static = False
-            for bucket in bucketize(self.source.iter_full_params(self.dtype, skip_static=skip_static), self.bucket_bytes):
-                self.engine.load_weights(bucket)
+            if self.replayer is not None:
+                self.replayer.begin_push()
+            for i, bucket in enumerate(bucketize(self.source.iter_full_params(self.dtype, skip_static=skip_static),
+                                                 self.bucket_bytes)):
+                if self.replayer is not None:
+                    self.replayer.load(bucket, first=i == 0)
+                else:
+                    self.engine.load_weights(bucket)
                 pushed += sum(t.numel() * t.element_size() for _, t in bucket)
                 tensors += len(bucket)
                 del bucket
+            replayed = self.replayer.push_replayed_tensors if self.replayer is not None else 0
             self.engine.weights_version = version
             self._engine_has_static = True
             self.num_pushes += 1
@@ -106,6 +126,7 @@ class ShardingManager:
         self.last_sync_s = time.perf_counter() - start
         self.last_sync_bytes = pushed
         self.last_sync_tensors = tensors
+        self.last_sync_replayed = replayed
 
     def __enter__(self) -> RolloutEngine:
         self.engine.wake_up(["weights"])
@@ -125,6 +146,16 @@ class ShardingManager:
         try:
             if self.free_cache_engine:
                 self.engine.sleep(level=self.sleep_level)
+                self._after_sleep()
         finally:
             if self.param_offload or self.optimizer_offload:
                 self.source.onload()
+
+    def _after_sleep(self) -> None:
+        """Recorded loads stay valid only while the engine keeps its weights where they were."""
+        if self.replayer is None:
+            return
+        if self.sleep_level >= 2:
+            self.replayer.invalidate()  # discarded weights: engine-side fills the replay skips are gone too
+        else:
+            self.replayer.release_stale()  # an engine that moved its weights: let go of the old copy now

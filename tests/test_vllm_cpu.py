@@ -1,18 +1,32 @@
 """CPU tests of the vLLM backend's own code: the missing-vLLM error, prompt un-padding, sampling
-arguments, output assembly, the sleep/wake/push state machine and the worker→model adapter.
+arguments, output assembly, the sleep/wake/push state machine, the worker→model adapter, and the
+throughput benchmark's bookkeeping (``benchmarks/vllm_bench.py`` driven by the fake engine).
 
 vLLM itself is never imported here: the fakes below stand in for ``vllm.LLM`` and its output
-objects so that *our* conversion code is what is tested. The real engine is exercised by
+objects so that *our* conversion code is what is tested. They mirror vLLM 0.26's classes field for
+field (``vllm.logprobs.Logprob``/``FlatLogprobs``, ``vllm.outputs.CompletionOutput``/``RequestOutput``,
+read from the 0.26 wheel), including how vLLM's ``LogprobsProcessor`` fills them: the sampled
+token first at each position, then the top-k. The fast post-processing is checked bit for bit
+against the previous implementation, kept below as ``ref_*``. The real engine is exercised by
 ``tests/test_vllm_gpu.py`` on a GPU machine.
+
+``python tests/test_vllm_cpu.py`` prints a CPU micro-benchmark of the post-processing (512
+sequences × 512 tokens) for the reference and the current code.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import random
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,37 +46,104 @@ EOS, PAD = 7, 0
 # --------------------------------------------------------------------------- fakes of vLLM's objects
 @dataclass
 class FakeLogprob:
+    """vllm.logprobs.Logprob (0.26)."""
     logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclass
 class FakeFlatLogprobs:
-    """The shape of vllm.logprobs.FlatLogprobs: flat lists plus per-position [start, end)."""
+    """vllm.logprobs.FlatLogprobs (0.26): flat lists plus per-position [start, end); a sequence of dicts."""
     start_indices: list[int] = field(default_factory=list)
     end_indices: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    ranks: list[int | None] = field(default_factory=list)
+    decoded_tokens: list[str | None] = field(default_factory=list)
 
-    def append(self, entries: list[tuple[int, float]]) -> None:
+    def append(self, logprobs_one_position: dict[int, FakeLogprob] | None) -> None:
         self.start_indices.append(len(self.logprobs))
-        for t, lp in entries:
-            self.token_ids.append(t)
-            self.logprobs.append(lp)
+        if logprobs_one_position:
+            for token_id, logprob in logprobs_one_position.items():
+                self.token_ids.append(token_id)
+                self.logprobs.append(logprob.logprob)
+                self.ranks.append(logprob.rank)
+                self.decoded_tokens.append(logprob.decoded_token)
+        self.end_indices.append(len(self.logprobs))
+
+    def append_fast(self, token_ids, logprobs, ranks, decoded_tokens) -> None:
+        self.start_indices.append(len(self.logprobs))
+        for token_id, logprob, rank, decoded_token in zip(token_ids, logprobs, ranks, decoded_tokens):
+            self.token_ids.append(token_id)
+            self.logprobs.append(logprob)
+            self.ranks.append(rank)
+            self.decoded_tokens.append(decoded_token)
         self.end_indices.append(len(self.logprobs))
 
     def __len__(self) -> int:
         return len(self.start_indices)
 
+    def __getitem__(self, index: int) -> dict[int, FakeLogprob]:
+        return {self.token_ids[i]: FakeLogprob(self.logprobs[i], self.ranks[i], self.decoded_tokens[i])
+                for i in range(self.start_indices[index], self.end_indices[index])}
 
-def completion(index, tokens, flat=True):
+    def __iter__(self):
+        for i in range(len(self.start_indices)):
+            yield self[i]
+
+
+@dataclass
+class FakeCompletionOutput:
+    """vllm.outputs.CompletionOutput (0.26)."""
+    index: int
+    text: str
+    token_ids: Any
+    cumulative_logprob: float | None
+    logprobs: Any
+    routed_experts: Any = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    lora_request: Any = None
+
+
+@dataclass
+class FakeRequestOutput:
+    """vllm.outputs.RequestOutput (0.26), the fields our code could touch."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    prompt_logprobs: Any
+    outputs: list[FakeCompletionOutput]
+    finished: bool = True
+
+
+def sample_logprobs(tokens, lps, flat=True, topk=0, seed=0):
+    """A sequence's log-probs as vLLM's LogprobsProcessor builds them with ``logprobs=topk``:
+    per position the sampled token (rank computed from the fake top-k), then the top-k tokens."""
+    rng = random.Random(seed)
+    container = FakeFlatLogprobs() if flat else []
+    for tok, lp in zip(tokens, lps):
+        top = [(rng.randrange(150000, 151000), lp + rng.random()) for _ in range(topk)]  # never the sampled id
+        ids, vals = [tok] + [t for t, _ in top], [lp] + [v for _, v in top]
+        ranks = [1 + sum(v > lp for _, v in top)] + list(range(1, topk + 1))
+        if flat:
+            container.append_fast(ids, vals, iter(ranks), iter([None] * len(ids)))
+        else:  # vLLM builds the dict the same way: a top-k entry with the sampled id overwrites it
+            container.append({t: FakeLogprob(v, r, None) for t, v, r in zip(ids, vals, ranks)})
+    return container
+
+
+def completion(index, tokens, flat=True, topk=0, as_tuple=False):
     lps = [-(0.1 * (i + 1) + 0.01 * t) for i, t in enumerate(tokens)]
-    if flat:
-        lp = FakeFlatLogprobs()
-        for t, v in zip(tokens, lps):
-            lp.append([(t, v)])
-    else:
-        lp = [{t: FakeLogprob(v)} for t, v in zip(tokens, lps)]
-    return SimpleNamespace(index=index, token_ids=tuple(tokens), logprobs=lp), lps
+    lp = sample_logprobs(tokens, lps, flat=flat, topk=topk, seed=index)
+    toks = tuple(tokens) if as_tuple else list(tokens)
+    return FakeCompletionOutput(index=index, text="", token_ids=toks, cumulative_logprob=None, logprobs=lp), lps
+
+
+def request_output(completions, i=0) -> FakeRequestOutput:
+    return FakeRequestOutput(request_id=str(i), prompt=None, prompt_token_ids=[1, 2], prompt_logprobs=None,
+                             outputs=list(completions))
 
 
 class FakeLLM:
@@ -106,7 +187,7 @@ class FakeLLM:
                 if cut is not None:
                     toks = toks[:cut] + [EOS]
                 comps.append(completion(s, toks)[0])
-            outs.append(SimpleNamespace(outputs=comps))
+            outs.append(request_output(comps, pi))
         return outs
 
 
@@ -213,7 +294,7 @@ def test_sampled_logprobs_flat_and_dict_forms(flat):
 
 def test_sampled_logprobs_finds_sampled_token_among_topk_and_checks_lengths():
     lp = FakeFlatLogprobs()
-    lp.append([(9, -0.5), (4, -1.5)])  # sampled token listed second
+    lp.append({9: FakeLogprob(-0.5), 4: FakeLogprob(-1.5)})  # sampled token listed second
     assert vr.sampled_logprobs([4], lp) == [-1.5]
     with pytest.raises(RuntimeError, match="positions"):
         vr.sampled_logprobs([4, 5], lp)
@@ -226,13 +307,235 @@ def test_collect_outputs_orders_by_index_and_right_pads():
     a1, lp_a1 = completion(1, [21])
     b0, lp_b0 = completion(0, [31, 32])
     b1, lp_b1 = completion(1, [41, 42, 43, 44])
-    outs = [SimpleNamespace(outputs=[a1, a0]), SimpleNamespace(outputs=[b0, b1])]
+    outs = [request_output([a1, a0]), request_output([b0, b1])]
     resp, lps = vr.collect_outputs(outs, n=2, pad_token_id=PAD)
     assert resp.tolist() == [[11, 12, 13, PAD], [21, PAD, PAD, PAD], [31, 32, PAD, PAD], [41, 42, 43, 44]]
     assert lps[0, :3].tolist() == pytest.approx(lp_a0) and lps[1, 1:].abs().sum() == 0
     assert lps[3].tolist() == pytest.approx(lp_b1) and lps.dtype == torch.float32
     with pytest.raises(RuntimeError, match="expected n=3"):
         vr.collect_outputs(outs, n=3, pad_token_id=PAD)
+
+
+# --------------------------------------------------------------------------- fast path == the previous code
+def ref_unpad_prompts(input_ids, attention_mask):
+    """The previous ``unpad_prompts``: one masked ``tolist`` per row."""
+    return [row[m].tolist() for row, m in zip(input_ids.cpu(), attention_mask.cpu().bool())]
+
+
+def ref_sampled_logprobs(token_ids, logprobs):
+    """The previous ``sampled_logprobs``: a Python loop over positions in both formats."""
+    starts = getattr(logprobs, "start_indices", None)
+    if starts is not None:
+        flat_ids, flat_lps, ends = logprobs.token_ids, logprobs.logprobs, logprobs.end_indices
+        out = []
+        for i, tok in enumerate(token_ids):
+            s, e = starts[i], ends[i]
+            j = s if s < e and flat_ids[s] == tok else next(k for k in range(s, e) if flat_ids[k] == tok)
+            out.append(float(flat_lps[j]))
+        return out
+    return [float(pos[tok].logprob) for pos, tok in zip(logprobs, token_ids)]
+
+
+def ref_collect_outputs(request_outputs, n, pad_token_id):
+    """The previous ``collect_outputs``: sorted completions, one small tensor per row copied into the padded one."""
+    rows = []
+    for ro in request_outputs:
+        for o in sorted(ro.outputs, key=lambda o: o.index):
+            toks = list(o.token_ids)
+            rows.append((toks, ref_sampled_logprobs(toks, o.logprobs)))
+    width = max((len(t) for t, _ in rows), default=0)
+    responses = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, (toks, lps) in enumerate(rows):
+        if toks:
+            responses[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
+            logprobs[i, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
+    return responses, logprobs
+
+
+def ref_assemble_rollout(prompts, responses, logprobs, n, eos_token_ids, pad_token_id, response_lengths=None):
+    """The previous ``assemble_rollout``."""
+    rep = prompts.repeat_interleave(n)
+    prompt_ids, prompt_mask = rep.tensors["input_ids"], rep.tensors["attention_mask"]
+    is_eos = torch.zeros_like(responses, dtype=torch.bool)
+    for e in eos_token_ids:
+        is_eos |= responses == e
+    eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
+    response_mask = (eos_before == 0).long()
+    if response_lengths is not None:
+        lengths = torch.tensor(response_lengths, device=responses.device)[:, None]
+        response_mask = (torch.arange(responses.shape[1], device=responses.device)[None, :] < lengths).long()
+    responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad_token_id))
+    logprobs = logprobs.float() * response_mask
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    position_ids = (torch.cumsum(attention_mask, dim=1) - 1).clamp(min=0)
+    prompt_len = prompt_mask.sum(dim=1, keepdim=True)
+    position_ids[:, prompt_ids.shape[1]:] = prompt_len + torch.arange(responses.shape[1], device=responses.device)[None, :]
+    uid = np.repeat(np.arange(len(prompts)), n)
+    if "uid" in prompts.non_tensors:
+        uid = np.repeat(prompts.non_tensors["uid"], n)
+    return rep.union(tensors=dict(prompts=prompt_ids, responses=responses, response_mask=response_mask,
+                                  input_ids=torch.cat([prompt_ids, responses], dim=1), attention_mask=attention_mask,
+                                  position_ids=position_ids, rollout_log_probs=logprobs), non_tensors=dict(uid=uid))
+
+
+def random_outputs(num_prompts, n, max_len, flat=True, topk=0, seed=0, shuffle=True, eos_rate=0.0, as_tuple=False):
+    """Request outputs with random lengths (0 included), random ids (EOS sometimes), random log-probs."""
+    rng = random.Random(seed)
+    outs = []
+    for b in range(num_prompts):
+        comps = []
+        for s in range(n):
+            length = rng.randrange(0, max_len + 1)
+            toks = [EOS if rng.random() < eos_rate else rng.randrange(8, 150000) for _ in range(length)]
+            lps = [-rng.random() * 7 for _ in range(length)]
+            lp = sample_logprobs(toks, lps, flat=flat, topk=topk, seed=b * n + s)
+            comps.append(FakeCompletionOutput(index=s, text="", token_ids=tuple(toks) if as_tuple else toks,
+                                              cumulative_logprob=None, logprobs=lp))
+        if shuffle:
+            rng.shuffle(comps)
+        outs.append(request_output(comps, b))
+    return outs
+
+
+def random_prompts(num, width, seed=0, left_pad=True, uid=False):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(8, 150000, (num, width), generator=g)
+    lengths = torch.randint(1, width + 1, (num,), generator=g)
+    cols = torch.arange(width)[None, :]
+    mask = (cols >= width - lengths[:, None]) if left_pad else (cols < lengths[:, None])
+    ids = torch.where(mask, ids, torch.full_like(ids, PAD))
+    b = Batch({"input_ids": ids, "attention_mask": mask.long()})
+    if uid:
+        b.non_tensors["uid"] = np.array([f"p{i}" for i in range(num)], dtype=object)
+    return b
+
+
+def assert_same_batch(a: Batch, b: Batch) -> None:
+    assert a.tensors.keys() == b.tensors.keys() and a.non_tensors.keys() == b.non_tensors.keys()
+    for k in a.tensors:
+        assert a.tensors[k].dtype == b.tensors[k].dtype and torch.equal(a.tensors[k], b.tensors[k]), k
+    for k in a.non_tensors:
+        assert a.non_tensors[k].tolist() == b.non_tensors[k].tolist(), k
+
+
+@pytest.mark.parametrize("flat,topk,as_tuple", [(True, 0, False), (False, 0, False), (True, 2, True), (False, 3, False)])
+def test_fast_collect_outputs_equals_previous_code(flat, topk, as_tuple):
+    outs = random_outputs(9, 3, 40, flat=flat, topk=topk, seed=topk, as_tuple=as_tuple)
+    resp, lps = vr.collect_outputs(outs, 3, PAD)
+    ref_resp, ref_lps = ref_collect_outputs(outs, 3, PAD)
+    assert resp.dtype == torch.long and lps.dtype == torch.float32
+    assert torch.equal(resp, ref_resp) and torch.equal(lps, ref_lps)
+    # bit for bit, sign of zero included
+    assert torch.equal(lps.view(torch.int32), ref_lps.view(torch.int32))
+
+
+def test_fast_path_takes_the_engines_flat_list_after_checking_it():
+    c, lps = completion(0, [4, 5, 6])
+    assert vr.sampled_logprobs(c.token_ids, c.logprobs) is c.logprobs.logprobs  # no per-token work
+    wrong = FakeFlatLogprobs()
+    for t, v in zip([4, 9, 6], lps):  # one entry per position, but not the sampled token at position 1
+        wrong.append({t: FakeLogprob(v)})
+    with pytest.raises(RuntimeError, match="position 1 do not include the sampled token 5"):
+        vr.sampled_logprobs([4, 5, 6], wrong)
+    odd = FakeFlatLogprobs(start_indices=[0, 0, 2], end_indices=[0, 2, 3], token_ids=[9, 5, 6], logprobs=[-1.0, -2.0, -3.0],
+                           ranks=[None] * 3, decoded_tokens=[None] * 3)  # 3 entries over 3 positions, not 1 each
+    with pytest.raises(RuntimeError, match="position 0"):
+        vr.sampled_logprobs([4, 5, 6], odd)
+    assert vr.sampled_logprobs([], FakeFlatLogprobs()) == []
+
+
+def test_collect_outputs_at_scale_equals_previous_code():
+    """512 sequences, up to 512 tokens, the throughput benchmark's shape."""
+    outs = random_outputs(64, 8, 512, seed=3, shuffle=False)
+    resp, lps = vr.collect_outputs(outs, 8, PAD)
+    ref_resp, ref_lps = ref_collect_outputs(outs, 8, PAD)
+    assert resp.shape == ref_resp.shape and torch.equal(resp, ref_resp) and torch.equal(lps, ref_lps)
+
+
+def test_collect_outputs_empty_and_all_empty():
+    resp, lps = vr.collect_outputs([], 2, PAD)
+    assert resp.shape == (0, 0) and lps.shape == (0, 0)
+    outs = [request_output([completion(0, [])[0], completion(1, [])[0]])]
+    resp, lps = vr.collect_outputs(outs, 2, PAD)
+    assert resp.shape == (2, 0) and lps.dtype == torch.float32
+
+
+@pytest.mark.parametrize("left_pad", [True, False])
+def test_fast_unpad_equals_previous_code(left_pad):
+    b = random_prompts(33, 17, seed=int(left_pad), left_pad=left_pad)
+    assert vr.unpad_prompts(b.tensors["input_ids"], b.tensors["attention_mask"]) == \
+        ref_unpad_prompts(b.tensors["input_ids"], b.tensors["attention_mask"])
+    full = torch.randint(0, 9, (4, 5))
+    assert vr.unpad_prompts(full, torch.ones_like(full)) == full.tolist()
+
+
+@pytest.mark.parametrize("case", ["eos", "two_eos", "no_eos_id", "forced", "uid"])
+def test_assemble_rollout_equals_previous_code(case):
+    n, prompts = 3, random_prompts(6, 9, seed=5, uid=case == "uid")
+    outs = random_outputs(6, n, 20, seed=7, eos_rate=0.15)
+    resp, lps = vr.collect_outputs(outs, n, PAD)
+    eos = {"two_eos": [EOS, 11], "no_eos_id": []}.get(case, [EOS])
+    resp[resp == 11] = 12
+    resp[::5, 3] = 11  # a second EOS id in some rows
+    lengths = tuple(int(x) for x in torch.randint(0, resp.shape[1] + 1, (len(resp),))) if case == "forced" else None
+    got = assemble_rollout(prompts, resp, lps, n, eos, PAD, lengths)
+    assert_same_batch(got, ref_assemble_rollout(prompts, resp, lps, n, eos, PAD, lengths))
+
+
+def test_generate_end_to_end_equals_previous_code():
+    """The engine's whole post-processing (unpad → collect → assemble) against the previous functions."""
+    prompts = random_prompts(5, 7, seed=2)
+    llm = FakeLLM(eos_at={(1, 0): 2, (3, 2): 0}, length=6)
+    eng = make_engine(llm)
+    eng.load_weights([("w", torch.zeros(2))])
+    out = eng.generate(prompts, SamplingParams(n=3, temperature=0.9, max_tokens=6))
+    sent = [c for c in llm.calls if c[0] == "generate"][0][1]
+    assert sent == ref_unpad_prompts(prompts.tensors["input_ids"], prompts.tensors["attention_mask"])
+    ref = ref_assemble_rollout(prompts, *ref_collect_outputs(llm.generate([{"prompt_token_ids": p} for p in sent],
+                                                                          {"n": 3})[:5], 3, PAD), 3, [EOS], PAD)
+    assert_same_batch(out, ref)
+
+
+def test_supports_flat_logprobs_reads_the_struct_or_dataclass_fields():
+    assert vr.supports_flat_logprobs(type("SP", (), {"__struct_fields__": ("n", "logprobs", "flat_logprobs")}))
+    assert not vr.supports_flat_logprobs(type("Old", (), {"__struct_fields__": ("n", "logprobs")}))
+
+    @dataclass
+    class DataclassSP:
+        flat_logprobs: bool = False
+
+    assert vr.supports_flat_logprobs(DataclassSP) and not vr.supports_flat_logprobs(object)
+    kw = vr.sampling_kwargs(SamplingParams(), [EOS], flat_logprobs=False)
+    assert "flat_logprobs" not in kw and kw["logprobs"] == 0
+
+
+def test_engine_without_flat_logprobs_falls_back_to_dicts():
+    class DictLLM(FakeLLM):
+        def generate(self, prompts, sp, use_tqdm=False):
+            assert "flat_logprobs" not in sp
+            outs = super().generate(prompts, sp, use_tqdm)
+            for ro in outs:
+                for o in ro.outputs:
+                    o.logprobs = list(o.logprobs)  # FlatLogprobs iterates as dicts: the classic format
+            return outs
+
+    flat_eng, dict_eng = make_engine(FakeLLM(length=4)), make_engine(DictLLM(length=4), flat_logprobs=False)
+    for e in (flat_eng, dict_eng):
+        e.load_weights([("w", torch.zeros(2))])
+    params = SamplingParams(n=2, max_tokens=4)
+    assert_same_batch(flat_eng.generate(prompts_batch(), params), dict_eng.generate(prompts_batch(), params))
+
+
+def test_forced_lengths_share_one_sampling_params_per_length():
+    made = []
+    eng = vr.VLLMRolloutEngine(FakeLLM(length=8), [EOS], PAD, torch.device("cpu"),
+                               make_sampling_params=lambda **kw: made.append(kw) or dict(kw))
+    eng.load_weights([("w", torch.zeros(2))])
+    eng.generate(prompts_batch(), SamplingParams(n=2, max_tokens=8, response_lengths=(3, 5, 3, 3)))
+    assert sorted(kw["max_tokens"] for kw in made) == [3, 5]
+    sps = [c for c in eng.llm.calls if c[0] == "generate"][0][2]
+    assert [sp["max_tokens"] for sp in sps] == [3, 5, 3, 3] and sps[0] is sps[2] is sps[3]
 
 
 def test_engine_kwargs_from_config():
@@ -423,3 +726,201 @@ def test_memory_budget_is_checked_before_vllm_starts():
     with pytest.raises(ModelLoadError, match=r"rollout.gpu_memory_utilization=0.9 asks for 72.0 GiB but only 30.0 GiB") as e:
         vr.check_memory_budget(0.9, free_bytes=30 * gib, total_bytes=80 * gib)
     assert "lower it (e.g. 0.32)" in str(e.value) and "\n" not in str(e.value)
+
+
+# --------------------------------------------------------------------------- benchmarks/vllm_bench.py's bookkeeping
+@pytest.fixture(scope="module")
+def vb():
+    """benchmarks/vllm_bench.py as a module (its environment defaults undone afterwards)."""
+    import os
+
+    saved = dict(os.environ)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_bench.py"
+    spec = importlib.util.spec_from_file_location("vllm_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return module
+
+
+def _no_sync():
+    pass
+
+
+def _bench_args(**kw):
+    return SimpleNamespace(**{**dict(n=2, response_length=5, prompts=3, prompt_length=4, tp=1), **kw})
+
+
+class _FakeSP:
+    """Stands in for vllm.SamplingParams: a msgspec Struct with the flat_logprobs field, built from kwargs."""
+    __struct_fields__ = ("n", "logprobs", "flat_logprobs")
+
+    def __new__(cls, **kw):
+        return dict(kw)
+
+
+def test_bench_throughput_runs_time_our_whole_path_and_the_same_kwargs(vb):
+    llm = FakeLLM(length=9)
+    eng = make_engine(llm)
+    eng.load_weights([("w", torch.zeros(2))])
+    args = _bench_args()
+    prompts = random_prompts(3, 4, seed=1)
+    raw_ids = vr.unpad_prompts(prompts.tensors["input_ids"], prompts.tensors["attention_mask"])
+    raw_kwargs = vb.raw_sampling_kwargs(args, _FakeSP)
+    res = vb.throughput_runs(eng, prompts, raw_ids, vb.bench_params(args), raw_kwargs, _FakeSP, repeats=2,
+                             warmup_tokens=3, sync=_no_sync)
+    assert res["engine_sampling_kwargs"] == raw_kwargs  # like with like: logprobs=0, flat, EOS ignored
+    assert raw_kwargs["logprobs"] == 0 and raw_kwargs["flat_logprobs"] and raw_kwargs["ignore_eos"]
+    gens = [c for c in llm.calls if c[0] == "generate"]
+    assert [g[2]["max_tokens"] for g in gens] == [3, 5, 5, 5, 5]  # untimed warm-up first, then the timed pairs
+    assert all(g[1] == raw_ids for g in gens)  # every run sends the same prompts
+    assert [c[0] for c in llm.calls].count("reset_prefix_cache") == 1 + 4  # after the push, then before each run
+    for run in res["in_engine"] + res["raw"]:
+        assert run["tokens"] == 3 * 2 * 5 and run["seconds"] > 0 and run["tok_per_s"] > 0
+        assert set(run["gc_collections"]) <= set(range(1000)) and run["gc_s"] >= 0
+    for run in res["in_engine"]:
+        assert run["masked_tokens"] == 30 and 0 <= run["vllm_seconds"] <= run["seconds"]
+        assert run["postprocess_s"] == pytest.approx(run["seconds"] - run["vllm_seconds"])
+    assert eng.ignore_eos is False and eng.make_sampling_params is dict  # restored
+
+
+def test_bench_standalone_runs_warm_up_then_time(vb):
+    llm = FakeLLM(length=9)
+    args = _bench_args()
+    ids = [[1, 2], [3], [4, 5, 6]]
+    res = vb.standalone_runs(llm, _FakeSP, ids, vb.raw_sampling_kwargs(args, _FakeSP), repeats=3, warmup_tokens=2,
+                             sync=_no_sync)
+    assert [g[2]["max_tokens"] for g in llm.calls if g[0] == "generate"] == [2, 5, 5, 5]
+    assert len(res["runs"]) == 3 and all(r["tokens"] == 30 for r in res["runs"]) and res["warmup_s"] >= 0
+
+
+def test_bench_summarize_per_run_slowest_rank(vb):
+    r0 = [dict(tokens=100, seconds=1.0, postprocess_s=0.1), dict(tokens=100, seconds=2.0, postprocess_s=0.3)]
+    r1 = [dict(tokens=100, seconds=1.25, postprocess_s=0.2), dict(tokens=100, seconds=0.5, postprocess_s=0.1)]
+    dp = vb.summarize([r0, r1], tp=1, replicated=False, expected_tokens=200)
+    assert [r["tok_per_s"] for r in dp["runs"]] == [160, 100]  # 200 tokens over the slowest rank's time
+    assert dp["tok_per_s_median"] == 130 and dp["tok_per_s_best"] == 160 and dp["tokens_as_expected"]
+    assert dp["postprocess_s_median"] == pytest.approx(0.25) and dp["tok_per_s_per_gpu_median"] == 65
+    tp = vb.summarize([r0, r1], tp=2, replicated=True, expected_tokens=200)  # one engine: count its tokens once
+    assert tp["runs"][0]["tokens"] == 100 and not tp["tokens_as_expected"]
+    with pytest.raises(ValueError, match="no timed runs"):
+        vb.summarize([[]], 1, True, 0)
+
+
+def test_bench_like_for_like_and_ratio(vb):
+    a = dict(device="H200x1", sampling_kwargs=dict(logprobs=0, flat_logprobs=True), n=8)
+    assert vb.like_for_like(a, dict(a)) == []
+    diff = vb.like_for_like(a, dict(a, sampling_kwargs=dict(logprobs=None)))
+    assert len(diff) == 1 and diff[0].startswith("sampling_kwargs:")
+    assert vb.ratio(95, 100) == 0.95 and vb.ratio(1, 0) != vb.ratio(1, 0)  # nan
+
+
+def test_bench_gc_timer_counts_collections(vb):
+    import gc
+
+    with vb.GcTimer() as g:
+        gc.collect()
+    assert g.collections[2] >= 1 and g.seconds > 0
+    assert g._callback not in gc.callbacks
+
+
+@pytest.mark.parametrize("argv,msg", [(["--only", "parity,bogus"], "unknown sections"),
+                                      (["--repeats", "0"], "must be >= 1"), (["--tp", "3"], "divisible")])
+def test_bench_cli_rejects_bad_arguments(vb, argv, msg, capsys):
+    with pytest.raises(SystemExit):
+        vb.main(argv)
+    assert msg in capsys.readouterr().err
+
+
+def test_bench_standalone_then_hybrid_end_to_end_on_cpu(vb, tmp_path, monkeypatch):
+    """The whole benchmark (every section) on CPU: a fake ``vllm`` module, a tiny model of a small vocabulary."""
+    import os
+
+    made = []
+
+    class FakeVllm(SimpleNamespace):
+        pass
+
+    def make_llm(**kwargs):
+        made.append(kwargs)
+        return FakeLLM(length=9)
+
+    monkeypatch.setitem(sys.modules, "vllm", FakeVllm(LLM=make_llm, SamplingParams=_FakeSP, __version__="0.26.0-fake"))
+    arch = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=True, rms_norm_eps=1e-6, vocab_size=128)
+    monkeypatch.setattr(vb, "QWEN25_05B", arch)
+    monkeypatch.setattr(vb, "EOS", 127)
+    monkeypatch.setattr(vb, "PAD", 126)
+    monkeypatch.setattr(vb, "PROMPT_ID_HIGH", 100)
+    monkeypatch.setattr(vb, "device_tag", lambda world: f"CPUx{world}")
+    monkeypatch.setattr(vb, "free_mem", lambda: 0)
+    monkeypatch.setattr(vb._Tok, "eos_token_id", 127)
+    monkeypatch.setattr(vb._Tok, "pad_token_id", 126)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "cpu")
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+    common = ["--model-dir", str(tmp_path / "model"), "--standalone-json", str(tmp_path / "sa.json"), "--out", str(tmp_path),
+              "--prompts", "4", "--n", "2", "--prompt-length", "8", "--response-length", "6", "--repeats", "2",
+              "--warmup-tokens", "2", "--cycles", "2", "--pushes", "1"]
+    dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    saved = dict(os.environ)
+    try:
+        monkeypatch.setattr(vb, "init_distributed", lambda pref: dist)
+        vb.main(common + ["--standalone"])
+        vb.main(common)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert made[0] == made[1] and made[0]["load_format"] == "dummy"  # same engine arguments in both processes
+    thr = json.loads((tmp_path / "vllm_CPUx1_throughput.json").read_text())
+    fig = thr["figures"]
+    assert fig["like_for_like"] == [] and fig["engine_sampling_kwargs_equal_raw"]
+    assert fig["sampling_kwargs"]["logprobs"] == 0 and fig["sampling_kwargs"]["flat_logprobs"]
+    expected = 4 * 2 * 6
+    for key in ("in_engine", "same_llm_raw", "standalone", "in_engine_after_wake"):
+        assert fig[key]["tokens_as_expected"] and fig[key]["expected_tokens"] == expected, key
+    assert len(fig["in_engine"]["runs"]) == 2 and len(fig["in_engine_after_wake"]["runs"]) == 1
+    assert fig["in_engine_over_standalone"] > 0 and fig["target"] == 0.95 and "meets_target" in fig
+    assert thr["device"] == "CPUx1" and thr["world_size"] == 1
+    for what in ("parity", "push", "sleep", "cycles"):
+        assert (tmp_path / f"vllm_CPUx1_{what}.json").exists(), what
+
+
+# --------------------------------------------------------------------------- micro-benchmark: python tests/test_vllm_cpu.py
+def _micro_benchmark(reps: int = 7) -> None:
+    """Reference vs current post-processing for 64 prompts × n=8 = 512 sequences × 512 tokens (CPU time, 1 thread)."""
+    torch.set_num_threads(1)
+    prompts = random_prompts(64, 256, seed=0)
+    ids, mask = prompts.tensors["input_ids"], prompts.tensors["attention_mask"]
+
+    def cpu_ms(fn):
+        times = []
+        for _ in range(reps):
+            t0 = time.process_time()
+            fn()
+            times.append(time.process_time() - t0)
+        return sorted(times)[len(times) // 2] * 1e3
+
+    for fmt in ("flat", "dict"):
+        outs = random_outputs(64, 8, 512, flat=fmt == "flat", seed=0, shuffle=False)
+        for o in (c for ro in outs for c in ro.outputs):  # fixed lengths, as the throughput benchmark
+            o.token_ids = (o.token_ids * (512 // max(len(o.token_ids), 1) + 1))[:512]
+            lps = [-(i % 7) / 3 for i in range(512)]
+            o.logprobs = sample_logprobs(o.token_ids, lps, flat=fmt == "flat")
+        rows = {}
+        for name, unpad, collect, assemble in (("before", ref_unpad_prompts, ref_collect_outputs, ref_assemble_rollout),
+                                               ("after", vr.unpad_prompts, vr.collect_outputs, assemble_rollout)):
+            resp, lps = collect(outs, 8, PAD)
+            rows[name] = dict(unpad=cpu_ms(lambda: unpad(ids, mask)), collect=cpu_ms(lambda: collect(outs, 8, PAD)),
+                              assemble=cpu_ms(lambda: assemble(prompts, resp, lps, 8, [EOS], PAD)))
+            rows[name]["total"] = sum(rows[name].values())
+        for name, r in rows.items():
+            print(f"{fmt:4s} {name:6s}: unpad {r['unpad']:6.1f} ms  collect_outputs {r['collect']:6.1f} ms  "
+                  f"assemble_rollout {r['assemble']:6.1f} ms  total {r['total']:6.1f} ms")
+
+
+if __name__ == "__main__":
+    _micro_benchmark()

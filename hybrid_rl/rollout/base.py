@@ -78,29 +78,32 @@ def assemble_rollout(prompts: Batch, responses: torch.Tensor, logprobs: torch.Te
     logprobs [B·n, R] are row-aligned with ``prompts.repeat_interleave(n)``.
     The response mask covers tokens up to and including the first EOS; tokens
     after it are replaced by pad and masked out. With ``response_lengths`` the
-    mask covers exactly that many tokens instead (EOS ignored).
+    mask covers exactly that many tokens instead (EOS ignored). Whole-tensor
+    operations only (a few kernels on GPU, no per-row Python).
     """
     rep = prompts.repeat_interleave(n)
     prompt_ids = rep.tensors["input_ids"]  # [B·n, P]
     prompt_mask = rep.tensors["attention_mask"]  # [B·n, P]
-    is_eos = torch.zeros_like(responses, dtype=torch.bool)
-    for e in eos_token_ids:
-        is_eos |= responses == e
-    # a token is inside the response if no EOS came strictly before it
-    eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
-    response_mask = (eos_before == 0).long()  # [B·n, R]
+    device, width = responses.device, responses.shape[1]
+    steps = torch.arange(width, device=device)[None, :]
     if response_lengths is not None:
-        lengths = torch.tensor(response_lengths, device=responses.device)[:, None]
-        response_mask = (torch.arange(responses.shape[1], device=responses.device)[None, :] < lengths).long()
-    responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad_token_id))
+        lengths = torch.tensor(response_lengths, device=device)[:, None]
+        inside = steps < lengths
+    else:
+        is_eos = responses == eos_token_ids[0] if len(eos_token_ids) == 1 else \
+            torch.isin(responses, torch.tensor(list(eos_token_ids), device=device, dtype=responses.dtype))
+        # a token is inside the response if no EOS came strictly before it
+        eos_count = torch.cumsum(is_eos, dim=1)
+        inside = (eos_count - is_eos.long()) == 0
+    response_mask = inside.long()  # [B·n, R]
+    responses = responses.masked_fill(~inside, pad_token_id)
     logprobs = logprobs.float() * response_mask
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)  # [B·n, P+R]
-    position_ids = (torch.cumsum(attention_mask, dim=1) - 1).clamp(min=0)
-    # Real positions continue after the prompt even where the mask is 0, so
-    # padded tail tokens cannot alias an earlier position.
+    # Prompt positions count real tokens (left pads get 0); response positions
+    # continue after the prompt even where the mask is 0, so padded tail tokens
+    # cannot alias an earlier position.
     prompt_len = prompt_mask.sum(dim=1, keepdim=True)
-    resp_pos = prompt_len + torch.arange(responses.shape[1], device=responses.device)[None, :]
-    position_ids[:, prompt_ids.shape[1]:] = resp_pos
+    position_ids = torch.cat([(torch.cumsum(prompt_mask, dim=1) - 1).clamp(min=0), prompt_len + steps], dim=1)
     # group id: one per prompt within this batch, so the n samples of a prompt share it
     uid = np.repeat(np.arange(len(prompts)), n)
     if "uid" in prompts.non_tensors:

@@ -26,7 +26,17 @@ EOS ids, sampling defaults) out, so vLLM and the hf engine stop alike.
 Everything trainer-facing is built by ``assemble_rollout``.
 
 vLLM internals are touched in exactly one place, ``engine_model`` (worker →
-torch model), which the weight push and the read-back go through.
+torch model), which the weight push and the read-back go through. vLLM's
+*output* format is read in one place too, ``sampled_logprobs``: with
+``SamplingParams.flat_logprobs`` (in 0.26; ``supports_flat_logprobs`` checks
+for the field, and without it the option is left out) each sequence's
+log-probs arrive as one ``FlatLogprobs`` whose flat ``logprobs`` list, under
+``logprobs=0``, already *is* the sampled tokens' log-probs (one entry per
+position, the sampled token first), so it is taken as is after a check of the
+token ids and the layout; anything else falls back to the per-position
+``dict[token_id, Logprob]`` lookup. Host-side post-processing (un-padding,
+``collect_outputs``, ``assemble_rollout``) builds each tensor with one call
+over flat data, no per-token Python work beyond vLLM's own.
 
 Left out: vLLM's native LoRA (with LoRA the trainer pushes merged, HF-named
 full weights), quantised or multimodal models, pipeline parallelism,
@@ -41,11 +51,13 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import os
 import socket
 import time
 from typing import Any, Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 
 from hybrid_rl.batch import Batch
@@ -124,21 +136,38 @@ def _rpc_read_weights(worker: Any, names: list[str] | None) -> list[tuple[str, t
 
 # --------------------------------------------------------------------------- pure helpers
 def unpad_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
-    """Token-id lists of the real prompt tokens (padding, left or right, dropped by the mask)."""
+    """Token-id lists of the real prompt tokens (padding, left or right, dropped by the mask).
+
+    One boolean gather and one ``tolist`` for the whole batch, then list slices per row.
+    """
     if input_ids.shape != attention_mask.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} differ")
     ids, mask = input_ids.cpu(), attention_mask.cpu().bool()
-    out = [row[m].tolist() for row, m in zip(ids, mask)]
-    empty = [i for i, p in enumerate(out) if not p]
+    lengths = mask.sum(dim=1).tolist()
+    empty = [i for i, n in enumerate(lengths) if n == 0]
     if empty:
         raise ValueError(f"prompt rows {empty[:8]} have no tokens (attention_mask all 0); drop them before generating")
+    flat = ids[mask].tolist() if not bool(mask.all()) else ids.reshape(-1).tolist()
+    out, pos = [], 0
+    for n in lengths:
+        out.append(flat[pos:pos + n])
+        pos += n
     return out
 
 
-def sampling_kwargs(params: SamplingParams, eos_token_ids: Sequence[int], ignore_eos: bool = False) -> dict[str, Any]:
+def supports_flat_logprobs(sampling_params_cls: Any) -> bool:
+    """Whether ``vllm.SamplingParams`` has the ``flat_logprobs`` field (a msgspec Struct in vLLM 0.26)."""
+    fields = getattr(sampling_params_cls, "__struct_fields__", None)
+    if fields is None:
+        fields = getattr(sampling_params_cls, "__dataclass_fields__", {})
+    return "flat_logprobs" in fields
+
+
+def sampling_kwargs(params: SamplingParams, eos_token_ids: Sequence[int], ignore_eos: bool = False,
+                    flat_logprobs: bool = True) -> dict[str, Any]:
     """``vllm.SamplingParams`` arguments for ``params``: token ids in/out, one log-prob per sampled token."""
     greedy = params.greedy
-    return dict(
+    kw = dict(
         n=params.n,
         temperature=0.0 if greedy else float(params.temperature),
         top_p=1.0 if greedy else float(params.top_p),
@@ -150,31 +179,85 @@ def sampling_kwargs(params: SamplingParams, eos_token_ids: Sequence[int], ignore
         flat_logprobs=True,  # one flat list per sequence instead of a dict per token
         detokenize=False,
     )
+    if not flat_logprobs:  # a vLLM without the field: the classic list of dicts comes back
+        del kw["flat_logprobs"]
+    return kw
+
+
+_STEPS: list[int] = [0]
+"""0, 1, 2, ...: grown to the longest sequence seen, sliced for ``_one_entry_per_position``."""
+
+
+def _one_entry_per_position(starts: Sequence[int], ends: Sequence[int], n: int) -> bool:
+    """``[starts[i], ends[i]) == [i, i + 1)`` for every position: checked by its ends, then exactly.
+
+    ``FlatLogprobs.append`` makes every range start where the previous one ended,
+    so with ``n`` entries over ``n`` positions the ends already decide it; the
+    exact comparison runs when they agree (list equality in C: a few µs per sequence).
+    """
+    if n == 0:
+        return True
+    if starts[0] != 0 or ends[-1] != n or starts[-1] != n - 1:
+        return False
+    if len(_STEPS) <= n:
+        _STEPS.extend(range(len(_STEPS), n + 1))
+    return (starts if isinstance(starts, list) else list(starts)) == _STEPS[:n] and \
+        (ends if isinstance(ends, list) else list(ends)) == _STEPS[1:n + 1]
 
 
 def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> list[float]:
-    """The log-prob of each sampled token from a vLLM ``CompletionOutput.logprobs``.
+    """The log-prob of each sampled token from a vLLM ``CompletionOutput.logprobs``: the output-format adapter.
 
-    Accepts vLLM's ``FlatLogprobs`` (flat lists with per-position start/end
-    indices; the sampled token comes first at each position) and the classic
-    ``list[dict[token_id, Logprob]]``.
+    Accepts vLLM's ``FlatLogprobs`` (flat ``token_ids``/``logprobs`` lists with
+    per-position ``[start_indices[i], end_indices[i])`` ranges; the sampled token
+    comes first at each position) and the classic ``list[dict[token_id, Logprob]]``.
+    Fast path: with ``logprobs=0`` every position holds exactly the sampled token,
+    so once the layout and the token ids check out the flat ``logprobs`` list is
+    returned as is (the engine's own list: read it, don't mutate it).
     """
     if logprobs is None:
         raise RuntimeError("vLLM returned no log-probs; SamplingParams.logprobs must be 0")
-    if len(logprobs) != len(token_ids):
-        raise RuntimeError(f"vLLM returned {len(logprobs)} log-prob positions for {len(token_ids)} tokens")
+    n = len(token_ids)
+    if len(logprobs) != n:
+        raise RuntimeError(f"vLLM returned {len(logprobs)} log-prob positions for {n} tokens")
     starts = getattr(logprobs, "start_indices", None)
-    if starts is not None:  # FlatLogprobs
-        flat_ids, flat_lps, ends = logprobs.token_ids, logprobs.logprobs, logprobs.end_indices
-        out = []
-        for i, tok in enumerate(token_ids):
-            s, e = starts[i], ends[i]
-            j = s if s < e and flat_ids[s] == tok else next((k for k in range(s, e) if flat_ids[k] == tok), None)
-            if j is None:
-                raise RuntimeError(f"vLLM log-probs at position {i} do not include the sampled token {tok}")
-            out.append(float(flat_lps[j]))
-        return out
-    return [float(pos[tok].logprob) for pos, tok in zip(logprobs, token_ids)]
+    if starts is None:  # list[dict[int, Logprob]]
+        return [float(pos[tok].logprob) for pos, tok in zip(logprobs, token_ids)]
+    flat_ids, flat_lps, ends = logprobs.token_ids, logprobs.logprobs, logprobs.end_indices
+    if len(flat_lps) == n and len(flat_ids) == n and _one_entry_per_position(starts, ends, n):
+        ids = token_ids if isinstance(token_ids, list) else list(token_ids)
+        if flat_ids == ids:
+            return flat_lps if isinstance(flat_lps, list) else list(flat_lps)
+    out = []
+    for i, tok in enumerate(token_ids):  # top-k alternatives present: find the sampled token at each position
+        s, e = starts[i], ends[i]
+        j = s if s < e and flat_ids[s] == tok else next((k for k in range(s, e) if flat_ids[k] == tok), None)
+        if j is None:
+            raise RuntimeError(f"vLLM log-probs at position {i} do not include the sampled token {tok}")
+        out.append(float(flat_lps[j]))
+    return out
+
+
+def pad_rows(tokens: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]],
+             pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged rows → right-padded ``[N, R]`` long tokens (pad id) and float32 log-probs (0), R = longest row.
+
+    Each tensor comes from one flat array (``np.fromiter`` over the chained rows)
+    scattered through a length mask, so the cost is one pass over the tokens.
+    """
+    lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
+    total = int(lengths.sum())
+    width = int(lengths.max()) if len(lengths) else 0
+    responses = torch.full((len(tokens), width), pad_token_id, dtype=torch.long)
+    out_lps = torch.zeros((len(tokens), width), dtype=torch.float32)
+    if total:
+        mask = torch.arange(width)[None, :] < torch.from_numpy(lengths)[:, None]  # row-major = concatenation order
+        responses.masked_scatter_(mask, torch.from_numpy(np.fromiter(itertools.chain.from_iterable(tokens), np.int64,
+                                                                     count=total)))
+        # float64 → float32 rounds exactly as torch.tensor(list, dtype=float32) does
+        out_lps.masked_scatter_(mask, torch.from_numpy(np.fromiter(itertools.chain.from_iterable(logprobs), np.float32,
+                                                                   count=total)))
+    return responses, out_lps
 
 
 def collect_outputs(request_outputs: Sequence[Any], n: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,22 +267,19 @@ def collect_outputs(request_outputs: Sequence[Any], n: int, pad_token_id: int) -
     ``logprobs`` [B·n, R] (0 there), rows ordered prompt by prompt, sample by
     sample (``repeat_interleave(n)`` order), R = the longest response.
     """
-    rows: list[tuple[list[int], list[float]]] = []
+    tokens: list[list[int]] = []
+    lps: list[list[float]] = []
     for ro in request_outputs:
-        outs = sorted(ro.outputs, key=lambda o: o.index)
+        outs = ro.outputs
         if len(outs) != n:
             raise RuntimeError(f"vLLM returned {len(outs)} completions for a prompt, expected n={n}")
+        if any(o.index != j for j, o in enumerate(outs)):
+            outs = sorted(outs, key=lambda o: o.index)
         for o in outs:
-            toks = list(o.token_ids)
-            rows.append((toks, sampled_logprobs(toks, o.logprobs)))
-    width = max((len(t) for t, _ in rows), default=0)
-    responses = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
-    for i, (toks, lps) in enumerate(rows):
-        if toks:
-            responses[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
-            logprobs[i, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
-    return responses, logprobs
+            toks = o.token_ids if isinstance(o.token_ids, list) else list(o.token_ids)
+            tokens.append(toks)
+            lps.append(sampled_logprobs(toks, o.logprobs))
+    return pad_rows(tokens, lps, pad_token_id)
 
 
 def engine_kwargs(cfg, dist) -> dict[str, Any]:
@@ -259,12 +339,14 @@ def _ensure_launcher_env(dist) -> None:
 # --------------------------------------------------------------------------- the engine
 class VLLMRolloutEngine(RolloutEngine):
     def __init__(self, llm: Any, eos_token_ids: Sequence[int], pad_token_id: int, device: torch.device,
-                 make_sampling_params: Callable[..., Any], tp_group: Any = None, ignore_eos: bool = False):
+                 make_sampling_params: Callable[..., Any], tp_group: Any = None, ignore_eos: bool = False,
+                 flat_logprobs: bool = True):
         self.llm = llm
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = int(pad_token_id)
         self.device = device
         self.make_sampling_params = make_sampling_params
+        self.flat_logprobs = flat_logprobs  # ask for FlatLogprobs (False: this vLLM lacks the field)
         self.tp_group = tp_group  # torch.distributed group of this engine's TP ranks (None for TP=1)
         self.ignore_eos = ignore_eos  # benchmarks: fixed-length responses
         self.weights_version = None
@@ -292,7 +374,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 group = tdist.new_group(list(range(start, start + tp)), backend="gloo")
                 if start <= dist.rank < start + tp:
                     tp_group = group
-        return cls(llm, [tokenizer.eos_token_id], tokenizer.pad_token_id, dist.device, vllm.SamplingParams, tp_group)
+        return cls(llm, [tokenizer.eos_token_id], tokenizer.pad_token_id, dist.device, vllm.SamplingParams, tp_group,
+                   flat_logprobs=supports_flat_logprobs(vllm.SamplingParams))
 
     # -- weights / memory --------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -367,14 +450,11 @@ class VLLMRolloutEngine(RolloutEngine):
         batch_prompts, offset = self._gather_tp(own)
         start = time.perf_counter()
         if params.response_lengths is not None:
-            one = dataclasses.replace(params, n=1)
-            sps = [self.make_sampling_params(**sampling_kwargs(dataclasses.replace(one, max_tokens=length),
-                                                               self.eos_token_ids, ignore_eos=True))
-                   for _, length in batch_prompts]
+            sps = self._forced_length_params(params, [length for _, length in batch_prompts])
             outputs = self.llm.generate([{"prompt_token_ids": p} for p, _ in batch_prompts], sps, use_tqdm=False)
             n_per_request = 1
         else:
-            sp = self.make_sampling_params(**sampling_kwargs(params, self.eos_token_ids, self.ignore_eos))
+            sp = self.make_sampling_params(**self._sampling_kwargs(params, self.ignore_eos))
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in batch_prompts], sp, use_tqdm=False)
             n_per_request = params.n
         seconds = time.perf_counter() - start
@@ -385,6 +465,19 @@ class VLLMRolloutEngine(RolloutEngine):
                                     "num_sequences": float(responses.shape[0])}
         return assemble_rollout(prompts.to(self.device), responses.to(self.device), logprobs.to(self.device),
                                 params.n, self.eos_token_ids, self.pad_token_id, params.response_lengths)
+
+    def _sampling_kwargs(self, params: SamplingParams, ignore_eos: bool) -> dict[str, Any]:
+        return sampling_kwargs(params, self.eos_token_ids, ignore_eos, flat_logprobs=self.flat_logprobs)
+
+    def _forced_length_params(self, params: SamplingParams, lengths: list[int]) -> list[Any]:
+        """One n=1, EOS-ignoring ``SamplingParams`` per request, one object per distinct length
+        (vLLM clones the params of every request it adds, so sharing them is safe)."""
+        one = dataclasses.replace(params, n=1, response_lengths=None)
+        made: dict[int, Any] = {}
+        for length in set(lengths):
+            made[length] = self.make_sampling_params(**self._sampling_kwargs(dataclasses.replace(one, max_tokens=length),
+                                                                              ignore_eos=True))
+        return [made[length] for length in lengths]
 
     def _gather_tp(self, own: list[list[int]]) -> tuple[list[list[int]], int]:
         """Under TP every rank of an engine must submit the same requests: generate the group's union,

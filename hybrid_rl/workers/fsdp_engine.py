@@ -10,12 +10,17 @@ wrapped with ``fully_shard`` per decoder block and at the root (bf16 compute,
 fp32 gradient reduction on GPU); a world of one without a process group runs
 the plain module, with bf16 autocast on GPU.
 
-The weight push (``iter_full_params``) streams the model out one FSDP module
-group (one decoder block, or the root's embeddings + final norm) at a time:
-every rank casts its local dim-0 shards to the engine dtype into one flat
-buffer and a single ``all_gather_into_tensor`` per group brings the whole
-block over (the next group's gather is already in flight while the consumer
-loads the current one). Names are the base model's HF names: peft prefixes
+The weight push (``iter_full_params``) streams the model out a few FSDP
+module groups (decoder blocks, or the root's embeddings + final norm) at a
+time: consecutive groups are merged up to ``push_gather_bytes``, every rank
+casts its local dim-0 shards of the merged chunk to the engine dtype into one
+flat buffer (one ``_chunk_cat``) and a single ``all_gather_into_tensor`` brings
+it over; one ``split_with_sizes_copy`` lays it out parameter-major and every
+full tensor is a view of that buffer. The next chunk's gather is issued before
+the current one is copied out, so the collectives run back to back while the
+consumer loads. The layout (which collective, which slot, which view) is
+computed once per (dtype, skip_static): a push only looks up the local shards.
+Names are the base model's HF names: peft prefixes
 and ``.base_layer`` are stripped, tied duplicates come once, and LoRA-wrapped
 linears are merged on the fly (W + scale·B@A, the actor is never mutated).
 Outputs that only depend on frozen parameters are marked static so the caller
@@ -32,6 +37,7 @@ colocated engine wants).
 from __future__ import annotations
 
 import math
+from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Iterator
@@ -162,55 +168,147 @@ def _fast_gather_group(p: torch.Tensor) -> dist.ProcessGroup | None:
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class _PendingGather:
-    """One group's gathers in flight: one ``all_gather_into_tensor`` per (process group, dtype)."""
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor. The push runs under no_grad, where ``to_local()`` is this attribute
+    (minus a fresh view per call for DTensor parameters on newer torch)."""
+    local = getattr(p, "_local_tensor", None)
+    return local if local is not None else p.to_local()
 
-    def __init__(self, params: list[torch.Tensor], dtypes: list[torch.dtype]):
-        self.full: dict[int, torch.Tensor] = {}
-        self.jobs = []  # (work, out, send, ws, total, layout)
-        buckets: dict[tuple, list[torch.Tensor]] = {}
-        for p, dt in zip(params, dtypes):
-            group = _fast_gather_group(p)
-            if group is None:
-                # plain tensor, or a sharding the fast path does not know: correct and simple
-                full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-                self.full[id(p)] = full.to(dt)
-            elif group.size() == 1:
-                self.full[id(p)] = p.to_local().to(dt)
-            else:
-                buckets.setdefault((group, dt), []).append(p)
-        for (group, dt), ps in buckets.items():
-            self._launch(group, dt, ps)
 
-    def _launch(self, group: dist.ProcessGroup, dtype: torch.dtype, params: list[torch.Tensor]) -> None:
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+@dataclass
+class _Job:
+    """One ``all_gather_into_tensor``: the dim-0 shards of several parameters, cast into one flat buffer per rank.
+
+    Rank r sends, for every parameter in turn, a slot of ``chunk`` rows (torch.chunk's
+    padded shard; only its own rows are written). The gathered buffer is rank-major
+    [world, total]; one ``split_with_sizes_copy`` rewrites it parameter-major into a
+    second buffer, and every full tensor is a view of that one (FSDP2's own copy-out).
+    Built once per push layout: only the local tensors are looked up on each push.
+    """
+
+    group: dist.ProcessGroup | None
+    """None for a world of one: the cast send buffer is already the full tensors."""
+    dtype: torch.dtype
+    params: list[torch.Tensor]
+    slots: list[int]
+    """Per-rank slot numel of each parameter (padded rows × row numel)."""
+    world: int
+    total: int
+    packed: bool
+    """This rank's shards fill their slots exactly: one ``_chunk_cat`` casts them all in."""
+    out_views: list[tuple[tuple[int, ...], tuple[int, ...], int]]
+    """(size, stride, offset) of each parameter's [world, slot] block in the copy-out buffer."""
+    full_views: list[tuple[tuple[int, ...], tuple[int, ...], int]]
+    """(size, stride, offset) of each full tensor in the copy-out buffer."""
+
+    @classmethod
+    def build(cls, group: dist.ProcessGroup, dtype: torch.dtype, params: list[torch.Tensor]) -> "_Job":
         ws = group.size()
-        layout, locals_, total = [], [], 0
+        slots, out_views, full_views, base = [], [], [], 0
         for p in params:
             chunk = -(-p.shape[0] // ws)  # torch.chunk's (and FSDP2's) padded dim-0 shard size
-            per_rank = chunk * math.prod(p.shape[1:])
-            layout.append((p, total, chunk, per_rank))
-            locals_.append(p.to_local())  # this rank's rows: fewer, or none, on the last ranks
-            total += per_rank
-        send = torch.empty(total, dtype=dtype, device=locals_[0].device)
-        # one foreach copy casts every local shard into the send buffer (the padding is never read)
-        dsts = [send[off:off + t.numel()] for (_, off, _, _), t in zip(layout, locals_) if t.numel()]
-        if dsts:
-            torch._foreach_copy_(dsts, [t.reshape(-1) for t in locals_ if t.numel()])
-        device = send.device
-        out = torch.empty(ws * total, dtype=dtype, device=device)
-        work = _all_gather_single(out, send, group=group, async_op=True)
-        self.jobs.append((work, out, send, ws, total, layout))
+            slot = chunk * math.prod(p.shape[1:])
+            slots.append(slot)
+            out_views.append(((ws, slot), (slot, 1), base))
+            full_views.append((tuple(p.shape), _contiguous_strides(tuple(p.shape)), base))
+            base += ws * slot
+        locals_ = [_local(p) for p in params]
+        # _chunk_cat wants non-empty inputs of one dtype; shard shapes are fixed, so this holds for every push
+        packed = all(t.numel() == n > 0 for t, n in zip(locals_, slots)) and len({t.dtype for t in locals_}) == 1
+        return cls(group if ws > 1 else None, dtype, list(params), slots, ws, sum(slots), packed, out_views, full_views)
+
+    def launch(self) -> tuple[object, torch.Tensor, torch.Tensor]:
+        """Cast this rank's shards into the send buffer and start the all-gather: (work or None, output, send)."""
+        locals_ = [_local(p) for p in self.params]
+        send = torch.empty(self.total, dtype=self.dtype, device=locals_[0].device)
+        if self.packed:
+            torch._chunk_cat(locals_, 0, 1, out=send.view(1, -1))  # one kernel, no per-parameter flatten
+        else:  # uneven shards: write each local shard at the head of its slot (the padding is never read)
+            pieces = send.split_with_sizes(self.slots)
+            pairs = [(d[:t.numel()], t.reshape(-1)) for d, t in zip(pieces, locals_) if t.numel()]
+            if pairs:
+                torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
+        if self.group is None:
+            return None, send, send
+        out = torch.empty(self.world * self.total, dtype=self.dtype, device=send.device)
+        return _all_gather_single(out, send, group=self.group, async_op=True), out, send
+
+    def full_tensors(self, out: torch.Tensor) -> dict[int, torch.Tensor]:
+        """id(param) → its full tensor, from the gathered buffer (after the collective finished)."""
+        if self.group is None:
+            buf = out
+        else:
+            buf = torch.empty_like(out)
+            torch.split_with_sizes_copy(out.view(self.world, self.total), self.slots, dim=1,
+                                        out=[buf.as_strided(*v) for v in self.out_views])
+        return {id(p): buf.as_strided(*v) for p, v in zip(self.params, self.full_views)}
+
+
+@dataclass
+class _Chunk:
+    """Consecutive module groups gathered together: their outputs (yield order) and how to gather their sources."""
+
+    outputs: list[_Output]
+    jobs: list[_Job]
+    direct: list[tuple[torch.Tensor, torch.dtype]]
+    """Sources outside the fast path (plain tensors, other shardings): ``full_tensor()`` each."""
+
+
+def _build_chunk(outputs: list[_Output], dtype: torch.dtype, adapter_dtype: torch.dtype) -> _Chunk:
+    direct, fast, seen = [], {}, set()
+    for o in outputs:
+        for i, s in enumerate(o.sources):
+            if id(s) in seen:
+                continue
+            seen.add(id(s))
+            dt = dtype if i == 0 else adapter_dtype  # LoRA A/B are gathered in fp32 and merged there
+            group = _fast_gather_group(s)
+            if group is None:
+                direct.append((s, dt))
+            else:
+                fast.setdefault((group, dt), []).append(s)
+    jobs = [_Job.build(group, dt, params) for (group, dt), params in fast.items()]
+    return _Chunk(outputs, jobs, direct)
+
+
+def _coalesce(groups: list[list[_Output]], budget_bytes: int, esize: int) -> list[list[_Output]]:
+    """Merge consecutive groups while their outputs stay within ``budget_bytes`` (a bigger group goes alone)."""
+    merged: list[list[_Output]] = []
+    size = 0
+    for g in groups:
+        nbytes = sum(o.numel for o in g) * esize
+        if merged and size + nbytes <= budget_bytes:
+            merged[-1] = merged[-1] + g
+            size += nbytes
+        else:
+            merged.append(list(g))
+            size = nbytes
+    return merged
+
+
+class _PendingGather:
+    """One chunk's collectives in flight; ``wait`` returns id(source) → full tensor."""
+
+    def __init__(self, chunk: _Chunk):
+        self.full: dict[int, torch.Tensor] = {}
+        for p, dt in chunk.direct:  # plain tensor, or a sharding the fast path does not know: correct and simple
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+            self.full[id(p)] = full.to(dt)
+        self.jobs = [(job, *job.launch()) for job in chunk.jobs]
 
     def wait(self) -> dict[int, torch.Tensor]:
-        for work, out, _send, ws, total, layout in self.jobs:
-            work.wait()
-            # rank-major [ws, Σ per-rank sizes] → one padded [ws·chunk, ...] tensor per parameter in a single
-            # split-copy (FSDP2's own copy-out), then the padding rows are dropped by a view
-            padded = [torch.empty(ws * chunk, *p.shape[1:], dtype=out.dtype, device=out.device) for p, _, chunk, _ in layout]
-            torch.split_with_sizes_copy(out.view(ws, total), [n for *_, n in layout], dim=1,
-                                        out=[t.view(ws, -1) for t in padded])
-            for (p, *_), t in zip(layout, padded):
-                self.full[id(p)] = t[:p.shape[0]]
+        for job, work, out, _send in self.jobs:  # send stays referenced until its collective finished
+            if work is not None:
+                work.wait()
+            self.full.update(job.full_tensors(out))
         self.jobs = []
         return self.full
 
@@ -253,6 +351,10 @@ class TrainingEngine:
         # after sharding: the plan holds the (DTensor) parameters themselves
         self._push_plan = build_push_plan(model, self.fsdp)
         self.push_prefetch = True
+        self._logits_to_keep = True
+        self.push_gather_bytes = 256 * 2**20
+        """Consecutive module groups are gathered in one collective up to this many bytes (engine dtype)."""
+        self._gather_plans: dict[tuple, list[_Chunk]] = {}
         self.offload_device = torch.device("cpu")
         self.offload_copy = False
         """Copy on offload/onload even when the devices are equal (tests exercise the round trip on CPU)."""
@@ -337,13 +439,23 @@ class TrainingEngine:
         t = micro.to(self.device).tensors
         responses = t["responses"]
         resp_len = responses.shape[1]
+        kwargs = dict(input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"],
+                      use_cache=False)
         with self._autocast():
-            out = self.model(input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"], use_cache=False)
+            if self._logits_to_keep:
+                # only the response positions go through the LM head (the prompt's logits are never used)
+                try:
+                    out = self.model(**kwargs, logits_to_keep=resp_len + 1)
+                except TypeError:  # a remote-code model without the argument
+                    self._logits_to_keep = False
+            if not self._logits_to_keep:
+                out = self.model(**kwargs)
         # logits at position i predict token i+1: the response tokens are predicted
-        # by the R positions ending one before the last.
-        logits = out.logits[:, -resp_len - 1:-1, :].float() / temperature  # [b, R, V]
-        log_probs = logprobs_from_logits(logits, responses)
-        entropy = entropy_from_logits(logits) if with_entropy else None
+        # by the R positions ending one before the last. They stay in the compute
+        # dtype; the temperature and float32 are applied chunk by chunk inside.
+        logits = out.logits[:, -resp_len - 1:-1, :]  # [b, R, V]
+        log_probs = logprobs_from_logits(logits, responses, temperature)
+        entropy = entropy_from_logits(logits, temperature) if with_entropy else None
         return log_probs, entropy
 
     @torch.no_grad()
@@ -371,47 +483,50 @@ class TrainingEngine:
 
     def iter_full_params(self, dtype: torch.dtype | None = None, skip_static: bool = False,
                          prefetch: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """(engine name, full tensor in ``dtype``) for every unique weight, gathered one module group per collective.
+        """(engine name, full tensor in ``dtype``) for every unique weight, a few module groups per collective.
 
+        Consecutive module groups are merged up to ``self.push_gather_bytes`` and
+        each merged chunk is one all-gather per (process group, dtype).
         ``skip_static`` leaves out outputs that depend only on frozen parameters
         (with LoRA: embeddings, norms, untargeted linears), and groups left empty
         are not gathered at all. With ``prefetch`` (default: ``self.push_prefetch``)
-        the next group's all-gather is issued before the current group is handed
-        out, so communication overlaps the consumer's copies at the cost of one
-        more group in memory. Every rank must iterate to the end (collectives).
+        the next chunk's all-gather is issued before the current chunk is copied
+        out and handed over, so the collectives run back to back while the
+        consumer copies, at the cost of one more chunk in memory. Every rank must
+        iterate to the end (collectives).
         """
         dtype = dtype or self.compute_dtype
         prefetch = self.push_prefetch if prefetch is None else prefetch
-        groups = [[o for o in g if not (skip_static and o.static)] for g in self._push_plan]
-        groups = [g for g in groups if g]
-        adapter_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-
-        def launch(group: list[_Output]) -> _PendingGather:
-            params, dtypes, ids = [], [], set()
-            for o in group:
-                for i, s in enumerate(o.sources):
-                    if id(s) not in ids:
-                        ids.add(id(s))
-                        params.append(s)
-                        dtypes.append(dtype if i == 0 else adapter_dtype)  # LoRA A/B merge in fp32
-            return _PendingGather(params, dtypes)
-
+        chunks = self._gather_chunks(dtype, skip_static)
+        depth = 2 if prefetch else 1
         with torch.no_grad():
-            pending = launch(groups[0]) if groups else None
+            pending: deque[_PendingGather] = deque()
+            launched = 0
             try:
-                for i, group in enumerate(groups):
-                    full = pending.wait()
-                    pending = None
-                    if prefetch and i + 1 < len(groups):
-                        pending = launch(groups[i + 1])  # in flight while the consumer loads this group
-                    for o in group:
+                for chunk in chunks:
+                    while launched < len(chunks) and len(pending) < depth:
+                        pending.append(_PendingGather(chunks[launched]))
+                        launched += 1
+                    full = pending.popleft().wait()
+                    for o in chunk.outputs:
                         yield o.name, _materialise(o, full, dtype)
                     del full
-                    if pending is None and i + 1 < len(groups):
-                        pending = launch(groups[i + 1])
             finally:
-                if pending is not None:  # an abandoned iteration must not leave a collective half-done
-                    pending.wait()
+                for p in pending:  # an abandoned iteration must not leave a collective half-done
+                    p.wait()
+
+    def _gather_chunks(self, dtype: torch.dtype, skip_static: bool) -> list[_Chunk]:
+        """The push layout for (dtype, skip_static): built once, since the sharding never changes."""
+        key = (dtype, skip_static, self.push_gather_bytes)
+        chunks = self._gather_plans.get(key)
+        if chunks is None:
+            groups = [[o for o in g if not (skip_static and o.static)] for g in self._push_plan]
+            groups = [g for g in groups if g]
+            adapter_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+            esize = torch.empty((), dtype=dtype).element_size()
+            chunks = [_build_chunk(g, dtype, adapter_dtype) for g in _coalesce(groups, self.push_gather_bytes, esize)]
+            self._gather_plans[key] = chunks
+        return chunks
 
     # -- offload ------------------------------------------------------------------------
     def _move(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:

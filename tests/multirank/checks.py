@@ -246,6 +246,38 @@ def run_lora(d: DistInfo, res: dict) -> None:
     res["lora_bf16_mismatches"] = [n for n in bf16 if not torch.equal(pushed[n], bf16[n])] + sorted(set(pushed) - set(bf16))
 
 
+def merged_engine_weights(worker) -> dict[str, torch.Tensor]:
+    """What the engine must hold for a (LoRA) actor: W + scale·B@A for targeted linears, W elsewhere."""
+    from peft.tuners.lora import LoraLayer
+
+    model = worker.actor.model
+    expected = {n.replace("base_model.model.", "").replace("base_layer.", ""): full(p).to(worker.dtype)
+                for n, p in model.named_parameters() if "lora_" not in n}
+    for name, m in model.named_modules():
+        if isinstance(m, LoraLayer):
+            key = name.replace("base_model.model.", "") + ".weight"
+            a, b = full(m.lora_A["default"].weight).float(), full(m.lora_B["default"].weight).float()
+            expected[key] = (expected[key].float() + (b @ a) * m.scaling["default"]).to(worker.dtype)
+    return expected
+
+
+def run_replay(d: DistInfo, res: dict) -> None:
+    """Pushes after the first replay the recorded copies (full fine-tuning, then LoRA): the engine still equals the actor."""
+    for tag, extra, expected_fn in (("full", [], lambda w: actor_full_params(w, w.dtype)),
+                                     ("lora", LORA, merged_engine_weights)):
+        w = ActorRolloutRefWorker(load_config(None, BASE + extra).validate(d.world_size), d)
+        sm = w.sharding_manager
+        mismatches, counts = [], []
+        for step in range(3):
+            with w.rollout_mode():
+                mismatches.append(engine_mismatches(w, expected_fn(w)))
+            counts.append((sm.last_sync_tensors, sm.last_sync_replayed))
+            w.update_actor(local_share(make_batch(w, seed=step), d))
+        res[f"replay_{tag}_mismatches"] = mismatches
+        res[f"replay_{tag}_counts"] = counts
+        res[f"replay_{tag}_stats"] = vars(sm.replayer.stats).copy()
+
+
 def run_uneven_shards(d: DistInfo, res: dict) -> None:
     """Parameters with fewer rows than ranks (a rank holds none) and odd row counts, pushed in fp32 and bf16."""
     from hybrid_rl.workers.fsdp_engine import TrainingEngine
@@ -280,7 +312,7 @@ def main() -> None:
     d = init_distributed(DEVICE)
     assert torch.distributed.is_initialized() and d.world_size > 1, "run me under torchrun with 2+ ranks"
     res: dict = {"world_size": d.world_size}
-    which = os.environ.get("MULTIRANK_CHECKS", "full,offload,lora,uneven").split(",")
+    which = os.environ.get("MULTIRANK_CHECKS", "full,offload,lora,uneven").split(",")  # also: replay
     if "full" in which:
         run_full_finetune(d, res)
     if "offload" in which:
@@ -289,6 +321,8 @@ def main() -> None:
         run_lora(d, res)
     if "uneven" in which:
         run_uneven_shards(d, res)
+    if "replay" in which:
+        run_replay(d, res)
     torch.save(res, out / f"rank{d.rank}.pt")
     torch.distributed.destroy_process_group()
 
