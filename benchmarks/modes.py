@@ -131,6 +131,12 @@ def run_mode(name: str, overrides: list[str], args, out_dir: Path) -> dict:
                     "stderr_tail": stderr[-3000:]}
         print(f"{name} failed:\n{stderr[-4000:]}", file=sys.stderr)
         return {"mode": name, "overrides": overrides, "error": f"exit {proc.returncode}", "stderr_tail": stderr[-3000:]}
+    busy = statistics.fmean(sampler.samples) if sampler.samples else None
+    return summarize(name, overrides, run_dir, args, wall, busy)
+
+
+def summarize(name: str, overrides: list[str], run_dir: Path, args, wall: float | None, busy: float | None) -> dict:
+    """One mode's figures from its ``metrics.jsonl`` (warm-up steps dropped)."""
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "timing/step" in r][args.warmup:]
     mean = lambda k: statistics.fmean(r.get(k, 0.0) for r in rows)
@@ -147,7 +153,7 @@ def run_mode(name: str, overrides: list[str], args, out_dir: Path) -> dict:
         "gen_tokens_per_s": gen_tokens / step_s,
         "trained_tokens_per_s": total_tokens / step_s,
         "engine_gen_tokens_per_s": mean("perf/gen_tokens_per_s"),
-        "gpu_busy_fraction": statistics.fmean(sampler.samples) if sampler.samples else None,
+        "gpu_busy_fraction": busy,
         "peak_memory_allocated_gb": max((r.get("perf/max_memory_allocated_gb", 0.0) for r in rows), default=0.0),
         "peak_memory_reserved_gb": max((r.get("perf/max_memory_reserved_gb", 0.0) for r in rows), default=0.0),
         "reward_mean": mean("reward/mean"),
@@ -199,6 +205,10 @@ def main() -> None:
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU: checks the plumbing only")
     ap.add_argument("--modes", default="", help="comma-separated subset of sync,overlap_colocated,overlap_split")
     ap.add_argument("--mode-timeout", type=float, default=None, help="seconds before one mode's run is abandoned")
+    ap.add_argument("--device", default="", help="with --from-runs: the device name the runs were made on (e.g. H200x1)")
+    ap.add_argument("--from-runs", action="store_true",
+                    help="do not run: rebuild the JSON/PNG from the run directories already under --out (e.g. a run whose "
+                         "teardown was cut off after every step was logged); GPU busy fraction is kept from the old JSON")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every mode")
     args = ap.parse_args()
     if args.cpu_smoke:
@@ -217,13 +227,36 @@ def main() -> None:
     if args.modes:
         wanted = args.modes.split(",")
         modes = [m for m in modes if m[0] in wanted]
+    if args.from_runs:
+        device = args.device or device
     stem = out_dir / f"modes_{device}_{model_tag}"
+    if args.from_runs:
+        rebuild(modes, args, device, stem, out_dir / f"modes_{device}_{model_tag}_runs")
+        return
     results = []
     for name, overrides in modes:
         results.append(run_mode(name, overrides, args, out_dir / f"modes_{device}_{model_tag}_runs"))
         write_results(results, args, device, stem)
         print(json.dumps({"device": device, "commit": commit(), "model": args.model, **results[-1]}), flush=True)
     print(f"wrote {stem}.json and .png", file=sys.stderr)
+
+
+def rebuild(modes, args, device: str, stem: Path, runs: Path) -> None:
+    old = {}
+    if Path(f"{stem}.json").exists():
+        old = {m["mode"]: m for m in json.loads(Path(f"{stem}.json").read_text())["modes"]}
+    results = []
+    for name, overrides in modes:
+        metrics = runs / f"run_{name}" / "metrics.jsonl"
+        if not metrics.exists() or _steps_logged(metrics) < args.steps:
+            results.append(old.get(name, {"mode": name, "overrides": overrides, "error": "no complete run"}))
+            continue
+        prev = old.get(name, {})
+        r = summarize(name, overrides, metrics.parent, args, prev.get("wall_s"), prev.get("gpu_busy_fraction"))
+        r["rebuilt_from_runs"] = True
+        results.append(r)
+    write_results(results, args, device, stem)
+    print(f"rebuilt {stem}.json and .png", file=sys.stderr)
 
 
 def write_results(results: list[dict], args, device: str, stem: Path) -> None:

@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="consecutive decoder blocks share one all-gather up to this many MB (0: one block each)")
     ap.add_argument("--no-replay", action="store_true", help="call the sink's load_weights on every push (no record-and-replay)")
     ap.add_argument("--naive", action="store_true",
-                    help="baseline: the previous push, one full_tensor() of the fp32 master per parameter, then the cast")
+                    help="baseline: one full_tensor() of the fp32 master per parameter, then the cast "
+                         "(with --no-replay: the push before grouped gathers)")
     ap.add_argument("--param-offload", action="store_true")
     ap.add_argument("--optimizer-offload", action="store_true")
     ap.add_argument("--no-verify", action="store_true", help="skip the bit-for-bit check of the engine after the last push")

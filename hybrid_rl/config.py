@@ -105,6 +105,9 @@ class RolloutConfig:
     """Sequences generated at once by the engine (the hf engine chunks by this)."""
     weight_sync_bucket_mb: int = 512
     """Bucket size for pushing weights into the engine."""
+    weight_load_replay: bool = True
+    """Record where the engine's ``load_weights`` copies each tensor on the first push and replay later pushes
+    as one fused copy per bucket (falls back to the real loader whenever the recording is not a plain copy)."""
     free_cache_engine: bool = True
     """Put the engine to sleep between rollouts (frees its memory for training)."""
     forced_lengths: Optional[str] = None

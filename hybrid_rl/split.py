@@ -132,10 +132,13 @@ def broadcast_weights(layout: SplitLayout, source, dtype: torch.dtype, bucket_by
     return time.perf_counter() - start, sent
 
 
-def receive_weights(layout: SplitLayout, engine, device: torch.device) -> tuple[float, int]:
-    """Rollout side: load the broadcast buckets into ``engine``; sets its ``weights_version``."""
-    start, got = time.perf_counter(), 0
+def receive_weights(layout: SplitLayout, engine, device: torch.device, replayer=None) -> tuple[float, int]:
+    """Rollout side: load the broadcast buckets into ``engine`` (through ``replayer``, a
+    ``weight_replay.WeightReplayer``, when given); sets its ``weights_version``."""
+    start, got, first = time.perf_counter(), 0, True
     engine.weights_version = None  # a push that fails half-way leaves no known version
+    if replayer is not None:
+        replayer.begin_push()
     while True:
         msg = [None]
         dist.broadcast_object_list(msg, src=layout.leader, group=layout.meta_group)
@@ -148,7 +151,11 @@ def receive_weights(layout: SplitLayout, engine, device: torch.device) -> tuple[
         flat = torch.empty(sum(sizes), dtype=dtype, device=device)
         dist.broadcast(flat, src=layout.leader, group=layout.bcast_group)
         views = [(name, t.view(shape)) for (name, shape), t in zip(m["meta"], flat.split(sizes))]
-        engine.load_weights(views)
+        if replayer is not None:
+            replayer.load(views, first=first)
+        else:
+            engine.load_weights(views)
+        first = False
         got += flat.numel() * flat.element_size()
         del flat, views
     if device.type == "cuda":

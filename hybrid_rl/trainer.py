@@ -183,6 +183,12 @@ class Trainer:
         self._split_sync = (0.0, 0)
         self._sent_version: int | None = None
         self._pending: Batch | None = None
+        self._replayer = None
+        if self.split.is_rollout and self.cfg.rollout.weight_load_replay:
+            from hybrid_rl.weight_replay import WeightReplayer
+
+            engine = self.worker.rollout
+            self._replayer = WeightReplayer(lambda bucket: engine.load_weights(bucket))
         if self.cfg.rollout.name == "vllm" and not self.split.is_rollout:
             # vLLM's external launcher creates its groups over the whole world: build a twin and
             # release it at once (sleep level 2 frees weights and KV cache), so the collectives pair up.
@@ -194,7 +200,7 @@ class Trainer:
         """θ from the trainer ranks to the rollout ranks (skipped when the rollout already has this version)."""
         w = self.worker
         if self.split.is_rollout:
-            self._split_sync = self._receive(self.split, w.rollout, self.global_dist.device)
+            self._split_sync = self._receive(self.split, w.rollout, self.global_dist.device, self._replayer)
             return
         skip = self._sent_version == w.weight_version
         src = _NoParams() if skip else w.actor
