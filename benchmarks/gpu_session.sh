@@ -30,9 +30,10 @@ BENCH="data.train_path=.devdata/train.jsonl rollout.name=vllm data.max_response_
 case $PART in
 modes2)  # sync vs overlap (colocated, split) on 2 GPUs; the sync run is also the 20-step vLLM training run on 2 GPUs
   stamp "modes x2"
-  # eager: with CUDA graphs the 2-rank colocated run hung in its first step on 2xH100 (cause not found yet)
+  # 2-rank colocated vLLM hung in its first step on 2xH100 (CUDA graphs and eager alike; split ran):
+  # stall_dump_s prints every thread's stack when a step takes over 60 s
   timeout 540 python benchmarks/modes.py --gpus 2 --steps 16 --warmup 2 --prompts 32 --n 8 --mode-timeout 170 \
-    --out "$RES" $BENCH rollout.enforce_eager=true trainer.profile_steps=[2] || echo "modes x2 failed"
+    --out "$RES" $BENCH rollout.enforce_eager=true trainer.profile_steps=[2] trainer.stall_dump_s=60 || echo "modes x2 failed"
   ;;
 modes1)  # the same on 1 GPU (sync, overlap colocated); the sync run is the 20-step vLLM training run on 1 GPU
   stamp "modes x1"

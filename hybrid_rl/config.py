@@ -263,6 +263,9 @@ class TrainerConfig:
     profile_steps: list[int] = field(default_factory=list)
     """Steps to run under ``torch.profiler``; each rank writes its top ops by CUDA and CPU time to
     ``<output_dir>/profile/step_<N>_rank<R>.txt`` (e.g. ``trainer.profile_steps=[5]``)."""
+    stall_dump_s: float = 0.0
+    """A step running longer than this many seconds dumps every thread's Python stack to stderr (0 = off): the
+    first thing to look at when a multi-rank run hangs."""
     placement: Literal["colocated", "split"] = "colocated"
     """``colocated``: every rank trains and generates. ``split``: ranks ``0..R-1`` only generate, the rest only train
     (weights broadcast over NCCL after each update; benchmark-grade: no checkpoints or validation yet)."""

@@ -13,6 +13,7 @@ torch.distributed is the engine) and partial rollouts carried across steps
 
 from __future__ import annotations
 
+import faulthandler
 import random
 from contextlib import contextmanager
 from pathlib import Path
@@ -314,10 +315,21 @@ class Trainer:
     # -- helpers ------------------------------------------------------------------------
     @contextmanager
     def _profiled(self, step: int):
-        """``trainer.profile_steps``: this step under torch.profiler, summarised per rank (where the time goes)."""
-        if step not in self.cfg.trainer.profile_steps:
-            yield
-            return
+        """``trainer.profile_steps``: this step under torch.profiler, summarised per rank (where the time goes);
+        ``trainer.stall_dump_s``: stacks of every thread if the step takes longer."""
+        stall = self.cfg.trainer.stall_dump_s
+        if stall > 0:
+            faulthandler.dump_traceback_later(stall, repeat=True)
+        try:
+            if step not in self.cfg.trainer.profile_steps:
+                yield
+                return
+            yield from self._profile(step)
+        finally:
+            if stall > 0:
+                faulthandler.cancel_dump_traceback_later()
+
+    def _profile(self, step: int):
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.dist.device.type == "cuda" else [])

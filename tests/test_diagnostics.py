@@ -1,0 +1,25 @@
+"""Run diagnostics: ``trainer.profile_steps`` (torch.profiler tables with the phases labelled) and
+``trainer.stall_dump_s`` (every thread's stack when a step runs too long)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_profile_table_and_stall_dump(tiny_model_path, tmp_path):
+    cmd = [sys.executable, "-m", "hybrid_rl", "train", "recipes/cpu_successor.yaml", "trainer.total_steps=2",
+           "trainer.profile_steps=[2]", "trainer.stall_dump_s=0.05", f"trainer.output_dir={tmp_path}",
+           "trainer.resume=never", "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.logger=[jsonl]",
+           "data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = (tmp_path / "profile" / "step_2_rank0.txt").read_text()
+    for phase in ("phase/gen", "phase/old_log_prob", "phase/update"):
+        assert phase in table
+    assert not (tmp_path / "profile" / "step_1_rank0.txt").exists()
+    # a step longer than 0.05 s dumped the stacks, including the driver's own frame
+    assert "Thread 0x" in proc.stderr and "trainer.py" in proc.stderr
