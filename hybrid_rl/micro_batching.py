@@ -24,12 +24,16 @@ PROMPT_KEYS = ("prompts",)
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 
-def trim_padding(batch: Batch) -> Batch:
-    """Drop prompt columns that are padding in every row (left) and response columns past the longest response."""
+def trim_padding(batch: Batch, lengths: tuple[np.ndarray, np.ndarray] | None = None) -> Batch:
+    """Drop prompt columns that are padding in every row (left) and response columns past the longest response.
+
+    ``lengths`` (each row's prompt and response length, e.g. from ``_lengths``) saves reading them back from the device.
+    """
     t = batch.tensors
     p_width, r_width = t["prompts"].shape[1], t["responses"].shape[1]
-    keep_p = max(int(t["attention_mask"][:, :p_width].sum(dim=1).max()), 1)
-    keep_r = max(int(t["response_mask"].sum(dim=1).max()), 1)
+    p_len, r_len = lengths if lengths is not None else _lengths(batch)
+    keep_p = max(int(p_len.max(initial=0)), 1)
+    keep_r = max(int(r_len.max(initial=0)), 1)
     if keep_p == p_width and keep_r == r_width:
         return batch
     out = {}
@@ -76,7 +80,8 @@ def pad_widths(batch: Batch, p_width: int, r_width: int, pad_token_id: int) -> B
 def _lengths(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
     t = batch.tensors
     p_width = t["prompts"].shape[1]
-    return (t["attention_mask"][:, :p_width].sum(dim=1).cpu().numpy(), t["response_mask"].sum(dim=1).cpu().numpy())
+    both = torch.stack([t["attention_mask"][:, :p_width].sum(dim=1), t["response_mask"].sum(dim=1)]).cpu().numpy()
+    return both[0], both[1]
 
 
 def _greedy_count(p_len: np.ndarray, r_len: np.ndarray, max_tokens: int) -> int:
@@ -90,12 +95,13 @@ def _greedy_count(p_len: np.ndarray, r_len: np.ndarray, max_tokens: int) -> int:
     return count + (1 if size else 0)
 
 
-def plan_micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = None) -> list[np.ndarray]:
+def plan_micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = None,
+                       lengths: tuple[np.ndarray, np.ndarray] | None = None) -> list[np.ndarray]:
     """Row indices of each micro-batch: consecutive chunks of ``max_seqs``, or token-balanced bins."""
     n = len(batch)
     if max_tokens is None:
         return [np.arange(s, min(s + max_seqs, n)) for s in range(0, n, max_seqs)]
-    p_len, r_len = _lengths(batch)
+    p_len, r_len = lengths if lengths is not None else _lengths(batch)
     k = torch.tensor(_greedy_count(p_len, r_len, max_tokens))
     all_reduce_max(k)  # same number of FSDP forwards on every rank
     k = min(int(k), n)
@@ -110,5 +116,11 @@ def plan_micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = Non
 
 
 def micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = None) -> list[tuple[np.ndarray, Batch]]:
-    """(row indices, trimmed micro-batch) pairs covering ``batch``."""
-    return [(idx, trim_padding(batch.index(idx))) for idx in plan_micro_batches(batch, max_seqs, max_tokens)]
+    """(row indices, trimmed micro-batch) pairs covering ``batch``.
+
+    The lengths are read from the device once for the whole batch: a read per micro-batch would stall the
+    GPU queue between micro-batches.
+    """
+    p_len, r_len = _lengths(batch)
+    return [(idx, trim_padding(batch.index(idx), (p_len[idx], r_len[idx])))
+            for idx in plan_micro_batches(batch, max_seqs, max_tokens, (p_len, r_len))]

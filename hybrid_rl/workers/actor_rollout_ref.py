@@ -36,17 +36,29 @@ ROLES = ("actor", "rollout", "ref", "actor_ref", "actor_rollout", "actor_rollout
 
 @dataclass
 class _Stats:
-    """Per-update metric accumulators: (sum, count) pairs reduced across ranks by the driver."""
+    """Per-update metric accumulators: (sum, count) pairs reduced across ranks by the driver.
 
-    sums: dict[str, float] = field(default_factory=dict)
-    counts: dict[str, float] = field(default_factory=dict)
+    Values and weights may be device tensors: they are summed on the device and read back once in
+    ``pairs()``, so the update loop never stalls the GPU queue to log a metric.
+    """
 
-    def add(self, key: str, value: float, weight: float = 1.0) -> None:
-        self.sums[key] = self.sums.get(key, 0.0) + float(value) * weight
+    sums: dict[str, float | torch.Tensor] = field(default_factory=dict)
+    counts: dict[str, float | torch.Tensor] = field(default_factory=dict)
+
+    def add(self, key: str, value: float | torch.Tensor, weight: float | torch.Tensor = 1.0) -> None:
+        if isinstance(value, torch.Tensor):
+            value = value.detach().double()
+        self.sums[key] = self.sums.get(key, 0.0) + value * weight
         self.counts[key] = self.counts.get(key, 0.0) + weight
 
     def pairs(self) -> dict[str, tuple[float, float]]:
-        return {k: (self.sums[k], self.counts[k]) for k in self.sums}
+        keys = list(self.sums)
+        flat = [v for k in keys for v in (self.sums[k], self.counts[k])]
+        tensors = [v for v in flat if isinstance(v, torch.Tensor)]
+        if tensors:  # one device-to-host copy for all of them
+            values = iter(torch.stack([t.double().reshape(()) for t in tensors]).tolist())
+            flat = [next(values) if isinstance(v, torch.Tensor) else float(v) for v in flat]
+        return {k: (float(flat[2 * i]), float(flat[2 * i + 1])) for i, k in enumerate(keys)}
 
 
 class ActorRolloutRefWorker:
@@ -200,14 +212,15 @@ class ActorRolloutRefWorker:
         for _, micro in micro_batches(mini, a.ppo_micro_batch_size_per_device, self._token_budget):
             loss, m = self._micro_batch_loss(micro, num_tokens, num_seqs)
             (loss * scale).backward()
-            ntok = float(micro.tensors["response_mask"].sum())
+            ntok = micro.tensors["response_mask"].sum().double()
             for k, v in m.items():
                 stats.add(k, v, ntok)
         grad_norm, stepped = self.actor.optimizer_step(a.grad_clip)
         stats.add("actor/grad_norm", grad_norm if stepped else 0.0)
         stats.add("actor/skipped_updates", 0.0 if stepped else 1.0)
 
-    def _micro_batch_loss(self, micro: Batch, num_tokens: float, num_seqs: float) -> tuple[torch.Tensor, dict[str, float]]:
+    def _micro_batch_loss(self, micro: Batch, num_tokens: float, num_seqs: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """This micro-batch's share of the mini-batch loss, and its metrics as detached device tensors."""
         a = self.cfg.actor
         t = micro.to(self.device).tensors
         mask = t["response_mask"].float()  # [b, R]
@@ -226,20 +239,20 @@ class ActorRolloutRefWorker:
         loss = pg_loss
         names = {"pg_clipfrac": "actor/pg_clipfrac", "ppo_kl": "actor/ppo_kl", "pg_clipfrac_lower": "actor/pg_clipfrac_lower",
                  "is_truncated_frac": "rollout/is_truncated_frac"}
-        metrics = {names[k]: float(v) for k, v in pg_m.items() if k in names}
+        metrics = {names[k]: torch.as_tensor(v).detach() for k, v in pg_m.items() if k in names}
         if entropy is not None:
             ent_loss = alg.agg_loss(entropy, mask, a.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
             if a.entropy_coeff:
                 loss = loss - a.entropy_coeff * ent_loss
-            metrics["actor/entropy"] = float(alg.masked_mean(entropy.detach(), mask))
+            metrics["actor/entropy"] = alg.masked_mean(entropy.detach(), mask)
         if a.use_kl_loss:
             kl = alg.kl_loss(log_prob, t["ref_log_prob"], mask, kind=a.kl_loss_type, loss_agg_mode=a.loss_agg_mode,
                              num_tokens=num_tokens, num_seqs=num_seqs)
             loss = loss + a.kl_loss_coef * kl
-            metrics["actor/kl_loss"] = float(alg.masked_mean(alg.kl_penalty(log_prob.detach(), t["ref_log_prob"], a.kl_loss_type), mask))
+            metrics["actor/kl_loss"] = alg.masked_mean(alg.kl_penalty(log_prob.detach(), t["ref_log_prob"], a.kl_loss_type), mask)
         # pg_loss is this micro-batch's share of the mini-batch loss. Scaled by
         # num_tokens/ntok, its token-weighted mean over all micro-batches and ranks
         # (how the driver reduces metrics) is exactly the mini-batch loss.
-        ntok = max(float(mask.sum()), 1.0)
-        metrics["actor/pg_loss"] = float(pg_loss.detach()) * num_tokens / ntok
+        ntok = mask.sum().clamp(min=1.0)
+        metrics["actor/pg_loss"] = pg_loss.detach() * num_tokens / ntok
         return loss, metrics
