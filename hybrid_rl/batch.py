@@ -60,14 +60,19 @@ class Batch:
 
     def index(self, idx: slice | Sequence[int] | torch.Tensor | np.ndarray) -> "Batch":
         """Rows ``idx`` of every field (a slice, or integer indices)."""
-        if isinstance(idx, slice):
-            t_idx: Any = idx
-            n_idx: Any = idx
-        else:
+        if not isinstance(idx, slice):
             n_idx = np.asarray(idx.cpu() if isinstance(idx, torch.Tensor) else idx, dtype=np.int64)
-            t_idx = torch.as_tensor(n_idx)
-        return Batch({k: v[t_idx.to(v.device) if isinstance(t_idx, torch.Tensor) else t_idx] for k, v in self.tensors.items()},
-                     {k: v[n_idx] for k, v in self.non_tensors.items()}, dict(self.meta))
+            idx = as_slice(n_idx) or n_idx
+        if isinstance(idx, slice):
+            return Batch({k: v[idx] for k, v in self.tensors.items()},
+                         {k: v[idx] for k, v in self.non_tensors.items()}, dict(self.meta))
+        # one host-to-device copy of the indices per device (each copy waits for the device queue)
+        on_device: dict[torch.device, torch.Tensor] = {}
+        for v in self.tensors.values():
+            if v.device not in on_device:
+                on_device[v.device] = torch.as_tensor(idx).to(v.device)
+        return Batch({k: v[on_device[v.device]] for k, v in self.tensors.items()},
+                     {k: v[idx] for k, v in self.non_tensors.items()}, dict(self.meta))
 
     def split(self, size: int) -> list["Batch"]:
         """Consecutive chunks of ``size`` samples (the last may be smaller)."""
@@ -109,6 +114,16 @@ class Batch:
 
     def to(self, device: torch.device | str) -> "Batch":
         return Batch({k: v.to(device) for k, v in self.tensors.items()}, dict(self.non_tensors), dict(self.meta))
+
+
+def as_slice(idx: np.ndarray) -> slice | None:
+    """``idx`` as a slice when it is a run of consecutive ascending integers (a view instead of a gather)."""
+    if idx.ndim != 1 or len(idx) == 0:
+        return None
+    start = int(idx[0])
+    if start >= 0 and np.array_equal(idx, np.arange(start, start + len(idx))):
+        return slice(start, start + len(idx))
+    return None
 
 
 def _as_object_array(values: Any) -> np.ndarray:

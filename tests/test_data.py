@@ -247,3 +247,19 @@ def test_sampler_errors():
         s.load_state_dict({"epoch": 0, "step_in_epoch": 10})
     with pytest.raises(DataError):
         s.load_state_dict({"epoch": 0})
+
+
+def test_batch_index_consecutive_rows_is_a_view_and_equals_the_gather():
+    import numpy as np
+    import torch
+
+    from hybrid_rl.batch import Batch, as_slice
+
+    b = Batch({"x": torch.arange(20).reshape(10, 2)}, {"s": [str(i) for i in range(10)]})
+    run = b.index(np.arange(3, 7))
+    assert run.tensors["x"].data_ptr() == b.tensors["x"][3].data_ptr()  # no copy
+    assert torch.equal(run.tensors["x"], b.tensors["x"][3:7]) and list(run.non_tensors["s"]) == ["3", "4", "5", "6"]
+    gathered = b.index([7, 2, 2])
+    assert gathered.tensors["x"].tolist() == [[14, 15], [4, 5], [4, 5]] and list(gathered.non_tensors["s"]) == ["7", "2", "2"]
+    assert as_slice(np.array([2, 3, 4])) == slice(2, 5) and as_slice(np.array([2, 4])) is None
+    assert as_slice(np.array([], dtype=np.int64)) is None and len(b.index(np.array([], dtype=np.int64))) == 0

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_rl.algorithms import entropy_from_logits, logprobs_from_logits
-from hybrid_rl.batch import Batch
+from hybrid_rl.batch import Batch, as_slice
 from hybrid_rl.micro_batching import micro_batches
 
 # Name segments that wrappers insert and the engine's (HF) names do not have.
@@ -469,7 +469,7 @@ class TrainingEngine:
         ents = torch.zeros(n, width, device=self.device) if with_entropy else None
         for idx, micro in micro_batches(batch, micro_batch_size, max_tokens):
             lp, ent = self.forward(micro, temperature, with_entropy)
-            rows = torch.as_tensor(idx, device=self.device)
+            rows = as_slice(idx) or torch.as_tensor(idx, device=self.device)
             lps[rows, :lp.shape[1]] = lp
             if ents is not None and ent is not None:
                 ents[rows, :ent.shape[1]] = ent
