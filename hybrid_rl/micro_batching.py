@@ -9,7 +9,8 @@ micro-batches whose padded size stays near ``max_tokens``; every rank uses the
 same number of micro-batches (the maximum over ranks), because each FSDP2
 forward is a collective. Loss normalisation by the mini-batch's global counts
 (in the worker) makes the result independent of how sequences are grouped.
-Left out: sequence packing without padding (``use_remove_padding``).
+Rows are grouped by length before chunking, so padding stays small. Left out: sequence packing without
+padding (``use_remove_padding``).
 """
 
 from __future__ import annotations
@@ -97,11 +98,19 @@ def _greedy_count(p_len: np.ndarray, r_len: np.ndarray, max_tokens: int) -> int:
 
 def plan_micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = None,
                        lengths: tuple[np.ndarray, np.ndarray] | None = None) -> list[np.ndarray]:
-    """Row indices of each micro-batch: consecutive chunks of ``max_seqs``, or token-balanced bins."""
+    """Row indices of each micro-batch: chunks of ``max_seqs`` rows of similar length, or token-balanced bins.
+
+    Fixed-size chunks take the rows in order of length, so each micro-batch is trimmed to lengths close to
+    its own rows' (with long-tailed responses, a random chunk of 16 pads to nearly the longest response of
+    the batch: about twice the tokens). The chunk count is unchanged (``ceil(n / max_seqs)``), so every rank
+    runs the same number of forwards, and the loss uses the mini-batch's global denominators, so grouping
+    changes nothing but rounding.
+    """
     n = len(batch)
-    if max_tokens is None:
-        return [np.arange(s, min(s + max_seqs, n)) for s in range(0, n, max_seqs)]
     p_len, r_len = lengths if lengths is not None else _lengths(batch)
+    if max_tokens is None:
+        order = np.argsort(-(p_len + r_len), kind="stable")
+        return [np.sort(order[s:s + max_seqs]) for s in range(0, n, max_seqs)]
     k = torch.tensor(_greedy_count(p_len, r_len, max_tokens))
     all_reduce_max(k)  # same number of FSDP forwards on every rank
     k = min(int(k), n)

@@ -74,7 +74,9 @@ def test_two_rank_update_equals_single_process_update(runs):
     lr = 1e-3
     for name, want in single["params_after"].items():
         got = rank0["params_after"][name]
-        assert ((got - want).norm() / want.norm()).item() < 1e-5, name
+        # micro-batches group rows by length per rank, so the sums run in another order than in one process:
+        # rounding only (zero-initialised biases make this relative to a single Adam step)
+        assert ((got - want).norm() / want.norm()).item() < 5e-5, name
         assert (got - want).abs().max().item() < 1e-3 * lr, name  # a thousandth of one Adam step
 
 
