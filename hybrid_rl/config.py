@@ -387,6 +387,13 @@ class Config:
         rc = self.algorithm.rollout_correction
         if rc.cap is not None and rc.cap <= 1:
             raise ConfigError(f"algorithm.rollout_correction.cap={rc.cap} must be > 1 (or null for no cap)")
+        t = self.trainer
+        if t.rollout_ranks < 0:
+            raise ConfigError(f"trainer.rollout_ranks={t.rollout_ranks} must be >= 0 (0 = half the ranks under placement=split)")
+        if t.stall_dump_s < 0:
+            raise ConfigError(f"trainer.stall_dump_s={t.stall_dump_s} must be >= 0 seconds (0 = off)")
+        if any(step < 1 for step in t.profile_steps):
+            raise ConfigError(f"trainer.profile_steps={t.profile_steps} must list step numbers >= 1, e.g. [5]")
         if self.trainer.total_steps < 0 or self.trainer.total_epochs < 1:
             raise ConfigError("trainer.total_steps must be >= 0 and trainer.total_epochs >= 1")
         if d.task != "successor" and d.train_path.startswith("synthetic:"):

@@ -57,6 +57,9 @@ def test_bad_overrides_name_the_key(override, message):
     (["rollout.temperature=0"], "rollout.val_temperature"),
     (["algorithm.adv_estimator=gae"], "needs a critic"),
     (["data.train_batch_size=0"], "data.train_batch_size=0 must be a positive"),
+    (["trainer.rollout_ranks=-1"], "trainer.rollout_ranks=-1 must be >= 0"),
+    (["trainer.stall_dump_s=-5"], "trainer.stall_dump_s=-5.0 must be >= 0"),
+    (["trainer.profile_steps=[0]"], "trainer.profile_steps"),
 ])
 def test_inconsistent_sizes_are_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
