@@ -113,6 +113,10 @@ class Trainer:
         self.ckpt_root = Path(t.output_dir) / CHECKPOINT_SUBDIR
         self.skipped_in_a_row = 0
         self.tracker_note: str | None = None
+        if self.split is not None and t.resume != "never" and find_latest(self.ckpt_root) is not None:
+            raise CheckpointError(f"{self.ckpt_root} holds checkpoints, which trainer.placement=split cannot resume yet; "
+                                  "use another trainer.output_dir, trainer.resume=never to start over in this one, "
+                                  "or trainer.placement=colocated to continue the run")
         self.start_step = self._restore() if self.split is None else 0
         if self.is_logger:
             _trim_metrics(Path(t.output_dir) / "metrics.jsonl", self.start_step)

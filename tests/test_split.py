@@ -11,6 +11,7 @@ config's refusals.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,9 +22,10 @@ from hybrid_rl.batch import Batch
 from hybrid_rl.config import ConfigError
 from hybrid_rl.micro_batching import pad_widths, trim_padding
 
-from test_multirank import _run
+from test_multirank import _env, _run
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
 
 COMMON = ["-m", "hybrid_rl", "train", "recipes/cpu_successor.yaml", "trainer.total_steps=10", "trainer.save_freq=-1",
           "trainer.test_freq=0", "trainer.val_before_train=false", "trainer.logger=[jsonl]", "trainer.resume=never",
@@ -115,3 +117,15 @@ def test_split_config_refusals():
         _cfg(*ok, "actor.param_offload=true").validate(2)
     with pytest.raises(ConfigError, match="divisible by the 3 rollout ranks"):
         _cfg(*ok, "trainer.rollout_ranks=3").validate(4)
+
+
+def test_split_refuses_to_start_over_a_run_with_checkpoints(tiny_model_path, tmp_path):
+    """A split run must not silently start from scratch (and trim the metrics) where a colocated run left checkpoints."""
+    (tmp_path / "checkpoints" / "step_1").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_1" / "COMPLETE").write_text('{"step": 1}')
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    proc = subprocess.run(_torchrun(2) + COMMON + ["trainer.placement=split", f"trainer.output_dir={tmp_path}",
+                                                   "trainer.resume=auto"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
+    assert proc.returncode != 0 and "trainer.placement=split cannot resume" in proc.stderr
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
