@@ -20,8 +20,11 @@ its process groups over the whole world, so with ``rollout.name=vllm`` the
 trainer ranks build an engine too and put it to sleep at level 2 (weights and
 KV cache released) right away; it only exists so the group creation pairs up.
 
-Left out: checkpoints and validation under split placement (the config refuses
-them), more than one step of staleness, and resizing R at run time.
+Validation pushes θ_k to the rollout ranks, which generate greedily and hand
+the reduced figures to the logging trainer rank. Left out: checkpoints under
+split placement (the config refuses them, and a run will not start over an
+output_dir that has some), more than one step of staleness, and resizing R at
+run time.
 """
 
 from __future__ import annotations

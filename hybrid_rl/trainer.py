@@ -221,8 +221,9 @@ class Trainer:
     def split_rollout_step(self, last: bool = False) -> dict[str, float]:
         """Rollout ranks: generate, hand the batch over, take the new weights (and, overlapping, generate the next)."""
         overlap = self.cfg.staleness_bound > 0
-        if not overlap or self._pending is None:
+        if not overlap or self.worker.rollout.weights_version is None:  # mirrors the trainer ranks' condition
             self._exchange_weights()
+        if self._pending is None:
             self._pending = self.pipeline.generate_now(self.next_prompts())
         self._exchange_batch(self._pending)
         self._pending = None
@@ -391,19 +392,35 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        assert self.val_set is not None
+        """Greedy pass@1 on the validation prompts with the current weights (every rank takes its share)."""
+        if self.split is not None:
+            return self._split_validate()
         self.pipeline.wait()  # the engine is shared with the in-flight rollout
-        idx = list(range(self.dist.rank, len(self.val_set), self.dist.world_size))
+        with self.worker.rollout_mode():
+            return self._validate_on_engine(self.dist.rank, self.dist.world_size)
+
+    def _split_validate(self) -> dict[str, float]:
+        """Split placement: θ_k goes to the rollout ranks, they validate, the logging trainer rank gets the result."""
+        import torch.distributed as tdist
+
+        self._exchange_weights()
+        sp = self.split
+        mine = self._validate_on_engine(sp.index, sp.n_rollout) if sp.is_rollout else None
+        parts: list = [None] * sp.world
+        tdist.all_gather_object(parts, mine, group=sp.obj_group)
+        return parts[0]
+
+    def _validate_on_engine(self, rank: int, world: int) -> dict[str, float]:
+        assert self.val_set is not None
+        idx = list(range(rank, len(self.val_set), world))
         chunk = self.cfg.data.train_batch_size
         total, count, length = 0.0, 0.0, 0.0
-        with self.worker.rollout_mode():
-            for s in range(0, len(idx), chunk):
-                prompts = collate_prompts([self.val_set[i] for i in idx[s:s + chunk]], self.tokenizer.pad_token_id)
-                out = self.worker.generate(prompts, validate=True)
-                out, _ = compute_scores(out, self.tokenizer, self.reward_fn, self.cfg.reward.on_error)
-                total += float(out.tensors["scores"].sum())
-                length += float(out.tensors["response_mask"].sum())
-                count += len(out)
-        red = reduce_weighted_means({"val/reward_mean": (total, count), "val/response_length_mean": (length, count)},
-                                    self.dist.device)
-        return red
+        for s in range(0, len(idx), chunk):
+            prompts = collate_prompts([self.val_set[i] for i in idx[s:s + chunk]], self.tokenizer.pad_token_id)
+            out = self.worker.generate(prompts, validate=True)
+            out, _ = compute_scores(out, self.tokenizer, self.reward_fn, self.cfg.reward.on_error)
+            total += float(out.tensors["scores"].sum())
+            length += float(out.tensors["response_mask"].sum())
+            count += len(out)
+        return reduce_weighted_means({"val/reward_mean": (total, count), "val/response_length_mean": (length, count)},
+                                     self.dist.device)

@@ -45,9 +45,13 @@ def _metrics(out_dir: Path) -> list[dict]:
 @pytest.mark.parametrize("mode", ["sync", "overlap"])
 def test_split_one_plus_one_equals_colocated_one_rank(tiny_model_path, tmp_path, mode):
     split, colo = tmp_path / "split", tmp_path / "colo"
-    _run(_torchrun(2) + COMMON + [f"trainer.mode={mode}", "trainer.placement=split", f"trainer.output_dir={split}"])
-    _run(_torchrun(1) + COMMON + [f"trainer.mode={mode}", f"trainer.output_dir={colo}"])
+    val = ["trainer.val_before_train=true", "trainer.test_freq=5", "data.max_val_samples=32"]
+    _run(_torchrun(2) + COMMON + val + [f"trainer.mode={mode}", "trainer.placement=split", f"trainer.output_dir={split}"])
+    _run(_torchrun(1) + COMMON + val + [f"trainer.mode={mode}", f"trainer.output_dir={colo}"])
     a, b = _metrics(split), _metrics(colo)
+    # validation (greedy, on the rollout rank with the trainer's current weights) before step 1 and at steps 5, 10
+    assert [r["step"] for r in a if "val/reward_mean" in r] == [0, 5, 10] == [r["step"] for r in b if "val/reward_mean" in r]
+    a, b = [r for r in a if r["step"] > 0], [r for r in b if r["step"] > 0]
     assert [r["step"] for r in a] == list(range(1, 11)) == [r["step"] for r in b]
     # the run must actually learn something, or equality would be vacuous
     assert any(r["actor/grad_norm"] > 0 for r in a)
