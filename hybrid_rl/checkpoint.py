@@ -188,13 +188,17 @@ def _check_weights_only(obj: Any, what: str) -> bytes:
 
 
 # --------------------------------------------------------------------------- save
-def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                    scheduler: Any | None, extra: Mapping[str, Any] | None, keep_last: int = 0) -> Path:
+def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
+                    scheduler: Any | None, extra: Mapping[str, Any] | None, keep_last: int = 0,
+                    process_group: "dist.ProcessGroup | None" = None) -> Path:
     """Save ``model``/``optimizer``/``scheduler`` + this rank's ``extra`` as ``root/step_{step:08d}``; every rank calls it.
 
     Returns the published directory. ``keep_last`` > 0 prunes older complete
     checkpoints (lower steps) beyond the newest ``keep_last``, only after the new
-    one is complete; 0 keeps all. Collective under a process group.
+    one is complete; 0 keeps all. Collective under a process group. Under split
+    placement the model lives on the trainer ranks only: they pass their group as
+    ``process_group`` (the DCP save runs over it) and the rollout ranks pass
+    ``model=None`` and write their extra alone.
     """
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
@@ -244,13 +248,15 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module, 
             error = CheckpointError(f"cannot create {str(tmp)!r} ({e}); make the checkpoint directory writable")
     _agree(error, tmp)
 
-    if has_optim:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-    else:
-        state = {"model": get_model_state_dict(model)}
-    with _quiet_single_process():  # DCP agrees on its own failures across ranks
-        dcp_save(state, storage_writer=FileSystemWriter(str(tmp)), no_dist=not (dist.is_available() and dist.is_initialized()))
+    if model is not None:
+        if has_optim:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
+        else:
+            state = {"model": get_model_state_dict(model)}
+        with _quiet_single_process():  # DCP agrees on its own failures across ranks
+            dcp_save(state, storage_writer=FileSystemWriter(str(tmp)),
+                     no_dist=not (dist.is_available() and dist.is_initialized()), process_group=process_group)
     try:
         _write_atomic(tmp / f"extra_rank{rank}.pt", extra_bytes)
     except OSError as e:
@@ -367,7 +373,8 @@ def _load_extra(path: Path, rank: int) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {str(f)!r} cannot be read ({_summary(e)}); resume from an older step_* directory") from None
 
 
-def _load_into(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, no_dist: bool) -> None:
+def _load_into(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, no_dist: bool,
+               process_group: "dist.ProcessGroup | None" = None) -> None:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
@@ -378,16 +385,16 @@ def _load_into(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
         # fresh optimizer it first materialises AdamW state, which the load overwrites.
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp_load(state, storage_reader=FileSystemReader(str(path)), no_dist=no_dist)
+        dcp_load(state, storage_reader=FileSystemReader(str(path)), no_dist=no_dist, process_group=process_group)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
         state = {"model": get_model_state_dict(model)}
-        dcp_load(state, storage_reader=FileSystemReader(str(path)), no_dist=no_dist)
+        dcp_load(state, storage_reader=FileSystemReader(str(path)), no_dist=no_dist, process_group=process_group)
         set_model_state_dict(model, state["model"])
 
 
-def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    scheduler: Any | None = None) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None = None,
+                    scheduler: Any | None = None, process_group: "dist.ProcessGroup | None" = None) -> dict[str, Any]:
     """Restore ``model``/``optimizer``/``scheduler`` in place from ``path``; returns this rank's ``extra``.
 
     Every rank calls it (collective under a process group). The model (and
@@ -411,8 +418,9 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
     no_dist = not (dist.is_available() and dist.is_initialized())
     load_optim = optimizer is not None and bool(meta.get("has_optimizer_state"))
     try:
-        with _quiet_single_process():
-            _load_into(path, model, optimizer if load_optim else None, no_dist)
+        if model is not None:  # split placement: the rollout ranks only read their extra
+            with _quiet_single_process():
+                _load_into(path, model, optimizer if load_optim else None, no_dist, process_group)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises several types for key/shape mismatches

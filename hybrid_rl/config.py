@@ -268,7 +268,7 @@ class TrainerConfig:
     first thing to look at when a multi-rank run hangs."""
     placement: Literal["colocated", "split"] = "colocated"
     """``colocated``: every rank trains and generates. ``split``: ranks ``0..R-1`` only generate, the rest only train
-    (weights broadcast over NCCL after each update; no checkpoints yet)."""
+    (weights broadcast over NCCL after each update)."""
     rollout_ranks: int = 0
     """Split placement: R, the number of generate-only ranks (0 = half the world, rounded down)."""
 
@@ -413,9 +413,6 @@ class Config:
                               f"(trainer.rollout_ranks); set it to a multiple of {n_roll}")
         if n_roll % r.tensor_parallel_size:
             raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the {n_roll} rollout ranks")
-        if t.save_freq != -1:
-            raise ConfigError("trainer.placement=split does not checkpoint yet: set trainer.save_freq=-1, "
-                              "or use trainer.placement=colocated")
         if self.actor.param_offload or self.actor.optimizer_offload:
             raise ConfigError("trainer.placement=split keeps the actor on its own GPUs, so actor.param_offload/"
                               "optimizer_offload have nothing to give way to; set them to false")

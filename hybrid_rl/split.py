@@ -21,10 +21,11 @@ trainer ranks build an engine too and put it to sleep at level 2 (weights and
 KV cache released) right away; it only exists so the group creation pairs up.
 
 Validation pushes θ_k to the rollout ranks, which generate greedily and hand
-the reduced figures to the logging trainer rank. Left out: checkpoints under
-split placement (the config refuses them, and a run will not start over an
-output_dir that has some), more than one step of staleness, and resizing R at
-run time.
+the reduced figures to the logging trainer rank. Checkpoints: the trainer ranks
+save the actor through DCP over their own group, every rank writes its extra
+(the rollout ranks: sampler, RNGs and the batch generated ahead), and a resumed
+run re-sends θ before its first step. Left out: more than one step of
+staleness, and resizing R at run time (a checkpoint resumes on the same layout).
 """
 
 from __future__ import annotations

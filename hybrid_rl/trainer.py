@@ -113,11 +113,7 @@ class Trainer:
         self.ckpt_root = Path(t.output_dir) / CHECKPOINT_SUBDIR
         self.skipped_in_a_row = 0
         self.tracker_note: str | None = None
-        if self.split is not None and t.resume != "never" and find_latest(self.ckpt_root) is not None:
-            raise CheckpointError(f"{self.ckpt_root} holds checkpoints, which trainer.placement=split cannot resume yet; "
-                                  "use another trainer.output_dir, trainer.resume=never to start over in this one, "
-                                  "or trainer.placement=colocated to continue the run")
-        self.start_step = self._restore() if self.split is None else 0
+        self.start_step = self._restore()
         if self.is_logger:
             _trim_metrics(Path(t.output_dir) / "metrics.jsonl", self.start_step)
         self.tracker = Tracker(t.output_dir, t.logger, self.total_steps, enabled=self.is_logger, initial_step=self.start_step)
@@ -209,8 +205,9 @@ class Trainer:
             return
         skip = self._sent_version == w.weight_version
         src = _NoParams() if skip else w.actor
-        self._split_sync = self._broadcast(self.split, src, self.worker.dtype, self.cfg.rollout.weight_sync_bucket_mb * 2**20,
-                                           w.weight_version, self.dist.device)
+        took, sent = self._broadcast(self.split, src, self.worker.dtype, self.cfg.rollout.weight_sync_bucket_mb * 2**20,
+                                     w.weight_version, self.dist.device)
+        self._split_sync = (self._split_sync[0] + took, self._split_sync[1] + sent)  # summed over the step's exchanges
         self._sent_version = w.weight_version
 
     def _exchange_batch(self, batch: Batch | None) -> Batch | None:
@@ -237,6 +234,7 @@ class Trainer:
         """Trainer ranks: take batch k from the rollout ranks, send θ_k back, update on batch k."""
         overlap = self.cfg.staleness_bound > 0
         timer = Timer()
+        self._split_sync = (0.0, 0)
         with timer("step"):
             if not overlap or self._sent_version is None:
                 with timer("sync_weights"):
@@ -275,15 +273,22 @@ class Trainer:
             gens["rollout"] = w.rollout.generator
         return gens
 
+    def _checkpoint_parts(self) -> tuple:
+        """(model, optimizer, scheduler, DCP process group) of this rank: none on split placement's rollout ranks."""
+        a = self.worker.actor
+        if a is None:
+            return None, None, None, None
+        return a.model, a.optimizer, a.scheduler, self.split.trainer_group if self.split else None
+
     def save(self, step: int) -> None:
         w = self.worker
         self.pipeline.wait()  # the in-flight batch is part of the state (and must not race the RNG capture)
-        pending = self.pipeline.peek()
+        pending = self._pending if self.split is not None else self.pipeline.peek()
         extra = {"step": step, "weight_version": w.weight_version, "sampler": self.sampler.state_dict(),
                  "rng": capture_rng(self._rng_generators()), "skipped_in_a_row": self.skipped_in_a_row,
                  "pending_batch": pending.state_dict() if pending is not None else None}
-        save_checkpoint(self.ckpt_root, step, w.actor.model, w.actor.optimizer, w.actor.scheduler, extra,
-                        self.cfg.trainer.keep_last)
+        model, optimizer, scheduler, group = self._checkpoint_parts()
+        save_checkpoint(self.ckpt_root, step, model, optimizer, scheduler, extra, self.cfg.trainer.keep_last, group)
 
     def _restore(self) -> int:
         """Load the checkpoint ``trainer.resume`` names; returns the step to continue after (0 = fresh)."""
@@ -298,12 +303,16 @@ class Trainer:
                                   f"crashed or partial); point it at a <output_dir>/checkpoints/step_* directory, or use "
                                   f"trainer.resume=auto to pick the newest complete one")
         w = self.worker
-        extra = load_checkpoint(path, w.actor.model, w.actor.optimizer, w.actor.scheduler)
+        extra = load_checkpoint(path, *self._checkpoint_parts())
         w.weight_version = extra["weight_version"]
         self.sampler.load_state_dict(extra["sampler"])
         self.skipped_in_a_row = extra.get("skipped_in_a_row", 0)
         if extra.get("pending_batch") is not None:
-            self.pipeline.restore(Batch.from_state_dict(extra["pending_batch"]).to(self.dist.device))
+            pending = Batch.from_state_dict(extra["pending_batch"]).to(self.global_dist.device)
+            if self.split is not None:
+                self._pending = pending  # split rollout ranks: the batch generated ahead, handed over next step
+            else:
+                self.pipeline.restore(pending)
         restore_rng(extra["rng"], self._rng_generators())  # last: building models consumed the global RNG
         self.tracker_note = f"resumed from {path} (step {extra['step']})"
         return int(extra["step"])
