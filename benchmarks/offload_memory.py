@@ -59,6 +59,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from bench_common import git_commit  # noqa: E402
+
 from modes import device_name  # noqa: E402
 
 from hybrid_rl.advantage import compute_advantage, sparse_scores  # noqa: E402
@@ -227,23 +229,6 @@ def summarize(per_mode: dict[str, list[dict]], on_gpu: bool) -> dict[str, Any]:
     return out
 
 
-def _commit() -> str:
-    """The checked-out commit, read from .git without running git."""
-    try:
-        git = ROOT / ".git"
-        head = (git / "HEAD").read_text().strip()
-        if head.startswith("ref: "):
-            ref = head[5:]
-            if (git / ref).exists():
-                return (git / ref).read_text().strip()[:12]
-            for line in (git / "packed-refs").read_text().splitlines():
-                if line.endswith(" " + ref):
-                    return line.split()[0][:12]
-        return head[:12]
-    except OSError:
-        return "unknown"
-
-
 # --------------------------------------------------------------------------- main
 def _init_dist(device_pref: str):
     """torchrun's process group, or (plain ``python``) a world of one that still takes the FSDP2 path."""
@@ -303,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "reported; mode 'on' measured first"),
         prompts_per_rank=args.prompts, prompt_length=args.prompt_length, response_length=args.response_length,
         overrides=make_overrides(args, dist.world_size, "off")[:-len(MODES["off"])],
-        seconds=round(time.perf_counter() - start, 1), torch=torch.__version__, commit=_commit(),
+        seconds=round(time.perf_counter() - start, 1), torch=torch.__version__, commit=git_commit(),
         time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     if dist.is_main:
         print(json.dumps(record), flush=True)

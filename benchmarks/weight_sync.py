@@ -47,6 +47,9 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_common import git_commit  # noqa: E402
 
 from hybrid_rl.models import RANDOM_ARCHS, TINY_CONFIG  # noqa: E402
 from hybrid_rl.rollout.base import RolloutEngine  # noqa: E402
@@ -153,23 +156,6 @@ def _device_tag(device: torch.device, world: int) -> tuple[str, str]:
     name = torch.cuda.get_device_name(device)
     m = re.search(r"(H100|H200|H20|A100|A10G|L40S|L4|B200|GH200|MI300X)", name)
     return f"{m.group(1) if m else re.sub(r'[^A-Za-z0-9]', '', name)[:16]}x{world}", name
-
-
-def _commit() -> str:
-    """The checked-out commit, read from .git without running git."""
-    try:
-        git = ROOT / ".git"
-        head = (git / "HEAD").read_text().strip()
-        if head.startswith("ref: "):
-            ref = head[5:]
-            if (git / ref).exists():
-                return (git / ref).read_text().strip()[:12]
-            for line in (git / "packed-refs").read_text().splitlines():
-                if line.endswith(" " + ref):
-                    return line.split()[0][:12]
-        return head[:12]
-    except OSError:
-        return "unknown"
 
 
 def measure_bound(nbytes: int, dtype: torch.dtype, device: torch.device, world: int, repeats: int) -> dict:
@@ -325,7 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
         "switch_s": statistics.median(switch_times), "sync_GBps": nbytes / sync_s / 1e9,
         **bound, "bound_ratio": sync_s / bound["bound_s"], "tensors": sm.last_sync_tensors, "switches": args.switches,
         "memory_before": mem_before, "memory_after": mem_after, "verified": verified,
-        "torch": torch.__version__, "commit": _commit(),
+        "torch": torch.__version__, "commit": git_commit(),
     }
     if rank == 0:
         print(json.dumps(record), flush=True)
