@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, in one lease of a 2-GPU machine (the device tool's machines start bare).
 # Expects vLLM 0.26 staged at /tmp/vs (../shared/device/README.md) and GSM8K in .devdata/.
-#   bash benchmarks/gpu_session.sh PART     # PART = modes2 | modes1 | checks ; writes $OUT/PART.tgz and $OUT/PART.log
+#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 ; writes $OUT/PART.tgz and $OUT/PART.log
 # Each part fits one 600 s device call; every piece has its own timeout and results are packed after each piece,
 # so a part cut short still returns what finished.
 set -u
-PART=${1:?usage: gpu_session.sh modes2|modes1|checks}
+PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1}
 OUT=${OUT:-/tmp/gpu_out}
 RES=/tmp/res/$PART
-mkdir -p "$OUT" "$RES"
+MODES_RES=/tmp/res/modes2  # colo2 and split2 write one modes JSON (merged by mode) when they run on one warm machine
+mkdir -p "$OUT" "$RES" "$MODES_RES"
 exec > >(tee "$OUT/$PART.log") 2>&1
 if [ -d /tmp/vs ] && [ ! -d /tmp/site/vllm ]; then
   bash /tmp/vs/install_remote.sh /tmp/vs /tmp/site --with-datasets >/dev/null || echo "vllm install failed"
@@ -20,7 +21,8 @@ nvidia-smi -L
 python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" || true
 python -c "from hybrid_rl.models import resolve_model_path as r; r('builtin:qwen2.5-0.5b-random'); r('builtin:qwen2.5-1.5b-random')"
 T0=$(date +%s)
-pack() { tar czf "$OUT/$PART.tgz.tmp" --exclude=checkpoints --exclude=tensorboard -C "$RES" . 2>/dev/null && mv "$OUT/$PART.tgz.tmp" "$OUT/$PART.tgz"; }
+pack() { tar czf "$OUT/$PART.tgz.tmp" --exclude=checkpoints --exclude=tensorboard -C /tmp/res "$PART" modes2 2>/dev/null;
+        mv "$OUT/$PART.tgz.tmp" "$OUT/$PART.tgz"; }
 stamp() { echo "== $1 at +$(( $(date +%s) - T0 ))s"; pack; }
 # and every 20 s, so a call killed at its limit still returns what was written
 (while sleep 20; do pack; done) &
@@ -28,24 +30,35 @@ stamp() { echo "== $1 at +$(( $(date +%s) - T0 ))s"; pack; }
 BENCH="data.train_path=.devdata/train.jsonl rollout.name=vllm data.max_response_length=512 rollout.forced_lengths=lognormal:200:0.8"
 
 case $PART in
-modes2)  # sync vs overlap (colocated, split) on 2 GPUs; the sync run is also the 20-step vLLM training run on 2 GPUs
-  stamp "modes x2"
+colo2)  # sync vs overlap colocated on 2 GPUs; the sync run is also the 20-step vLLM training run on 2 GPUs
+  stamp "modes x2: sync, overlap_colocated"
   # 2-rank colocated vLLM hung in step 1 on 2xH100 with vLLM at 0.5 of the card (memory, most likely; the recipe now
   # gives it 0.3); stall_dump_s prints every thread's stack if a step still takes over 60 s
-  timeout 540 python benchmarks/modes.py --gpus 2 --steps 20 --warmup 3 --prompts 32 --n 8 --mode-timeout 170 \
-    --out "$RES" $BENCH trainer.profile_steps=[2] trainer.stall_dump_s=60 || echo "modes x2 failed"
+  timeout 560 python benchmarks/modes.py --gpus 2 --steps 20 --warmup 3 --prompts 32 --n 8 --mode-timeout 270 \
+    --modes sync,overlap_colocated --out "$MODES_RES" $BENCH trainer.profile_steps=[2] trainer.stall_dump_s=60 \
+    || echo "modes x2 failed"
+  ;;
+split2)  # overlap with split placement (1 rollout + 1 trainer GPU), merged into colo2's JSON; then the push and HF-engine runs
+  stamp "modes x2: overlap_split"
+  timeout 250 python benchmarks/modes.py --gpus 2 --steps 20 --warmup 3 --prompts 32 --n 8 --mode-timeout 240 \
+    --modes overlap_split --out "$MODES_RES" $BENCH trainer.profile_steps=[2] trainer.stall_dump_s=60 \
+    || echo "modes x2 split failed"
+  for m in qwen2.5-0.5b qwen2.5-1.5b; do
+    stamp "weight_sync $m x2"
+    timeout 70 torchrun --standalone --nproc_per_node=2 benchmarks/weight_sync.py --model $m --switches 50 --out-dir "$RES" \
+      || echo "weight_sync $m x2 failed"
+  done
+  stamp "make train hf x2"
+  timeout 120 make train VPY="$(command -v python3)" RECIPE=bench_modes GPUS=2 ARGS="data.train_path=.devdata/train.jsonl \
+    rollout.name=hf data.max_response_length=128 rollout.forced_lengths=lognormal:64:0.8 data.train_batch_size=16 \
+    trainer.total_steps=4 trainer.logger=[jsonl] trainer.output_dir=$RES/train_hf_x2" || echo "make train hf x2 failed"
   ;;
 modes1)  # the same on 1 GPU (sync, overlap colocated); the sync run is the 20-step vLLM training run on 1 GPU
   stamp "modes x1"
   CUDA_VISIBLE_DEVICES=0 timeout 520 python benchmarks/modes.py --gpus 1 --steps 20 --warmup 3 --prompts 32 --n 8 \
     --mode-timeout 250 --out "$RES" $BENCH || echo "modes x1 failed"
   ;;
-checks)
-  for m in qwen2.5-0.5b qwen2.5-1.5b; do
-    stamp "weight_sync $m x2"
-    timeout 70 torchrun --standalone --nproc_per_node=2 benchmarks/weight_sync.py --model $m --switches 50 --out-dir "$RES" \
-      || echo "weight_sync $m x2 failed"
-  done
+checks1)  # one-GPU checks: push on 1 rank, in-engine vs standalone vLLM throughput, the GPU-marked tests
   stamp "weight_sync x1"
   CUDA_VISIBLE_DEVICES=0 timeout 50 torchrun --standalone --nproc_per_node=1 benchmarks/weight_sync.py --model qwen2.5-0.5b \
     --switches 50 --out-dir "$RES" || echo "weight_sync x1 failed"
@@ -54,13 +67,10 @@ checks)
     --repeats 2 --out "$RES" || echo "vllm_bench standalone failed"
   CUDA_VISIBLE_DEVICES=0 timeout 150 torchrun --standalone --nproc_per_node=1 benchmarks/vllm_bench.py --only throughput \
     --repeats 2 --out "$RES" || echo "vllm_bench failed"
-  stamp "make train hf x2"
-  timeout 120 make train VPY="$(command -v python3)" RECIPE=bench_modes GPUS=2 ARGS="data.train_path=.devdata/train.jsonl \
-    rollout.name=hf data.max_response_length=128 rollout.forced_lengths=lognormal:64:0.8 data.train_batch_size=16 \
-    trainer.total_steps=4 trainer.logger=[jsonl] trainer.output_dir=$RES/train_hf_x2" || echo "make train hf x2 failed"
   stamp "pytest -m gpu"
-  timeout 120 python -m pytest -q -m gpu -x tests/ 2>&1 | tail -15 || echo "pytest gpu failed"
+  timeout 150 python -m pytest -q -m gpu -x tests/ 2>&1 | tail -15 || echo "pytest gpu failed"
   ;;
+*) echo "unknown part $PART (colo2 | split2 | modes1 | checks1)"; exit 2 ;;
 esac
 stamp "done"
 ls -R "$RES" | head -40

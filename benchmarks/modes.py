@@ -233,12 +233,21 @@ def main() -> None:
     if args.from_runs:
         rebuild(modes, args, device, stem, out_dir / f"modes_{device}_{model_tag}_runs")
         return
+    # a subset run (--modes) keeps the other modes' figures already in the JSON, so modes can run in separate calls
+    kept = []
+    if args.modes and Path(f"{stem}.json").exists():
+        kept = [m for m in json.loads(Path(f"{stem}.json").read_text())["modes"] if m["mode"] not in args.modes.split(",")]
     results = []
     for name, overrides in modes:
         results.append(run_mode(name, overrides, args, out_dir / f"modes_{device}_{model_tag}_runs"))
-        write_results(results, args, device, stem)
+        write_results(_in_order(kept + results), args, device, stem)
         print(json.dumps({"device": device, "commit": commit(), "model": args.model, **results[-1]}), flush=True)
     print(f"wrote {stem}.json and .png", file=sys.stderr)
+
+
+def _in_order(results: list[dict]) -> list[dict]:
+    order = {name: i for i, name in enumerate(["sync", "overlap_colocated", "overlap_split"])}
+    return sorted(results, key=lambda r: order.get(r["mode"], len(order)))
 
 
 def rebuild(modes, args, device: str, stem: Path, runs: Path) -> None:
