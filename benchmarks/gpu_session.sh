@@ -26,6 +26,7 @@ pack() { tar czf "$OUT/$PART.tgz.tmp" --exclude=checkpoints --exclude=tensorboar
 stamp() { echo "== $1 at +$(( $(date +%s) - T0 ))s"; pack; }
 # and every 20 s, so a call killed at its limit still returns what was written
 (while sleep 20; do pack; done) &
+PACKER=$!
 # the benchmark recipe on GSM8K prompts with vLLM (32 prompts x 8 samples per step), lognormal lengths (mean 200, cap 512)
 BENCH="data.train_path=.devdata/train.jsonl rollout.name=vllm data.max_response_length=512 rollout.forced_lengths=lognormal:200:0.8"
 
@@ -73,4 +74,5 @@ checks1)  # one-GPU checks: push on 1 rank, in-engine vs standalone vLLM through
 *) echo "unknown part $PART (colo2 | split2 | modes1 | checks1)"; exit 2 ;;
 esac
 stamp "done"
+kill $PACKER  # else the open output pipe keeps the device call waiting until its limit
 ls -R "$RES" | head -40

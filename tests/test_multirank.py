@@ -189,6 +189,21 @@ def test_weight_sync_benchmark_cpu_smoke(tmp_path):
     assert json.loads((tmp_path / "weight_sync_cpux2_tiny.json").read_text())["sync_s"] == record["sync_s"]
 
 
+def test_two_rank_mixed_precision_lora_reference_first(tiny_model_path, tmp_path):
+    """bf16 compute under FSDP2's mixed-precision policy, on gloo. The LoRA check computes the reference
+    (adapters disabled) before any actor forward: peft's disable_adapter freezes the adapters, and if FSDP2 lazily
+    initialised then, it skipped the fp32 gradient reduction and the first backward failed (found on 2xH200)."""
+    _run(TORCHRUN + [str(CHECKS), str(tmp_path)], MULTIRANK_DTYPE="bfloat16", MULTIRANK_CHECKS="full,lora")
+    for r in range(2):
+        res = _load(tmp_path / f"rank{r}.pt")
+        assert res["engine_mismatches"] == [] and res["tied_ok"]
+        assert {dt for _, dt in res["pushed"]} == {torch.bfloat16} and res["push_bytes"] == 80896 * 2
+        assert torch.equal(res["ref_log_probs"], res["ref_log_probs_after_update"])
+        assert res["lora_engine_mismatches"] == [] and res["lora_base_changed"] == []
+        assert sorted(res["lora_adapters_changed"]) == sorted(res["lora_adapters"])
+        assert res["lora_push2"][0] == 2 * (64 * 64 + 32 * 64) * 2
+
+
 # --------------------------------------------------------------------------- GPU (pytest -m gpu)
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")

@@ -55,8 +55,9 @@ class _Stats:
         keys = list(self.sums)
         flat = [v for k in keys for v in (self.sums[k], self.counts[k])]
         tensors = [v for v in flat if isinstance(v, torch.Tensor)]
-        if tensors:  # one device-to-host copy for all of them
-            values = iter(torch.stack([t.double().reshape(()) for t in tensors]).tolist())
+        if tensors:  # one device-to-host copy for all of them (a CPU tensor, e.g. from offloaded state, joins them)
+            device = next((t.device for t in tensors if t.device.type != "cpu"), tensors[0].device)
+            values = iter(torch.stack([t.double().reshape(()).to(device) for t in tensors]).tolist())
             flat = [next(values) if isinstance(v, torch.Tensor) else float(v) for v in flat]
         return {k: (float(flat[2 * i]), float(flat[2 * i + 1])) for i, k in enumerate(keys)}
 

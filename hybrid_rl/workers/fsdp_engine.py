@@ -366,7 +366,7 @@ class TrainingEngine:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = None
-        if self.device.type == "cuda" and self.compute_dtype != torch.float32:
+        if self.compute_dtype != torch.float32:  # bf16 compute, fp32 masters and gradient reduction
             mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -611,5 +611,11 @@ class AdapterDisabledReference:
 
     def compute_log_prob(self, batch: Batch, micro_batch_size: int, temperature: float, with_entropy: bool = False,
                          max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        trainable = [p for p in self.actor.model.parameters() if p.requires_grad]
         with self.actor.model.disable_adapter():
+            # peft's disable_adapter also sets requires_grad=False on the adapters. Were this the model's first forward,
+            # FSDP2's lazy init would see no trainable parameters and skip the fp32 gradient reduction for good
+            # (bf16 grads for fp32 masters, an error at the first backward). Disabling works through peft's flag alone.
+            for p in trainable:
+                p.requires_grad_(True)
             return self.actor.compute_log_prob(batch, micro_batch_size, temperature, with_entropy, max_tokens)

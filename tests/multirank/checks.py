@@ -32,7 +32,9 @@ from hybrid_rl.rollout.base import assemble_rollout  # noqa: E402
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker  # noqa: E402
 
 DEVICE = os.environ.get("MULTIRANK_DEVICE", "cpu")
-BASE = [f"trainer.device={DEVICE}", "model.dtype=" + ("float32" if DEVICE == "cpu" else "bfloat16"), "rollout.n=2", "data.train_batch_size=4", "data.max_response_length=5",
+# MULTIRANK_DTYPE=bfloat16 on CPU runs FSDP2's mixed precision (bf16 compute, fp32 masters and reduction) on gloo
+DTYPE = os.environ.get("MULTIRANK_DTYPE", "float32" if DEVICE == "cpu" else "bfloat16")
+BASE = [f"trainer.device={DEVICE}", f"model.dtype={DTYPE}", "rollout.n=2", "data.train_batch_size=4", "data.max_response_length=5",
         "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_device=2",
         "actor.log_prob_micro_batch_size_per_device=3", "ref.log_prob_micro_batch_size_per_device=3",
         "actor.lr=1e-3", "actor.use_kl_loss=true", "actor.kl_loss_coef=0.05", "actor.entropy_coeff=0.01",
