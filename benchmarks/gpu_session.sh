@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, in one lease of a 2-GPU machine (the device tool's machines start bare).
-# Expects vLLM 0.26 staged at /tmp/vs (../shared/device/README.md) and GSM8K in .devdata/.
+# Expects vLLM 0.26 staged at /tmp/vs (../shared/device/README.md) and GSM8K in .devdata/. Run it from a clean export:
+#   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean && git rev-parse HEAD > .clean/COMMIT \
+#     && cp -r .devdata .clean/      # then, on the lender (carry .clean): cd .clean && bash benchmarks/gpu_session.sh PART
 #   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 ; writes $OUT/PART.tgz and $OUT/PART.log
 # Each part fits one 600 s device call; every piece has its own timeout and results are packed after each piece,
 # so a part cut short still returns what finished.

@@ -51,10 +51,10 @@ def device_name(gpus: int) -> str:
 
 
 def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    except OSError:
-        return "unknown"
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_common import git_commit
+
+    return git_commit(ROOT)
 
 
 class GpuSampler(threading.Thread):
