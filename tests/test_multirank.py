@@ -80,6 +80,22 @@ def test_two_rank_update_equals_single_process_update(runs):
         assert (got - want).abs().max().item() < 1e-3 * lr, name  # a thousandth of one Adam step
 
 
+def test_accumulate_unsharded_gathers_once_per_pass_and_matches(runs):
+    """actor.accumulate_unsharded: one all-gather per block per pass and one reduce-scatter per mini-batch,
+    the same log-probs and (up to summation order) the same update, and nothing left gathered afterwards."""
+    for res in runs["ranks"]:
+        base, once = res["unsharded"][False], res["unsharded"][True]
+        groups = 3  # 2 decoder blocks + the root
+        assert once["log_prob_counts"] == {"all_gather": groups, "reduce_scatter": 0}
+        assert base["log_prob_counts"]["all_gather"] > groups  # one per block per micro-batch without it
+        assert once["update_counts"] == {"all_gather": groups, "reduce_scatter": groups}
+        assert base["update_counts"]["reduce_scatter"] > groups and base["update_counts"]["all_gather"] > 2 * groups
+        assert torch.equal(once["log_probs"], base["log_probs"])
+        for name, want in base["params"].items():
+            assert ((once["params"][name] - want).norm() / want.norm()).item() < 1e-6, name
+        assert once["unsharded_after"] == [] and base["unsharded_after"] == []
+
+
 # --------------------------------------------------------------------------- the push
 def test_engine_weights_equal_gathered_actor_bit_for_bit(runs):
     for res in runs["ranks"]:
@@ -219,3 +235,12 @@ def test_gpu_two_rank_push_lora_offload(tiny_model_path, tmp_path):
         assert res["offload_devices_inside"] == ["cpu"] and res["offload_mem_inside"] < res["offload_mem_before"]
         assert res["lora_engine_mismatches"] == [] and res["lora_base_changed"] == []
         assert res["lora_push2"][0] == 2 * (64 * 64 + 32 * 64) * 2
+
+
+def test_update_step_benchmark_cpu_smoke(tmp_path):
+    proc = _run(TORCHRUN + ["benchmarks/update_step.py", "--cpu-smoke", "--out", str(tmp_path)])
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["config"] for r in rows] == ["default", "accumulate_unsharded", "accumulate_unsharded+dynamic_bsz"]
+    doc = json.loads((tmp_path / "update_step_cpux2_tiny-qwen2.json").read_text())
+    assert doc["world_size"] == 2 and doc["configs"][0]["speedup_vs_first"] == 1.0
+    assert all(r["log_prob_s"] > 0 and r["update_s"] > 0 and r["tokens"] > 0 for r in doc["configs"])

@@ -84,7 +84,8 @@ class ActorRolloutRefWorker:
             if mcfg.lora.rank > 0:
                 model = apply_lora(model, mcfg.lora.rank, mcfg.lora.alpha, mcfg.lora.target_modules, mcfg.lora.dropout)
             self.actor = TrainingEngine(model, self.device, self.dtype, trainable=True,
-                                        gradient_checkpointing=mcfg.enable_gradient_checkpointing)
+                                        gradient_checkpointing=mcfg.enable_gradient_checkpointing,
+                                        accumulate_unsharded=cfg.actor.accumulate_unsharded)
             a = cfg.actor
             updates_per_step = a.ppo_epochs * (cfg.data.train_batch_size // a.ppo_mini_batch_size)
             self.actor.configure_optimizer(a.lr, (a.betas[0], a.betas[1]), a.weight_decay, a.warmup_steps,
@@ -210,8 +211,10 @@ class ActorRolloutRefWorker:
         # FSDP averages gradients over ranks; undo that so the loss is a global sum.
         scale = float(self.dist.world_size) if self.actor.fsdp else 1.0
         self.actor.zero_grad()
-        for _, micro in micro_batches(mini, a.ppo_micro_batch_size_per_device, self._token_budget):
+        micros = micro_batches(mini, a.ppo_micro_batch_size_per_device, self._token_budget)
+        for i, (_, micro) in enumerate(micros):
             loss, m = self._micro_batch_loss(micro, num_tokens, num_seqs)
+            self.actor.micro_batch_step(last=i == len(micros) - 1)
             (loss * scale).backward()
             ntok = micro.tensors["response_mask"].sum().double()
             for k, v in m.items():

@@ -328,8 +328,10 @@ def _materialise(out: _Output, full: dict[int, torch.Tensor], dtype: torch.dtype
 
 class TrainingEngine:
     def __init__(self, model: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype, trainable: bool,
-                 gradient_checkpointing: bool = False):
+                 gradient_checkpointing: bool = False, accumulate_unsharded: bool = False):
         self.device = device
+        self.accumulate_unsharded = accumulate_unsharded
+        """Parameters stay gathered through a pass of micro-batches; gradients are reduced on the last one only."""
         self.compute_dtype = compute_dtype
         self.trainable = trainable
         self.fsdp = dist.is_initialized()
@@ -378,7 +380,7 @@ class TrainingEngine:
         group = dp_group()
         mesh = (DeviceMesh.from_group(group, self.device.type) if group is not None
                 else init_device_mesh(self.device.type, (dist.get_world_size(),)))
-        kwargs: dict = {"mesh": mesh}
+        kwargs: dict = {"mesh": mesh, "reshard_after_forward": not self.accumulate_unsharded}
         if mp is not None:
             kwargs["mp_policy"] = mp
         layer_classes = _decoder_layer_classes(model)
@@ -402,6 +404,22 @@ class TrainingEngine:
             return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda)
+
+    def micro_batch_step(self, last: bool) -> None:
+        """Before each backward of a gradient-accumulation loop: with ``accumulate_unsharded``, only the last
+        micro-batch reduce-scatters the accumulated gradients and reshards the parameters."""
+        if self.fsdp and self.accumulate_unsharded:
+            self.model.set_requires_gradient_sync(last)
+            self.model.set_reshard_after_backward(last)
+
+    def reshard(self) -> None:
+        """Free the gathered parameters a no-grad pass left behind (``accumulate_unsharded``; a no-op otherwise)."""
+        if self.fsdp and self.accumulate_unsharded:
+            from torch.distributed.fsdp import FSDPModule
+
+            for m in self.model.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
 
     def zero_grad(self) -> None:
         assert self.optimizer is not None
@@ -467,12 +485,15 @@ class TrainingEngine:
         n, width = len(batch), batch.tensors["responses"].shape[1]
         lps = torch.zeros(n, width, device=self.device)
         ents = torch.zeros(n, width, device=self.device) if with_entropy else None
-        for idx, micro in micro_batches(batch, micro_batch_size, max_tokens):
-            lp, ent = self.forward(micro, temperature, with_entropy)
-            rows = as_slice(idx) or torch.as_tensor(idx, device=self.device)
-            lps[rows, :lp.shape[1]] = lp
-            if ents is not None and ent is not None:
-                ents[rows, :ent.shape[1]] = ent
+        try:
+            for idx, micro in micro_batches(batch, micro_batch_size, max_tokens):
+                lp, ent = self.forward(micro, temperature, with_entropy)
+                rows = as_slice(idx) or torch.as_tensor(idx, device=self.device)
+                lps[rows, :lp.shape[1]] = lp
+                if ents is not None and ent is not None:
+                    ents[rows, :ent.shape[1]] = ent
+        finally:
+            self.reshard()
         self.model.train(was_training)
         return lps, ents
 

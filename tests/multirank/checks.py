@@ -155,6 +155,51 @@ def run_full_finetune(d: DistInfo, res: dict) -> None:
     res["twin_params"] = {n: local(p).clone() for n, p in w.actor.model.named_parameters()}
 
 
+class _CountCollectives:
+    """Counts FSDP2's all-gathers and reduce-scatters (whichever names this torch calls) while active."""
+
+    NAMES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor")
+
+    def __init__(self):
+        self.counts = {"all_gather": 0, "reduce_scatter": 0}
+        self._saved = {}
+
+    def __enter__(self):
+        for name in self.NAMES:
+            fn = getattr(torch.distributed, name, None)
+            if fn is None:
+                continue
+            self._saved[name] = fn
+            kind = "all_gather" if name.startswith("all_gather") else "reduce_scatter"
+
+            def counted(*args, _fn=fn, _kind=kind, **kwargs):
+                self.counts[_kind] += 1
+                return _fn(*args, **kwargs)
+            setattr(torch.distributed, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(torch.distributed, name, fn)
+
+
+def run_accumulate_unsharded(d: DistInfo, res: dict) -> None:
+    """The same update as run_full_finetune's, with parameters gathered once per pass (actor.accumulate_unsharded)."""
+    results = {}
+    for flag in (False, True):
+        w = ActorRolloutRefWorker(load_config(None, BASE + [f"actor.accumulate_unsharded={str(flag).lower()}"])
+                                  .validate(d.world_size), d)
+        batch = make_batch(w, seed=0)
+        with _CountCollectives() as c_lp:
+            lp = w.compute_log_prob(batch)["old_log_probs"]
+        with _CountCollectives() as c_up:
+            w.update_actor(local_share(batch, d))
+        results[flag] = dict(log_probs=lp, params=actor_full_params(w), log_prob_counts=c_lp.counts,
+                             update_counts=c_up.counts, unsharded_after=[
+                                 n for n, p in w.actor.model.named_parameters() if type(p).__name__ != "DTensor"])
+    res["unsharded"] = results
+
+
 def run_offload(d: DistInfo, res: dict) -> None:
     cfg = load_config(None, BASE + ["actor.param_offload=true", "actor.optimizer_offload=true", "ref.offload=true"])
     w = ActorRolloutRefWorker(cfg.validate(d.world_size), d)
@@ -314,13 +359,15 @@ def main() -> None:
     d = init_distributed(DEVICE)
     assert torch.distributed.is_initialized() and d.world_size > 1, "run me under torchrun with 2+ ranks"
     res: dict = {"world_size": d.world_size}
-    which = os.environ.get("MULTIRANK_CHECKS", "full,offload,lora,uneven").split(",")  # also: replay
+    which = os.environ.get("MULTIRANK_CHECKS", "full,offload,lora,unsharded,uneven").split(",")  # also: replay
     if "full" in which:
         run_full_finetune(d, res)
     if "offload" in which:
         run_offload(d, res)
     if "lora" in which:
         run_lora(d, res)
+    if "unsharded" in which:
+        run_accumulate_unsharded(d, res)
     if "uneven" in which:
         run_uneven_shards(d, res)
     if "replay" in which:

@@ -1,0 +1,179 @@
+"""The trainer's two passes alone: old log-probs and the PPO update, on a synthetic scored batch, per FSDP2 setting.
+
+Isolates what `benchmarks/modes.py` profiled as the largest phases (no engine, no reward): for the same batch,
+times `compute_log_prob` and `update_actor` under each configuration and reports trained tokens/s.
+
+    torchrun --standalone --nproc_per_node=1 benchmarks/update_step.py --model builtin:qwen2.5-0.5b-random
+    torchrun --standalone --nproc_per_node=2 benchmarks/update_step.py --cpu-smoke      # tiny model, plumbing only
+
+The batch follows the modes benchmark: ``--prompts`` prompts × ``--n`` samples across all ranks, prompt lengths
+uniform in [250, 450], response lengths lognormal (mean ``--resp-mean``, capped at ``--resp-cap``), random
+token ids, random advantages. Writes ``results/update_step_<device>_<model>.json`` and a bar plot beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_common import git_commit  # noqa: E402
+from hybrid_rl.config import load_config  # noqa: E402
+from hybrid_rl.data import collate_prompts  # noqa: E402
+from hybrid_rl.distributed import init_distributed  # noqa: E402
+from hybrid_rl.rollout.base import assemble_rollout  # noqa: E402
+from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker  # noqa: E402
+
+CONFIGS = {
+    "default": [],
+    "accumulate_unsharded": ["actor.accumulate_unsharded=true"],
+    "accumulate_unsharded+dynamic_bsz": ["actor.accumulate_unsharded=true", "actor.use_dynamic_bsz=true",
+                                         "actor.max_token_len_per_device=24576"],
+}
+
+
+def make_batch(worker: ActorRolloutRefWorker, prompts: int, n: int, resp_mean: float, resp_cap: int, seed: int):
+    """This rank's share of a scored rollout batch (random ids, the modes benchmark's length distribution)."""
+    d = worker.dist
+    rng = np.random.default_rng(seed + d.rank)
+    vocab = len(worker.tokenizer)
+    per_rank = prompts // d.world_size
+    items = [dict(input_ids=rng.integers(3, vocab, int(rng.integers(250, 451))).tolist(), ground_truth="0",
+                  data_source="bench", index=i) for i in range(per_rank)]
+    batch_prompts = collate_prompts(items, worker.tokenizer.pad_token_id)
+    sigma = 0.8
+    mu = np.log(resp_mean) - sigma ** 2 / 2
+    lengths = np.clip(rng.lognormal(mu, sigma, per_rank * n).round().astype(int), 1, resp_cap)
+    responses = torch.from_numpy(rng.integers(3, vocab, (per_rank * n, int(lengths.max())))).long()
+    batch = assemble_rollout(batch_prompts, responses, torch.zeros(responses.shape), n, [], worker.tokenizer.pad_token_id,
+                             response_lengths=tuple(int(x) for x in lengths))
+    batch = batch.to(worker.device)
+    mask = batch["response_mask"].float()
+    adv = torch.from_numpy(rng.standard_normal((len(batch), 1))).float().to(worker.device).expand_as(mask) * mask
+    return batch.union(tensors=dict(advantages=adv.contiguous(), weight_version=torch.zeros(len(batch), dtype=torch.long,
+                                                                                           device=worker.device)),
+                       temperature=1.0, weight_version=0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_config(name: str, overrides: list[str], args, d) -> dict:
+    cfg = load_config(str(ROOT / "recipes" / "bench_modes.yaml"), [
+        f"model.path={args.model}", f"trainer.device={args.device}", "actor.use_kl_loss=false", "trainer.logger=[jsonl]",
+        f"data.train_batch_size={args.prompts}", f"rollout.n={args.n}", f"actor.ppo_mini_batch_size={args.mini}",
+        *args.overrides, *overrides]).validate(d.world_size)
+    worker = ActorRolloutRefWorker(cfg, d, role="actor")
+    batch = make_batch(worker, args.prompts, args.n, args.resp_mean, args.resp_cap, seed=0)
+    tokens = int(batch["attention_mask"].sum()) * d.world_size  # ranks hold equal shares of the same distribution
+    runs = []
+    if worker.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(worker.device)
+    for _ in range(args.repeats + 1):  # the first is warm-up (allocator, kernels)
+        _sync(worker.device)
+        t0 = time.perf_counter()
+        scored = worker.compute_log_prob(batch)
+        _sync(worker.device)
+        t1 = time.perf_counter()
+        worker.update_actor(scored)
+        _sync(worker.device)
+        t2 = time.perf_counter()
+        runs.append({"log_prob_s": t1 - t0, "update_s": t2 - t1})
+    measured = runs[1:]
+    lp = statistics.median(r["log_prob_s"] for r in measured)
+    up = statistics.median(r["update_s"] for r in measured)
+    peak = torch.cuda.max_memory_allocated(worker.device) / 2**30 if worker.device.type == "cuda" else 0.0
+    del worker, batch, scored
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"config": name, "overrides": overrides, "log_prob_s": lp, "update_s": up, "tokens": tokens,
+            "trained_tokens_per_s": tokens / (lp + up), "peak_memory_allocated_gb": peak, "runs": runs}
+
+
+def plot(doc: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    rows = doc["configs"]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = [r["config"] for r in rows]
+    ax.barh(names, [r["log_prob_s"] for r in rows], label="old log-prob")
+    ax.barh(names, [r["update_s"] for r in rows], left=[r["log_prob_s"] for r in rows], label="update")
+    for i, r in enumerate(rows):
+        ax.text(r["log_prob_s"] + r["update_s"], i, f" {r['trained_tokens_per_s'] / 1e3:.1f}k tok/s", va="center")
+    ax.set_xlabel("seconds per batch")
+    ax.set_title(f"{doc['model']} on {doc['device']}: {doc['sequences']} sequences, {doc['tokens'] / 1e3:.0f}k tokens")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="builtin:qwen2.5-0.5b-random")
+    ap.add_argument("--prompts", type=int, default=32, help="prompts across all ranks")
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--mini", type=int, default=16, help="actor.ppo_mini_batch_size (prompts per optimizer step)")
+    ap.add_argument("--resp-mean", type=float, default=200.0)
+    ap.add_argument("--resp-cap", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU: checks the plumbing only")
+    ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every configuration")
+    args = ap.parse_args()
+    if args.cpu_smoke:
+        args.model, args.prompts, args.n, args.mini, args.resp_mean, args.resp_cap, args.device = (
+            "builtin:tiny-qwen2", 4, 2, 2, 12.0, 32, "cpu")
+        args.overrides += ["actor.ppo_micro_batch_size_per_device=2", "actor.log_prob_micro_batch_size_per_device=2",
+                           "actor.max_token_len_per_device=1024"]
+    for name in args.configs.split(","):
+        if name not in CONFIGS:
+            raise SystemExit(f"--configs: unknown configuration {name!r}; pick from {', '.join(CONFIGS)}")
+    d = init_distributed(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = (f"{torch.cuda.get_device_name(d.device).split()[-1]}x{d.world_size}" if d.device.type == "cuda"
+              else f"cpux{d.world_size}")
+    rows = []
+    for name in args.configs.split(","):
+        rows.append(run_config(name, CONFIGS[name], args, d))
+        if d.rank == 0:
+            print(json.dumps({"device": device, **{k: v for k, v in rows[-1].items() if k != "runs"}}), flush=True)
+    if d.rank == 0:
+        base = rows[0]["trained_tokens_per_s"]
+        for r in rows:
+            r["speedup_vs_first"] = r["trained_tokens_per_s"] / base
+        doc = {"bench": "update_step", "device": device, "world_size": d.world_size, "model": args.model,
+               "sequences": args.prompts * args.n, "tokens": rows[0]["tokens"], "resp_mean": args.resp_mean,
+               "resp_cap": args.resp_cap, "mini_batch_prompts": args.mini, "overrides": args.overrides,
+               "torch": torch.__version__, "commit": git_commit(ROOT), "configs": rows}
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = out / f"update_step_{device}_{args.model.split(':')[-1].split('/')[-1]}"
+        Path(f"{stem}.json").write_text(json.dumps(doc, indent=2))
+        plot(doc, Path(f"{stem}.png"))
+        print(f"wrote {stem}.json and .png", file=sys.stderr)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
