@@ -3,11 +3,11 @@
 # Expects vLLM 0.26 staged at /tmp/vs (../shared/device/README.md) and GSM8K in .devdata/. Run it from a clean export:
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean && git rev-parse HEAD > .clean/COMMIT \
 #     && cp -r .devdata .clean/      # then, on the lender (carry .clean): cd .clean && bash benchmarks/gpu_session.sh PART
-#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 ; writes $OUT/PART.tgz and $OUT/PART.log
+#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update ; writes $OUT/PART.tgz and $OUT/PART.log
 # Each part fits one 600 s device call; every piece has its own timeout and results are packed after each piece,
 # so a part cut short still returns what finished.
 set -u
-PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1}
+PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update}
 OUT=${OUT:-/tmp/gpu_out}
 RES=/tmp/res/$PART
 MODES_RES=/tmp/res/modes2  # colo2 and split2 write one modes JSON (merged by mode) when they run on one warm machine
@@ -61,6 +61,13 @@ modes1)  # the same on 1 GPU (sync, overlap colocated); the sync run is the 20-s
   CUDA_VISIBLE_DEVICES=0 timeout 520 python benchmarks/modes.py --gpus 1 --steps 20 --warmup 3 --prompts 32 --n 8 \
     --mode-timeout 250 --out "$RES" $BENCH || echo "modes x1 failed"
   ;;
+update)  # the training passes alone per FSDP2 setting (no vLLM needed), 1 then 2 GPUs
+  stamp "update_step x1"
+  CUDA_VISIBLE_DEVICES=0 timeout 200 torchrun --standalone --nproc_per_node=1 benchmarks/update_step.py --out "$RES" \
+    || echo "update_step x1 failed"
+  stamp "update_step x2"
+  timeout 200 torchrun --standalone --nproc_per_node=2 benchmarks/update_step.py --out "$RES" || echo "update_step x2 failed"
+  ;;
 checks1)  # one-GPU checks: push on 1 rank, in-engine vs standalone vLLM throughput, the GPU-marked tests
   stamp "weight_sync x1"
   CUDA_VISIBLE_DEVICES=0 timeout 50 torchrun --standalone --nproc_per_node=1 benchmarks/weight_sync.py --model qwen2.5-0.5b \
@@ -73,7 +80,7 @@ checks1)  # one-GPU checks: push on 1 rank, in-engine vs standalone vLLM through
   stamp "pytest -m gpu"
   timeout 150 python -m pytest -q -m gpu -x tests/ 2>&1 | tail -15 || echo "pytest gpu failed"
   ;;
-*) echo "unknown part $PART (colo2 | split2 | modes1 | checks1)"; exit 2 ;;
+*) echo "unknown part $PART (colo2 | split2 | modes1 | checks1 | update)"; exit 2 ;;
 esac
 stamp "done"
 kill $PACKER  # else the open output pipe keeps the device call waiting until its limit
