@@ -40,6 +40,8 @@ CONFIGS = {
     "accumulate_unsharded": ["actor.accumulate_unsharded=true"],
     "accumulate_unsharded+dynamic_bsz": ["actor.accumulate_unsharded=true", "actor.use_dynamic_bsz=true",
                                          "actor.max_token_len_per_device=24576"],
+    "accumulate_unsharded+dynamic_bsz+compile": ["actor.accumulate_unsharded=true", "actor.use_dynamic_bsz=true",
+                                                 "actor.max_token_len_per_device=24576", "actor.use_torch_compile=true"],
 }
 
 

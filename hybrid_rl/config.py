@@ -154,6 +154,9 @@ class ActorConfig:
     """Cut micro-batches by padded tokens (``max_token_len_per_device``) instead of a sequence count, in every pass."""
     max_token_len_per_device: int = 16384
     """Token budget of one micro-batch with ``use_dynamic_bsz`` (prompt + response, padded)."""
+    use_torch_compile: bool = False
+    """``torch.compile`` each decoder block's forward (dynamic shapes) in the actor: fused kernels for a loop that is
+    launch-bound (small models, many micro-batches); the first pass of each mode (train/eval) pays the compile."""
     accumulate_unsharded: bool = False
     """FSDP2: keep the parameters gathered and the gradients unreduced across the micro-batches of a pass, so a
     mini-batch costs one all-gather and one reduce-scatter per block instead of two all-gathers and one

@@ -96,6 +96,24 @@ def test_accumulate_unsharded_gathers_once_per_pass_and_matches(runs):
         assert once["unsharded_after"] == [] and base["unsharded_after"] == []
 
 
+def test_torch_compiled_blocks_match_eager(tiny_model_path, tmp_path):
+    """actor.use_torch_compile under FSDP2 on 2 ranks: every decoder block compiled, the same log-probs before and
+    after one update, and the same parameters after it up to rounding (compiled kernels sum in another order, and
+    Adam turns the tiny gradients of zero-initialised biases into full steps)."""
+    _run(TORCHRUN + [str(CHECKS), str(tmp_path)], timeout=600, MULTIRANK_CHECKS="compile")
+    for r in range(2):
+        res = _load(tmp_path / f"rank{r}.pt")["compile"]
+        eager, compiled = res[False], res[True]
+        assert eager["compiled"] == [] and len(compiled["compiled"]) == 2  # the tiny model's 2 decoder blocks
+        assert (compiled["log_probs"] - eager["log_probs"]).abs().max().item() < 1e-5
+        assert (compiled["log_probs_after"] - eager["log_probs_after"]).abs().max().item() < 1e-5
+        assert (compiled["log_probs_after"] - compiled["log_probs"]).abs().max().item() > 1e-4  # the update moved it
+        for name, want in eager["params"].items():  # rounding only: fused kernels change the summation order
+            got = compiled["params"][name]
+            assert ((got - want).norm() / want.norm()).item() < 5e-5, name
+            assert (got - want).abs().max().item() < 1e-2 * 1e-3, name  # a hundredth of one Adam step (lr 1e-3)
+
+
 # --------------------------------------------------------------------------- the push
 def test_engine_weights_equal_gathered_actor_bit_for_bit(runs):
     for res in runs["ranks"]:
@@ -238,9 +256,11 @@ def test_gpu_two_rank_push_lora_offload(tiny_model_path, tmp_path):
 
 
 def test_update_step_benchmark_cpu_smoke(tmp_path):
-    proc = _run(TORCHRUN + ["benchmarks/update_step.py", "--cpu-smoke", "--out", str(tmp_path)])
+    configs = ["default", "accumulate_unsharded", "accumulate_unsharded+dynamic_bsz"]  # compile: its own test
+    proc = _run(TORCHRUN + ["benchmarks/update_step.py", "--cpu-smoke", "--configs", ",".join(configs),
+                            "--out", str(tmp_path)])
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [r["config"] for r in rows] == ["default", "accumulate_unsharded", "accumulate_unsharded+dynamic_bsz"]
+    assert [r["config"] for r in rows] == configs
     doc = json.loads((tmp_path / "update_step_cpux2_tiny-qwen2.json").read_text())
     assert doc["world_size"] == 2 and doc["configs"][0]["speedup_vs_first"] == 1.0
     assert all(r["log_prob_s"] > 0 and r["update_s"] > 0 and r["tokens"] > 0 for r in doc["configs"])

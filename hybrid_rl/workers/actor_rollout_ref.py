@@ -85,7 +85,8 @@ class ActorRolloutRefWorker:
                 model = apply_lora(model, mcfg.lora.rank, mcfg.lora.alpha, mcfg.lora.target_modules, mcfg.lora.dropout)
             self.actor = TrainingEngine(model, self.device, self.dtype, trainable=True,
                                         gradient_checkpointing=mcfg.enable_gradient_checkpointing,
-                                        accumulate_unsharded=cfg.actor.accumulate_unsharded)
+                                        accumulate_unsharded=cfg.actor.accumulate_unsharded,
+                                        compile_blocks=cfg.actor.use_torch_compile)
             a = cfg.actor
             updates_per_step = a.ppo_epochs * (cfg.data.train_batch_size // a.ppo_mini_batch_size)
             self.actor.configure_optimizer(a.lr, (a.betas[0], a.betas[1]), a.weight_decay, a.warmup_steps,

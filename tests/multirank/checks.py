@@ -200,6 +200,21 @@ def run_accumulate_unsharded(d: DistInfo, res: dict) -> None:
     res["unsharded"] = results
 
 
+def run_compile(d: DistInfo, res: dict) -> None:
+    """The same log-probs and update with the actor's decoder blocks under torch.compile (actor.use_torch_compile)."""
+    results = {}
+    for flag in (False, True):
+        w = ActorRolloutRefWorker(load_config(None, BASE + [f"actor.use_torch_compile={str(flag).lower()}"])
+                                  .validate(d.world_size), d)
+        batch = make_batch(w, seed=0)
+        lp = w.compute_log_prob(batch)["old_log_probs"]
+        w.update_actor(local_share(batch, d))
+        lp_after = w.compute_log_prob(batch)["old_log_probs"]
+        compiled = [type(m).__name__ for m in w.actor.model.modules() if "forward" in vars(m)]  # set on the instance
+        results[flag] = dict(log_probs=lp, log_probs_after=lp_after, params=actor_full_params(w), compiled=compiled)
+    res["compile"] = results
+
+
 def run_offload(d: DistInfo, res: dict) -> None:
     cfg = load_config(None, BASE + ["actor.param_offload=true", "actor.optimizer_offload=true", "ref.offload=true"])
     w = ActorRolloutRefWorker(cfg.validate(d.world_size), d)
@@ -366,6 +381,8 @@ def main() -> None:
         run_offload(d, res)
     if "lora" in which:
         run_lora(d, res)
+    if "compile" in which:  # not in the default set: compiling takes ~a minute on CPU
+        run_compile(d, res)
     if "unsharded" in which:
         run_accumulate_unsharded(d, res)
     if "uneven" in which:
