@@ -80,6 +80,20 @@ def test_split_one_rollout_two_trainer_ranks(tiny_model_path, tmp_path):
     assert rows[-1]["perf/tokens_per_s"] * rows[-1]["timing/step"] >= 16 * 16 * 5
 
 
+def test_split_two_rollout_two_trainer_ranks(tiny_model_path, tmp_path):
+    """Four ranks, 2 + 2: batches from two rollout ranks are joined and re-cut for two trainer ranks, and the
+    weights go from the first trainer rank to both rollout ranks (nothing assumes one rank per side)."""
+    _run(_torchrun(4) + COMMON + ["trainer.total_steps=3", "trainer.mode=overlap", "trainer.placement=split",
+                                 "trainer.rollout_ranks=2", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8",
+                                 "actor.ppo_micro_batch_size_per_device=32",
+                                 f"trainer.output_dir={tmp_path}"], timeout=400)
+    rows = _metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["rollout/weight_version"] for r in rows] == [0, 0, 1]
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows) and rows[-1]["rollout/staleness_max"] == 1
+    assert rows[-1]["perf/tokens_per_s"] * rows[-1]["timing/step"] >= 16 * 16 * 5  # the whole global batch trained
+
+
 def test_pad_widths_inverts_trim_padding():
     torch.manual_seed(0)
     b, p, r = 4, 5, 6
