@@ -61,12 +61,17 @@ modes1)  # the same on 1 GPU (sync, overlap colocated); the sync run is the 20-s
   CUDA_VISIBLE_DEVICES=0 timeout 520 python benchmarks/modes.py --gpus 1 --steps 20 --warmup 3 --prompts 32 --n 8 \
     --mode-timeout 250 --out "$RES" $BENCH || echo "modes x1 failed"
   ;;
-update)  # the training passes alone per FSDP2 setting (no vLLM needed), 1 then 2 GPUs
+update)  # no vLLM needed: the training passes alone per FSDP2 setting (1 then 2 GPUs), then a profiled push
   stamp "update_step x1"
   CUDA_VISIBLE_DEVICES=0 timeout 280 torchrun --standalone --nproc_per_node=1 benchmarks/update_step.py --out "$RES" \
     || echo "update_step x1 failed"
   stamp "update_step x2"
   timeout 280 torchrun --standalone --nproc_per_node=2 benchmarks/update_step.py --out "$RES" || echo "update_step x2 failed"
+  stamp "weight_sync 0.5b profiled, x2 then x1 (where the push's fixed ~4.5 ms goes)"
+  timeout 70 torchrun --standalone --nproc_per_node=2 benchmarks/weight_sync.py --model qwen2.5-0.5b --switches 50 \
+    --profile 5 --out-dir "$RES" || echo "weight_sync x2 profile failed"
+  CUDA_VISIBLE_DEVICES=0 timeout 50 torchrun --standalone --nproc_per_node=1 benchmarks/weight_sync.py --model qwen2.5-0.5b \
+    --switches 50 --profile 5 --out-dir "$RES" || echo "weight_sync x1 profile failed"
   ;;
 checks1)  # one-GPU checks: push on 1 rank, in-engine vs standalone vLLM throughput, the GPU-marked tests
   stamp "weight_sync x1"

@@ -190,6 +190,24 @@ def _drain(actor: TrainingEngine, dtype: torch.dtype, bucket_bytes: int) -> None
         del bucket
 
 
+def _profile_switches(switch, n: int, device: torch.device, path: Path) -> None:
+    """``n`` switches under torch.profiler; the op tables (by device time and by host time) go to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(n):
+            dist.barrier()
+            switch()
+    table = prof.key_averages()
+    parts = [f"{n} pushes under torch.profiler on {device}"]
+    if device.type == "cuda":
+        parts.append(table.table(sort_by="cuda_time_total", row_limit=25))
+    parts.append(table.table(sort_by="cpu_time_total", row_limit=40))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(parts) + "\n")
+
+
 # --------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -211,6 +229,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--param-offload", action="store_true")
     ap.add_argument("--optimizer-offload", action="store_true")
     ap.add_argument("--no-verify", action="store_true", help="skip the bit-for-bit check of the engine after the last push")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the timed switches, run N more under torch.profiler and write its tables per rank "
+                         "(weight_sync_<device>_<model>_profile_rank<r>.txt): where a push's time goes")
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
 
@@ -299,6 +320,8 @@ def main(argv: list[str] | None = None) -> dict:
         verified = _max_over_ranks(float(bad), device) == 0
 
     tag, device_name = _device_tag(device, world)
+    if args.profile:
+        _profile_switches(switch, args.profile, device, Path(args.out_dir) / f"weight_sync_{tag}_{args.model}_profile_rank{rank}.txt")
     sync_s = statistics.median(sync_times)
     record = {
         "bench": "weight_sync", "model": args.model, "params": numel, "bytes": nbytes, "dtype": str(dtype).replace("torch.", ""),
