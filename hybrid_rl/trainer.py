@@ -13,9 +13,8 @@ torch.distributed is the engine) and partial rollouts carried across steps
 
 from __future__ import annotations
 
-import faulthandler
 import random
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +32,7 @@ from hybrid_rl.pipeline import RolloutPipeline
 from hybrid_rl.rewards import get_reward_fn
 from hybrid_rl.scoring import compute_scores
 from hybrid_rl.tracking import Timer, Tracker
+from hybrid_rl.watchdog import StallWatchdog
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 
 
@@ -332,16 +332,11 @@ class Trainer:
         """``trainer.profile_steps``: this step under torch.profiler, summarised per rank (where the time goes);
         ``trainer.stall_dump_s``: stacks of every thread if the step takes longer."""
         stall = self.cfg.trainer.stall_dump_s
-        if stall > 0:
-            faulthandler.dump_traceback_later(stall, repeat=True)
-        try:
+        with StallWatchdog(stall, label=f"step {step}") if stall > 0 else nullcontext():
             if step not in self.cfg.trainer.profile_steps:
                 yield
                 return
             yield from self._profile(step)
-        finally:
-            if stall > 0:
-                faulthandler.cancel_dump_traceback_later()
 
     def _profile(self, step: int):
         from torch.profiler import ProfilerActivity, profile

@@ -23,3 +23,22 @@ def test_profile_table_and_stall_dump(tiny_model_path, tmp_path):
     assert not (tmp_path / "profile" / "step_1_rank0.txt").exists()
     # a step longer than 0.05 s dumped the stacks, including the driver's own frame
     assert "Thread 0x" in proc.stderr and "trainer.py" in proc.stderr
+
+
+def test_stall_watchdog_dumps_every_thread_while_the_block_runs_long():
+    import io
+    import time
+
+    from hybrid_rl.watchdog import StallWatchdog
+
+    out = io.StringIO()
+    with StallWatchdog(0.1, label="step 7", stream=out) as dog:
+        time.sleep(0.45)
+    text = out.getvalue()
+    assert 2 <= dog.dumps <= 5 and text.count("still running") == dog.dumps
+    assert "step 7" in text and "Thread 0x" in text and "MainThread" in text
+    assert "test_stall_watchdog_dumps_every_thread_while_the_block_runs_long" in text  # the main thread's own frame
+    quiet = io.StringIO()
+    with StallWatchdog(5.0, stream=quiet) as dog:  # a block that ends in time says nothing, and exits at once
+        pass
+    assert dog.dumps == 0 and quiet.getvalue() == ""

@@ -1,0 +1,60 @@
+"""``trainer.stall_dump_s``: print every thread's Python stack while a step runs longer than it should.
+
+A plain Python thread that formats ``sys._current_frames()`` while holding the GIL. ``faulthandler``'s
+``dump_traceback_later`` was used first: its C watchdog reads the other threads' frames without the GIL and crashed
+a busy process (SIGSEGV inside the profiler's export, seen in CI). The price: a step stuck in C++ code that keeps
+the GIL silences this watchdog; the stalls it is for (collectives, CUDA waits, vLLM's engine loop) release it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import traceback
+from typing import TextIO
+
+
+class StallWatchdog:
+    """Context manager: every ``after_s`` seconds until the block ends, write all threads' stacks to ``stream``."""
+
+    def __init__(self, after_s: float, label: str = "step", stream: TextIO | None = None):
+        if after_s <= 0:
+            raise ValueError(f"StallWatchdog needs after_s > 0, got {after_s}")
+        self.after_s = after_s
+        self.label = label
+        self.stream = stream
+        self.dumps = 0
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._start = 0.0
+
+    def __enter__(self) -> "StallWatchdog":
+        self._start = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="hybrid_rl-stall-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._done.wait(self.after_s):
+            self.dump()
+
+    def dump(self) -> None:
+        names = {t.ident: t.name for t in threading.enumerate()}
+        me = threading.get_ident()
+        elapsed = time.perf_counter() - self._start
+        lines = [f"hybrid_rl: {self.label} still running after {elapsed:.1f} s; every thread's stack:"]
+        for ident, frame in sys._current_frames().items():
+            if ident == me:
+                continue
+            lines.append(f"Thread 0x{ident:016x} ({names.get(ident, '?')}) (most recent call last):")
+            lines.extend(line.rstrip("\n") for line in traceback.format_stack(frame))
+        stream = self.stream or sys.stderr
+        stream.write("\n".join(lines) + "\n")
+        stream.flush()
+        self.dumps += 1
