@@ -3,11 +3,11 @@
 # Expects vLLM 0.26 staged at /tmp/vs (../shared/device/README.md) and GSM8K in .devdata/. Run it from a clean export:
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean && git rev-parse HEAD > .clean/COMMIT \
 #     && cp -r .devdata .clean/      # then, on the lender (carry .clean): cd .clean && bash benchmarks/gpu_session.sh PART
-#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update ; writes $OUT/PART.tgz and $OUT/PART.log
+#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 ; writes $OUT/PART.tgz and $OUT/PART.log
 # Each part fits one 600 s device call; every piece has its own timeout and results are packed after each piece,
 # so a part cut short still returns what finished.
 set -u
-PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update}
+PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2}
 OUT=${OUT:-/tmp/gpu_out}
 RES=/tmp/res/$PART
 MODES_RES=/tmp/res/modes2  # colo2 and split2 write one modes JSON (merged by mode) when they run on one warm machine
@@ -56,6 +56,13 @@ split2)  # overlap with split placement (1 rollout + 1 trainer GPU), merged into
     rollout.name=hf data.max_response_length=128 rollout.forced_lengths=lognormal:64:0.8 data.train_batch_size=16 \
     trainer.total_steps=4 trainer.logger=[jsonl] trainer.output_dir=$RES/train_hf_x2" || echo "make train hf x2 failed"
   ;;
+tuned2)  # after 'update' on the same machine: the three modes on 2 GPUs with the fastest update_step configuration
+  BEST=$(ls /tmp/res/update/update_step_*x2_*.json 2>/dev/null | head -1)
+  TUNED=$([ -n "$BEST" ] && python benchmarks/update_step.py --best-of "$BEST")
+  stamp "modes x2 tuned: ${TUNED:-no update_step result, defaults}"
+  timeout 560 python benchmarks/modes.py --gpus 2 --steps 20 --warmup 3 --prompts 32 --n 8 --mode-timeout 180 \
+    --tag _tuned --out "$MODES_RES" $BENCH $TUNED trainer.stall_dump_s=60 || echo "modes x2 tuned failed"
+  ;;
 modes1)  # the same on 1 GPU (sync, overlap colocated); the sync run is the 20-step vLLM training run on 1 GPU
   stamp "modes x1"
   CUDA_VISIBLE_DEVICES=0 timeout 520 python benchmarks/modes.py --gpus 1 --steps 20 --warmup 3 --prompts 32 --n 8 \
@@ -87,7 +94,7 @@ checks1)  # one-GPU checks: push on 1 rank, in-engine vs standalone vLLM through
   timeout 150 python -m pytest -q -m gpu tests/test_vllm_gpu.py tests/test_multirank.py tests/test_checkpoint.py 2>&1 \
     | tail -15 || echo "pytest gpu failed"
   ;;
-*) echo "unknown part $PART (colo2 | split2 | modes1 | checks1 | update)"; exit 2 ;;
+*) echo "unknown part $PART (colo2 | split2 | modes1 | checks1 | update | tuned2)"; exit 2 ;;
 esac
 stamp "done"
 kill $PACKER  # else the open output pipe keeps the device call waiting until its limit

@@ -209,6 +209,7 @@ def main() -> None:
     ap.add_argument("--from-runs", action="store_true",
                     help="do not run: rebuild the JSON/PNG from the run directories already under --out (e.g. a run whose "
                          "teardown was cut off after every step was logged); GPU busy fraction is kept from the old JSON")
+    ap.add_argument("--tag", default="", help="suffix for the result files, e.g. _tuned for a run with other overrides")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every mode")
     args = ap.parse_args()
     if args.cpu_smoke:
@@ -229,9 +230,9 @@ def main() -> None:
         modes = [m for m in modes if m[0] in wanted]
     if args.from_runs:
         device = args.device or device
-    stem = out_dir / f"modes_{device}_{model_tag}"
+    stem = out_dir / f"modes_{device}_{model_tag}{args.tag}"
     if args.from_runs:
-        rebuild(modes, args, device, stem, out_dir / f"modes_{device}_{model_tag}_runs")
+        rebuild(modes, args, device, stem, out_dir / f"modes_{device}_{model_tag}{args.tag}_runs")
         return
     # a subset run (--modes) keeps the other modes' figures already in the JSON, so modes can run in separate calls
     kept = []
@@ -239,7 +240,7 @@ def main() -> None:
         kept = [m for m in json.loads(Path(f"{stem}.json").read_text())["modes"] if m["mode"] not in args.modes.split(",")]
     results = []
     for name, overrides in modes:
-        results.append(run_mode(name, overrides, args, out_dir / f"modes_{device}_{model_tag}_runs"))
+        results.append(run_mode(name, overrides, args, out_dir / f"modes_{device}_{model_tag}{args.tag}_runs"))
         write_results(_in_order(kept + results), args, device, stem)
         print(json.dumps({"device": device, "commit": commit(), "model": args.model, **results[-1]}), flush=True)
     print(f"wrote {stem}.json and .png", file=sys.stderr)

@@ -128,6 +128,12 @@ def plot(doc: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def best_overrides(path: str) -> list[str]:
+    """The overrides of the fastest configuration in an update_step JSON (for a follow-up modes run)."""
+    doc = json.loads(Path(path).read_text())
+    return max(doc["configs"], key=lambda r: r["trained_tokens_per_s"])["overrides"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="builtin:qwen2.5-0.5b-random")
@@ -141,8 +147,12 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU: checks the plumbing only")
+    ap.add_argument("--best-of", metavar="JSON", help="print the fastest configuration's overrides in JSON and exit")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every configuration")
     args = ap.parse_args()
+    if args.best_of:
+        print(" ".join(best_overrides(args.best_of)))
+        return
     if args.cpu_smoke:
         args.model, args.prompts, args.n, args.mini, args.resp_mean, args.resp_cap, args.device = (
             "builtin:tiny-qwen2", 4, 2, 2, 12.0, 32, "cpu")
