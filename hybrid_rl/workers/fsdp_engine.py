@@ -398,7 +398,9 @@ class TrainingEngine:
         group = dp_group()
         mesh = (DeviceMesh.from_group(group, self.device.type) if group is not None
                 else init_device_mesh(self.device.type, (dist.get_world_size(),)))
-        kwargs: dict = {"mesh": mesh, "reshard_after_forward": not self.accumulate_unsharded}
+        kwargs: dict = {"mesh": mesh}
+        if self.accumulate_unsharded:  # otherwise torch's default (the root is not resharded after forward)
+            kwargs["reshard_after_forward"] = False
         if mp is not None:
             kwargs["mp_policy"] = mp
         layer_classes = _decoder_layer_classes(model)

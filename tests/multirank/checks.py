@@ -183,13 +183,17 @@ class _CountCollectives:
             setattr(torch.distributed, name, fn)
 
 
+def _off_and_on(d: DistInfo, key: str):
+    """(flag, a fresh worker with ``key`` set to it, its batch) for the flag off and then on."""
+    for flag in (False, True):
+        w = ActorRolloutRefWorker(load_config(None, BASE + [f"{key}={str(flag).lower()}"]).validate(d.world_size), d)
+        yield flag, w, make_batch(w, seed=0)
+
+
 def run_accumulate_unsharded(d: DistInfo, res: dict) -> None:
     """The same update as run_full_finetune's, with parameters gathered once per pass (actor.accumulate_unsharded)."""
     results = {}
-    for flag in (False, True):
-        w = ActorRolloutRefWorker(load_config(None, BASE + [f"actor.accumulate_unsharded={str(flag).lower()}"])
-                                  .validate(d.world_size), d)
-        batch = make_batch(w, seed=0)
+    for flag, w, batch in _off_and_on(d, "actor.accumulate_unsharded"):
         with _CountCollectives() as c_lp:
             lp = w.compute_log_prob(batch)["old_log_probs"]
         with _CountCollectives() as c_up:
@@ -203,10 +207,7 @@ def run_accumulate_unsharded(d: DistInfo, res: dict) -> None:
 def run_compile(d: DistInfo, res: dict) -> None:
     """The same log-probs and update with the actor's decoder blocks under torch.compile (actor.use_torch_compile)."""
     results = {}
-    for flag in (False, True):
-        w = ActorRolloutRefWorker(load_config(None, BASE + [f"actor.use_torch_compile={str(flag).lower()}"])
-                                  .validate(d.world_size), d)
-        batch = make_batch(w, seed=0)
+    for flag, w, batch in _off_and_on(d, "actor.use_torch_compile"):
         lp = w.compute_log_prob(batch)["old_log_probs"]
         w.update_actor(local_share(batch, d))
         lp_after = w.compute_log_prob(batch)["old_log_probs"]
