@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,3 +28,9 @@ def git_commit(root: Path = ROOT) -> str:
         return (root / "COMMIT").read_text().strip()[:12]
     except OSError:
         return "unknown"
+
+
+def gpu_short_name(name: str) -> str:
+    """``NVIDIA H100 80GB HBM3`` → ``H100``: the part of a GPU's name the result files are tagged with."""
+    m = re.search(r"(GH200|H100|H200|H20|A100|A10G|L40S|L4|B200|MI300X)", name)
+    return m.group(1) if m else re.sub(r"[^A-Za-z0-9]", "", name)[:16]

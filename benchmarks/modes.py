@@ -46,8 +46,10 @@ def device_name(gpus: int) -> str:
         out = []
     if not out:
         return "CPU"
-    name = "H200" if "H200" in out[0] else "H100" if "H100" in out[0] else out[0].split()[-1]
-    return f"{name}x{gpus}"
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_common import gpu_short_name
+
+    return f"{gpu_short_name(out[0])}x{gpus}"
 
 
 def commit() -> str:

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import git_commit  # noqa: E402
+from bench_common import git_commit, gpu_short_name  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
 from hybrid_rl.data import collate_prompts  # noqa: E402
 from hybrid_rl.distributed import init_distributed  # noqa: E402
@@ -162,7 +162,7 @@ def main() -> None:
         if name not in CONFIGS:
             raise SystemExit(f"--configs: unknown configuration {name!r}; pick from {', '.join(CONFIGS)}")
     d = init_distributed(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    device = (f"{torch.cuda.get_device_name(d.device).split()[-1]}x{d.world_size}" if d.device.type == "cuda"
+    device = (f"{gpu_short_name(torch.cuda.get_device_name(d.device))}x{d.world_size}" if d.device.type == "cuda"
               else f"cpux{d.world_size}")
     rows = []
     for name in args.configs.split(","):

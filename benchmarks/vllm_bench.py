@@ -51,7 +51,6 @@ import dataclasses
 import gc
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -66,6 +65,9 @@ import torch.distributed as tdist  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_common import git_commit, gpu_short_name  # noqa: E402
 
 from hybrid_rl.batch import Batch  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
@@ -85,23 +87,11 @@ TARGET = 0.95  # issue 4: in-engine throughput >= 95% of standalone
 
 # --------------------------------------------------------------------------- bookkeeping
 def device_tag(world: int) -> str:
-    name = torch.cuda.get_device_name(0)
-    m = re.search(r"(H100|H200|H20|A100|A10G|L40S|L4|B200|GH200|MI300X)", name)
-    short = m.group(1) if m else re.sub(r"[^A-Za-z0-9]", "", name)[:16]
-    return f"{short}x{world}"
+    return f"{gpu_short_name(torch.cuda.get_device_name(0))}x{world}"
 
 
 def commit() -> str:
-    if os.environ.get("HYBRID_RL_COMMIT"):
-        return os.environ["HYBRID_RL_COMMIT"]
-    head = ROOT / ".git" / "HEAD"
-    try:  # read the ref without running git
-        ref = head.read_text().strip()
-        if ref.startswith("ref: "):
-            return (ROOT / ".git" / ref[5:]).read_text().strip()
-        return ref
-    except OSError:
-        return "unknown"
+    return os.environ.get("HYBRID_RL_COMMIT") or git_commit(ROOT)
 
 
 def free_mem() -> int:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import socket
 import statistics
 import sys
@@ -49,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import git_commit  # noqa: E402
+from bench_common import git_commit, gpu_short_name  # noqa: E402
 
 from hybrid_rl.models import RANDOM_ARCHS, TINY_CONFIG  # noqa: E402
 from hybrid_rl.rollout.base import RolloutEngine  # noqa: E402
@@ -154,8 +153,7 @@ def _device_tag(device: torch.device, world: int) -> tuple[str, str]:
     if device.type != "cuda":
         return f"cpux{world}", "cpu"
     name = torch.cuda.get_device_name(device)
-    m = re.search(r"(H100|H200|H20|A100|A10G|L40S|L4|B200|GH200|MI300X)", name)
-    return f"{m.group(1) if m else re.sub(r'[^A-Za-z0-9]', '', name)[:16]}x{world}", name
+    return f"{gpu_short_name(name)}x{world}", name
 
 
 def measure_bound(nbytes: int, dtype: torch.dtype, device: torch.device, world: int, repeats: int) -> dict:
