@@ -108,8 +108,9 @@ def record_pushes(worker) -> list[tuple[str, torch.dtype]]:
 
 
 def engine_mismatches(worker, expected: dict[str, torch.Tensor]) -> list[str]:
-    engine = dict(worker.rollout.named_weights())
-    bad = [n for n, t in expected.items() if n not in engine or not torch.equal(engine[n], t)]
+    # compared on the host: outside rollout_mode a sleeping engine may hold its weights there
+    engine = {n: t.cpu() for n, t in worker.rollout.named_weights()}
+    bad = [n for n, t in expected.items() if n not in engine or not torch.equal(engine[n], t.cpu())]
     return bad + [n for n in engine if n not in expected]
 
 
