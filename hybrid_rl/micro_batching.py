@@ -5,7 +5,7 @@ A rollout batch is padded to its longest prompt (left) and longest response
 one. ``trim_padding`` cuts every micro-batch down to its own longest prompt and
 response (positions are explicit, so nothing else changes). With a token
 budget (``actor.use_dynamic_bsz``), sequences are packed longest-first into
-micro-batches whose padded size stays near ``max_tokens``; every rank uses the
+micro-batches whose padded size stays within ``max_tokens``; every rank uses the
 same number of micro-batches (the maximum over ranks), because each FSDP2
 forward is a collective. Loss normalisation by the mini-batch's global counts
 (in the worker) makes the result independent of how sequences are grouped.
@@ -85,43 +85,58 @@ def _lengths(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
     return both[0], both[1]
 
 
-def _greedy_count(p_len: np.ndarray, r_len: np.ndarray, max_tokens: int) -> int:
-    """How many micro-batches longest-first packing needs so that count × (max prompt + max response) ≤ budget."""
-    count, size, mp, mr = 0, 0, 0, 0
-    for i in np.argsort(-(p_len + r_len), kind="stable"):
+def _padded(rows: list[int], p_len: np.ndarray, r_len: np.ndarray) -> int:
+    """Tokens of a micro-batch after ``trim_padding``: rows × (longest prompt + longest response)."""
+    return len(rows) * int(p_len[rows].max() + r_len[rows].max())
+
+
+def _pack_by_length(order: np.ndarray, p_len: np.ndarray, r_len: np.ndarray, max_tokens: int) -> list[list[int]]:
+    """Consecutive runs of ``order`` (longest first) whose padded size stays within ``max_tokens``.
+
+    Rows of similar length share a bin, so the padding each bin pays is small; a row longer than the
+    budget goes alone.
+    """
+    bins: list[list[int]] = []
+    mp = mr = 0
+    for i in order:
         np_, nr = max(mp, p_len[i]), max(mr, r_len[i])
-        if size and (size + 1) * (np_ + nr) > max_tokens:
-            count, size, np_, nr = count + 1, 0, p_len[i], r_len[i]
-        size, mp, mr = size + 1, np_, nr
-    return count + (1 if size else 0)
+        if not bins or (len(bins[-1]) + 1) * (np_ + nr) > max_tokens:
+            bins.append([])
+            np_, nr = p_len[i], r_len[i]
+        bins[-1].append(int(i))
+        mp, mr = np_, nr
+    return bins
 
 
 def plan_micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = None,
                        lengths: tuple[np.ndarray, np.ndarray] | None = None) -> list[np.ndarray]:
-    """Row indices of each micro-batch: chunks of ``max_seqs`` rows of similar length, or token-balanced bins.
+    """Row indices of each micro-batch: chunks of ``max_seqs`` rows of similar length, or bins within a token budget.
 
     Fixed-size chunks take the rows in order of length, so each micro-batch is trimmed to lengths close to
     its own rows' (with long-tailed responses, a random chunk of 16 pads to nearly the longest response of
     the batch: about twice the tokens). The chunk count is unchanged (``ceil(n / max_seqs)``), so every rank
     runs the same number of forwards, and the loss uses the mini-batch's global denominators, so grouping
     changes nothing but rounding.
+
+    With a token budget, rows are packed longest-first into consecutive bins whose padded size (what the
+    forward really computes, since sequences are padded, not packed) stays within ``max_tokens``. A rank that
+    needs fewer bins than the busiest rank splits its largest bins in half until the counts match, which only
+    shrinks them. (Balancing real tokens across bins instead, as verl does for padding-free packed sequences,
+    would put one long row in every bin and pad each to it: about twice the budget.)
     """
     n = len(batch)
     p_len, r_len = lengths if lengths is not None else _lengths(batch)
+    order = np.argsort(-(p_len + r_len), kind="stable")
     if max_tokens is None:
-        order = np.argsort(-(p_len + r_len), kind="stable")
         return [np.sort(order[s:s + max_seqs]) for s in range(0, n, max_seqs)]
-    k = torch.tensor(_greedy_count(p_len, r_len, max_tokens))
+    bins = _pack_by_length(order, p_len, r_len, max_tokens)
+    k = torch.tensor(len(bins))
     all_reduce_max(k)  # same number of FSDP forwards on every rank
-    k = min(int(k), n)
-    # longest-processing-time: each sequence to the bin with the fewest tokens so far
-    bins: list[list[int]] = [[] for _ in range(k)]
-    load = np.zeros(k)
-    for i in np.argsort(-(p_len + r_len), kind="stable"):
-        j = int(np.argmin(load))
-        bins[j].append(int(i))
-        load[j] += p_len[i] + r_len[i]
-    return [np.array(sorted(b)) for b in bins if b]
+    while len(bins) < min(int(k), n):
+        j = max((b for b in range(len(bins)) if len(bins[b]) > 1), key=lambda b: _padded(bins[b], p_len, r_len))
+        half = len(bins[j]) // 2
+        bins[j:j + 1] = [bins[j][:half], bins[j][half:]]
+    return [np.array(sorted(b)) for b in bins]
 
 
 def micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = None) -> list[tuple[np.ndarray, Batch]]:
