@@ -164,7 +164,15 @@ def resolve_model_path(path: str) -> str:
         raise ModelLoadError(f"model.path: unknown built-in model {name!r}; choose one of {[BUILTIN_PREFIX + k for k in known]}")
     out = cache_dir() / name
     if not (out / "config.json").exists():
-        build_tiny_model(out, arch=name)
+        import fcntl
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # one process builds while the other ranks wait, then find it complete (on a fresh 2-GPU machine both
+        # ranks of a torchrun building at once once read a config.json without model_type, despite the rename)
+        with open(out.parent / f".{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (out / "config.json").exists():
+                build_tiny_model(out, arch=name)
     return str(out)
 
 
