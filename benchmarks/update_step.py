@@ -36,8 +36,9 @@ from hybrid_rl.rollout.base import assemble_rollout  # noqa: E402
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker  # noqa: E402
 
 CONFIGS = {
-    "default": [],
+    "default": ["actor.accumulate_unsharded=false"],  # explicit: recipes/bench_modes.yaml turns it on
     "accumulate_unsharded": ["actor.accumulate_unsharded=true"],
+    "accumulate_unsharded+compile": ["actor.accumulate_unsharded=true", "actor.use_torch_compile=true"],
     "accumulate_unsharded+dynamic_bsz": ["actor.accumulate_unsharded=true", "actor.use_dynamic_bsz=true",
                                          "actor.max_token_len_per_device=24576"],
     "accumulate_unsharded+dynamic_bsz+compile": ["actor.accumulate_unsharded=true", "actor.use_dynamic_bsz=true",
