@@ -239,13 +239,17 @@ def test_trim_padding_and_token_budget_plan(worker):
         assert micro["input_ids"].numel() <= budget  # padded tokens: what the forward computes
 
 
-def test_dynamic_batch_size_gives_the_same_update_and_log_probs(tiny_model_path):
+@pytest.mark.parametrize("knob", ["actor.use_dynamic_bsz", "model.enable_gradient_checkpointing"])
+def test_training_knobs_give_the_same_update_and_log_probs(tiny_model_path, knob):
+    """Token-budget micro-batches and activation checkpointing change how the update is computed, not its result."""
     results = []
-    for dyn in ("false", "true"):
+    for flag in ("false", "true"):
         torch.manual_seed(0)
-        cfg = make_cfg(f"actor.use_dynamic_bsz={dyn}", "actor.max_token_len_per_device=600", "data.max_prompt_length=64",
+        cfg = make_cfg(f"{knob}={flag}", "actor.max_token_len_per_device=600", "data.max_prompt_length=64",
                        "data.max_response_length=6", "actor.ppo_micro_batch_size_per_device=16")
         w = ActorRolloutRefWorker(cfg, cpu_dist())
+        if knob == "model.enable_gradient_checkpointing":
+            assert w.actor.model.is_gradient_checkpointing == (flag == "true")
         if not results:
             base = _rollout(w)
         batch = w.compute_log_prob(base)

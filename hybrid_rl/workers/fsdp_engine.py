@@ -348,7 +348,10 @@ class TrainingEngine:
         self.trainable = trainable
         self.fsdp = dist.is_initialized()
         if gradient_checkpointing and trainable:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x: the old name is deprecated
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if hasattr(model, "enable_input_require_grads"):
                 model.enable_input_require_grads()
         if not trainable:
