@@ -92,7 +92,7 @@ checks1)  # one-GPU checks: push on 1 rank, in-engine vs standalone vLLM through
     --repeats 2 --out "$RES" || echo "vllm_bench failed"
   stamp "pytest -m gpu"
   # no -x, vLLM module first: one failing module must not hide the others
-  timeout 150 python -m pytest -q -m gpu tests/test_vllm_gpu.py tests/test_multirank.py tests/test_checkpoint.py 2>&1 \
+  timeout 150 python -m pytest -q -m gpu tests/test_vllm_gpu.py tests/test_multirank.py tests/test_checkpoint.py tests/test_data.py 2>&1 \
     | tail -15 || echo "pytest gpu failed"
   ;;
 *) echo "unknown part $PART (colo2 | split2 | modes1 | checks1 | update | tuned2)"; exit 2 ;;

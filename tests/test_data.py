@@ -263,3 +263,23 @@ def test_batch_index_consecutive_rows_is_a_view_and_equals_the_gather():
     assert gathered.tensors["x"].tolist() == [[14, 15], [4, 5], [4, 5]] and list(gathered.non_tensors["s"]) == ["7", "2", "2"]
     assert as_slice(np.array([2, 3, 4])) == slice(2, 5) and as_slice(np.array([2, 4])) is None
     assert as_slice(np.array([], dtype=np.int64)) is None and len(b.index(np.array([], dtype=np.int64))) == 0
+
+
+@pytest.mark.gpu
+def test_batch_moves_to_the_gpu_through_pinned_memory_without_blocking():
+    """Host → GPU moves and gathers of a host batch land the same values as plain copies (pinned, non-blocking)."""
+    import numpy as np
+    import torch
+
+    from hybrid_rl.batch import Batch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    host = Batch({"x": torch.arange(4000).reshape(1000, 4), "m": torch.rand(1000, 3)[:, :2]})  # one non-contiguous
+    moved = host.to("cuda")
+    idx = np.random.default_rng(0).permutation(1000)[:300]
+    gathered = moved.index(idx)
+    torch.cuda.synchronize()
+    for k, v in host.tensors.items():
+        assert moved.tensors[k].is_cuda and torch.equal(moved.tensors[k].cpu(), v)
+        assert torch.equal(gathered.tensors[k].cpu(), v[torch.as_tensor(idx)])
