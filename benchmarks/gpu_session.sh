@@ -73,6 +73,9 @@ update)  # no vLLM needed: the training passes alone per FSDP2 setting (1 then 2
   stamp "update_step x1"
   CUDA_VISIBLE_DEVICES=0 timeout 280 torchrun --standalone --nproc_per_node=1 benchmarks/update_step.py --out "$RES" \
     || echo "update_step x1 failed"
+  stamp "update_step x1, batch on the host (the split trainer's case)"
+  CUDA_VISIBLE_DEVICES=0 timeout 100 torchrun --standalone --nproc_per_node=1 benchmarks/update_step.py --out "$RES" \
+    --host-batch --configs default,accumulate_unsharded || echo "update_step x1 host failed"
   stamp "update_step x2"
   timeout 280 torchrun --standalone --nproc_per_node=2 benchmarks/update_step.py --out "$RES" || echo "update_step x2 failed"
   stamp "weight_sync 0.5b profiled, x2 then x1 (where the push's fixed ~4.5 ms goes)"

@@ -81,6 +81,8 @@ def run_config(name: str, overrides: list[str], args, d) -> dict:
         *args.overrides, *overrides]).validate(d.world_size)
     worker = ActorRolloutRefWorker(cfg, d, role="actor")
     batch = make_batch(worker, args.prompts, args.n, args.resp_mean, args.resp_cap, seed=0)
+    if args.host_batch:  # as split placement hands it to the trainer ranks
+        batch = batch.to("cpu")
     tokens = int(batch["attention_mask"].sum()) * d.world_size  # ranks hold equal shares of the same distribution
     runs = []
     if worker.device.type == "cuda":
@@ -147,6 +149,8 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--host-batch", action="store_true",
+                    help="start the passes from a batch in host memory, as the trainer ranks of split placement do")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU: checks the plumbing only")
     ap.add_argument("--best-of", metavar="JSON", help="print the fastest configuration's overrides in JSON and exit")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every configuration")
@@ -177,10 +181,11 @@ def main() -> None:
         doc = {"bench": "update_step", "device": device, "world_size": d.world_size, "model": args.model,
                "sequences": args.prompts * args.n, "tokens": rows[0]["tokens"], "resp_mean": args.resp_mean,
                "resp_cap": args.resp_cap, "mini_batch_prompts": args.mini, "overrides": args.overrides,
+               "host_batch": args.host_batch,
                "torch": torch.__version__, "commit": git_commit(ROOT), "configs": rows}
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        stem = out / f"update_step_{device}_{args.model.split(':')[-1].split('/')[-1]}"
+        stem = out / f"update_step_{device}_{args.model.split(':')[-1].split('/')[-1]}{'_host' if args.host_batch else ''}"
         Path(f"{stem}.json").write_text(json.dumps(doc, indent=2))
         plot(doc, Path(f"{stem}.png"))
         print(f"wrote {stem}.json and .png", file=sys.stderr)
