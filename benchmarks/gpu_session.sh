@@ -3,11 +3,11 @@
 # Expects vLLM 0.26 staged at /tmp/vs (../shared/device/README.md) and GSM8K in .devdata/. Run it from a clean export:
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean && git rev-parse HEAD > .clean/COMMIT \
 #     && cp -r .devdata .clean/      # then, on the lender (carry .clean): cd .clean && bash benchmarks/gpu_session.sh PART
-#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 ; writes $OUT/PART.tgz and $OUT/PART.log
+#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 ; writes $OUT/PART.tgz and $OUT/PART.log
 # Each part fits one 600 s device call; every piece has its own timeout and results are packed after each piece,
 # so a part cut short still returns what finished.
 set -u
-PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2}
+PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4}
 OUT=${OUT:-/tmp/gpu_out}
 RES=/tmp/res/$PART
 MODES_RES=/tmp/res/modes2  # colo2 and split2 write one modes JSON (merged by mode) when they run on one warm machine
@@ -30,6 +30,7 @@ stamp() { echo "== $1 at +$(( $(date +%s) - T0 ))s"; pack; }
 (while sleep 20; do pack; done) &
 PACKER=$!
 # the benchmark recipe on GSM8K prompts with vLLM (32 prompts x 8 samples per step), lognormal lengths (mean 200, cap 512)
+MODEL4=${MODEL4:-qwen2.5-1.5b-random}  # the model of the 4-GPU parts
 BENCH="data.train_path=.devdata/train.jsonl rollout.name=vllm data.max_response_length=512 rollout.forced_lengths=lognormal:200:0.8"
 
 case $PART in
@@ -63,6 +64,25 @@ tuned2)  # after 'update' on the same machine: sync and overlap split on 2 GPUs 
   stamp "modes x2 tuned: ${TUNED:-no update_step result, defaults}"
   timeout 560 python benchmarks/modes.py --gpus 2 --steps 20 --warmup 3 --prompts 32 --n 8 --mode-timeout 270 \
     --modes sync,overlap_split --tag _tuned --out "$MODES_RES" $BENCH $TUNED trainer.stall_dump_s=60 || echo "modes x2 tuned failed"
+  ;;
+modes4)  # a 4-GPU machine (issue 7's layout questions on the largest lent box): sync vs 1 rollout + 3 trainer GPUs
+  stamp "modes x4 ($MODEL4): sync, overlap_split_r1"
+  # 48 prompts in mini-batches of 24: both divide among 4, 3 and 2 trainer ranks
+  timeout 560 python benchmarks/modes.py --gpus 4 --steps 20 --warmup 3 --prompts 48 --n 8 --mode-timeout 270 \
+    --model builtin:$MODEL4 --modes sync,overlap_split_r1 --rollout-ranks 1 --out "$MODES_RES" $BENCH \
+    actor.ppo_mini_batch_size=24 trainer.stall_dump_s=60 || echo "modes x4 failed"
+  ;;
+split4)  # after modes4 on the same machine: 2 + 2 split, merged into its JSON; then the push on 4 ranks
+  stamp "modes x4 ($MODEL4): overlap_split (2+2)"
+  timeout 300 python benchmarks/modes.py --gpus 4 --steps 20 --warmup 3 --prompts 48 --n 8 --mode-timeout 270 \
+    --model builtin:$MODEL4 --modes overlap_split --out "$MODES_RES" $BENCH actor.ppo_mini_batch_size=24 \
+    trainer.stall_dump_s=60 \
+    || echo "modes x4 split failed"
+  for m in qwen2.5-0.5b qwen2.5-1.5b; do
+    stamp "weight_sync $m x4"
+    timeout 80 torchrun --standalone --nproc_per_node=4 benchmarks/weight_sync.py --model $m --switches 50 --out-dir "$RES" \
+      || echo "weight_sync $m x4 failed"
+  done
   ;;
 modes1)  # the same on 1 GPU (sync, overlap colocated); the sync run is the 20-step vLLM training run on 1 GPU
   stamp "modes x1"
@@ -98,7 +118,7 @@ checks1)  # one-GPU checks: push on 1 rank, in-engine vs standalone vLLM through
   timeout 150 python -m pytest -q -m gpu tests/test_vllm_gpu.py tests/test_multirank.py tests/test_checkpoint.py tests/test_data.py 2>&1 \
     | tail -15 || echo "pytest gpu failed"
   ;;
-*) echo "unknown part $PART (colo2 | split2 | modes1 | checks1 | update | tuned2)"; exit 2 ;;
+*) echo "unknown part $PART (colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4)"; exit 2 ;;
 esac
 stamp "done"
 kill $PACKER  # else the open output pipe keeps the device call waiting until its limit

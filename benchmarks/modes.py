@@ -5,7 +5,8 @@ mode, samples GPU utilisation with ``nvidia-smi`` while it runs, drops warm-up
 steps, and reports per mode: step time and its phase breakdown, generated and
 trained tokens/s, GPU busy fraction, peak memory, and ``speedup_vs_sync``.
 Modes: ``sync`` (colocated), ``overlap_colocated`` and, on 2+ GPUs,
-``overlap_split`` (half the ranks generate, half train; ``trainer.placement=split``).
+``overlap_split`` (half the ranks generate, half train; ``trainer.placement=split``), and with
+``--rollout-ranks R`` also ``overlap_split_r<R>`` (R ranks generate, the rest train).
 Writes ``benchmarks/results/modes_<device>_<model>.json`` (rewritten after every
 mode, so a run cut short keeps what finished) and a PNG beside it, and prints
 one JSON line per mode.
@@ -194,6 +195,23 @@ def plot(results: list[dict], title: str, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def build_modes(world: int, rollout_ranks: str = "") -> list[tuple[str, list[str]]]:
+    """(name, overrides) of each mode on ``world`` ranks; ``rollout_ranks`` ("1,3") adds split ratios."""
+    overlap = ["trainer.mode=overlap", "trainer.max_staleness=1"]
+    modes = [("sync", ["trainer.mode=sync"]), ("overlap_colocated", overlap)]
+    if world >= 2:
+        modes.append(("overlap_split", [*overlap, "trainer.placement=split"]))  # half the ranks generate
+    try:
+        extra = {int(x) for x in rollout_ranks.split(",") if x.strip()}
+    except ValueError:
+        raise SystemExit(f"--rollout-ranks={rollout_ranks!r}: give comma-separated integers, e.g. 1,3") from None
+    for r in sorted(extra - {world // 2}):
+        if not 1 <= r < world:
+            raise SystemExit(f"--rollout-ranks: {r} rollout ranks must be in 1..{world - 1} on {world} GPUs")
+        modes.append((f"overlap_split_r{r}", [*overlap, "trainer.placement=split", f"trainer.rollout_ranks={r}"]))
+    return modes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="builtin:qwen2.5-0.5b-random")
@@ -211,6 +229,8 @@ def main() -> None:
     ap.add_argument("--from-runs", action="store_true",
                     help="do not run: rebuild the JSON/PNG from the run directories already under --out (e.g. a run whose "
                          "teardown was cut off after every step was logged); GPU busy fraction is kept from the old JSON")
+    ap.add_argument("--rollout-ranks", default="", help="comma-separated rollout rank counts for more split modes "
+                    "(overlap_split_r<R>), e.g. 1 on 4 GPUs for 1 rollout + 3 trainer ranks")
     ap.add_argument("--tag", default="", help="suffix for the result files, e.g. _tuned for a run with other overrides")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every mode")
     args = ap.parse_args()
@@ -223,10 +243,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     device = device_name(args.gpus) if not args.cpu_smoke else "CPU"
     model_tag = args.model.split(":")[-1].split("/")[-1]
-    modes = [("sync", ["trainer.mode=sync"]),
-             ("overlap_colocated", ["trainer.mode=overlap", "trainer.max_staleness=1"])]
-    if args.gpus >= 2 or args.cpu_smoke:
-        modes.append(("overlap_split", ["trainer.mode=overlap", "trainer.max_staleness=1", "trainer.placement=split"]))
+    modes = build_modes(2 if args.cpu_smoke else args.gpus, args.rollout_ranks)
     if args.modes:
         wanted = args.modes.split(",")
         modes = [m for m in modes if m[0] in wanted]
@@ -250,7 +267,7 @@ def main() -> None:
 
 def _in_order(results: list[dict]) -> list[dict]:
     order = {name: i for i, name in enumerate(["sync", "overlap_colocated", "overlap_split"])}
-    return sorted(results, key=lambda r: order.get(r["mode"], len(order)))
+    return sorted(results, key=lambda r: (order.get(r["mode"], len(order)), r["mode"]))
 
 
 def rebuild(modes, args, device: str, stem: Path, runs: Path) -> None:

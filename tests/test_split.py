@@ -155,3 +155,18 @@ def test_split_resume_continues_the_same_run(tiny_model_path, tmp_path, mode):
     for x, y in zip(a[3:], b[3:]):
         diff = {k: (x[k], y[k]) for k in x if not k.startswith(SKIP) and abs(x[k] - y.get(k, float("nan"))) > 1e-6}
         assert not diff, f"step {x['step']}: {diff}"
+
+
+def test_modes_benchmark_adds_split_ratios():
+    """benchmarks/modes.py: --rollout-ranks adds overlap_split_r<R> modes; a ratio that cannot exist is refused."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from modes import build_modes
+
+    assert [m for m, _ in build_modes(1)] == ["sync", "overlap_colocated"]
+    modes = dict(build_modes(4, "1,2"))
+    assert list(modes) == ["sync", "overlap_colocated", "overlap_split", "overlap_split_r1"]  # 2 = half: no duplicate
+    assert "trainer.rollout_ranks=1" in modes["overlap_split_r1"] and "trainer.placement=split" in modes["overlap_split_r1"]
+    with pytest.raises(SystemExit, match="1..3 on 4 GPUs"):
+        build_modes(4, "4")
+    with pytest.raises(SystemExit, match="comma-separated integers"):
+        build_modes(4, "one")
