@@ -128,7 +128,8 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """
     if t.device == device or device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    # contiguous first: pin_memory keeps the strides, and an expanded (stride-0) tensor cannot be copied into
+    return t.contiguous().pin_memory().to(device, non_blocking=True)
 
 
 def as_slice(idx: np.ndarray) -> slice | None:

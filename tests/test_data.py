@@ -275,7 +275,8 @@ def test_batch_moves_to_the_gpu_through_pinned_memory_without_blocking():
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    host = Batch({"x": torch.arange(4000).reshape(1000, 4), "m": torch.rand(1000, 3)[:, :2]})  # one non-contiguous
+    host = Batch({"x": torch.arange(4000).reshape(1000, 4), "m": torch.rand(1000, 3)[:, :2],  # a strided view
+                  "e": torch.rand(1000, 1).expand(1000, 5)})  # an expanded one (stride 0)
     moved = host.to("cuda")
     idx = np.random.default_rng(0).permutation(1000)[:300]
     gathered = moved.index(idx)
