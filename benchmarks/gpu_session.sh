@@ -29,6 +29,14 @@ stamp() { echo "== $1 at +$(( $(date +%s) - T0 ))s"; pack; }
 # and every 20 s, so a call killed at its limit still returns what was written
 (while sleep 20; do pack; done) &
 PACKER=$!
+# the weight push of the 0.5B and 1.5B shapes on $1 ranks, $2 s each at most
+push_runs() {
+  for m in qwen2.5-0.5b qwen2.5-1.5b; do
+    stamp "weight_sync $m x$1"
+    timeout "$2" torchrun --standalone --nproc_per_node="$1" benchmarks/weight_sync.py --model $m --switches 50 \
+      --out-dir "$RES" || echo "weight_sync $m x$1 failed"
+  done
+}
 # the benchmark recipe on GSM8K prompts with vLLM (32 prompts x 8 samples per step), lognormal lengths (mean 200, cap 512)
 MODEL4=${MODEL4:-qwen2.5-1.5b-random}  # the model of the 4-GPU parts
 BENCH="data.train_path=.devdata/train.jsonl rollout.name=vllm data.max_response_length=512 rollout.forced_lengths=lognormal:200:0.8"
@@ -47,11 +55,7 @@ split2)  # overlap with split placement (1 rollout + 1 trainer GPU), merged into
   timeout 250 python benchmarks/modes.py --gpus 2 --steps 20 --warmup 3 --prompts 32 --n 8 --mode-timeout 240 \
     --modes overlap_split --out "$MODES_RES" $BENCH trainer.profile_steps=[2] trainer.stall_dump_s=60 \
     || echo "modes x2 split failed"
-  for m in qwen2.5-0.5b qwen2.5-1.5b; do
-    stamp "weight_sync $m x2"
-    timeout 70 torchrun --standalone --nproc_per_node=2 benchmarks/weight_sync.py --model $m --switches 50 --out-dir "$RES" \
-      || echo "weight_sync $m x2 failed"
-  done
+  push_runs 2 70
   stamp "make train hf x2"
   timeout 120 make train VPY="$(command -v python3)" RECIPE=bench_modes GPUS=2 ARGS="data.train_path=.devdata/train.jsonl \
     rollout.name=hf data.max_response_length=128 rollout.forced_lengths=lognormal:64:0.8 data.train_batch_size=16 \
@@ -76,13 +80,8 @@ split4)  # after modes4 on the same machine: 2 + 2 split, merged into its JSON; 
   stamp "modes x4 ($MODEL4): overlap_split (2+2)"
   timeout 300 python benchmarks/modes.py --gpus 4 --steps 20 --warmup 3 --prompts 48 --n 8 --mode-timeout 270 \
     --model builtin:$MODEL4 --modes overlap_split --out "$MODES_RES" $BENCH actor.ppo_mini_batch_size=24 \
-    trainer.stall_dump_s=60 \
-    || echo "modes x4 split failed"
-  for m in qwen2.5-0.5b qwen2.5-1.5b; do
-    stamp "weight_sync $m x4"
-    timeout 80 torchrun --standalone --nproc_per_node=4 benchmarks/weight_sync.py --model $m --switches 50 --out-dir "$RES" \
-      || echo "weight_sync $m x4 failed"
-  done
+    trainer.stall_dump_s=60 || echo "modes x4 split failed"
+  push_runs 4 80
   ;;
 modes1)  # the same on 1 GPU (sync, overlap colocated); the sync run is the 20-step vLLM training run on 1 GPU
   stamp "modes x1"
