@@ -549,6 +549,22 @@ def test_kl_loss():
     close(kl_loss(logp, ref, mask, kind="k1"), 0.0)  # (1 - 1 + 0) / 3
 
 
+def test_losses_pass_norm_length_so_trimming_changes_nothing():
+    """seq-mean-token-sum-norm divides by a fixed norm_length, not by the width of the (trimmed) tensor."""
+    # log_prob == old: ratio 1, per-token loss -A; real tokens A = 1, 2 | 3 -> sum -6; k1 = 1 per real token.
+    adv = t([[1.0, 2.0, 0.0, 0.0, 0.0], [3.0, 0.0, 0.0, 0.0, 0.0]])
+    mask = t([[1, 1, 0, 0, 0], [1, 0, 0, 0, 0]])
+    lp = torch.full((2, 5), -1.0)
+    kw = dict(loss_agg_mode="seq-mean-token-sum-norm", num_seqs=2, norm_length=5)
+    for width in (5, 3, 2):  # the full width and two trimmed widths
+        a, m, p = adv[:, :width], mask[:, :width], lp[:, :width]
+        close(ppo_clip_loss(p, p, a, m, **kw)[0], -0.6)  # -6 / (2 * 5)
+        close(decoupled_ppo_loss(p, p, p, a, m, **kw)[0], -0.6)
+        close(kl_loss(p, p - 1.0, m, kind="k1", **kw), 0.3)  # 3 / (2 * 5)
+    # without norm_length the divisor is the width: -6 / (2 * 3) on the trimmed tensor
+    close(ppo_clip_loss(lp[:, :3], lp[:, :3], adv[:, :3], mask[:, :3], loss_agg_mode="seq-mean-token-sum-norm")[0], -1.0)
+
+
 def test_apply_kl_in_reward():
     scores = t([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])
     old = t([[-1.0, -2.0, -1.0], [-1.0, -1.0, -5.0]])

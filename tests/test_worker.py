@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import cpu_dist, make_cfg
+from hybrid_rl.algorithms import LOSS_AGG_MODES
 from hybrid_rl.advantage import compute_advantage, sparse_scores
 from hybrid_rl.batch import Batch
 from hybrid_rl.data import collate_prompts
@@ -169,7 +170,7 @@ def test_update_changes_params_and_next_rollout_uses_them(worker):
     assert (batch2["rollout_log_probs"] - batch2["old_log_probs"]).abs()[m].max() < 1e-5
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_micro_batch_accumulation_invariance(tiny_model_path, mode):
     """One micro-batch of 8 and eight micro-batches of 1 give the same update."""
     results = []
@@ -184,6 +185,31 @@ def test_micro_batch_accumulation_invariance(tiny_model_path, mode):
         w.update_actor(saved)
         results.append(_actor_grads(w))
     _assert_same_gradients(*results)
+
+
+def _ragged_grads(mode: str, micro: int, saved: Batch | None) -> tuple[dict[str, torch.Tensor], Batch]:
+    """Gradients of one update on ragged responses (forced long-tailed lengths), with pg, entropy and k1 KL terms."""
+    torch.manual_seed(0)
+    cfg = make_cfg("rollout.n=4", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "data.max_response_length=10",
+                   "rollout.forced_lengths=lognormal:4:0.8", f"actor.ppo_micro_batch_size_per_device={micro}",
+                   f"actor.loss_agg_mode={mode}", "actor.entropy_coeff=0.01", "actor.use_kl_loss=true",
+                   "actor.kl_loss_type=k1", "actor.kl_loss_coef=0.1")
+    w = ActorRolloutRefWorker(cfg, cpu_dist())
+    if saved is None:
+        saved = w.compute_ref_log_prob(_scored(w, _rollout(w, _prompts(w, ("7", "a longer prompt here")))))
+    w.update_actor(saved)
+    return _actor_grads(w), saved
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_micro_batch_invariance_with_ragged_responses(tiny_model_path, mode):
+    """1×8 and 8×1 micro-batches give the same gradient when responses differ in length, so that each 1-row
+    micro-batch is trimmed to its own response (seq-mean-token-sum-norm used to divide by that trimmed width)."""
+    g8, saved = _ragged_grads(mode, 8, None)
+    lengths = saved["response_mask"].sum(1)
+    assert len(set(lengths.tolist())) >= 3 and int(lengths.max()) <= 10  # really ragged, and within the cap
+    g1, _ = _ragged_grads(mode, 1, saved)
+    _assert_same_gradients(g8, g1)
 
 
 def test_reference_policy_is_frozen(tiny_model_path):

@@ -292,7 +292,10 @@ def agg_loss(
     as num_tokens/num_seqs for every micro-batch: the micro-batch losses then
     sum exactly to the mini-batch loss. (The defaults give per-micro-batch
     means, which weight tokens differently whenever micro-batches differ in
-    token count.)
+    token count.) Likewise pass a fixed ``norm_length`` (the configured max
+    response length, as Dr. GRPO does): the default R is the width of this
+    tensor, which shrinks when a micro-batch is trimmed to its own longest
+    response, so the divisor would change with the split and from step to step.
     """
     fn = _AGG_FNS.get(mode)
     if fn is None:

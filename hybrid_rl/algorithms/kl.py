@@ -70,10 +70,15 @@ def kl_loss(
     loss_agg_mode: str = "token-mean",
     num_tokens: Optional[Number] = None,
     num_seqs: Optional[Number] = None,
+    norm_length: Optional[int] = None,
 ) -> Tensor:
-    """KL to the reference as a scalar loss term (multiply by the coefficient yourself)."""
+    """KL to the reference as a scalar loss term (multiply by the coefficient yourself).
+
+    num_tokens/num_seqs/norm_length are passed to ``agg_loss`` (see there).
+    """
     kld = kl_penalty(log_prob, ref_log_prob, kind)  # [B, R]
-    return agg_loss(kld, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    return agg_loss(kld, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                    norm_length=norm_length)
 
 
 def apply_kl_in_reward(

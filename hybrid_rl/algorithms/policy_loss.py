@@ -3,7 +3,10 @@
 Both return ``(loss, metrics)`` where ``loss`` is a scalar to *minimise*
 (the negated surrogate objective) and ``metrics`` holds detached 0-dim
 float tensors. Per-token losses are reduced with ``core.agg_loss``; pass
-the mini-batch ``num_tokens``/``num_seqs`` when gradient-accumulating.
+the mini-batch ``num_tokens``/``num_seqs`` when gradient-accumulating, and
+``norm_length`` (the configured max response length) for
+``seq-mean-token-sum-norm``, whose default divisor is the width of the
+(possibly trimmed) tensor and so changes with the micro-batch split.
 
 Left out: entropy bonus and KL loss (separate terms the caller adds, see
 ``core.entropy_from_logits`` and ``kl.kl_loss``), value loss, GSPO /
@@ -92,6 +95,7 @@ def ppo_clip_loss(
     loss_agg_mode: str = "token-mean",
     num_tokens: Optional[Number] = None,
     num_seqs: Optional[Number] = None,
+    norm_length: Optional[int] = None,
 ) -> tuple[Tensor, Metrics]:
     """PPO clipped surrogate loss (with optional asymmetric / dual clip).
 
@@ -104,7 +108,8 @@ def ppo_clip_loss(
     pg_losses, metrics = _clipped_pg_losses(
         log_prob, old_log_prob, advantages, response_mask, clip_ratio_low, clip_ratio_high, clip_ratio_c
     )
-    loss = agg_loss(pg_losses, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    loss = agg_loss(pg_losses, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                    norm_length=norm_length)
     return loss, metrics
 
 
@@ -155,6 +160,7 @@ def decoupled_ppo_loss(
     loss_agg_mode: str = "token-mean",
     num_tokens: Optional[Number] = None,
     num_seqs: Optional[Number] = None,
+    norm_length: Optional[int] = None,
 ) -> tuple[Tensor, Metrics]:
     """Decoupled PPO for off-policy (asynchronous) rollouts, as in AReaL.
 
@@ -204,7 +210,8 @@ def decoupled_ppo_loss(
         metrics["is_ratio_max"] = _select(raw_w, response_mask).max() if raw_w.numel() else raw_w.new_zeros(())
         metrics["is_truncated_frac"] = masked_mean(exceeded.to(raw_w.dtype), response_mask)
 
-    loss = agg_loss(pg_losses * weights, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    loss = agg_loss(pg_losses * weights, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                    norm_length=norm_length)
     return loss, metrics
 
 

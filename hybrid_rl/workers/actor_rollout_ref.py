@@ -230,8 +230,11 @@ class ActorRolloutRefWorker:
         t = micro.to(self.device).tensors
         mask = t["response_mask"].float()  # [b, R]
         log_prob, entropy = self.actor.forward(micro, micro.meta["temperature"], with_entropy=True)
+        # A fixed norm_length: each micro-batch is trimmed to its own longest response, so the tensor's
+        # width (agg_loss's default for seq-mean-token-sum-norm) would change with the split.
+        denoms = dict(num_tokens=num_tokens, num_seqs=num_seqs, norm_length=self.cfg.data.max_response_length)
         clip = dict(clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-                    loss_agg_mode=a.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+                    loss_agg_mode=a.loss_agg_mode, **denoms)
         if self.cfg.use_rollout_correction:
             # Decoupled PPO: trust region around the proximal policy (the trainer's
             # old_log_probs under θ_k), importance-weighted back to the behaviour
@@ -246,13 +249,13 @@ class ActorRolloutRefWorker:
                  "is_truncated_frac": "rollout/is_truncated_frac"}
         metrics = {names[k]: torch.as_tensor(v).detach() for k, v in pg_m.items() if k in names}
         if entropy is not None:
-            ent_loss = alg.agg_loss(entropy, mask, a.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+            ent_loss = alg.agg_loss(entropy, mask, a.loss_agg_mode, **denoms)
             if a.entropy_coeff:
                 loss = loss - a.entropy_coeff * ent_loss
             metrics["actor/entropy"] = alg.masked_mean(entropy.detach(), mask)
         if a.use_kl_loss:
             kl = alg.kl_loss(log_prob, t["ref_log_prob"], mask, kind=a.kl_loss_type, loss_agg_mode=a.loss_agg_mode,
-                             num_tokens=num_tokens, num_seqs=num_seqs)
+                             **denoms)
             loss = loss + a.kl_loss_coef * kl
             metrics["actor/kl_loss"] = alg.masked_mean(alg.kl_penalty(log_prob.detach(), t["ref_log_prob"], a.kl_loss_type), mask)
         # pg_loss is this micro-batch's share of the mini-batch loss. Scaled by
