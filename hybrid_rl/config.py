@@ -91,6 +91,9 @@ class DataConfig:
 class RolloutConfig:
     name: Literal["hf", "vllm"] = "hf"
     """Rollout engine: ``hf`` (transformers, runs anywhere) or ``vllm`` (GPU)."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """The engine's weight dtype (the push casts the actor's weights to it): ``auto`` = ``model.dtype``, except that
+    vLLM runs a float32 model in bfloat16 (vLLM 0.26 crashes in float32 after its first sleep/wake)."""
     n: int = 8
     """Samples per prompt (the GRPO group size)."""
     temperature: float = 1.0
@@ -321,6 +324,16 @@ class Config:
         return self.trainer.max_staleness if self.trainer.mode == "overlap" else 0
 
     @property
+    def rollout_dtype(self) -> str:
+        """The engine's dtype name (``rollout.dtype`` resolved): see that field's docstring."""
+        r = self.rollout
+        if r.dtype != "auto":
+            return r.dtype
+        if r.name == "vllm" and self.model.dtype in ("float32", "auto"):
+            return "bfloat16"  # vLLM's float32 path (FlexAttention) crashed after a sleep/wake; the push casts
+        return self.model.dtype
+
+    @property
     def need_ref(self) -> bool:
         """A reference policy is only built when a KL term uses it."""
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
@@ -366,6 +379,10 @@ class Config:
             raise ConfigError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in (0, 1); 0.3-0.6 leaves room for training")
         if r.forced_lengths is not None:
             parse_forced_lengths(r.forced_lengths)
+        if r.name == "vllm" and r.dtype == "float32":
+            raise ConfigError("rollout.dtype=float32 with rollout.name=vllm crashes vLLM 0.26 after its first sleep/wake "
+                              "(CUDA illegal memory access in generate); use rollout.dtype=auto (bfloat16 engine, the "
+                              "actor keeps model.dtype) or rollout.name=hf")
         if r.tensor_parallel_size < 1 or world % r.tensor_parallel_size:
             raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the {world} ranks")
         if not 0 < r.top_p <= 1:

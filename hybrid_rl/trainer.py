@@ -205,7 +205,7 @@ class Trainer:
             return
         skip = self._sent_version == w.weight_version
         src = _NoParams() if skip else w.actor
-        took, sent = self._broadcast(self.split, src, self.worker.dtype, self.cfg.rollout.weight_sync_bucket_mb * 2**20,
+        took, sent = self._broadcast(self.split, src, self.worker.rollout_dtype, self.cfg.rollout.weight_sync_bucket_mb * 2**20,
                                      w.weight_version, self.dist.device)
         self._split_sync = (self._split_sync[0] + took, self._split_sync[1] + sent)  # summed over the step's exchanges
         self._sent_version = w.weight_version

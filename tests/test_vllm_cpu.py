@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybrid_rl.batch import Batch  # noqa: E402
-from hybrid_rl.config import load_config  # noqa: E402
+from hybrid_rl.config import ConfigError, load_config  # noqa: E402
 from hybrid_rl.distributed import DistInfo  # noqa: E402
 from hybrid_rl.models import ModelLoadError  # noqa: E402
 from hybrid_rl.rollout import vllm as vr  # noqa: E402
@@ -924,3 +924,19 @@ def _micro_benchmark(reps: int = 7) -> None:
 
 if __name__ == "__main__":
     _micro_benchmark()
+
+
+def test_vllm_engine_dtype_follows_the_model_except_float32():
+    """vLLM 0.26 in float32 crashed in generate after its first sleep/wake (4×H200, cba16b7): a float32 model runs a
+    bfloat16 engine (the push casts), an explicit float32 engine is refused before any GPU work, other dtypes pass."""
+    cpu = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    fp32 = _cfg("model.dtype=float32")
+    assert fp32.rollout_dtype == "bfloat16" and vr.engine_kwargs(fp32, cpu)["dtype"] == "bfloat16"
+    assert vr.engine_kwargs(_cfg("model.dtype=float32", "rollout.dtype=float16"), cpu)["dtype"] == "float16"
+    assert _cfg("model.dtype=bfloat16").rollout_dtype == "bfloat16"
+    with pytest.raises(ConfigError, match=r"rollout.dtype=float32 with rollout.name=vllm .* use rollout.dtype=auto"):
+        _cfg("model.dtype=float32", "rollout.dtype=float32").validate()
+    # the transformers engine keeps the model's dtype unless told otherwise
+    hf = load_config(None, ["rollout.name=hf", "model.dtype=float32"]).validate()
+    assert hf.rollout_dtype == "float32"
+    assert load_config(None, ["rollout.name=hf", "model.dtype=float32", "rollout.dtype=bfloat16"]).validate().rollout_dtype == "bfloat16"

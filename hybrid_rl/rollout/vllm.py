@@ -288,7 +288,7 @@ def engine_kwargs(cfg, dist) -> dict[str, Any]:
     tp = r.tensor_parallel_size
     if tp < 1 or dist.world_size % tp:
         raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the {dist.world_size} ranks")
-    dtype = resolve_dtype(cfg.model.dtype, dist.device)
+    dtype = resolve_dtype(cfg.rollout_dtype, dist.device)
     dp_rank = dist.rank // tp
     return dict(
         model=resolve_model_path(cfg.model.path),

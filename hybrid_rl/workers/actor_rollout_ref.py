@@ -74,6 +74,8 @@ class ActorRolloutRefWorker:
         self.weight_version = 0
         self.device = dist.device
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
+        self.rollout_dtype = resolve_dtype(cfg.rollout_dtype, self.device)
+        """The engine's weight dtype: what the push casts to (``rollout.dtype``)."""
         mcfg = cfg.model
         self.tokenizer = load_tokenizer(mcfg.tokenizer_path or mcfg.path, mcfg.trust_remote_code,
                                         "model.tokenizer_path" if mcfg.tokenizer_path else "model.path")
@@ -107,7 +109,7 @@ class ActorRolloutRefWorker:
             if self.actor is not None:
                 r = cfg.rollout
                 self.sharding_manager = ShardingManager(
-                    self.actor, self.rollout, lambda: self.weight_version, dtype=self.dtype,
+                    self.actor, self.rollout, lambda: self.weight_version, dtype=self.rollout_dtype,
                     bucket_mb=r.weight_sync_bucket_mb, free_cache_engine=cfg.engine_sleeps, sleep_level=r.sleep_level,
                     param_offload=cfg.actor.param_offload, optimizer_offload=cfg.actor.optimizer_offload,
                     replay=r.weight_load_replay)
@@ -128,7 +130,7 @@ class ActorRolloutRefWorker:
 
         # The engine starts from the checkpoint too (like vLLM's load on init); the
         # sharding manager overwrites it with the actor's weights before first use.
-        model = load_causal_lm(self.cfg.model.path, self.dtype, self.cfg.model.trust_remote_code)
+        model = load_causal_lm(self.cfg.model.path, self.rollout_dtype, self.cfg.model.trust_remote_code)
         return HFRolloutEngine(model, eos, self.tokenizer.pad_token_id, self.device, max_num_seqs=r.max_num_seqs,
                                seed=self.cfg.trainer.seed + 1000 * self.dist.rank)
 
