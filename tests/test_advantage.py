@@ -39,6 +39,19 @@ def test_each_estimator_is_dispatched(est):
         assert out["advantages"][0].tolist() == [0.5, 0.5, 0.0] and out["advantages"][1].tolist() == [-0.5] * 3
 
 
+@pytest.mark.parametrize("uid", [np.array(["0-1", "0-1", "0-2", "0-2"], dtype=object), np.array([3, 3, 4, 4]),
+                                 torch.tensor([3, 3, 4, 4]), [3, 3, 4, 4]], ids=["object_str", "numpy_int", "tensor", "list"])
+@pytest.mark.parametrize("est", ["grpo", "rloo"])
+def test_uid_types_group_the_same(est, uid):
+    """A tensor uid lands in the Batch as an object array of 0-dim tensors (hashed by identity): still grouped."""
+    cfg = load_config(None, [f"algorithm.adv_estimator={est}", "algorithm.norm_adv_by_std_in_grpo=false"]).algorithm
+    b = _batch()
+    out, _ = compute_advantage(Batch(b.tensors, dict(uid=uid)), cfg)
+    # groups {0, 1} scores 1, 0 and {2, 3} scores 1, 1: GRPO ±0.5, 0; RLOO ±1, 0
+    top = 0.5 if est == "grpo" else 1.0
+    assert out["advantages"][:, 0].tolist() == [top, -top, 0.0, 0.0]
+
+
 def test_kl_in_reward_penalises_token_rewards():
     cfg = load_config(None, ["algorithm.use_kl_in_reward=true", "algorithm.kl_coef=0.1", "algorithm.kl_penalty=k1"]).algorithm
     out, metrics = compute_advantage(_batch(), cfg)

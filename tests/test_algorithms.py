@@ -297,6 +297,48 @@ def test_grpo_advantage_int_index_and_interleaved_groups():
     close(adv, [[-0.7071068] * 2, [0, 0], [0.7071068] * 2, [0, 0]], atol=1e-5)
 
 
+# Group-id containers: torch tensors (also 0-dim tensors in a list or object array, which hash by
+# identity), numpy int/str/object arrays (uids look like "0-12"), and plain lists.
+GROUP_INDEXES = {
+    "torch_long": lambda: torch.tensor([7, 5, 7, 5]),
+    "torch_float": lambda: torch.tensor([7.0, 5.0, 7.0, 5.0]),
+    "list_of_0dim_tensors": lambda: list(torch.tensor([7, 5, 7, 5])),
+    "object_array_of_tensors": lambda: np.array(list(torch.tensor([7, 5, 7, 5])) + [None], dtype=object)[:4],
+    "numpy_int": lambda: np.array([7, 5, 7, 5]),
+    "numpy_str": lambda: np.array(["0-7", "0-5", "0-7", "0-5"]),
+    "numpy_object_str": lambda: np.array(["0-7", "0-5", "0-7", "0-5"], dtype=object),
+    "list_int": lambda: [7, 5, 7, 5],
+    "list_numpy_scalars": lambda: list(np.array([7, 5, 7, 5])),
+    "list_str": lambda: ["0-7", "0-5", "0-7", "0-5"],
+}
+
+
+@pytest.mark.parametrize("kind", GROUP_INDEXES)
+def test_group_index_types_give_the_same_groups(kind):
+    # groups {seq0, seq2} scores 1, 3 and {seq1, seq3} scores 0, 0 (as in the interleaved test above)
+    rewards = t([[1.0, 0.0], [0.0, 0.0], [1.0, 2.0], [0.0, 0.0]])
+    mask = torch.ones(4, 2)
+    s = 0.7071068  # (3 - 2) / sqrt(2)
+    close(grpo_advantage(rewards, mask, GROUP_INDEXES[kind]())[0], [[-s] * 2, [0, 0], [s] * 2, [0, 0]], atol=1e-5)
+    close(dr_grpo_advantage(rewards, mask, GROUP_INDEXES[kind]())[0], [[-1] * 2, [0, 0], [1] * 2, [0, 0]])
+    close(rloo_advantage(rewards, mask, GROUP_INDEXES[kind]())[0], [[-2] * 2, [0, 0], [2] * 2, [0, 0]])  # 1 - 3, 3 - 1
+
+
+def test_tensor_group_index_two_rows():
+    # the reported case: a tensor index used to put each row in its own group -> [1, 0] and RLOO zeros
+    r, m = t([[1.0], [0.0]]), torch.ones(2, 1)
+    close(grpo_advantage(r, m, torch.tensor([0, 0]))[0], [[0.7071068], [-0.7071068]], atol=1e-5)
+    close(rloo_advantage(r, m, torch.tensor([0, 0]))[0], [[1.0], [-1.0]])
+
+
+def test_group_index_must_be_one_id_per_sequence():
+    r, m = t([[1.0], [0.0]]), torch.ones(2, 1)
+    with pytest.raises(ValueError, match="1-D"):
+        grpo_advantage(r, m, torch.zeros(2, 1))
+    with pytest.raises(ValueError, match="scalar"):
+        grpo_advantage(r, m, [torch.tensor([0, 1]), torch.tensor([0, 1])])
+
+
 def test_grpo_advantage_index_length_mismatch():
     with pytest.raises(ValueError):
         grpo_advantage(t(ADV_REWARDS), t(ADV_MASK), ["a", "b"])

@@ -2,8 +2,9 @@
 
 One function per estimator, each returning ``(advantages, returns)`` of
 shape [B, R], zero outside ``response_mask``. Group-based estimators
-(GRPO, Dr. GRPO, RLOO) take ``index``: one hashable group id per sequence,
-shared by the samples of one prompt.
+(GRPO, Dr. GRPO, RLOO) take ``index``: one group id per sequence, shared by
+the samples of one prompt, as a list, a numpy array (e.g. the object array of
+``uid`` strings) or a 1-D tensor; ids are compared by value, never by identity.
 
 All estimators run under ``torch.no_grad``: advantages are regression
 targets / fixed weights, never something to differentiate through.
@@ -15,12 +16,16 @@ verl estimators not used by this project.
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Hashable, Sequence, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from .core import _check_same_shape, _select, masked_sum, masked_whiten
+
+# One group id per sequence: a 1-D tensor / numpy array, or a sequence of hashable ids.
+GroupIndex = Union[Tensor, np.ndarray, Sequence[Hashable]]
 
 __all__ = [
     "ADV_ESTIMATORS",
@@ -36,13 +41,31 @@ def _float_dtype(t: Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _group_ids(index: Sequence[Hashable], batch_size: int, device: torch.device) -> tuple[Tensor, int]:
-    """Map arbitrary hashable ids to dense ints 0..G-1 (first-seen order)."""
-    ids = list(index)
+def _scalar_id(i: Hashable) -> Hashable:
+    """A group id as a plain Python value: tensors hash by identity (two ``tensor(0)`` are different
+    dict keys), so 0-dim tensors and numpy scalars are replaced by their ``.item()``."""
+    if isinstance(i, (Tensor, np.ndarray, np.generic)):
+        if (i.numel() if isinstance(i, Tensor) else i.size) == 1:
+            return i.item()
+        raise ValueError(f"a group id must be a scalar, got an array of shape {tuple(i.shape)}")
+    return i
+
+
+def _group_ids(index: GroupIndex, batch_size: int, device: torch.device) -> tuple[Tensor, int]:
+    """Map group ids to dense ints 0..G-1 (first-seen order).
+
+    ``index`` may be a 1-D tensor or numpy array (ints, strings, objects) or any sequence of hashable ids.
+    """
+    if isinstance(index, (Tensor, np.ndarray)):
+        if index.ndim != 1:
+            raise ValueError(f"index must be 1-D (one group id per sequence), got shape {tuple(index.shape)}")
+        ids = index.tolist()  # Python scalars (object arrays keep their objects: _scalar_id handles those)
+    else:
+        ids = list(index)
     if len(ids) != batch_size:
         raise ValueError(f"index has {len(ids)} entries but the batch has {batch_size} sequences")
     dense: dict[Hashable, int] = {}
-    gid = [dense.setdefault(i, len(dense)) for i in ids]
+    gid = [dense.setdefault(_scalar_id(i), len(dense)) for i in ids]
     return torch.tensor(gid, dtype=torch.long, device=device), len(dense)
 
 
@@ -73,7 +96,7 @@ def _broadcast(per_seq: Tensor, response_mask: Tensor) -> Tensor:
 def grpo_advantage(
     token_level_rewards: Tensor,
     response_mask: Tensor,
-    index: Sequence[Hashable],
+    index: GroupIndex,
     norm_by_std: bool = True,
     eps: float = 1e-6,
 ) -> tuple[Tensor, Tensor]:
@@ -101,7 +124,7 @@ def grpo_advantage(
 def dr_grpo_advantage(
     token_level_rewards: Tensor,
     response_mask: Tensor,
-    index: Sequence[Hashable],
+    index: GroupIndex,
 ) -> tuple[Tensor, Tensor]:
     """Dr. GRPO: GRPO without the std division (removes the difficulty bias).
 
@@ -115,7 +138,7 @@ def dr_grpo_advantage(
 def rloo_advantage(
     token_level_rewards: Tensor,
     response_mask: Tensor,
-    index: Sequence[Hashable],
+    index: GroupIndex,
 ) -> tuple[Tensor, Tensor]:
     """RLOO: score minus the mean score of the *other* samples of its group.
 
