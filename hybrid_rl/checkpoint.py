@@ -12,6 +12,7 @@ Layout (``root`` is normally ``<trainer.output_dir>/checkpoints``, so the run's
       step_00000020/
         .metadata, __*_*.distcp # torch.distributed.checkpoint shards (model + optimizer)
         extra_rank0.pt ...      # per-rank small state (torch.save, loaded with weights_only)
+        config.yaml             # the resolved run config that trained up to this step (when the caller passes one)
         COMPLETE                # JSON {step, world_size, ...}; written last, by rank 0
       .tmp-step_00000030/       # a save in progress (or a crashed one): never chosen
 
@@ -70,6 +71,7 @@ import torch.distributed as dist
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
+CONFIG_FILE = "config.yaml"
 CHECKPOINT_SUBDIR = "checkpoints"
 """Where the trainer should put checkpoints inside its run directory (``<output_dir>/checkpoints``)."""
 FORMAT_VERSION = 1
@@ -190,7 +192,7 @@ def _check_weights_only(obj: Any, what: str) -> bytes:
 # --------------------------------------------------------------------------- save
 def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
                     scheduler: Any | None, extra: Mapping[str, Any] | None, keep_last: int = 0,
-                    process_group: "dist.ProcessGroup | None" = None) -> Path:
+                    process_group: "dist.ProcessGroup | None" = None, config: Mapping[str, Any] | None = None) -> Path:
     """Save ``model``/``optimizer``/``scheduler`` + this rank's ``extra`` as ``root/step_{step:08d}``; every rank calls it.
 
     Returns the published directory. ``keep_last`` > 0 prunes older complete
@@ -198,7 +200,10 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module |
     one is complete; 0 keeps all. Collective under a process group. Under split
     placement the model lives on the trainer ranks only: they pass their group as
     ``process_group`` (the DCP save runs over it) and the rollout ranks pass
-    ``model=None`` and write their extra alone.
+    ``model=None`` and write their extra alone. ``config`` (rank 0's resolved run
+    config, a nested dict of primitives) is written as ``config.yaml`` beside the
+    shards, so a resume can tell whether it continues the same run
+    (:func:`read_checkpoint_config`).
     """
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
@@ -270,6 +275,10 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module |
             if missing:
                 raise CheckpointError(f"{str(tmp)!r}: ranks {missing} wrote no extra state; the checkpoint directory must be on a "
                                       f"file system every rank sees")
+            if config is not None:
+                import yaml
+
+                _write_atomic(tmp / CONFIG_FILE, yaml.safe_dump(dict(config), sort_keys=False).encode())
             marker = {"format": FORMAT_VERSION, "step": int(step), "world_size": world, "has_optimizer_state": has_optim,
                       "time": time.time()}
             _write_atomic(tmp / COMPLETE, (json.dumps(marker) + "\n").encode())
@@ -353,6 +362,22 @@ def find_latest(root: str | os.PathLike) -> Path | None:
 
 
 # --------------------------------------------------------------------------- load
+def read_checkpoint_config(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The resolved config that trained checkpoint ``path``: its own ``config.yaml``, else (checkpoints written
+    before it kept one) the run directory's, two levels up; None when neither exists or parses."""
+    import yaml
+
+    path = Path(path)
+    for f in (path / CONFIG_FILE, path.parent.parent / CONFIG_FILE):
+        try:
+            saved = yaml.safe_load(f.read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(saved, dict):
+            return saved
+    return None
+
+
 def _require_complete(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist; pass a step_* directory or use find_latest(<run>/checkpoints)")

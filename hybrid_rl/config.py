@@ -283,6 +283,9 @@ class TrainerConfig:
     (weights broadcast over NCCL after each update)."""
     rollout_ranks: int = 0
     """Split placement: R, the number of generate-only ranks (0 = half the world, rounded down)."""
+    allow_config_change: bool = False
+    """Resume a checkpoint even though settings that change what is trained differ from the run that wrote it
+    (model, data, algorithm, optimiser, sampling, mode, placement, seed); off, such a resume stops and lists them."""
 
 
 @dataclass
@@ -463,6 +466,71 @@ def _positive(cfg: Config, keys: list[str]) -> None:
         value = getattr(getattr(cfg, section), name)
         if value <= 0:
             raise ConfigError(f"{key}={value} must be a positive integer")
+
+
+# --------------------------------------------------------------------------- resume
+RESUME_IGNORED = frozenset({"trainer.output_dir", "trainer.resume", "trainer.allow_config_change"})
+"""Where a run lives and how it resumes, not what it trains: never compared on resume."""
+
+RESUME_HARMLESS = frozenset({
+    # how long, how often, where to log and what to diagnose
+    "trainer.total_steps", "trainer.total_epochs", "trainer.test_freq", "trainer.val_before_train", "trainer.logger",
+    "trainer.save_freq", "trainer.keep_last", "trainer.max_skipped_updates", "trainer.stale_policy",
+    "trainer.profile_steps", "trainer.stall_dump_s", "trainer.device", "reward.on_error",
+    # validation only
+    "data.val_path", "data.val_split", "data.max_val_samples", "rollout.val_temperature",
+    # memory/speed knobs that compute the same update (micro-batching, recomputation, offload, engine memory)
+    "model.enable_gradient_checkpointing", "model.trust_remote_code",
+    "actor.ppo_micro_batch_size_per_device", "actor.log_prob_micro_batch_size_per_device", "actor.use_dynamic_bsz",
+    "actor.max_token_len_per_device", "actor.use_torch_compile", "actor.accumulate_unsharded", "actor.param_offload",
+    "actor.optimizer_offload", "ref.log_prob_micro_batch_size_per_device", "ref.offload",
+    "rollout.max_num_seqs", "rollout.weight_sync_bucket_mb", "rollout.weight_load_replay", "rollout.free_cache_engine",
+    "rollout.sleep_level", "rollout.gpu_memory_utilization", "rollout.max_num_batched_tokens", "rollout.max_model_len",
+    "rollout.enforce_eager", "rollout.enable_prefix_caching",
+})
+"""Keys that may differ between a checkpoint's run and the run resuming it (each difference is warned about).
+Every other key changes what is trained or the data order/shapes (model, data, algorithm, optimiser, sampling,
+mode, placement, seed) and stops the resume unless ``trainer.allow_config_change=true``; a key added to the tree
+is in that strict class until it is listed here."""
+
+
+def resume_config_diff(saved: dict[str, Any], cfg: Config) -> tuple[list[str], list[str]]:
+    """Compare a checkpoint's resolved config (a nested dict) with ``cfg``, key by key.
+
+    Returns (differences that change what is trained, harmless differences), each as
+    ``"key (checkpoint: old, now: new)"``. A key the saved config lacks (written before the key existed) is
+    compared as its default; keys the tree no longer has are skipped.
+    """
+    now = _flatten(cfg.to_dict())
+    before = {**_flatten(Config().to_dict()), **_flatten(saved)}
+    strict, harmless = [], []
+    for key, value in now.items():
+        if key in RESUME_IGNORED or before[key] == value:
+            continue
+        line = f"{key} (checkpoint: {_fmt_value(before[key])}, now: {_fmt_value(value)})"
+        (harmless if key in RESUME_HARMLESS else strict).append(line)
+    return strict, harmless
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _fmt_value(v: Any) -> str:
+    """A value as it is spelt in an override (``sync``, ``[jsonl]``, ``null``)."""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list):
+        return "[" + ",".join(_fmt_value(x) for x in v) + "]"
+    if isinstance(v, bool) or v is None:
+        return {True: "true", False: "false", None: "null"}[v]
+    return repr(v)
 
 
 # --------------------------------------------------------------------------- loading

@@ -3,13 +3,16 @@
 Only rank 0 writes; other ranks get a tracker whose methods do nothing, so the
 driver never branches on rank. Metric names are grouped as ``rollout/*``,
 ``actor/*``, ``reward/*``, ``timing/*``, ``perf/*``, ``val/*``. Left out:
-wandb/mlflow (tensorboard files are readable by both).
+wandb/mlflow (tensorboard files are readable by both). ``run_summary`` is the
+block printed when ``fit`` ends: what ran, how it ended, where the results are.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import sys
 import time
 from contextlib import contextmanager
@@ -94,7 +97,55 @@ class Tracker:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None  # later writes (the run summary) go below the finished bar
         if self.tb is not None:
             self.tb.close()
         if self.jsonl is not None:
             self.jsonl.close()
+
+
+def export_command() -> str:
+    """How to call the CLI from here: ``hybrid-rl`` when on PATH, else the console script beside this Python, else
+    ``python -m hybrid_rl``."""
+    if shutil.which("hybrid-rl"):
+        return "hybrid-rl"
+    script = Path(sys.executable).parent / "hybrid-rl"
+    if script.exists():
+        rel = os.path.relpath(script)
+        return rel if not rel.startswith("..") else str(script)
+    return "python -m hybrid_rl"
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{seconds:.1f}s"
+
+
+def run_summary(output_dir: str, loggers: list[str], steps_run: int, final_step: int, wall_s: float,
+                rewards: list[float], last_val: tuple[int, float] | None, checkpoint: Path | None, save_freq: int,
+                window: int = 5) -> str:
+    """The end-of-run block: steps and wall time, final reward (mean of the last ``window`` steps) and validation
+    score, the newest checkpoint, the metric files, and the export command."""
+    out = Path(output_dir)
+    lines = [f"hybrid_rl: done: {steps_run} step(s) run in {_duration(wall_s)}; the run is at step {final_step}"]
+    scores = []
+    if rewards:
+        last = rewards[-window:]
+        scores.append(f"reward/mean {sum(last) / len(last):.3f} (mean of the last {len(last)} step(s))")
+    if last_val is not None:
+        scores.append(f"val/reward_mean {last_val[1]:.3f} (step {last_val[0]})")
+    if scores:
+        lines.append("  final:      " + ", ".join(scores))
+    if checkpoint is not None:
+        lines.append(f"  checkpoint: {checkpoint}")
+    else:
+        why = " (trainer.save_freq=-1)" if save_freq < 0 else ""
+        lines.append(f"  checkpoint: none{why}")
+    if "jsonl" in loggers:
+        lines.append(f"  metrics:    {out / 'metrics.jsonl'}")
+    if "tensorboard" in loggers:
+        lines.append(f"  tensorboard: tensorboard --logdir {out / 'tensorboard'}")
+    if checkpoint is not None:
+        lines.append(f"  export:     {export_command()} export {out} {out / 'hf'}   (a Hugging Face model directory)")
+    return "\n".join(lines)

@@ -14,6 +14,7 @@ torch.distributed is the engine) and partial rollouts carried across steps
 from __future__ import annotations
 
 import random
+import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -23,15 +24,15 @@ import torch
 from hybrid_rl.advantage import compute_advantage
 from hybrid_rl.batch import Batch
 from hybrid_rl.checkpoint import (CHECKPOINT_SUBDIR, CheckpointError, capture_rng, find_latest, is_complete, load_checkpoint,
-                                  restore_rng, save_checkpoint)
-from hybrid_rl.config import Config, save_config
+                                  read_checkpoint_config, restore_rng, save_checkpoint)
+from hybrid_rl.config import Config, ConfigError, resume_config_diff, save_config
 from hybrid_rl.data import PromptDataset, PromptSampler, collate_prompts, load_rows
 from hybrid_rl.distributed import DistInfo, reduce_max, reduce_weighted_means, set_dp_group
 from hybrid_rl.metrics import batch_metrics
 from hybrid_rl.pipeline import RolloutPipeline
 from hybrid_rl.rewards import get_reward_fn
 from hybrid_rl.scoring import compute_scores
-from hybrid_rl.tracking import Timer, Tracker
+from hybrid_rl.tracking import Timer, Tracker, run_summary
 from hybrid_rl.watchdog import StallWatchdog
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 
@@ -85,6 +86,9 @@ class Trainer:
                 dist = DistInfo(rank=sp.index, world_size=sp.side_size, local_rank=dist.local_rank, device=dist.device)
         self.dist = dist
         self.is_logger = self.split.rank == self.split.leader if self.split else dist.is_main
+        self.ckpt_root = Path(cfg.trainer.output_dir) / CHECKPOINT_SUBDIR
+        self.tracker_notes: list[str] = []
+        resume_from = self._resume_target()  # before anything costly is built: a mismatched resume fails at once
         d = cfg.data
         from hybrid_rl.models import load_tokenizer
 
@@ -95,8 +99,9 @@ class Trainer:
         self.sampler = PromptSampler(len(self.train_set), d.train_batch_size, sampler_rank, sampler_world,
                                      cfg.trainer.seed, d.shuffle)
         self.val_set = None
-        if d.val_path:
-            val_rows = load_rows(d.val_path, d.val_split, d.hub_config, d.task, max(d.num_synthetic // 4, 1), cfg.trainer.seed + 1)
+        if d.val_path and (cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train):  # read only when used
+            val_rows = load_rows(d.val_path, d.val_split, d.hub_config, d.task, max(d.num_synthetic // 4, 1), cfg.trainer.seed + 1,
+                                 key="data.val_path")
             if d.max_val_samples:
                 val_rows = val_rows[: d.max_val_samples]
             self.val_set = PromptDataset(val_rows, d.task, tokenizer, d.max_prompt_length, d.truncation, d.system_prompt)
@@ -110,23 +115,22 @@ class Trainer:
                                         background=self.split is None)
         if self.split is not None:
             self._init_split()
-        self.ckpt_root = Path(t.output_dir) / CHECKPOINT_SUBDIR
         self.skipped_in_a_row = 0
-        self.tracker_note: str | None = None
-        self.start_step = self._restore()
+        self.last_val: tuple[int, float] | None = None
+        self.start_step = self._restore(resume_from) if resume_from is not None else 0  # nothing written before this
         if self.is_logger:
             _trim_metrics(Path(t.output_dir) / "metrics.jsonl", self.start_step)
         self.tracker = Tracker(t.output_dir, t.logger, self.total_steps, enabled=self.is_logger, initial_step=self.start_step)
-        if self.is_logger:
+        if self.is_logger and self.start_step < self.total_steps:  # "nothing to do" leaves the run's config as it was
             save_config(cfg, Path(t.output_dir) / "config.yaml")
         self.data_stats = {"data/train_prompts": len(self.train_set), "data/filtered_prompts": self.train_set.num_filtered,
                            "data/truncated_prompts": self.train_set.num_truncated}
 
     # -- the loop -----------------------------------------------------------------------
     def fit(self) -> list[dict[str, float]]:
-        history = []
-        if self.tracker_note:
-            self.tracker.write(self.tracker_note)
+        history, started = [], time.perf_counter()
+        for note in self.tracker_notes:
+            self.tracker.write(note)
         placement = (f"split ({self.split.n_rollout} rollout + {self.split.world - self.split.n_rollout} trainer ranks)"
                      if self.split else "colocated")
         self.tracker.write(f"hybrid_rl: {self.total_steps} steps, mode {self.cfg.trainer.mode}, placement {placement}, "
@@ -135,7 +139,7 @@ class Trainer:
             self.tracker.write(f"nothing to do: the checkpoint is at step {self.start_step} of {self.total_steps}; "
                                "raise trainer.total_steps (or total_epochs) to train further")
         elif self.start_step == 0 and self.cfg.trainer.val_before_train and self.val_set is not None:
-            self.tracker.log(self.validate(), step=0)
+            self._log(self.validate(), step=0)
         step_fn = self.overlap_step if self.cfg.trainer.mode == "overlap" else self.sync_step
         if self.split is not None:
             step_fn = self.split_rollout_step if self.split.is_rollout else self.split_train_step
@@ -144,7 +148,7 @@ class Trainer:
                 metrics = step_fn(last=step == self.total_steps)
             if self._due(step, self.cfg.trainer.test_freq) and self.val_set is not None:
                 metrics.update(self.validate())
-            self.tracker.log(metrics, step)
+            self._log(metrics, step)
             self._guard_skipped_updates(metrics)
             history.append({"step": step, **metrics})
             save_freq = self.cfg.trainer.save_freq
@@ -152,7 +156,22 @@ class Trainer:
                 self.save(step)
         self.pipeline.close()
         self.tracker.close()
+        self.tracker.write(self._summary(history, time.perf_counter() - started))
         return history
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        self.tracker.log(metrics, step)
+        if "val/reward_mean" in metrics:
+            self.last_val = (step, metrics["val/reward_mean"])
+
+    def _summary(self, history: list[dict[str, float]], wall_s: float) -> str:
+        """The end-of-run lines (logging rank): what ran, how it ended, where the results are."""
+        if not self.is_logger:
+            return ""
+        t = self.cfg.trainer
+        return run_summary(t.output_dir, t.logger, len(history), max(self.start_step, self.total_steps), wall_s,
+                           [r["reward/mean"] for r in history if "reward/mean" in r], self.last_val,
+                           find_latest(self.ckpt_root), t.save_freq)
 
     def sync_step(self, last: bool = False) -> dict[str, float]:
         timer = Timer()
@@ -288,20 +307,26 @@ class Trainer:
                  "rng": capture_rng(self._rng_generators()), "skipped_in_a_row": self.skipped_in_a_row,
                  "pending_batch": pending.state_dict() if pending is not None else None}
         model, optimizer, scheduler, group = self._checkpoint_parts()
-        save_checkpoint(self.ckpt_root, step, model, optimizer, scheduler, extra, self.cfg.trainer.keep_last, group)
+        save_checkpoint(self.ckpt_root, step, model, optimizer, scheduler, extra, self.cfg.trainer.keep_last, group,
+                        config=self.cfg.to_dict())
 
-    def _restore(self) -> int:
-        """Load the checkpoint ``trainer.resume`` names; returns the step to continue after (0 = fresh)."""
+    def _resume_target(self) -> Path | None:
+        """The checkpoint ``trainer.resume`` names (None = a fresh run), its run config checked against this one."""
         resume = self.cfg.trainer.resume
         if resume == "never":
-            return 0
+            return None
         path = find_latest(self.ckpt_root) if resume == "auto" else Path(resume)
         if path is None:
-            return 0
+            return None
         if not is_complete(path):
             raise CheckpointError(f"trainer.resume={resume!r} is not a complete checkpoint (no COMPLETE marker: missing, "
                                   f"crashed or partial); point it at a <output_dir>/checkpoints/step_* directory, or use "
                                   f"trainer.resume=auto to pick the newest complete one")
+        self._check_resumed_config(path)
+        return path
+
+    def _restore(self, path: Path) -> int:
+        """Load checkpoint ``path``; returns the step to continue after."""
         w = self.worker
         extra = load_checkpoint(path, *self._checkpoint_parts())
         w.weight_version = extra["weight_version"]
@@ -314,8 +339,30 @@ class Trainer:
             else:
                 self.pipeline.restore(pending)
         restore_rng(extra["rng"], self._rng_generators())  # last: building models consumed the global RNG
-        self.tracker_note = f"resumed from {path} (step {extra['step']})"
+        self.tracker_notes.append(f"resumed from {path} (step {extra['step']})")
         return int(extra["step"])
+
+    def _check_resumed_config(self, path: Path) -> None:
+        """Resuming continues the checkpoint's run: a setting that changes what is trained must not differ
+        silently (ConfigError unless trainer.allow_config_change); harmless differences become a warning."""
+        saved = read_checkpoint_config(path)
+        if saved is None:
+            self.tracker_notes.append(f"warning: {path} records no run config; resuming without comparing settings")
+            return
+        strict, harmless = resume_config_diff(saved, self.cfg)
+        if strict and not self.cfg.trainer.allow_config_change:
+            raise ConfigError(f"checkpoint {path} was trained with different settings: {', '.join(strict)}; to train with "
+                              f"the new settings use a new trainer.output_dir, set trainer.resume=never to start over, or "
+                              f"trainer.allow_config_change=true to continue this checkpoint with them")
+        if strict:
+            self.tracker_notes.append(f"warning: continuing {path} with changed training settings "
+                                      f"(trainer.allow_config_change=true): {', '.join(strict)}")
+        if harmless:
+            note = ""
+            if self.cfg.actor.lr_scheduler == "cosine" and any(k.startswith(("trainer.total_steps", "trainer.total_epochs"))
+                                                               for k in harmless):
+                note = " (the cosine LR schedule stretches to the new length)"
+            self.tracker_notes.append(f"warning: resuming {path} with changed settings: {', '.join(harmless)}{note}")
 
     def _guard_skipped_updates(self, metrics: dict[str, float]) -> None:
         """A non-finite loss/grad norm skips the update; too many in a row stops the run."""
