@@ -39,6 +39,26 @@ GSM8K_TEST = Path(__file__).resolve().parents[1].parent / "shared/data/gsm8k/tes
     ("We get 1, 2, 3", None, "3"),
     ("I don't know.", None, None),
     ("", None, None),
+    # the result of an expression in the answer clause, not its first operand
+    ("The answer is 12 * 3 = 36.", None, "36"),
+    ("answer = 3 + 4 = 7", None, "7"),
+    ("**Answer:** 10 - 3 = 7", None, "7"),
+    ("answer: 3 - 10 = -7", None, "-7"),
+    ("The answer is 5 × 3 = 15 cookies", None, "15"),
+    ("The answer is 2 * $4.50 = $9.00.", None, "9.00"),
+    ("The answer is 36 (12 * 3).", None, "36"),
+    # strict: the #### line must be just a number (with $ , units, a trailing period or bold)
+    ("#### 2. Final step\nAdd them: 3 + 4 = 7 apples.", None, "7"),
+    ("#### 1. Read the problem\nThe answer is 9.", None, "9"),
+    ("#### Step 2\nso 5", None, "5"),
+    ("#### 2. Final step\nStuff.\n#### 36", "36", "36"),
+    ("#### 18.", "18", "18"),
+    ("#### **42**", "42", "42"),
+    ("#### 25%", "25", "25"),
+    ("#### 1,000 dollars", "1000", "1000"),
+    ("#### 18 per hour\n", "18", "18"),
+    ("#### 18\r\n", "18", "18"),
+    ("So it is #### 18", "18", "18"),
 ])
 def test_extract_answer_table(text, strict, flexible):
     assert gsm8k.extract_answer(text, "strict") == strict
@@ -46,17 +66,45 @@ def test_extract_answer_table(text, strict, flexible):
     assert gsm8k.extract_answer(text) == flexible
 
 
-@pytest.mark.parametrize("response, truth, score", [
-    ("#### 5.0", "5", 1.0),
-    ("#### 1,000", "1000", 1.0),
-    ("The answer is $18.", "18", 1.0),
-    ("#### 17", "18", 0.0),
-    ("no number", "18", 0.0),
-    ("#### -2", "-2", 1.0),
-    ("\\boxed{x+1}", "x + 1", 1.0),  # non-numeric: normalised string compare
-])
-def test_gsm8k_compute_score(response, truth, score):
+# (response, ground truth, score with the default flexible method, score with method="strict")
+GSM8K_SCORE_CASES = [
+    ("#### 5.0", "5", 1.0, 1.0),
+    ("#### 1,000", "1000", 1.0, 1.0),
+    ("The answer is $18.", "18", 1.0, 0.0),
+    ("#### 17", "18", 0.0, 0.0),
+    ("no number", "18", 0.0, 0.0),
+    ("#### -2", "-2", 1.0, 1.0),
+    ("\\boxed{x+1}", "x + 1", 1.0, 0.0),  # non-numeric: normalised string compare
+    ("so 18", "18", 1.0, 0.0),
+    # the result of an expression in the answer clause
+    ("The answer is 12 * 3 = 36.", "36", 1.0, 0.0),
+    ("The answer is 12 * 3 = 36.", "12", 0.0, 0.0),
+    ("answer = 3 + 4 = 7", "7", 1.0, 0.0),
+    ("answer = 3 + 4 = 7", "3", 0.0, 0.0),
+    ("Final Answer: 1,200 / 4 = 300 dollars.", "300", 1.0, 0.0),
+    ("The answer is 3 - 10 = -7.", "-7", 1.0, 0.0),
+    # a markdown heading is not the #### answer
+    ("#### 2. Final step\nAdd them: 3 + 4 = 7 apples.", "7", 1.0, 0.0),
+    ("#### 2. Final step\nAdd them: 3 + 4 = 7 apples.", "2", 0.0, 0.0),
+    ("#### 2. Final step\nThe answer is 9.\n#### 9", "9", 1.0, 1.0),
+    # formats a GSM8K grader accepts: commas, negatives, $ signs, trailing periods, units
+    ("The answer is 7.", "7", 1.0, 0.0),
+    ("The answer is 1,000.", "1000", 1.0, 0.0),
+    ("The answer is -5.", "-5", 1.0, 0.0),
+    ("The answer is $1,250.50.", "1250.5", 1.0, 0.0),
+    ("#### $1,250.50", "1250.50", 1.0, 1.0),
+    ("#### 18.", "18", 1.0, 1.0),
+    ("#### 18 eggs.", "18", 1.0, 1.0),
+    ("#### 1,000,000", "1000000", 1.0, 1.0),
+    ("#### 0.5", ".5", 1.0, 1.0),
+    ("#### -$3", "-3", 1.0, 1.0),
+]
+
+
+@pytest.mark.parametrize("response, truth, score, strict_score", GSM8K_SCORE_CASES)
+def test_gsm8k_compute_score(response, truth, score, strict_score):
     assert gsm8k.compute_score(response, truth) == score
+    assert gsm8k.compute_score(response, truth, method="strict") == strict_score
 
 
 def test_gsm8k_strict_method():

@@ -1,14 +1,18 @@
 """GSM8K answer extraction and scoring.
 
 ``extract_answer`` pulls the final number out of a model response; ``strict``
-accepts only the number after ``####`` (the format the GSM8K prompt asks for),
-``flexible`` also accepts ``\\boxed{...}``, "the answer is X", and finally the
-last number anywhere in the text, because instruct models often ignore the
-requested format. ``compute_score`` uses ``flexible`` by default (verl's own
-GSM8K reward defaults to strict; pass ``method="strict"`` to match it). Numbers
-are compared as floats, so ``$1,000.00`` matches ``1000``. Left out: fractions,
-LaTeX arithmetic and spelled-out numbers ("eighteen"), which GSM8K answers never
-need, and partial credit for format (the score is 0 or 1).
+accepts only a ``#### <number>`` line (the format the GSM8K prompt asks for; the
+line may add units, a ``$``, bold or a trailing period, but a markdown heading
+such as ``#### 2. Final step`` is not an answer), ``flexible`` also accepts
+``\\boxed{...}``, "the answer is X", and finally the last number anywhere in the
+text, because instruct models often ignore the requested format. Where the
+answer is an expression ("the answer is 12 * 3 = 36", ``\\boxed{x = 5}``) its
+result, the number after the last ``=``, is taken. ``compute_score`` uses
+``flexible`` by default (verl's own GSM8K reward defaults to strict; pass
+``method="strict"`` to match it). Numbers are compared as floats, so
+``$1,000.00`` matches ``1000``. Left out: fractions, LaTeX arithmetic and
+spelled-out numbers ("eighteen"), which GSM8K answers never need, and partial
+credit for format (the score is 0 or 1).
 """
 
 from __future__ import annotations
@@ -24,8 +28,15 @@ from typing import Literal, Optional
 # a sign only when it does not follow a digit.
 _NUM = r"(?<![\w.])(?:-\$?|\$-?)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
 _NUM_RE = re.compile(_NUM)
-_STRICT_RE = re.compile(r"####\s*(" + _NUM + ")")
-_ANSWER_IS_RE = re.compile(r"(?i)\banswer\b(?:\s+is)?[\s:=*]*(" + _NUM + ")")
+# The strict form: "#### <number>" and nothing else on the line but optional bold, a % sign, up to three
+# lower-case unit words ("18 eggs", "5 per hour") and a trailing period. A markdown heading such as
+# "#### 2. Final step" is not an answer.
+_STRICT_RE = re.compile(r"(?m)####[ \t]*[*_]*[ \t]*(" + _NUM + r")[ \t]*%?[*_]*(?:[ \t]+[a-z][a-z/-]*){0,3}"
+                        r"[ \t]*\.?[*_]*[ \t\r]*$")
+# "the answer is <expression>": a number, optionally followed by arithmetic and "= result" steps, so that
+# "12 * 3 = 36" answers with 36 (the number after the last "="), not with its first operand.
+_OP = r"(?:[-+*/×÷·=x]|\\times|\\cdot|\\div)"
+_ANSWER_IS_RE = re.compile(r"(?i)\banswer\b(?:\s+is)?[\s:=*]*(" + _NUM + r"(?:[ \t]*" + _OP + r"[ \t]*" + _NUM + ")*)")
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BOXED_NUM_RE = re.compile(r"(" + _NUM + r")[^\d]*$")
 # LaTeX that wraps or decorates a number inside \boxed{}: \text{...} units, \$,
@@ -49,7 +60,7 @@ def extract_answer(text: str, method: Literal["strict", "flexible"] = "flexible"
         return boxed
     answer_is = _ANSWER_IS_RE.findall(text)
     if answer_is:
-        return _clean(answer_is[-1])
+        return _clean(_NUM_RE.search(answer_is[-1].rpartition("=")[2]).group(0))
     numbers = _NUM_RE.findall(text)
     return _clean(numbers[-1]) if numbers else None
 
