@@ -6,16 +6,25 @@ path. The tiny model (``builtin:tiny-qwen2``) is a small Qwen2-architecture
 network with a character-level tokenizer and a Qwen-style chat template; it is
 *written to a directory* and then loaded with ``from_pretrained`` exactly like a
 hub checkpoint, so CPU runs and CI exercise the real loading path without any
-download. What this module leaves out: quantisation and remote code beyond the
-``trust_remote_code`` switch.
+download. Built-in directories in the cache are complete only when they hold
+``BUILD_MARKER``; everything else there is rebuilt, never returned, because many
+ranks (and hosts, over NFS) build and read them at once. What this module
+leaves out: quantisation and remote code beyond the ``trust_remote_code`` switch.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
 import os
+import shutil
+import socket
 import string
+import time
+import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -102,11 +111,10 @@ def build_tiny_tokenizer(vocab_size: int | None = None):
     return tok
 
 
-def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, arch: str = TINY_MODEL) -> Path:
-    """Write a random-init Qwen2 model + tokenizer to ``out_dir``: the tiny one, or a ``RANDOM_ARCHS`` shape."""
+def _write_model(out: Path, arch: str, seed: int) -> None:
+    """Write the random-init model + tokenizer files into the existing directory ``out``."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    out = Path(out_dir)
     if arch == TINY_MODEL:
         tokenizer = build_tiny_tokenizer()
         shape = dict(TINY_CONFIG, vocab_size=len(tokenizer))
@@ -121,18 +129,165 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, arch: str = TINY
         model = Qwen2ForCausalLM(config).to(dtype)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    # Write atomically so concurrent ranks never read a half-written directory.
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+# A built directory is complete only if it holds this marker, written last, whose stamp
+# matches what this code would build. Bump _BUILDER_VERSION when _write_model changes
+# what it writes: every cache then rebuilds once.
+BUILD_MARKER = ".hybrid_rl_complete"
+_BUILDER_VERSION = 2
+_STALE_AFTER_S = 6 * 3600  # temp/aside directories older than this belong to dead builders
+_LOCK_WAIT_S = 900.0  # after this, build without the lock (the rename keeps that safe), e.g. a hung NFS lock
+
+
+def _build_stamp(arch: str, seed: int) -> str:
+    shape = TINY_CONFIG if arch == TINY_MODEL else RANDOM_ARCHS[arch]
+    spec = json.dumps(dict(builder=_BUILDER_VERSION, arch=arch, seed=seed, shape=shape), sort_keys=True)
+    return hashlib.sha256(spec.encode()).hexdigest()[:16]
+
+
+def _is_complete(out: Path, arch: str, seed: int) -> bool:
+    """Whether ``out`` is a finished build of this arch and seed by this builder version."""
+    try:
+        marker = json.loads((out / BUILD_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("stamp") == _build_stamp(arch, seed)
+
+
+def _unique_sibling(out: Path, kind: str) -> Path:
+    # host + pid + random: unique across hosts that share the directory (pids repeat across containers)
+    return out.with_name(f".{out.name}.{kind}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+
+def _fsync_tree(root: Path) -> None:
+    # the marker must never reach the disk (or the NFS server) before the files it vouches for
+    for f in root.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _stage_build(out: Path, arch: str, seed: int) -> Path:
+    """Build into a fresh hidden sibling of ``out``, marker last; return it (removed on failure)."""
+    tmp = _unique_sibling(out, "tmp")
+    try:
+        tmp.mkdir()
+        _write_model(tmp, arch, seed)
+        _fsync_tree(tmp)
+        marker = dict(builder=_BUILDER_VERSION, arch=arch, seed=seed, stamp=_build_stamp(arch, seed))
+        with open(tmp / BUILD_MARKER, "w") as f:
+            json.dump(marker, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        _remove(tmp)
+        raise
+    return tmp
+
+
+def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, arch: str = TINY_MODEL) -> Path:
+    """Write a random-init Qwen2 model + tokenizer to ``out_dir``: the tiny one, or a ``RANDOM_ARCHS`` shape.
+
+    Built in a temporary sibling and renamed into place, so ``out_dir`` is either absent or
+    complete. An existing ``out_dir`` is kept if it is the same complete build, else an error
+    (it is the caller's directory: never replaced; the cache's own are, in ``resolve_model_path``).
+    """
+    out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _stage_build(out, arch, seed)
     try:
         os.rename(tmp, out)
-    except OSError:  # another process won the race; its copy is identical
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:
+        _remove(tmp)
+        if not _is_complete(out, arch, seed):
+            raise ModelLoadError(f"{out} already exists and is not a complete build of {arch!r} (seed {seed}); "
+                                 f"remove it or choose another directory") from None
     return out
+
+
+def _install(tmp: Path, out: Path, arch: str, seed: int) -> None:
+    """Rename the finished build ``tmp`` to ``out``; a complete ``out`` wins, an incomplete one is replaced."""
+    for _ in range(20):
+        try:
+            os.rename(tmp, out)  # atomic; replaces only a missing or empty directory
+            return
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR, errno.EBUSY):
+                raise
+        if _is_complete(out, arch, seed):  # lost the race to a complete build: use the winner's
+            _remove(tmp)
+            return
+        aside = _unique_sibling(out, "stale")
+        try:
+            os.rename(out, aside)
+        except FileNotFoundError:  # another builder moved it first
+            continue
+        if _is_complete(aside, arch, seed):
+            # it was finished between our check and the move (another host's rename): put it back
+            try:
+                os.rename(aside, out)
+            except OSError:
+                pass  # yet another complete build took the place meanwhile
+            else:
+                _remove(tmp)
+                return
+        _remove(aside)
+    raise OSError(errno.EBUSY, f"{out} kept changing while installing a fresh build")
+
+
+def _sweep_leftovers(out: Path) -> None:
+    """Remove temp and set-aside directories of builders that died long ago (interrupted runs)."""
+    now = time.time()
+    for p in out.parent.glob(f".{out.name}.*-*"):
+        if p.name.startswith((f".{out.name}.tmp-", f".{out.name}.stale-")):
+            try:
+                old = now - p.lstat().st_mtime > _STALE_AFTER_S
+            except OSError:
+                continue
+            if old:
+                _remove(p)
+
+
+def _wait_for_lock(lock_file, ready: Callable[[], bool]) -> bool:
+    """Take an exclusive flock on ``lock_file``; False if ``ready()`` came true first (nothing to build).
+
+    The lock only saves duplicate work: where it does not exclude (NFS without lockd,
+    hosts that each lock locally) or is unsupported, builders race and the atomic rename
+    in ``_install`` settles it. So an unusable lock or a long wait means "build anyway".
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        return True
+    deadline = time.monotonic() + _LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+        except OSError:  # ENOLCK / EOPNOTSUPP
+            return True
+        if ready():  # another process (maybe on another host) finished meanwhile
+            return False
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.2)
 
 
 def write_random_model(out_dir: str | os.PathLike, arch: dict[str, Any], device: str | torch.device = "cpu",
@@ -155,25 +310,43 @@ def write_random_model(out_dir: str | os.PathLike, arch: dict[str, Any], device:
 
 
 def resolve_model_path(path: str) -> str:
-    """Map ``builtin:NAME`` to a materialised directory; leave other paths alone."""
+    """Map ``builtin:NAME`` to a complete materialised directory (building it once); leave other paths alone.
+
+    Safe for any number of ranks and hosts sharing the cache: one builder per host under a
+    file lock, each build in its own temporary directory, renamed into place with the marker
+    already inside. A directory without a valid marker (cut-off build, older code) is rebuilt.
+    """
     if not path.startswith(BUILTIN_PREFIX):
         return path
     name = path[len(BUILTIN_PREFIX):]
     known = [TINY_MODEL, *RANDOM_ARCHS]
     if name not in known:
         raise ModelLoadError(f"model.path: unknown built-in model {name!r}; choose one of {[BUILTIN_PREFIX + k for k in known]}")
+    seed = 0
     out = cache_dir() / name
-    if not (out / "config.json").exists():
-        import fcntl
-
+    if _is_complete(out, name, seed):
+        return str(out)
+    try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        # one process builds while the other ranks wait, then find it complete (on a fresh 2-GPU machine both
-        # ranks of a torchrun building at once once read a config.json without model_type, despite the rename)
-        with open(out.parent / f".{name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not (out / "config.json").exists():
-                build_tiny_model(out, arch=name)
+        with open(out.parent / f".{name}.lock", "a") as lock:
+            if _wait_for_lock(lock, lambda: _is_complete(out, name, seed)) and not _is_complete(out, name, seed):
+                _sweep_leftovers(out)
+                _install(_stage_build(out, name, seed), out, name, seed)
+    except Exception as e:
+        if not _is_disk_error(e):
+            raise
+        reason = " ".join(str(e).split())[:300]
+        raise ModelLoadError(f"model.path: cannot build {path} in the cache {out.parent} ({reason}); free space there or "
+                             f"set HYBRID_RL_CACHE to a writable directory with room for it") from e
+    if not _is_complete(out, name, seed):
+        raise ModelLoadError(f"model.path: {path} in {out} is still incomplete after building it; remove that directory "
+                             f"or set HYBRID_RL_CACHE to another one")
     return str(out)
+
+
+def _is_disk_error(e: BaseException) -> bool:
+    # safetensors reports a full disk as SafetensorError("... IoError(Os { code: 28 ...")
+    return isinstance(e, OSError) or type(e).__name__ == "SafetensorError"
 
 
 def _check_local(path: str, key: str) -> None:
