@@ -20,8 +20,10 @@ $(VPY):
 
 install: $(VPY)
 
+# checks the config and what the recipe needs in one process, then launches $(GPUS) ranks (torchrun inside);
+# the same as .venv/bin/hybrid-rl train --nproc N recipes/X.yaml key=value ...
 train: $(VPY)
-	$(VPY) -m torch.distributed.run --standalone --nproc_per_node=$(GPUS) -m hybrid_rl train recipes/$(RECIPE).yaml $(ARGS)
+	$(VPY) -m hybrid_rl train --nproc $(GPUS) recipes/$(RECIPE).yaml $(ARGS)
 
 test: $(VPY)
 	$(VPY) -m pytest -q $(PYTEST_ARGS)

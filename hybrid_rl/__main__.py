@@ -1,42 +1,163 @@
-"""Command line: ``python -m hybrid_rl train RECIPE.yaml [key.sub=value ...]``.
+"""Command line: ``hybrid-rl train [--nproc N] RECIPE.yaml [key.sub=value ...]`` (or ``python -m hybrid_rl``).
 
-Under torchrun every rank runs this same command. User errors (a bad recipe,
-a missing file, a reward function that raises) end the run with one line on
-stderr and exit code 2; anything else is a bug and keeps its traceback.
+``train --nproc N`` is the launcher: it loads and validates the config and runs the
+preflight checks (``preflight.py``) in this one process, before any rank starts,
+then starts N ranks through torchrun's own ``torch.distributed.run``. Without
+``--nproc`` this process is the trainer: a world of one, or one rank when torchrun
+started it. Every rank runs the same command.
+
+User errors (a bad recipe, a missing file, a reward function that raises) end the
+run with one line on stderr and exit code 2, also through the launcher: ranks hand
+their line to the launcher, which prints one and keeps the elastic agent's failure
+report to itself. Anything else is a bug and keeps its traceback and torchrun's report.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import logging
 import os
 import sys
+from pathlib import Path
+
+ENV_PREFLIGHT_DONE = "HYBRID_RL_PREFLIGHT_DONE"
+"""Set by the launcher for its ranks: the config was validated and preflighted once, before they started."""
+ENV_ERROR_DIR = "HYBRID_RL_ERROR_DIR"
+"""Set by the launcher: a rank writes its user-error line to ``<dir>/rank<R>`` instead of printing it."""
+USER_ERROR = 2
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from hybrid_rl.config import ConfigError
-    from hybrid_rl.data import DataError
-    from hybrid_rl.models import ModelLoadError
-    from hybrid_rl.checkpoint import CheckpointError
-    from hybrid_rl.pipeline import StalenessError
-    from hybrid_rl.rewards import RewardError
-    from hybrid_rl.trainer import TrainingDiverged
+# (module, class) of every user error; classes of modules never imported cannot have been raised, so the
+# check imports nothing (an error caught before the trainer is imported must not pay for importing it)
+_USER_ERRORS = (("hybrid_rl.config", "ConfigError"), ("hybrid_rl.data.tasks", "DataError"),
+                ("hybrid_rl.models", "ModelLoadError"), ("hybrid_rl.rewards.registry", "RewardError"),
+                ("hybrid_rl.checkpoint", "CheckpointError"), ("hybrid_rl.pipeline", "StalenessError"),
+                ("hybrid_rl.trainer", "TrainingDiverged"), ("hybrid_rl.preflight", "PreflightError"))
 
-    return (ConfigError, DataError, ModelLoadError, RewardError, CheckpointError, StalenessError, TrainingDiverged)
+
+def _is_user_error(e: BaseException) -> bool:
+    return any(isinstance(e, getattr(sys.modules[mod], name)) for mod, name in _USER_ERRORS if mod in sys.modules)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.nproc is not None:
+        return launch(args.recipe, args.overrides, args.nproc)
     from hybrid_rl.config import load_config
+
+    cfg = load_config(args.recipe, args.overrides)
+    cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
+    if not os.environ.get(ENV_PREFLIGHT_DONE):
+        from hybrid_rl.preflight import preflight
+
+        preflight(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     from hybrid_rl.distributed import destroy, init_distributed
     from hybrid_rl.trainer import Trainer
 
-    cfg = load_config(args.recipe, args.overrides)
     dist = init_distributed(cfg.trainer.device)
     try:
-        cfg.validate(dist.world_size)
         Trainer(cfg, dist).fit()
     finally:
         destroy()
     return 0
+
+
+def _nproc(value: str, cfg) -> int:
+    """``--nproc``: a count, or ``auto`` = the visible GPUs (one process on CPU)."""
+    from hybrid_rl.preflight import PreflightError
+
+    if value == "auto":
+        import torch
+
+        return max(torch.cuda.device_count(), 1) if cfg.trainer.device != "cpu" else 1
+    if not value.isdigit() or int(value) < 1:
+        raise PreflightError(f"--nproc {value!r} must be a positive number of processes or 'auto' (one per visible GPU)")
+    return int(value)
+
+
+def launch(recipe: str, overrides: list[str], nproc_arg: str) -> int:
+    """Validate + preflight here, then run ``torchrun --standalone --nproc_per_node=N -m hybrid_rl train ...``."""
+    import tempfile
+
+    from hybrid_rl.config import load_config
+    from hybrid_rl.preflight import PreflightError, preflight
+
+    if "LOCAL_RANK" in os.environ:
+        raise PreflightError("train --nproc starts the ranks itself; drop --nproc when torchrun launches this command")
+    cfg = load_config(recipe, overrides)
+    nproc = _nproc(nproc_arg, cfg)
+    cfg.validate(nproc)
+    preflight(cfg, nproc)
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    with tempfile.TemporaryDirectory(prefix="hybrid_rl_errors_") as error_dir:
+        os.environ[ENV_PREFLIGHT_DONE] = "1"
+        os.environ[ENV_ERROR_DIR] = error_dir
+        torchrun_args = parse_args(["--standalone", f"--nproc_per_node={nproc}", "--module", "hybrid_rl",
+                                    "train", recipe, *overrides])
+        _quiet_elastic_agent()
+        try:
+            run(torchrun_args)
+        except ChildFailedError as e:
+            first_rank, first = e.get_first_failure()
+            if first.exitcode == USER_ERROR:  # the ranks' one line, printed once; the agent's report stays quiet
+                print(f"error: {_rank_error(Path(error_dir), first_rank)}", file=sys.stderr)
+                return USER_ERROR
+            print(e.format_msg(), file=sys.stderr)  # a crash: the ranks printed their tracebacks; add torchrun's report
+            return first.exitcode if first.exitcode > 0 else 1
+        except SignalException as e:  # Ctrl-C or a kill: the ranks were stopped, nothing to report
+            return 128 + int(e.sigval)
+        finally:
+            os.environ.pop(ENV_PREFLIGHT_DONE, None)
+            os.environ.pop(ENV_ERROR_DIR, None)
+    return 0
+
+
+_AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
+
+
+class _DropAgentRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.name.startswith(_AGENT_LOGGERS)
+
+
+def _quiet_elastic_agent() -> None:
+    """Silence the elastic agent's own logging (a failed rank, the OMP_NUM_THREADS banner) in this process.
+
+    A crash is still reported: the ranks print their tracebacks and ``launch`` prints torchrun's failure summary.
+    The agent's loggers set their own levels (so a parent's level would not reach them) and some are created
+    only when the rendezvous starts, so the records are dropped at the handlers they reach as well.
+    """
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(_AGENT_LOGGERS):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    for name in ("", "torch", "torch.distributed"):
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, _DropAgentRecords) for f in handler.filters):
+                handler.addFilter(_DropAgentRecords())
+
+
+def _rank_error(error_dir: Path, first_rank: int) -> str:
+    """The line the first failing rank wrote (else rank 0's, else any)."""
+    files = sorted(error_dir.glob("rank*"), key=lambda p: (p.name != f"rank{first_rank}", p.name != "rank0", p.name))
+    for f in files:
+        text = f.read_text().strip()
+        if text:
+            return text
+    return f"rank {first_rank} stopped with a user error (exit code {USER_ERROR}) but left no message; see the output above"
+
+
+def _report_user_error(e: BaseException) -> None:
+    error_dir = os.environ.get(ENV_ERROR_DIR)
+    rank = os.environ.get("RANK", "0")
+    if error_dir and Path(error_dir).is_dir():  # the launcher prints it, once
+        (Path(error_dir) / f"rank{rank}").write_text(str(e))
+    elif rank == "0":
+        print(f"error: {e}", file=sys.stderr)
 
 
 def cmd_build_tiny_model(args: argparse.Namespace) -> int:
@@ -52,12 +173,27 @@ def cmd_export(args: argparse.Namespace) -> int:
     return export_main(args.checkpoint, args.out_dir, args.adapters_only, args.dtype)
 
 
+def _wrong_interpreter(argv: list[str]) -> str | None:
+    """A Python without the project's packages (``python -m hybrid_rl`` outside .venv) gets the command to use."""
+    if importlib.util.find_spec("torch") is not None:
+        return None
+    venv = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "hybrid-rl"
+    script = os.path.relpath(venv) if venv.exists() else None
+    fix = (f"run {script} {' '.join(argv)}" if script else
+           "create it with `make install` and run .venv/bin/hybrid-rl " + " ".join(argv))
+    return f"{sys.executable} has no torch, so it is not the project's environment; {fix} (or use make train)"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hybrid_rl", description="hybrid_rl: colocated RL trainer for LLMs")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="hybrid-rl", description="hybrid_rl: colocated RL trainer for LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train from a YAML recipe")
     p.add_argument("recipe", help="path to a recipe YAML (see recipes/)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=10")
+    p.add_argument("--nproc", metavar="N", default=None,
+                   help="check the config, then launch N ranks through torchrun ('auto': one per visible GPU, "
+                        "one on CPU); without it this process trains alone, or is one rank under torchrun")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory (LoRA merged by default)")
     p.add_argument("checkpoint", help="<output_dir>/checkpoints/step_N, or a run directory (its newest checkpoint)")
@@ -70,13 +206,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_build_tiny_model)
     args = parser.parse_args(argv)
+    wrong = _wrong_interpreter(argv)
+    if wrong:
+        print(f"error: {wrong}", file=sys.stderr)
+        return USER_ERROR
     try:
         return args.func(args)
-    except _user_errors() as e:
-        rank = os.environ.get("RANK", "0")
-        if rank == "0":
-            print(f"error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:
+        if not _is_user_error(e):
+            raise
+        _report_user_error(e)
+        return USER_ERROR
 
 
 if __name__ == "__main__":

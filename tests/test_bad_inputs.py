@@ -5,6 +5,7 @@ The README's "Bad input" table is this list; ``python tests/test_bad_inputs.py``
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,15 +50,31 @@ CASES = [
     ("resume from a path that is no checkpoint", ["train", RECIPE, "trainer.resume={tmp}", "trainer.output_dir={tmp}/run"],
      ["trainer.resume", "trainer.resume=auto"]),
     ("export of a missing checkpoint", ["export", "{tmp}/nothing", "{tmp}/out"], ["does not exist"]),
+    # preflight (hybrid_rl/preflight.py): caught in seconds, before any model or data loads
+    ("hub model, not cached, hub offline", ["train", RECIPE, "model.path=fake-org/fake-model"],
+     ["model.path='fake-org/fake-model'", "HF_HUB_OFFLINE", "builtin:tiny-qwen2", "hf download"]),
+    ("hub dataset, not cached, hub offline", ["train", RECIPE, "data.train_path=fake-org/fake-data", "data.task=gsm8k"],
+     ["data.train_path='fake-org/fake-data'", "HF_HUB_OFFLINE", ".jsonl/.parquet"]),
+    ("hub validation set, not cached, hub offline", ["train", RECIPE, "data.val_path=fake-org/fake-data",  # validates
+                                                     "trainer.output_dir={tmp}/run_val"], ["data.val_path='fake-org/fake-data'", "HF_HUB_OFFLINE"]),
+    ("trainer.device=cuda without a GPU", ["train", RECIPE, "trainer.device=cuda"], ["trainer.device=cpu"]),
 ]
 
+# environment of a case (formatted like its arguments): an empty Hugging Face cache and no hub
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_HOME": "{tmp}/hf_home"}
+ENVS = {"hub model, not cached, hub offline": OFFLINE, "hub dataset, not cached, hub offline": OFFLINE,
+        "hub validation set, not cached, hub offline": OFFLINE}
+# a case that needs the machine to lack something
+SKIP_IF = {"trainer.device=cuda without a GPU": lambda: __import__("torch").cuda.is_available()}
 
-def _run(args: list[str], paths: dict[str, str]) -> subprocess.CompletedProcess:
+
+def _run(args: list[str], paths: dict[str, str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     args = [a.format(**paths) for a in args]
+    env = {**os.environ, **{k: v.format(**paths) for k, v in (env or {}).items()}}
     extra = FAST + [f"trainer.output_dir={paths['tmp']}/run_default"] if args[0] == "train" and not any(
         a.startswith("trainer.output_dir") for a in args) else []
     return subprocess.run([sys.executable, "-m", "hybrid_rl", *args, *extra], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300)
+                          timeout=300, env=env)
 
 
 @pytest.mark.parametrize("what, args, expected", CASES, ids=[c[0] for c in CASES])
@@ -69,7 +86,9 @@ def test_bad_input_is_one_clear_line(tmp_path, what, args, expected):
             pytest.skip("vllm is installed here")
         except ImportError:
             pass
-    proc = _run(args, _setup(tmp_path))
+    if what in SKIP_IF and SKIP_IF[what]():
+        pytest.skip("this machine has what the case lacks")
+    proc = _run(args, _setup(tmp_path), ENVS.get(what))
     err = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
@@ -81,10 +100,10 @@ def test_bad_input_is_one_clear_line(tmp_path, what, args, expected):
 if __name__ == "__main__":  # print the README table from real runs
     import tempfile
 
-    print("| bad input | what `python -m hybrid_rl` prints (exit code 2) |\n|---|---|")
+    print("| bad input | what `hybrid-rl` (and `make train`) prints (exit code 2) |\n|---|---|")
     with tempfile.TemporaryDirectory() as d:
         paths = _setup(Path(d))
         for what, args, _ in CASES:
-            proc = _run(args, paths)
+            proc = _run(args, paths, ENVS.get(what))
             line = next((l for l in proc.stderr.splitlines() if l.startswith("error:")), proc.stderr.strip()[-200:])
             print(f"| {what} | `{line.replace(d, '/tmp/x').replace('|', '/')}` |")

@@ -1,0 +1,209 @@
+"""Checks, in seconds and before any rank starts, that a run can get what its recipe asks for.
+
+Without them a missing piece shows up late: vLLM's absence after the model and data
+have loaded, an uncached hub model on an offline machine after a minute of download
+retries. ``preflight`` looks only at the config, the installed packages, the visible
+GPUs, the file system and the local Hugging Face cache, and it reaches for the network
+only once, with a short timeout, when a hub model or dataset is not cached. Each
+failure is one ``PreflightError`` line naming the key and the fix. ``builtin:`` models
+and ``synthetic:`` data pass without building anything.
+
+Left out on purpose: whatever needs the model or data loaded (a tokenizer without a
+chat template, a malformed row, prompts that are too long) stays with the trainer,
+which reports it as one line too; vLLM is checked for presence, not imported (that
+takes seconds to tens of seconds and may touch the GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import socket
+import threading
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Optional
+
+from hybrid_rl.config import Config
+
+HUB_TIMEOUT_S = 3.0
+"""How long the one connect to the hub (or the https proxy) may take before the hub counts as unreachable."""
+
+
+class PreflightError(ValueError):
+    """A recipe asks for something this machine cannot provide; the message says what to do."""
+
+
+def validation_on(cfg: Config) -> bool:
+    """Whether the run validates at all (only then does ``data.val_path`` matter)."""
+    return cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train
+
+
+def preflight(cfg: Config, nproc: int = 1) -> None:
+    """Raise a one-line user error for the first thing ``cfg`` needs that is missing.
+
+    ``nproc`` is the number of processes on this machine (torchrun's ``--nproc_per_node``).
+    """
+    check_rollout_engine(cfg)
+    check_devices(cfg, nproc)
+    check_model(cfg)
+    check_data(cfg)
+
+
+# --------------------------------------------------------------------------- engine, devices
+def check_rollout_engine(cfg: Config) -> None:
+    if cfg.rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:
+        from hybrid_rl.models import ModelLoadError
+        from hybrid_rl.rollout.vllm import VLLM_MISSING
+
+        raise ModelLoadError(VLLM_MISSING)
+
+
+def check_devices(cfg: Config, nproc: int) -> None:
+    device = cfg.trainer.device
+    if device == "cpu":
+        return
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if device == "cuda" and gpus == 0:
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise PreflightError(f"trainer.device=cuda but no CUDA GPU is visible (torch {torch.__version__} is {build}); "
+                             f"set trainer.device=cpu or auto, or run on a GPU machine")
+    if 0 < gpus < nproc:
+        raise PreflightError(f"{nproc} processes need one GPU each (trainer.device={device}) but {gpus} GPU(s) are "
+                             f"visible; launch {gpus} (make train GPUS={gpus}, or --nproc {gpus})")
+
+
+# --------------------------------------------------------------------------- model
+def check_model(cfg: Config) -> None:
+    m = cfg.model
+    _check_model_path(m.path, "model.path", "config.json")
+    if m.tokenizer_path:
+        _check_model_path(m.tokenizer_path, "model.tokenizer_path", "tokenizer_config.json")
+
+
+def _check_model_path(path: str, key: str, marker: str) -> None:
+    from hybrid_rl.models import BUILTIN_PREFIX, RANDOM_ARCHS, TINY_MODEL, ModelLoadError, _check_local
+
+    if path.startswith(BUILTIN_PREFIX):  # built on first use by the ranks; here only the name is checked
+        known = [TINY_MODEL, *RANDOM_ARCHS]
+        if path[len(BUILTIN_PREFIX):] not in known:
+            raise ModelLoadError(f"{key}: unknown built-in model {path[len(BUILTIN_PREFIX):]!r}; "
+                                 f"choose one of {[BUILTIN_PREFIX + k for k in known]}")
+        return
+    _check_local(path, key)  # the loader's own message for a local-looking path that is missing
+    if Path(path).expanduser().exists() or _hub_cached(path, "model", marker):
+        return
+    why = hub_unreachable()
+    if why:
+        raise PreflightError(f"{key}={path!r} is neither a local directory nor in the Hugging Face cache "
+                             f"({_hub_cache()}), and the hub is unreachable ({why}); point {key} at a local model "
+                             f"directory, use a built-in model ({key}=builtin:tiny-qwen2), or download it with network "
+                             f"access (hf download {path})")
+
+
+# --------------------------------------------------------------------------- data
+def check_data(cfg: Config) -> None:
+    d = cfg.data
+    _check_data_path(d.train_path, "data.train_path")
+    if d.val_path and validation_on(cfg):
+        _check_data_path(d.val_path, "data.val_path")
+
+
+def _check_data_path(path: str, key: str) -> None:
+    from hybrid_rl.data.sources import _FILE_LIKE, SYNTHETIC_PREFIX
+    from hybrid_rl.data.tasks import DataError
+
+    if path.startswith(SYNTHETIC_PREFIX):  # generated by the ranks in milliseconds; they check the name
+        return
+    local = Path(path).expanduser()
+    if local.exists():
+        return
+    if local.suffix.lower() in _FILE_LIKE or path.startswith((".", "/", "~")):
+        # the same words as the loader's, so the message does not depend on who caught it
+        raise DataError(f"{key}={path!r}: no such file; fix {key} to point at an existing .jsonl/.parquet file")
+    if _hub_cached(path, "dataset", None) or _datasets_cache_has(path):
+        return
+    why = hub_unreachable(datasets=True)
+    if why:
+        raise PreflightError(f"{key}={path!r} is neither a local file nor a cached hub dataset, and the hub "
+                             f"is unreachable ({why}); point {key} at a local .jsonl/.parquet file, use "
+                             f"{key}=synthetic:successor with data.task=successor, or run once with network access "
+                             f"so that the datasets library caches it")
+
+
+# --------------------------------------------------------------------------- the hub and its caches
+def _hub_cache() -> str:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
+def _hub_cached(repo_id: str, repo_type: str, marker: Optional[str]) -> bool:
+    """A snapshot of ``repo_id`` in the hub cache (holding ``marker`` when given)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.file_download import repo_folder_name
+
+    try:
+        if marker is not None:
+            return isinstance(try_to_load_from_cache(repo_id, marker, repo_type=repo_type), str)
+        snapshots = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type=repo_type) / "snapshots"
+        return snapshots.is_dir() and any(snapshots.iterdir())
+    except Exception:  # an id the hub would reject is simply not cached
+        return False
+
+
+def _datasets_cache_has(name: str) -> bool:
+    """``datasets`` keeps prepared hub datasets as ``<cache>/<namespace>___<name>``, readable offline."""
+    from huggingface_hub import constants
+
+    root = Path(os.environ.get("HF_DATASETS_CACHE") or Path(constants.HF_HOME) / "datasets").expanduser()
+    folder = root / "___".join(name.split("/"))
+    return folder.is_dir() and any(folder.iterdir())
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def hub_unreachable(datasets: bool = False) -> Optional[str]:
+    """Why the hub cannot be reached, or None when a connection to it opens."""
+    from huggingface_hub import constants
+
+    for flag in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") + (("HF_DATASETS_OFFLINE",) if datasets else ()):
+        if _env_true(flag):
+            return f"{flag}=1 is set"
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    return _probe(constants.ENDPOINT)
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(endpoint: str) -> Optional[str]:
+    url = urllib.parse.urlsplit(endpoint)
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if proxy and not urllib.request.proxy_bypass(host):
+        p = urllib.parse.urlsplit(proxy if "://" in proxy else "http://" + proxy)
+        host, port = p.hostname or host, p.port or 8080
+    outcome: list[Optional[BaseException]] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((host, port), timeout=HUB_TIMEOUT_S).close()
+            outcome.append(None)
+        except OSError as e:
+            outcome.append(e)
+
+    # in a thread, because name resolution has no timeout of its own
+    t = threading.Thread(target=connect, daemon=True)
+    t.start()
+    t.join(HUB_TIMEOUT_S + 0.5)
+    if not outcome:
+        return f"no connection to {host}:{port} within {HUB_TIMEOUT_S:g} s"
+    if outcome[0] is not None:
+        return f"cannot connect to {host}:{port}: {outcome[0]}"
+    return None

@@ -1,0 +1,121 @@
+"""Preflight (hybrid_rl/preflight.py) in-process: what passes without building or downloading, what fails, and when."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from hybrid_rl import preflight as pf
+from hybrid_rl.config import load_config
+from hybrid_rl.data.tasks import DataError
+from hybrid_rl.models import ModelLoadError
+
+RECIPE = "recipes/cpu_successor.yaml"
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any probe of the hub fails the test; the hub cache is an empty directory."""
+    def probe(endpoint):
+        raise AssertionError("preflight reached for the network")
+
+    monkeypatch.setattr(pf, "_probe", probe)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+
+@pytest.fixture
+def empty_hf_cache(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    return tmp_path
+
+
+def test_builtin_model_and_synthetic_data_pass_without_building_or_network(tmp_path, monkeypatch, no_network):
+    monkeypatch.setenv("HYBRID_RL_CACHE", str(tmp_path / "builtin"))
+    pf.preflight(load_config(RECIPE), nproc=2)
+    pf.preflight(load_config(RECIPE, ["model.path=builtin:qwen2.5-0.5b-random"]))
+    assert not (tmp_path / "builtin").exists()  # nothing was materialised
+
+
+def test_unknown_builtin_model_is_named(no_network):
+    with pytest.raises(ModelLoadError, match="unknown built-in model 'nope'"):
+        pf.preflight(load_config(RECIPE, ["model.path=builtin:nope"]))
+
+
+def test_missing_local_files(tmp_path, no_network):
+    with pytest.raises(ModelLoadError, match="model.tokenizer_path: './no/tok' does not exist"):
+        pf.preflight(load_config(RECIPE, ["model.tokenizer_path=./no/tok"]))
+    with pytest.raises(DataError, match="data.train_path='x/train.jsonl': no such file"):
+        pf.preflight(load_config(RECIPE, ["data.train_path=x/train.jsonl", "data.task=gsm8k"]))
+    (tmp_path / "train.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n')
+    pf.preflight(load_config(RECIPE, [f"data.train_path={tmp_path}/train.jsonl", "data.task=gsm8k"]))
+
+
+def test_cached_hub_model_and_dataset_pass_offline(empty_hf_cache, monkeypatch):
+    snap = empty_hf_cache / "hub" / "models--org--m" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (snap.parents[1] / "refs").mkdir()
+    (snap.parents[1] / "refs" / "main").write_text("abc")
+    (empty_hf_cache / "datasets" / "org___d" / "main").mkdir(parents=True)  # as `datasets` prepares it
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    pf.preflight(load_config(RECIPE, ["model.path=org/m", "data.train_path=org/d", "data.task=gsm8k"]))
+    with pytest.raises(pf.PreflightError, match="model.path='org/other'.*HF_HUB_OFFLINE=1 is set"):
+        pf.preflight(load_config(RECIPE, ["model.path=org/other"]))
+
+
+def test_uncached_hub_ids_pass_when_the_hub_answers(empty_hf_cache, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(pf, "hub_unreachable", lambda datasets=False: None)
+    pf.preflight(load_config(RECIPE, ["model.path=org/m", "data.train_path=org/d", "data.task=gsm8k"]))
+
+
+def test_val_path_checked_only_when_validating(empty_hf_cache, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    off = ["data.val_path=org/d", "trainer.test_freq=0", "trainer.val_before_train=false"]
+    pf.preflight(load_config(RECIPE, off))
+    for on in (["trainer.test_freq=5"], ["trainer.val_before_train=true"]):
+        with pytest.raises(pf.PreflightError, match="data.val_path='org/d'"):
+            pf.preflight(load_config(RECIPE, off + on))
+
+
+def test_vllm_missing_reuses_the_engine_message(monkeypatch, no_network):
+    from hybrid_rl.rollout.vllm import VLLM_MISSING
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ModelLoadError) as e:
+        pf.preflight(load_config(RECIPE, ["rollout.name=vllm"]))
+    assert str(e.value) == VLLM_MISSING
+
+
+@pytest.mark.parametrize("device, gpus, nproc, error", [
+    ("cuda", 0, 1, "trainer.device=cuda but no CUDA GPU is visible"),
+    ("cuda", 2, 4, "4 processes need one GPU each (trainer.device=cuda) but 2 GPU(s) are visible; launch 2"),
+    ("auto", 1, 2, "2 processes need one GPU each (trainer.device=auto)"),
+    ("auto", 0, 4, None),  # CPU ranks
+    ("cpu", 0, 4, None),
+    ("cuda", 8, 8, None),
+])
+def test_gpu_count(monkeypatch, no_network, device, gpus, nproc, error):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    cfg = load_config(RECIPE, [f"trainer.device={device}"])
+    if error is None:
+        pf.check_devices(cfg, nproc)
+    else:
+        with pytest.raises(pf.PreflightError, match=error.replace("(", r"\(").replace(")", r"\)")):
+            pf.check_devices(cfg, nproc)
+
+
+def test_nproc_argument():
+    from hybrid_rl.__main__ import _nproc
+
+    assert _nproc("auto", load_config(RECIPE)) == 1  # trainer.device=cpu: one process
+    assert _nproc("3", load_config(RECIPE)) == 3
+    with pytest.raises(pf.PreflightError, match="--nproc 'two'"):
+        _nproc("two", load_config(RECIPE))
