@@ -10,13 +10,13 @@ GPUS    ?= $(shell nvidia-smi -L 2>/dev/null | wc -l | awk '{print ($$1>0)?$$1:1
 # CPU-only machines get the CPU torch build (no multi-GB CUDA download)
 TORCH_SPEC ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install train test test-gpu bench clean
+.PHONY: install train test test-fast test-gpu bench clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "$(TORCH_SPEC)"
-	$(VPY) -m pip install -q -e ".[test]"
+	$(VPY) -m pip install -q -c constraints.txt -e ".[test]"
 
 install: $(VPY)
 
@@ -27,6 +27,10 @@ train: $(VPY)
 
 test: $(VPY)
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+# the suite without the multi-process and end-to-end tests (marked slow): a quick check while editing
+test-fast: $(VPY)
+	$(VPY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
 
 test-gpu: $(VPY)
 	$(VPY) -m pytest -q -m gpu $(PYTEST_ARGS)
