@@ -3,11 +3,11 @@
 # Expects vLLM 0.26 staged at /tmp/vs (../shared/device/README.md) and GSM8K in .devdata/. Run it from a clean export:
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean && git rev-parse HEAD > .clean/COMMIT \
 #     && cp -r .devdata .clean/      # then, on the lender (carry .clean): cd .clean && bash benchmarks/gpu_session.sh PART
-#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 ; writes $OUT/PART.tgz and $OUT/PART.log
+#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm ; writes $OUT/PART.tgz and $OUT/PART.log
 # Each part fits one 600 s device call; every piece has its own timeout and results are packed after each piece,
 # so a part cut short still returns what finished.
 set -u
-PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4}
+PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm}
 OUT=${OUT:-/tmp/gpu_out}
 RES=/tmp/res/$PART
 MODES_RES=/tmp/res/modes2  # colo2 and split2 write one modes JSON (merged by mode) when they run on one warm machine
@@ -21,7 +21,8 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 VLLM
 export PYTHONUNBUFFERED=1 HYBRID_RL_CACHE=/tmp/hrc TOKENIZERS_PARALLELISM=false
 nvidia-smi -L
 python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" || true
-python -c "from hybrid_rl.models import resolve_model_path as r; r('builtin:qwen2.5-0.5b-random'); r('builtin:qwen2.5-1.5b-random')"
+# cold4 measures the ranks' own build on a cold cache: no pre-build there
+[ "$PART" = cold4 ] || python -c "from hybrid_rl.models import resolve_model_path as r; r('builtin:qwen2.5-0.5b-random'); r('builtin:qwen2.5-1.5b-random')"
 T0=$(date +%s)
 pack() { tar czf "$OUT/$PART.tgz.tmp" --exclude=checkpoints --exclude=tensorboard -C /tmp/res "$PART" modes2 2>/dev/null;
         mv "$OUT/$PART.tgz.tmp" "$OUT/$PART.tgz"; }
@@ -116,6 +117,34 @@ checks1)  # one-GPU checks: push on 1 rank, in-engine vs standalone vLLM through
   # no -x, vLLM module first: one failing module must not hide the others
   timeout 150 python -m pytest -q -m gpu tests/test_vllm_gpu.py tests/test_multirank.py tests/test_checkpoint.py tests/test_data.py 2>&1 \
     | tail -15 || echo "pytest gpu failed"
+  ;;
+cold4)  # issue 13 item 2: 4 ranks build builtin:qwen2.5-1.5b-random at once on a cold cache, then over a partial directory
+  export HYBRID_RL_CACHE=/tmp/hrc_cold && rm -rf "$HYBRID_RL_CACHE"
+  M=$HYBRID_RL_CACHE/qwen2.5-1.5b-random
+  G="model.path=builtin:qwen2.5-1.5b-random data.train_path=.devdata/train.jsonl data.val_path=.devdata/test.jsonl \
+    data.train_batch_size=64 actor.ppo_mini_batch_size=32 data.max_response_length=256 \
+    rollout.forced_lengths=lognormal:128:0.8 trainer.test_freq=0 trainer.val_before_train=false trainer.save_freq=-1 \
+    trainer.logger=[jsonl]"
+  stamp "cold cache: make train RECIPE=gsm8k_grpo GPUS=4, 2 steps"
+  timeout 270 make train VPY="$(command -v python3)" RECIPE=gsm8k_grpo GPUS=4 \
+    ARGS="$G trainer.total_steps=2 trainer.output_dir=$RES/cold4" ; echo "cold4 rc=$?"
+  ls -la "$M"; cat "$M/.hybrid_rl_complete"; echo
+  stamp "partial directory (only the tokenizer files left), 4 ranks, 1 step"
+  (cd "$M" && rm -f config.json generation_config.json ./*.safetensors ./*.safetensors.index.json .hybrid_rl_complete && ls -a)
+  timeout 250 make train VPY="$(command -v python3)" RECIPE=gsm8k_grpo GPUS=4 \
+    ARGS="$G trainer.total_steps=1 trainer.output_dir=$RES/partial4" ; echo "partial4 rc=$?"
+  ls -la "$M"; ls -a "$HYBRID_RL_CACHE"
+  ;;
+fp32vllm)  # issue 13 item 1 on 1 GPU: the default (float32) recipe through vLLM, the old commit (.clean_old) then this one
+  if [ -d .clean_old ]; then
+    stamp "old commit $(cat .clean_old/COMMIT 2>/dev/null): default recipe, rollout.name=vllm, 3 steps"
+    (cd .clean_old && CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:$PWD timeout 200 python -m hybrid_rl train \
+      recipes/cpu_successor.yaml trainer.device=auto rollout.name=vllm trainer.total_steps=3 trainer.test_freq=0 \
+      trainer.val_before_train=false trainer.output_dir=$RES/old_fp32 2>&1 | grep -E "illegal|Error|error" | head -5) \
+      ; echo "old fp32 done"
+  fi
+  stamp "this commit: pytest -m gpu tests/test_gpu_train.py"
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python -m pytest -q -m gpu tests/test_gpu_train.py 2>&1 | tail -15
   ;;
 *) echo "unknown part $PART (colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4)"; exit 2 ;;
 esac

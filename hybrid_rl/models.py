@@ -129,8 +129,36 @@ def _write_model(out: Path, arch: str, seed: int) -> None:
         model = Qwen2ForCausalLM(config).to(dtype)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(out)
+    save_on_any_rank(model, out)
     tokenizer.save_pretrained(out)
+    _check_written(out)
+
+
+def save_on_any_rank(model: torch.nn.Module, out: str | os.PathLike) -> None:
+    """``model.save_pretrained(out)`` from whichever process calls it.
+
+    Once torch.distributed is initialised, transformers (5.x, ``should_save_on_this_rank``) writes the weights and
+    config on global rank 0 only and silently skips every other rank. A cache build runs on whichever rank wins the
+    lock: on 4×H100 rank 1 built, wrote only the tokenizer files, and every rank then failed with "Unrecognized
+    model ... Should have a model_type key" (the defect the completeness marker alone did not catch).
+    """
+    model.should_save_on_this_rank = lambda is_main_process=True: True  # instance attribute: this call only
+    try:
+        model.save_pretrained(out)
+    finally:
+        del model.should_save_on_this_rank
+
+
+def _check_written(out: Path) -> None:
+    """A build must hold a config naming its model type and the weights before the marker vouches for it."""
+    try:
+        model_type = json.loads((out / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        model_type = None
+    weights = list(out.glob("*.safetensors"))
+    if not model_type or not weights:
+        raise RuntimeError(f"building a model in {out} left no config.json with a model_type or no *.safetensors "
+                           f"(files: {sorted(p.name for p in out.iterdir())}); this is a bug in the builder")
 
 
 # A built directory is complete only if it holds this marker, written last, whose stamp
@@ -302,7 +330,7 @@ def write_random_model(out_dir: str | os.PathLike, arch: dict[str, Any], device:
     torch.manual_seed(seed)
     with torch.device(device):
         model = Qwen2ForCausalLM(Qwen2Config(**{**arch, **config})).to(dtype)
-    model.save_pretrained(out_dir)
+    save_on_any_rank(model, out_dir)
     del model
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()

@@ -214,3 +214,36 @@ def test_build_failure_is_one_line_naming_the_cache_and_the_fix(tmp_path, monkey
     msg = str(e.value)
     assert "\n" not in msg and "No space left" in msg and str(tmp_path / "cache") in msg and "HYBRID_RL_CACHE" in msg
     assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == []
+
+
+RANK1_BUILDS = r"""
+import json, os, sys
+cache, store, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+os.environ["HYBRID_RL_CACHE"] = cache
+import torch, torch.distributed as dist
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+from hybrid_rl.models import load_causal_lm, resolve_model_path
+if rank == 1:  # rank 1 alone meets the cold cache and builds
+    path = resolve_model_path("builtin:tiny-qwen2")
+dist.barrier()
+path = resolve_model_path("builtin:tiny-qwen2")
+model = load_causal_lm(path, torch.float32)
+print("RESULT " + json.dumps(dict(rank=rank, files=sorted(os.listdir(path)))))
+dist.destroy_process_group()
+"""
+
+
+def test_a_nonzero_rank_builds_a_complete_model(tmp_path):
+    """Regression (4×H100): transformers' save_pretrained writes on global rank 0 only once torch.distributed is up,
+    so a build by rank 1 left the tokenizer files and the marker but no config or weights, and every rank failed with
+    'Unrecognized model'. Here rank 1 of a 2-rank gloo group builds on a cold cache; both ranks must load the model."""
+    cache, store = tmp_path / "cache", tmp_path / "store"
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", RANK1_BUILDS, str(cache), str(store), str(r)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+        files = json.loads(out.split("RESULT ", 1)[1])["files"]
+        assert "config.json" in files and "model.safetensors" in files and MARKER in files
