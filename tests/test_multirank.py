@@ -99,7 +99,9 @@ def test_accumulate_unsharded_gathers_once_per_pass_and_matches(runs):
 def test_torch_compiled_blocks_match_eager(tiny_model_path, tmp_path):
     """actor.use_torch_compile under FSDP2 on 2 ranks: every decoder block compiled, the same log-probs before and
     after one update, and the same parameters after it up to rounding (compiled kernels sum in another order, and
-    Adam turns the tiny gradients of zero-initialised biases into full steps)."""
+    Adam turns the tiny gradients of zero-initialised biases into full steps). The parameter bound is relative to the
+    update itself: a bound relative to the weights (5e-5 before) measured rounding against the random init's norm and
+    failed at 5.3e-5 with torch 2.13, while the compiled update differs from the eager one by < 1% of its size."""
     _run(TORCHRUN + [str(CHECKS), str(tmp_path)], timeout=600, MULTIRANK_CHECKS="compile")
     for r in range(2):
         res = _load(tmp_path / f"rank{r}.pt")["compile"]
@@ -108,9 +110,11 @@ def test_torch_compiled_blocks_match_eager(tiny_model_path, tmp_path):
         assert (compiled["log_probs"] - eager["log_probs"]).abs().max().item() < 1e-5
         assert (compiled["log_probs_after"] - eager["log_probs_after"]).abs().max().item() < 1e-5
         assert (compiled["log_probs_after"] - compiled["log_probs"]).abs().max().item() > 1e-4  # the update moved it
+        assert all(torch.equal(compiled["params_before"][n], p) for n, p in eager["params_before"].items())  # same start
         for name, want in eager["params"].items():  # rounding only: fused kernels change the summation order
-            got = compiled["params"][name]
-            assert ((got - want).norm() / want.norm()).item() < 5e-5, name
+            got, step = compiled["params"][name], want - eager["params_before"][name]
+            assert step.norm().item() > 0, name  # every parameter moved
+            assert ((got - want).norm() / step.norm()).item() < 1e-2, name
             assert (got - want).abs().max().item() < 1e-2 * 1e-3, name  # a hundredth of one Adam step (lr 1e-3)
 
 

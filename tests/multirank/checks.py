@@ -209,11 +209,13 @@ def run_compile(d: DistInfo, res: dict) -> None:
     """The same log-probs and update with the actor's decoder blocks under torch.compile (actor.use_torch_compile)."""
     results = {}
     for flag, w, batch in _off_and_on(d, "actor.use_torch_compile"):
+        before = actor_full_params(w)
         lp = w.compute_log_prob(batch)["old_log_probs"]
         w.update_actor(local_share(batch, d))
         lp_after = w.compute_log_prob(batch)["old_log_probs"]
         compiled = [type(m).__name__ for m in w.actor.model.modules() if "forward" in vars(m)]  # set on the instance
-        results[flag] = dict(log_probs=lp, log_probs_after=lp_after, params=actor_full_params(w), compiled=compiled)
+        results[flag] = dict(log_probs=lp, log_probs_after=lp_after, params=actor_full_params(w), compiled=compiled,
+                             params_before=before)
     res["compile"] = results
 
 
