@@ -454,8 +454,9 @@ class TrainingEngine:
             norm = norm.full_tensor()
         norm_value = float(norm)
         if not math.isfinite(norm_value):
+            # no update taken, so the schedule does not advance either (as HF Trainer does on a skipped
+            # step); stepping it here also made torch warn "lr_scheduler.step() before optimizer.step()"
             self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()
             return norm_value, False
         self.optimizer.step()
         self.scheduler.step()
