@@ -93,7 +93,7 @@ class RolloutConfig:
     """Rollout engine: ``hf`` (transformers, runs anywhere) or ``vllm`` (GPU)."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """The engine's weight dtype (the push casts the actor's weights to it): ``auto`` = ``model.dtype``, except that
-    vLLM runs a float32 model in bfloat16 (vLLM 0.26 crashes in float32 after its first sleep/wake)."""
+    vLLM runs a float32 model in bfloat16 (vLLM 0.26 in float32 crashed in generate on H200)."""
     n: int = 8
     """Samples per prompt (the GRPO group size)."""
     temperature: float = 1.0
@@ -333,7 +333,7 @@ class Config:
         if r.dtype != "auto":
             return r.dtype
         if r.name == "vllm" and self.model.dtype in ("float32", "auto"):
-            return "bfloat16"  # vLLM's float32 path (FlexAttention) crashed after a sleep/wake; the push casts
+            return "bfloat16"  # vLLM 0.26 in float32 crashed on H200 (not reproduced on H100); the push casts
         return self.model.dtype
 
     @property
@@ -383,9 +383,9 @@ class Config:
         if r.forced_lengths is not None:
             parse_forced_lengths(r.forced_lengths)
         if r.name == "vllm" and r.dtype == "float32":
-            raise ConfigError("rollout.dtype=float32 with rollout.name=vllm crashes vLLM 0.26 after its first sleep/wake "
-                              "(CUDA illegal memory access in generate); use rollout.dtype=auto (bfloat16 engine, the "
-                              "actor keeps model.dtype) or rollout.name=hf")
+            raise ConfigError("rollout.dtype=float32 with rollout.name=vllm: vLLM 0.26 in float32 crashed in step 2's "
+                              "generate (CUDA illegal memory access, on H200); use rollout.dtype=auto (a bfloat16 engine, "
+                              "the actor keeps model.dtype) or rollout.name=hf")
         if r.tensor_parallel_size < 1 or world % r.tensor_parallel_size:
             raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the {world} ranks")
         if not 0 < r.top_p <= 1:

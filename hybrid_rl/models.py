@@ -182,7 +182,11 @@ def _is_complete(out: Path, arch: str, seed: int) -> bool:
         marker = json.loads((out / BUILD_MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(marker, dict) and marker.get("stamp") == _build_stamp(arch, seed)
+    if not (isinstance(marker, dict) and marker.get("stamp") == _build_stamp(arch, seed)):
+        return False
+    # the marker alone once vouched for a build whose weights were never written (a rank > 0 build: see
+    # save_on_any_rank); the files it stands for must be there too
+    return (out / "config.json").is_file() and any(out.glob("*.safetensors"))
 
 
 def _unique_sibling(out: Path, kind: str) -> Path:

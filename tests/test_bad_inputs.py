@@ -47,6 +47,7 @@ CASES = [
      ["ZeroDivisionError", "reward.on_error=zero"]),
     ("reward function that does not exist", ["train", RECIPE, "reward.function=no_such_module:score"], ["reward.function"]),
     ("vLLM requested but not installed", ["train", RECIPE, "rollout.name=vllm"], ["pip install", "rollout.name=hf"]),
+    ("vLLM engine in float32", ["train", RECIPE, "rollout.name=vllm", "rollout.dtype=float32"], ["rollout.dtype=auto"]),
     ("resume from a path that is no checkpoint", ["train", RECIPE, "trainer.resume={tmp}", "trainer.output_dir={tmp}/run"],
      ["trainer.resume", "trainer.resume=auto"]),
     ("export of a missing checkpoint", ["export", "{tmp}/nothing", "{tmp}/out"], ["does not exist"]),

@@ -156,13 +156,22 @@ def _truncated_marker(out: Path) -> None:
     (out / MARKER).write_text("")
 
 
+def _marker_without_weights(out: Path) -> None:
+    # what a rank > 0 build left before save_on_any_rank: a valid marker over tokenizer files only
+    from hybrid_rl.models import build_tiny_model
+
+    build_tiny_model(out)
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        (out / name).unlink()
+
+
 def _a_file(out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("not a model")
 
 
 @pytest.mark.parametrize("make", [_empty, _write_partial, _weights_without_tokenizer, _legacy_complete, _wrong_marker,
-                                  _truncated_marker, _a_file])
+                                  _truncated_marker, _marker_without_weights, _a_file])
 def test_resolve_never_returns_a_directory_without_a_valid_marker(tmp_path, monkeypatch, make):
     import hybrid_rl.models as models
 

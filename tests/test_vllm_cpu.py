@@ -934,7 +934,7 @@ def test_vllm_engine_dtype_follows_the_model_except_float32():
     assert fp32.rollout_dtype == "bfloat16" and vr.engine_kwargs(fp32, cpu)["dtype"] == "bfloat16"
     assert vr.engine_kwargs(_cfg("model.dtype=float32", "rollout.dtype=float16"), cpu)["dtype"] == "float16"
     assert _cfg("model.dtype=bfloat16").rollout_dtype == "bfloat16"
-    with pytest.raises(ConfigError, match=r"rollout.dtype=float32 with rollout.name=vllm .* use rollout.dtype=auto"):
+    with pytest.raises(ConfigError, match=r"rollout.dtype=float32 with rollout.name=vllm: .* use rollout.dtype=auto"):
         _cfg("model.dtype=float32", "rollout.dtype=float32").validate()
     # the transformers engine keeps the model's dtype unless told otherwise
     hf = load_config(None, ["rollout.name=hf", "model.dtype=float32"]).validate()
