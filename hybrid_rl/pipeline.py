@@ -18,6 +18,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
+import torch
+
 from hybrid_rl.batch import Batch
 
 
@@ -32,9 +34,26 @@ class RolloutPipeline:
         self.stale_policy = stale_policy
         # split placement generates on other ranks: no background thread, and nothing to regenerate here
         use_thread = max_staleness > 0 and background
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if use_thread else None
+        initializer = None
+        if use_thread and getattr(worker, "device", None) is not None and worker.device.type == "cpu":
+            initializer = self._split_cpu_threads()
+        self.executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout", initializer=initializer)
+                         if use_thread else None)
         self.pending: Future | None = None
         self.dropped = 0
+
+    @staticmethod
+    def _split_cpu_threads():
+        """On CPU the generation thread and the trainer share the cores: give each half of torch's intra-op threads.
+
+        Both at full width oversubscribe the cores (2 + 2 OpenMP threads on 2 cores made a 2-core step ~2× slower
+        than sync). torch's thread count is per calling thread, so the trainer keeps the larger half and the
+        rollout thread sets its own when it starts.
+        """
+        total = torch.get_num_threads()
+        gen_threads = max(1, total // 2)
+        torch.set_num_threads(max(1, total - gen_threads))
+        return lambda: torch.set_num_threads(gen_threads)
 
     def _generate(self, prompts: Batch) -> Batch:
         start = time.perf_counter()
