@@ -142,3 +142,19 @@ def test_summary_without_checkpoints_has_no_export_line(tmp_path, capsys):
     _train(tmp_path / "run", "trainer.save_freq=-1")
     summary = capsys.readouterr().err.split("hybrid_rl: done")[1]
     assert "checkpoint: none (trainer.save_freq=-1)" in summary and "export" not in summary
+
+
+def test_every_logged_metric_is_in_the_readme_table(tmp_path):
+    """The README's Metrics table names every key a run logs (four were missing once): overlap mode with a KL loss
+    and validation logs the widest set a CPU run has."""
+    import re
+
+    rows = _train(tmp_path / "run", "trainer.mode=overlap", "actor.use_kl_loss=true", "trainer.total_steps=2",
+                  "trainer.test_freq=2")
+    logged = {k for r in rows for k in r if "/" in k}
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| group | keys |"):readme.index("Under split placement the first trainer rank logs")]
+    documented = set()
+    for group, keys in re.findall(r"^\| `(\w+)/` \| (.*) \|$", table, flags=re.M):
+        documented |= {f"{group}/{k}" for k in re.findall(r"`(\w+)`", keys)}
+    assert logged - documented == set(), sorted(logged - documented)
