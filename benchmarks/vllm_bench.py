@@ -364,7 +364,7 @@ def run_standalone(args, dist) -> None:
 
 def run_hybrid(args, dist) -> None:
     from hybrid_rl.models import load_causal_lm
-    from hybrid_rl.sharding_manager import ShardingManager
+    from hybrid_rl.weights.sharding_manager import ShardingManager
     from hybrid_rl.workers.fsdp_engine import TrainingEngine
 
     vllm = import_vllm()

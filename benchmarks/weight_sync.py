@@ -11,7 +11,7 @@ engine: ``--sink copy`` mimics vLLM's load (a device-to-device copy into
 preallocated engine tensors), ``--sink hf`` is the real ``HFRolloutEngine``
 (with its sleep/wake moves, which are outside the timed push). Every switch
 bumps the weight version, so every switch is a full push. The first push records
-the sink's loads and later ones replay them (``hybrid_rl.weight_replay``) unless
+the sink's loads and later ones replay them (``hybrid_rl.weights.replay``) unless
 ``--no-replay``; consecutive decoder blocks share one all-gather up to
 ``--gather-mb``.
 
@@ -52,7 +52,7 @@ from bench_common import git_commit, gpu_short_name  # noqa: E402
 
 from hybrid_rl.models import RANDOM_ARCHS, TINY_CONFIG  # noqa: E402
 from hybrid_rl.rollout.base import RolloutEngine  # noqa: E402
-from hybrid_rl.sharding_manager import ShardingManager  # noqa: E402
+from hybrid_rl.weights.sharding_manager import ShardingManager  # noqa: E402
 from hybrid_rl.workers.fsdp_engine import TrainingEngine  # noqa: E402
 
 # Qwen2.5 architectures (tied embeddings, as the released checkpoints); tiny = the built-in test model
@@ -182,7 +182,7 @@ def measure_bound(nbytes: int, dtype: torch.dtype, device: torch.device, world: 
 
 def _drain(actor: TrainingEngine, dtype: torch.dtype, bucket_bytes: int) -> None:
     """The push's gather and bucketing with nothing loaded (the breakdown's ``gather_s``)."""
-    from hybrid_rl.sharding_manager import bucketize
+    from hybrid_rl.weights.buckets import bucketize
 
     for bucket in bucketize(actor.iter_full_params(dtype), bucket_bytes):
         del bucket
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from hybrid_rl.models import resolve_dtype
-    from hybrid_rl.workers.fsdp_engine import engine_param_name
+    from hybrid_rl.weights.plan import engine_param_name
 
     rank, world, device = _init_dist(args.device)
     dtype = resolve_dtype(args.dtype, device)

@@ -73,8 +73,7 @@ class RolloutPipeline:
             return
         if self.pending is not None:
             raise RuntimeError("a rollout is already in flight; take() it first")
-        with self.worker.rollout_mode():  # push θ_k now, while no generation is running
-            pass
+        self.worker.sharding_manager.sync_weights()  # push θ_k now, while no generation is running
         self.pending = self.executor.submit(self._generate, prompts)
 
     def take(self, next_prompts: Callable[[], Batch]) -> Batch:

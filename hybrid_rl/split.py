@@ -7,11 +7,10 @@ order on both sides, so the collectives pair up:
 
 1. the generated batch, rollout ranks → trainer ranks (pickled CPU tensors over a
    gloo group; every trainer rank keeps its share of the prompt groups);
-2. the trainer's weights, trainer ranks → rollout ranks: the trainer ranks
-   stream full tensors out of FSDP2 (``iter_full_params``, a collective among
-   them), the first trainer rank packs them into flat buckets of the engine
-   dtype and broadcasts each over NCCL to the rollout ranks, which load it into
-   their engine bucket by bucket (the full state dict never exists at once).
+2. the trainer's weights, trainer ranks → rollout ranks (``broadcast_weights`` /
+   ``receive_weights``, in ``hybrid_rl.weights.broadcast``): the first trainer
+   rank broadcasts flat buckets of the engine dtype over NCCL, the rollout
+   ranks load them into their engine bucket by bucket.
 
 With ``trainer.mode=overlap`` the rollout ranks generate batch k+1 with θ_k
 while the trainer ranks update on batch k (staleness ≤ 1, as colocated overlap);
@@ -30,15 +29,13 @@ staleness, and resizing R at run time (a checkpoint resumes on the same layout).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from hybrid_rl.batch import Batch
 from hybrid_rl.micro_batching import pad_widths
-from hybrid_rl.sharding_manager import bucketize
+from hybrid_rl.weights.broadcast import broadcast_weights, receive_weights  # noqa: F401  the step's second exchange
 
 
 @dataclass
@@ -112,56 +109,3 @@ def send_batch(layout: SplitLayout, batch: Batch | None, widths: tuple[int, int]
     # every trainer rank takes a contiguous slice of whole prompt groups (n samples each)
     share = len(full) // layout.side_size
     return full.index(slice(layout.index * share, (layout.index + 1) * share))
-
-
-# --------------------------------------------------------------------------- weights
-def broadcast_weights(layout: SplitLayout, source, dtype: torch.dtype, bucket_bytes: int, version: int,
-                      device: torch.device) -> tuple[float, int]:
-    """Trainer side (every trainer rank calls it): stream θ to the rollout ranks. Returns (seconds, bytes)."""
-    start, sent = time.perf_counter(), 0
-    lead = layout.rank == layout.leader
-    for bucket in bucketize(source.iter_full_params(dtype), bucket_bytes):
-        if lead:
-            meta = [(name, tuple(t.shape)) for name, t in bucket]
-            flat = torch.cat([t.reshape(-1).to(dtype) for _, t in bucket]) if len(bucket) > 1 else bucket[0][1].reshape(-1)
-            dist.broadcast_object_list([{"done": False, "meta": meta, "dtype": str(dtype)}], src=layout.leader,
-                                       group=layout.meta_group)
-            dist.broadcast(flat.contiguous(), src=layout.leader, group=layout.bcast_group)
-            sent += flat.numel() * flat.element_size()
-        del bucket
-    if lead:
-        dist.broadcast_object_list([{"done": True, "version": version}], src=layout.leader, group=layout.meta_group)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start, sent
-
-
-def receive_weights(layout: SplitLayout, engine, device: torch.device, replayer=None) -> tuple[float, int]:
-    """Rollout side: load the broadcast buckets into ``engine`` (through ``replayer``, a
-    ``weight_replay.WeightReplayer``, when given); sets its ``weights_version``."""
-    start, got, first = time.perf_counter(), 0, True
-    engine.weights_version = None  # a push that fails half-way leaves no known version
-    if replayer is not None:
-        replayer.begin_push()
-    while True:
-        msg = [None]
-        dist.broadcast_object_list(msg, src=layout.leader, group=layout.meta_group)
-        m = msg[0]
-        if m["done"]:
-            engine.weights_version = m["version"]
-            break
-        dtype = getattr(torch, m["dtype"].replace("torch.", ""))
-        sizes = [int(torch.Size(shape).numel()) for _, shape in m["meta"]]
-        flat = torch.empty(sum(sizes), dtype=dtype, device=device)
-        dist.broadcast(flat, src=layout.leader, group=layout.bcast_group)
-        views = [(name, t.view(shape)) for (name, shape), t in zip(m["meta"], flat.split(sizes))]
-        if replayer is not None:
-            replayer.load(views, first=first)
-        else:
-            engine.load_weights(views)
-        first = False
-        got += flat.numel() * flat.element_size()
-        del flat, views
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start, got

@@ -197,7 +197,8 @@ class Trainer:
 
     # -- split placement (see split.py for the exchange order) ---------------------------
     def _init_split(self) -> None:
-        from hybrid_rl.split import broadcast_weights, receive_weights, send_batch
+        from hybrid_rl.split import send_batch
+        from hybrid_rl.weights.broadcast import broadcast_weights, receive_weights
 
         self._send_batch, self._broadcast, self._receive = send_batch, broadcast_weights, receive_weights
         self._split_sync = (0.0, 0)
@@ -205,7 +206,7 @@ class Trainer:
         self._pending: Batch | None = None
         self._replayer = None
         if self.split.is_rollout and self.cfg.rollout.weight_load_replay:
-            from hybrid_rl.weight_replay import WeightReplayer
+            from hybrid_rl.weights.replay import WeightReplayer
 
             engine = self.worker.rollout
             self._replayer = WeightReplayer(lambda bucket: engine.load_weights(bucket))
@@ -287,10 +288,25 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------
     def _rng_generators(self) -> dict:
         w = self.worker
-        gens = {"shuffle": w._shuffle_rng, "lengths": w._length_rng}
-        if isinstance(getattr(w.rollout, "generator", None), torch.Generator):
-            gens["rollout"] = w.rollout.generator
-        return gens
+        return {"shuffle": w._shuffle_rng, "lengths": w._length_rng}
+
+    def _capture_rng(self) -> dict:
+        """Global RNGs, the worker's generators and the engine's sampling RNG (saved as generator "rollout")."""
+        rng = capture_rng(self._rng_generators())
+        engine_rng = self.worker.rollout.rng_state() if self.worker.rollout is not None else None
+        if engine_rng is not None:  # None: not capturable (vLLM samples with its own per-request RNG)
+            rng["generators"]["rollout"] = engine_rng
+        return rng
+
+    def _restore_rng(self, rng: dict) -> None:
+        restore_rng(rng, self._rng_generators())
+        engine = self.worker.rollout
+        if engine is not None and engine.rng_state() is not None:
+            saved = rng.get("generators", {})
+            if "rollout" not in saved:
+                raise CheckpointError(f"RNG state has no generator 'rollout' (it has {sorted(saved)}): the checkpoint "
+                                      f"was saved by a run whose rollout engine had no capturable sampling RNG")
+            engine.set_rng_state(saved["rollout"])
 
     def _checkpoint_parts(self) -> tuple:
         """(model, optimizer, scheduler, DCP process group) of this rank: none on split placement's rollout ranks."""
@@ -304,7 +320,7 @@ class Trainer:
         self.pipeline.wait()  # the in-flight batch is part of the state (and must not race the RNG capture)
         pending = self._pending if self.split is not None else self.pipeline.peek()
         extra = {"step": step, "weight_version": w.weight_version, "sampler": self.sampler.state_dict(),
-                 "rng": capture_rng(self._rng_generators()), "skipped_in_a_row": self.skipped_in_a_row,
+                 "rng": self._capture_rng(), "skipped_in_a_row": self.skipped_in_a_row,
                  "pending_batch": pending.state_dict() if pending is not None else None}
         model, optimizer, scheduler, group = self._checkpoint_parts()
         save_checkpoint(self.ckpt_root, step, model, optimizer, scheduler, extra, self.cfg.trainer.keep_last, group,
@@ -338,7 +354,7 @@ class Trainer:
                 self._pending = pending  # split rollout ranks: the batch generated ahead, handed over next step
             else:
                 self.pipeline.restore(pending)
-        restore_rng(extra["rng"], self._rng_generators())  # last: building models consumed the global RNG
+        self._restore_rng(extra["rng"])  # last: building models consumed the global RNG
         self.tracker_notes.append(f"resumed from {path} (step {extra['step']})")
         return int(extra["step"])
 

@@ -38,7 +38,7 @@ from hybrid_rl.distributed import DistInfo  # noqa: E402
 from hybrid_rl.models import ModelLoadError  # noqa: E402
 from hybrid_rl.rollout import vllm as vr  # noqa: E402
 from hybrid_rl.rollout.base import SamplingParams, assemble_rollout  # noqa: E402
-from hybrid_rl.sharding_manager import ShardingManager  # noqa: E402
+from hybrid_rl.weights.sharding_manager import ShardingManager  # noqa: E402
 
 EOS, PAD = 7, 0
 
@@ -609,7 +609,7 @@ def test_sleep_levels_and_weights_version():
     llm = FakeLLM()
     eng = make_engine(llm)
     eng.load_weights([("w", torch.zeros(2))])
-    eng.weights_version = 3
+    eng.finish_weight_update(3)
     eng.sleep(1)
     assert eng.weights_version == 3  # level 1 keeps (offloads) the weights
     eng.sleep(1)  # already asleep: no second call into vLLM

@@ -74,7 +74,7 @@ def hybrid(tmp_path_factory):
     from hybrid_rl.config import load_config
     from hybrid_rl.distributed import init_distributed
     from hybrid_rl.models import load_causal_lm
-    from hybrid_rl.sharding_manager import ShardingManager
+    from hybrid_rl.weights.sharding_manager import ShardingManager
     from hybrid_rl.workers.fsdp_engine import TrainingEngine
 
     if "MASTER_ADDR" not in os.environ:  # pytest is not torchrun: a world of one

@@ -1,4 +1,4 @@
-"""Record-and-replay weight loading (``hybrid_rl.weight_replay``) against real and vLLM-like loaders.
+"""Record-and-replay weight loading (``hybrid_rl.weights.replay``) against real and vLLM-like loaders.
 
 Every test pushes several weight versions and compares the engine, bit for bit,
 with what the real loader produces (or with an independent reference), while
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from hybrid_rl.rollout.base import RolloutEngine
-from hybrid_rl.sharding_manager import ShardingManager
-from hybrid_rl.weight_replay import WeightReplayer
+from hybrid_rl.weights.replay import WeightReplayer
+from hybrid_rl.weights.sharding_manager import ShardingManager
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,6 @@ class FusedEngine(RolloutEngine):
         # -1 marks memory no load has written yet
         self.params = {n: torch.nn.Parameter(torch.full(s, -1.0), requires_grad=False) for n, s in shapes.items()}
         self.loaded = 0  # tensors that went through the Python loader
-        self.weights_version = None
 
     def load_weights(self, weights):
         with torch.no_grad():

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Iterable
+from types import MappingProxyType
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -46,10 +47,44 @@ class SamplingParams:
 
 
 class RolloutEngine(abc.ABC):
-    """Narrow interface: generate, load_weights, sleep, wake_up."""
+    """Narrow interface: generate, load_weights, sleep, wake_up.
 
-    #: weight version currently resident in the engine (None after the weights were discarded)
-    weights_version: int | None = None
+    Around them, with defaults here: the weight version the engine holds (read
+    ``weights_version``; a push brackets its ``load_weights`` calls with
+    ``begin_weight_update``/``finish_weight_update``), the sampling RNG for
+    checkpoints (``rng_state``/``set_rng_state``; None = not capturable),
+    ``last_generate_stats`` and ``shutdown``.
+    """
+
+    _weights_version: int | None = None
+    last_generate_stats: Mapping[str, float] = MappingProxyType({})
+    """Figures of the latest ``generate`` call (seconds, num_tokens, num_sequences) where the backend reports them."""
+
+    @property
+    def weights_version(self) -> int | None:
+        """The actor weight version resident in the engine: None before the first push, while a push is under
+        way (or failed half-way), and after the weights were discarded (sleep level 2)."""
+        return self._weights_version
+
+    def begin_weight_update(self) -> None:
+        """A push starts (or what the engine holds can no longer be trusted): no known version until it finishes."""
+        self._weights_version = None
+
+    def finish_weight_update(self, version: int) -> None:
+        """Every tensor of version ``version`` was loaded."""
+        self._weights_version = version
+
+    def rng_state(self) -> dict[str, Any] | None:
+        """The sampling RNG's state for a checkpoint (``{"kind": "torch", "state": tensor}``, as
+        ``checkpoint.capture_rng`` stores a generator), or None when it cannot be captured."""
+        return None
+
+    def set_rng_state(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``rng_state`` returned."""
+        raise NotImplementedError(f"{type(self).__name__} has no capturable sampling RNG (rng_state() is None)")
+
+    def shutdown(self) -> None:
+        """Release the engine for good (its memory, its process-wide state); nothing to do by default."""
 
     @abc.abstractmethod
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:

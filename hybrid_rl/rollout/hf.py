@@ -12,7 +12,7 @@ CUDA graphs (that is what the vLLM backend is for).
 from __future__ import annotations
 
 import inspect
-from typing import Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -31,7 +31,6 @@ class HFRolloutEngine(RolloutEngine):
         self.pad_token_id = pad_token_id
         self.max_num_seqs = max_num_seqs
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.weights_version = None
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         self._shapes = {id(p): (p.shape, p.dtype) for p in self._params.values()}
         self._weights_present = True
@@ -50,6 +49,12 @@ class HFRolloutEngine(RolloutEngine):
                     raise KeyError(f"rollout engine has no weight named {name!r}")
                 param.copy_(tensor, non_blocking=True)
 
+    def rng_state(self) -> dict[str, Any]:
+        return {"kind": "torch", "state": self.generator.get_state()}
+
+    def set_rng_state(self, state: Mapping[str, Any]) -> None:
+        self.generator.set_state(state["state"])
+
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The engine's weights (for tests and parity checks)."""
         return self.model.named_parameters()
@@ -61,7 +66,7 @@ class HFRolloutEngine(RolloutEngine):
             for p in {id(p): p for p in self._params.values()}.values():
                 p.data = torch.empty(0, dtype=p.dtype, device=self.device)
             self._weights_present = False
-            self.weights_version = None
+            self._weights_version = None
         elif self.device.type == "cuda":
             self.model.to("cpu")
         if self.device.type == "cuda":

@@ -349,7 +349,6 @@ class VLLMRolloutEngine(RolloutEngine):
         self.flat_logprobs = flat_logprobs  # ask for FlatLogprobs (False: this vLLM lacks the field)
         self.tp_group = tp_group  # torch.distributed group of this engine's TP ranks (None for TP=1)
         self.ignore_eos = ignore_eos  # benchmarks: fixed-length responses
-        self.weights_version = None
         self._asleep: set[str] = set()  # tags currently released
         self._weights_real = False  # False while the engine holds dummy or discarded weights
         self._prefix_cache_stale = False
@@ -407,7 +406,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._prefix_cache_stale = False  # vLLM drops the prefix cache when it sleeps
         if level >= 2:
             self._weights_real = False
-            self.weights_version = None
+            self._weights_version = None  # discarded: the next push is a full one
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -28,7 +28,7 @@ from hybrid_rl.micro_batching import micro_batches
 from hybrid_rl.distributed import DistInfo, all_reduce_sum
 from hybrid_rl.models import apply_lora, load_causal_lm, load_tokenizer, resolve_dtype
 from hybrid_rl.rollout.base import RolloutEngine, SamplingParams
-from hybrid_rl.sharding_manager import ShardingManager
+from hybrid_rl.weights.sharding_manager import ShardingManager
 from hybrid_rl.workers.fsdp_engine import AdapterDisabledReference, FrozenReference, TrainingEngine
 
 ROLES = ("actor", "rollout", "ref", "actor_ref", "actor_rollout", "actor_rollout_ref")

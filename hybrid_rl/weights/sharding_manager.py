@@ -2,11 +2,12 @@
 
 On entry the engine wakes up, and if it does not already hold the actor's
 current weight version the actor streams its weights out
-(``TrainingEngine.iter_full_params``: one all-gather per few FSDP module
-groups in the engine dtype, the next one in flight while the current one loads,
-LoRA merged on the fly, tied duplicates once); they are grouped into buckets of
-``bucket_mb`` and handed to ``engine.load_weights``, each bucket dropped as
-soon as it is loaded, so the full state dict never exists at once. Weights
+(``TrainingEngine.iter_full_params``, planned by ``weights.plan``: one
+all-gather per few FSDP module groups in the engine dtype, the next one in
+flight while the current one loads, LoRA merged on the fly, tied duplicates
+once); ``weights.buckets`` groups them into buckets of ``bucket_mb``, handed
+to ``engine.load_weights``, each bucket dropped as soon as it is loaded, so
+the full state dict never exists at once. Weights
 that only depend on frozen parameters (with LoRA: embeddings, norms,
 untargeted linears) are pushed once and skipped afterwards, for as long as the
 engine keeps them (sleep level 2 discards them: the next push is full again).
@@ -16,12 +17,16 @@ With ``replay`` (config ``rollout.weight_load_replay``) each bucket goes through
 layout replay them with one ``torch._foreach_copy_`` and skip the engine's
 Python loader (one small tensor per push still takes the real path, for the
 engine's bookkeeping). A level-2 sleep drops the recordings, and so does any
-sign that the engine re-allocated its weights (see ``hybrid_rl.weight_replay``).
+sign that the engine re-allocated its weights (see ``hybrid_rl.weights.replay``).
 Then the actor's parameters (+ gradients) and/or optimizer state go to CPU if
 ``param_offload``/``optimizer_offload`` ask for it, and the engine's KV cache
 wakes. On exit the engine goes to sleep and the actor comes back. The push is
 skipped when the version is unchanged (e.g. validation right after a
-rollout). Timing and bytes pushed are recorded for the driver's metrics.
+rollout). The engine owns its version: a push opens with
+``engine.begin_weight_update()`` (no known version until it completes) and
+closes with ``engine.finish_weight_update(version)``. ``sync_weights()`` pushes
+without waking the KV cache (overlap mode, before a background generation
+starts). Timing and bytes pushed are recorded for the driver's metrics.
 
 Left out: pushing LoRA adapters alone into an engine with native LoRA support
 (the engine always receives merged, HF-named full weights) and offload while a
@@ -32,12 +37,13 @@ actor must not train while its shards sit on CPU).
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 
 from hybrid_rl.rollout.base import RolloutEngine
-from hybrid_rl.weight_replay import WeightReplayer
+from hybrid_rl.weights.buckets import bucketize
+from hybrid_rl.weights.replay import WeightReplayer
 
 
 class WeightSource(Protocol):
@@ -48,21 +54,6 @@ class WeightSource(Protocol):
     def offload(self, params: bool = True, optimizer: bool = True) -> None: ...
 
     def onload(self) -> None: ...
-
-
-def bucketize(params: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group (name, tensor) pairs into lists of at most ``bucket_bytes`` (a larger tensor goes alone)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in params:
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 class ShardingManager:
@@ -92,7 +83,7 @@ class ShardingManager:
     def invalidate(self) -> None:
         """Forget what the engine holds: the next entry pushes every weight (e.g. after loading a checkpoint)."""
         self._engine_has_static = False
-        self.engine.weights_version = None
+        self.engine.begin_weight_update()  # no known version until the next push completes
 
     def push(self) -> None:
         """Bring the engine to the actor's current version (no-op when it is already there)."""
@@ -103,8 +94,7 @@ class ShardingManager:
             # The engine keeps whatever it was given unless it discarded its weights
             # (sleep level 2 clears weights_version): only then resend frozen weights.
             skip_static = self._engine_has_static and self.engine.weights_version is not None
-            # a push that fails half-way leaves the engine at no known version
-            self.engine.weights_version = None
+            self.engine.begin_weight_update()  # a push that fails half-way leaves no known version
             self._engine_has_static = False
             if self.replayer is not None:
                 self.replayer.begin_push()
@@ -118,7 +108,7 @@ class ShardingManager:
                 tensors += len(bucket)
                 del bucket
             replayed = self.replayer.push_replayed_tensors if self.replayer is not None else 0
-            self.engine.weights_version = version
+            self.engine.finish_weight_update(version)
             self._engine_has_static = True
             self.num_pushes += 1
             if torch.cuda.is_available():
@@ -127,6 +117,20 @@ class ShardingManager:
         self.last_sync_bytes = pushed
         self.last_sync_tensors = tensors
         self.last_sync_replayed = replayed
+
+    def sync_weights(self) -> None:
+        """Push θ now (no-op when the engine holds it) without waking the KV cache or generating.
+
+        For an engine that stays awake between rollouts (overlap mode: θ_k goes in
+        before the next background generation starts). One that sleeps between
+        rollouts goes back to sleep at ``sleep_level`` afterwards, as it would on
+        leaving the context.
+        """
+        self.engine.wake_up(["weights"])
+        self.push()
+        if self.free_cache_engine:
+            self.engine.sleep(level=self.sleep_level)
+            self._after_sleep()
 
     def __enter__(self) -> RolloutEngine:
         self.engine.wake_up(["weights"])

@@ -61,7 +61,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-Bucket = list[tuple[str, torch.Tensor]]
+from hybrid_rl.weights.buckets import Bucket
 Span = tuple[Any, int, int]
 """(device, first byte, one past the last byte) of the memory a tensor view can touch."""
 
