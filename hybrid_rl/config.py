@@ -4,7 +4,10 @@ Every recipe in ``recipes/`` mirrors this tree 1:1. Loading is strict: an
 unknown key is an error naming its full dotted path and the closest valid one,
 a value of the wrong type is an error naming the key and the expected type, and
 ``validate`` checks the cross-field facts (divisibility of batch sizes, GRPO
-group sizes) with messages that say what to change. Validation never rewrites
+group sizes) with messages that say what to change. The choices of an
+extension point (``algorithm.adv_estimator``, ``rollout.name``) are the names
+in its registry (``hybrid_rl.registry``), checked like a ``Literal`` when the
+value is loaded, so a registered plug-in is valid config. Validation never rewrites
 a value; derived quantities are properties. Left out on purpose: Hydra-style
 interpolation and config composition (one flat YAML per recipe is the whole UI).
 """
@@ -89,8 +92,8 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    name: Literal["hf", "vllm"] = "hf"
-    """Rollout engine: ``hf`` (transformers, runs anywhere) or ``vllm`` (GPU)."""
+    name: str = "hf"
+    """Rollout engine registered in ``hybrid_rl.rollout.ROLLOUT_ENGINES``: ``hf`` (transformers, anywhere) or ``vllm`` (GPU)."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """The engine's weight dtype (the push casts the actor's weights to it): ``auto`` = ``model.dtype``, except that
     vLLM runs a float32 model in bfloat16 (vLLM 0.26 in float32 crashed in generate on H200)."""
@@ -214,8 +217,8 @@ class RolloutCorrectionConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
-    """Advantage estimator."""
+    adv_estimator: str = "grpo"
+    """Advantage estimator registered in ``hybrid_rl.algorithms.ADV_ESTIMATORS``: grpo, dr_grpo, rloo, reinforce_pp, gae."""
     norm_adv_by_std_in_grpo: bool = True
     """Divide GRPO advantages by the group's std."""
     gamma: float = 1.0
@@ -337,6 +340,11 @@ class Config:
         return self.model.dtype
 
     @property
+    def policy_loss(self) -> str:
+        """The actor's loss, a name in ``hybrid_rl.algorithms.POLICY_LOSSES``: decoupled PPO under rollout correction."""
+        return "decoupled_ppo" if self.use_rollout_correction else "ppo"
+
+    @property
     def need_ref(self) -> bool:
         """A reference policy is only built when a KL term uses it."""
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
@@ -359,9 +367,13 @@ class Config:
                          "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size_per_device", "actor.ppo_epochs",
                          "actor.log_prob_micro_batch_size_per_device", "ref.log_prob_micro_batch_size_per_device",
                          "rollout.max_num_seqs", "rollout.weight_sync_bucket_mb"])
-        if self.algorithm.adv_estimator in ("grpo", "dr_grpo", "rloo") and r.n < 2:
+        _check_registered(self)
+        estimators = _registry("algorithm.adv_estimator")
+        est = estimators.info(self.algorithm.adv_estimator)
+        if est.needs_groups and r.n < 2:
+            alone = [n for n in estimators if not (estimators.info(n).needs_groups or estimators.info(n).needs_critic)]
             raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares the samples of one prompt, "
-                              f"so rollout.n must be >= 2 (got {r.n}); raise rollout.n or use reinforce_pp")
+                              f"so rollout.n must be >= 2 (got {r.n}); raise rollout.n or use {_or(alone)}")
         if d.train_batch_size % world_size:
             raise ConfigError(f"data.train_batch_size={d.train_batch_size} must be divisible by the {world_size} ranks "
                               f"(a prompt's samples stay on one rank); set it to a multiple of {world_size}")
@@ -375,9 +387,10 @@ class Config:
         if seqs_per_rank % a.ppo_micro_batch_size_per_device:
             raise ConfigError(f"a mini-batch holds {seqs_per_rank} sequences per device (actor.ppo_mini_batch_size / ranks × rollout.n), "
                               f"not divisible by actor.ppo_micro_batch_size_per_device={a.ppo_micro_batch_size_per_device}; use a divisor of {seqs_per_rank}")
-        if self.algorithm.adv_estimator == "gae":
-            raise ConfigError("algorithm.adv_estimator=gae needs a critic, which hybrid_rl does not build yet; "
-                              "use grpo, dr_grpo, rloo or reinforce_pp")
+        if est.needs_critic:
+            no_critic = [n for n in estimators if not estimators.info(n).needs_critic]
+            raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs a critic, which hybrid_rl does "
+                              f"not build yet; use {_or(no_critic)}")
         if not 0 < r.gpu_memory_utilization < 1:
             raise ConfigError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in (0, 1); 0.3-0.6 leaves room for training")
         if r.forced_lengths is not None:
@@ -458,6 +471,37 @@ def parse_forced_lengths(spec: str) -> tuple[str, list[float]]:
     if (kind, len(nums)) not in (("lognormal", 2), ("fixed", 1)) or any(x <= 0 for x in nums):
         raise ConfigError(f"rollout.forced_lengths={spec!r} must be 'lognormal:MEAN:SIGMA' or 'fixed:N' with positive numbers")
     return kind, nums
+
+
+# Keys whose valid values are the names in an extension point's registry (``hybrid_rl.registry.Registry``),
+# checked when a value is loaded (like a Literal) and again by ``validate``; imported lazily, so that loading a
+# config imports neither torch nor any engine.
+_REGISTERED_KEYS = {"algorithm.adv_estimator": ("hybrid_rl.algorithms.advantages", "ADV_ESTIMATORS"),
+                    "rollout.name": ("hybrid_rl.rollout", "ROLLOUT_ENGINES")}
+
+
+def _registry(key: str) -> Any:
+    import importlib
+
+    module, attr = _REGISTERED_KEYS[key]
+    return getattr(importlib.import_module(module), attr)
+
+
+def _check_choice(key: str, value: Any) -> None:
+    registry = _registry(key)
+    if value not in registry:
+        raise ConfigError(registry.unknown_message(value))
+
+
+def _check_registered(cfg: Config) -> None:
+    for key in _REGISTERED_KEYS:
+        section, name = key.split(".")
+        _check_choice(key, getattr(getattr(cfg, section), name))
+
+
+def _or(names: list[str]) -> str:
+    """``a, b or c``."""
+    return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
 def _positive(cfg: Config, keys: list[str]) -> None:
@@ -617,6 +661,8 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         if name not in raw:
             continue
         kwargs[name] = _coerce(hints[name], raw[name], f"{prefix}{name}")
+        if f"{prefix}{name}" in _REGISTERED_KEYS:
+            _check_choice(f"{prefix}{name}", kwargs[name])
     return cls(**kwargs)
 
 

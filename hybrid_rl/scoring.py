@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from hybrid_rl.advantage import sparse_scores
+from hybrid_rl.phases.advantage import sparse_scores
 from hybrid_rl.batch import Batch
 from hybrid_rl.rewards import score_responses
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybrid_rl.advantage import compute_advantage
+from hybrid_rl.phases.advantage import compute_advantage
 from hybrid_rl.batch import Batch
 from hybrid_rl.checkpoint import (CHECKPOINT_SUBDIR, CheckpointError, capture_rng, find_latest, is_complete, load_checkpoint,
                                   read_checkpoint_config, restore_rng, save_checkpoint)

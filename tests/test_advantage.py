@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hybrid_rl import algorithms as alg
-from hybrid_rl.advantage import compute_advantage, sparse_scores
+from hybrid_rl.phases.advantage import compute_advantage, sparse_scores
 from hybrid_rl.batch import Batch
 from hybrid_rl.config import load_config
 

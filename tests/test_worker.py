@@ -10,7 +10,7 @@ import torch
 
 from conftest import cpu_dist, make_cfg
 from hybrid_rl.algorithms import LOSS_AGG_MODES
-from hybrid_rl.advantage import compute_advantage, sparse_scores
+from hybrid_rl.phases.advantage import compute_advantage, sparse_scores
 from hybrid_rl.batch import Batch
 from hybrid_rl.data import collate_prompts
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker

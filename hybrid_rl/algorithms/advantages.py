@@ -9,6 +9,17 @@ the samples of one prompt, as a list, a numpy array (e.g. the object array of
 All estimators run under ``torch.no_grad``: advantages are regression
 targets / fixed weights, never something to differentiate through.
 
+``ADV_ESTIMATORS`` is the one registry of estimators, by the name that
+``algorithm.adv_estimator`` takes; each registration says what the estimator
+needs (prompt groups, a critic) and which config knobs it reads. Config
+validation reads it (the valid names, ``rollout.n >= 2`` for group-based ones,
+no critic yet), and the driver's advantage phase
+(``hybrid_rl.phases.advantage``) calls the registered function with keyword
+arguments: ``token_level_rewards``, ``response_mask``, ``index`` (the batch's
+``uid``s, when ``needs_groups``), ``values`` (when ``needs_critic``), and the
+knobs ``config(cfg.algorithm)`` returns. A new estimator is one function plus
+one ``@register_estimator(...)``.
+
 Left out: distributed whitening (statistics are over the local batch),
 KL-in-reward shaping (see ``kl.apply_kl_in_reward``), and OPO/GPG/other
 verl estimators not used by this project.
@@ -16,11 +27,14 @@ verl estimators not used by this project.
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Optional, Sequence, Union
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from hybrid_rl.registry import Registry
 
 from .core import _check_same_shape, _select, masked_sum, masked_whiten
 
@@ -29,12 +43,49 @@ GroupIndex = Union[Tensor, np.ndarray, Sequence[Hashable]]
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "EstimatorInfo",
     "dr_grpo_advantage",
     "gae_advantage",
     "grpo_advantage",
     "reinforce_pp_advantage",
+    "register_estimator",
     "rloo_advantage",
 ]
+
+AdvEstimator = Callable[..., tuple[Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class EstimatorInfo:
+    """What an estimator needs from the run, registered with it."""
+
+    needs_groups: bool = False
+    """It compares the samples of one prompt (``index`` = the batch's ``uid``s), so ``rollout.n`` must be >= 2."""
+    needs_critic: bool = False
+    """It needs value estimates (``values``), i.e. a critic; config validation rejects it until one is built."""
+    config: Callable[[Any], dict[str, Any]] = lambda algorithm_cfg: {}
+    """The estimator's keyword arguments read from ``AlgorithmConfig`` (e.g. grpo's ``norm_by_std``)."""
+
+
+ADV_ESTIMATORS: Registry[AdvEstimator] = Registry("algorithm.adv_estimator")
+"""Every advantage estimator by name, in registration order; ``ADV_ESTIMATORS.info(name)`` is its ``EstimatorInfo``."""
+
+
+def register_estimator(
+    name: str,
+    *,
+    needs_groups: bool = False,
+    needs_critic: bool = False,
+    config: Optional[Callable[[Any], dict[str, Any]]] = None,
+) -> Callable[[AdvEstimator], AdvEstimator]:
+    """Decorator: register ``fn`` as ``algorithm.adv_estimator=name`` (a duplicate name is an error)."""
+    info = EstimatorInfo(needs_groups, needs_critic, config or (lambda algorithm_cfg: {}))
+
+    def add(fn: AdvEstimator) -> AdvEstimator:
+        ADV_ESTIMATORS.register(name, fn, info)
+        return fn
+
+    return add
 
 
 def _float_dtype(t: Tensor) -> torch.dtype:
@@ -92,6 +143,7 @@ def _broadcast(per_seq: Tensor, response_mask: Tensor) -> Tensor:
     return _select(per_seq.unsqueeze(-1), response_mask)  # [B, R]
 
 
+@register_estimator("grpo", needs_groups=True, config=lambda c: {"norm_by_std": c.norm_adv_by_std_in_grpo})
 @torch.no_grad()
 def grpo_advantage(
     token_level_rewards: Tensor,
@@ -120,6 +172,7 @@ def grpo_advantage(
     return adv, adv.clone()
 
 
+@register_estimator("dr_grpo", needs_groups=True)
 @torch.no_grad()
 def dr_grpo_advantage(
     token_level_rewards: Tensor,
@@ -134,6 +187,7 @@ def dr_grpo_advantage(
     return grpo_advantage(token_level_rewards, response_mask, index, norm_by_std=False)
 
 
+@register_estimator("rloo", needs_groups=True)
 @torch.no_grad()
 def rloo_advantage(
     token_level_rewards: Tensor,
@@ -167,6 +221,7 @@ def _discounted_reward_to_go(rewards: Tensor, response_mask: Tensor, gamma: floa
     return returns
 
 
+@register_estimator("reinforce_pp", config=lambda c: {"gamma": c.gamma})
 @torch.no_grad()
 def reinforce_pp_advantage(
     token_level_rewards: Tensor,
@@ -189,6 +244,7 @@ def reinforce_pp_advantage(
     return advantages, returns
 
 
+@register_estimator("gae", needs_critic=True, config=lambda c: {"gamma": c.gamma, "lam": c.lam})
 @torch.no_grad()
 def gae_advantage(
     token_level_rewards: Tensor,
@@ -231,11 +287,3 @@ def gae_advantage(
     advantages = _select(masked_whiten(adv, keep), keep)
     return advantages, returns
 
-
-ADV_ESTIMATORS: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {
-    "grpo": grpo_advantage,
-    "dr_grpo": dr_grpo_advantage,
-    "rloo": rloo_advantage,
-    "reinforce_pp": reinforce_pp_advantage,
-    "gae": gae_advantage,
-}

@@ -8,6 +8,16 @@ the mini-batch ``num_tokens``/``num_seqs`` when gradient-accumulating, and
 ``seq-mean-token-sum-norm``, whose default divisor is the width of the
 (possibly trimmed) tensor and so changes with the micro-batch split.
 
+``POLICY_LOSSES`` is the one registry of losses, by name; the actor loss is
+chosen by ``Config.policy_loss`` (``decoupled_ppo`` when the rollout correction
+is on, else ``ppo``). The worker calls the registered function once, with the
+keyword arguments every loss shares (``log_prob``, ``advantages``,
+``response_mask``, the clip ratios, ``loss_agg_mode``, ``num_tokens``,
+``num_seqs``, ``norm_length``) plus what the registration's ``inputs(tensors,
+cfg)`` returns: the loss's own arguments, read from the micro-batch's tensors
+and the config (e.g. decoupled PPO's behaviour log-probs). A new loss is one
+function plus one ``register_policy_loss(...)``.
+
 Left out: entropy bonus and KL loss (separate terms the caller adds, see
 ``core.entropy_from_logits`` and ``kl.kl_loss``), value loss, GSPO /
 CISPO and other variants, and anything distributed.
@@ -15,16 +25,45 @@ CISPO and other variants, and anything distributed.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
+from hybrid_rl.registry import Registry
+
 from .core import Number, _check_same_shape, _select, agg_loss, masked_mean, masked_sum
 
-__all__ = ["POLICY_LOSSES", "decoupled_ppo_loss", "ppo_clip_loss"]
+__all__ = ["POLICY_LOSSES", "PolicyLossInfo", "decoupled_ppo_loss", "ppo_clip_loss", "register_policy_loss"]
 
 Metrics = dict[str, Tensor]
+PolicyLoss = Callable[..., tuple[Tensor, Metrics]]
+LossInputs = Callable[[Mapping[str, Tensor], Any], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class PolicyLossInfo:
+    """What the worker passes a loss beyond the shared arguments, registered with it."""
+
+    inputs: LossInputs
+    """``inputs(tensors, cfg)``: the loss's own keyword arguments from the micro-batch's tensors and the ``Config``."""
+
+
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy_loss")
+"""Every policy loss by name; ``POLICY_LOSSES.info(name)`` is its ``PolicyLossInfo``."""
+
+
+def register_policy_loss(name: str, *, inputs: LossInputs) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Decorator: register ``fn`` as the policy loss ``name`` (a duplicate name is an error)."""
+
+    def add(fn: PolicyLoss) -> PolicyLoss:
+        POLICY_LOSSES.register(name, fn, PolicyLossInfo(inputs))
+        return fn
+
+    return add
+
 
 # exp(20) ~ 4.9e8: large enough never to bind on sane data, small enough
 # that the ratio (and its product with an advantage) stays finite.
@@ -84,6 +123,8 @@ def _clipped_pg_losses(
     return pg_losses, metrics
 
 
+# PPO's ratio is against the trainer's old log-probs (θ_k).
+@register_policy_loss("ppo", inputs=lambda t, cfg: {"old_log_prob": t["old_log_probs"]})
 def ppo_clip_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
@@ -145,6 +186,15 @@ _IS_MODES: dict[str, Callable[[Tensor, float], Tensor]] = {
 }
 
 
+def _decoupled_inputs(t: Mapping[str, Tensor], cfg: Any) -> dict[str, Any]:
+    # Trust region around the proximal policy (the trainer's old_log_probs under θ_k), importance-weighted back
+    # to the behaviour policy that sampled (the engine's log-probs, possibly θ_{k-1}).
+    rc = cfg.algorithm.rollout_correction
+    return dict(proximal_log_prob=t["old_log_probs"], behaviour_log_prob=t["rollout_log_probs"], is_cap=rc.cap,
+                is_level=rc.level, is_mode=rc.mode)
+
+
+@register_policy_loss("decoupled_ppo", inputs=_decoupled_inputs)
 def decoupled_ppo_loss(
     log_prob: Tensor,
     proximal_log_prob: Tensor,
@@ -213,9 +263,3 @@ def decoupled_ppo_loss(
     loss = agg_loss(pg_losses * weights, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
                     norm_length=norm_length)
     return loss, metrics
-
-
-POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, Metrics]]] = {
-    "ppo": ppo_clip_loss,
-    "decoupled_ppo": decoupled_ppo_loss,
-}

@@ -2,6 +2,6 @@
 ``reward.function`` and batch scoring with ``reward.on_error`` handling (``registry``).
 """
 
-from .registry import BUILTIN_REWARDS, RewardError, RewardFn, get_reward_fn, score_responses
+from .registry import BUILTIN_REWARDS, RewardError, RewardFn, get_reward_fn, register_reward, score_responses
 
-__all__ = ["RewardError", "RewardFn", "BUILTIN_REWARDS", "get_reward_fn", "score_responses"]
+__all__ = ["RewardError", "RewardFn", "BUILTIN_REWARDS", "get_reward_fn", "register_reward", "score_responses"]

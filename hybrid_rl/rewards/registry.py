@@ -2,8 +2,9 @@
 
 A reward function is any ``fn(response: str, ground_truth: str) -> float``.
 ``get_reward_fn`` maps ``auto`` to the task's own reward, a built-in name to
-its ``compute_score``, and ``module:function`` (or ``path/to/file.py:function``)
-to user code. ``score_responses`` is the one place user reward code runs, so it
+the function registered under it in ``BUILTIN_REWARDS`` (a new built-in is one
+function plus one ``register_reward("name")``), and ``module:function`` (or
+``path/to/file.py:function``) to user code. ``score_responses`` is the one place user reward code runs, so it
 is where failures are turned into a one-line error naming the sample, or into
 counted zeros when ``reward.on_error=zero``. Left out: model-based rewards,
 async/batched reward calls, and extra per-sample metadata beyond the ground
@@ -20,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable
 
+from ..registry import Registry
 from . import gsm8k, successor
 
 RewardFn = Callable[[str, str], float]
@@ -29,10 +31,28 @@ class RewardError(ValueError):
     """A bad ``reward.*`` setting or a failing reward function; the message names the key and the fix."""
 
 
-BUILTIN_REWARDS: dict[str, RewardFn] = {
-    "gsm8k": gsm8k.compute_score,
-    "successor": successor.compute_score,
-}
+BUILTIN_REWARDS: Registry[RewardFn] = Registry("reward.function")
+"""Built-in reward functions by the name ``reward.function`` (or a task's ``default_reward``) takes."""
+
+
+def register_reward(name: str, fn: RewardFn | None = None) -> Any:
+    """Register ``fn`` as the built-in reward ``name``: ``register_reward("name", fn)``, or as a decorator.
+    A duplicate name is an error; so is ``auto`` or a name with ``:`` (those mean something else in reward.function)."""
+    if name == "auto" or ":" in name:
+        raise ValueError(f"reward name {name!r} would be read as {'the task default' if name == 'auto' else 'module:function'}; "
+                         "choose another name")
+    if fn is not None:
+        return BUILTIN_REWARDS.register(name, fn)
+
+    def add(f: RewardFn) -> RewardFn:
+        BUILTIN_REWARDS.register(name, f)
+        return f
+
+    return add
+
+
+register_reward("gsm8k", gsm8k.compute_score)
+register_reward("successor", successor.compute_score)
 
 
 def get_reward_fn(name: str, task: str) -> RewardFn:

@@ -86,6 +86,12 @@ class RolloutEngine(abc.ABC):
     def shutdown(self) -> None:
         """Release the engine for good (its memory, its process-wide state); nothing to do by default."""
 
+    @classmethod
+    def from_config(cls, cfg: Any, dist: Any, tokenizer: Any) -> "RolloutEngine":
+        """Build the engine from the ``Config``, this rank's ``DistInfo`` and the tokenizer: how the worker builds
+        whichever class ``rollout.name`` names in ``hybrid_rl.rollout.ROLLOUT_ENGINES``."""
+        raise NotImplementedError(f"{cls.__name__} does not implement from_config(cfg, dist, tokenizer)")
+
     @abc.abstractmethod
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         """``prompts`` holds left-padded ``input_ids``/``attention_mask`` [B, P]; returns a batch of

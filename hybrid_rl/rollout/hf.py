@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from hybrid_rl.batch import Batch
+from hybrid_rl.models import load_causal_lm, resolve_dtype
 from hybrid_rl.rollout.base import RolloutEngine, SamplingParams, assemble_rollout, position_ids_from_mask
 
 
@@ -37,6 +38,15 @@ class HFRolloutEngine(RolloutEngine):
         # transformers renamed `past_key_values` to `cache` (5.2x); accept both.
         forward_args = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in forward_args else "past_key_values"
+
+    @classmethod
+    def from_config(cls, cfg, dist, tokenizer) -> "HFRolloutEngine":
+        """The engine ``rollout.name=hf`` builds: the checkpoint in ``rollout.dtype``, seeded per rank."""
+        # The engine starts from the checkpoint too (like vLLM's load on init); the
+        # sharding manager overwrites it with the actor's weights before first use.
+        model = load_causal_lm(cfg.model.path, resolve_dtype(cfg.rollout_dtype, dist.device), cfg.model.trust_remote_code)
+        return cls(model, [tokenizer.eos_token_id], tokenizer.pad_token_id, dist.device,
+                   max_num_seqs=cfg.rollout.max_num_seqs, seed=cfg.trainer.seed + 1000 * dist.rank)
 
     # -- weights / memory --------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -27,6 +27,7 @@ from hybrid_rl.config import Config, parse_forced_lengths
 from hybrid_rl.micro_batching import micro_batches
 from hybrid_rl.distributed import DistInfo, all_reduce_sum
 from hybrid_rl.models import apply_lora, load_causal_lm, load_tokenizer, resolve_dtype
+from hybrid_rl.rollout import rollout_engine_class
 from hybrid_rl.rollout.base import RolloutEngine, SamplingParams
 from hybrid_rl.weights.sharding_manager import ShardingManager
 from hybrid_rl.workers.fsdp_engine import AdapterDisabledReference, FrozenReference, TrainingEngine
@@ -120,19 +121,8 @@ class ActorRolloutRefWorker:
 
     # -- rollout ------------------------------------------------------------------------
     def _build_rollout(self) -> RolloutEngine:
-        r = self.cfg.rollout
-        eos = [self.tokenizer.eos_token_id]
-        if r.name == "vllm":
-            from hybrid_rl.rollout.vllm import VLLMRolloutEngine
-
-            return VLLMRolloutEngine.from_config(self.cfg, self.dist, self.tokenizer)
-        from hybrid_rl.rollout.hf import HFRolloutEngine
-
-        # The engine starts from the checkpoint too (like vLLM's load on init); the
-        # sharding manager overwrites it with the actor's weights before first use.
-        model = load_causal_lm(self.cfg.model.path, self.rollout_dtype, self.cfg.model.trust_remote_code)
-        return HFRolloutEngine(model, eos, self.tokenizer.pad_token_id, self.device, max_num_seqs=r.max_num_seqs,
-                               seed=self.cfg.trainer.seed + 1000 * self.dist.rank)
+        """Whichever engine class ``rollout.name`` names in ``hybrid_rl.rollout.ROLLOUT_ENGINES``."""
+        return rollout_engine_class(self.cfg.rollout.name).from_config(self.cfg, self.dist, self.tokenizer)
 
     def rollout_mode(self) -> ShardingManager:
         if self.sharding_manager is None:
@@ -237,15 +227,11 @@ class ActorRolloutRefWorker:
         denoms = dict(num_tokens=num_tokens, num_seqs=num_seqs, norm_length=self.cfg.data.max_response_length)
         clip = dict(clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
                     loss_agg_mode=a.loss_agg_mode, **denoms)
-        if self.cfg.use_rollout_correction:
-            # Decoupled PPO: trust region around the proximal policy (the trainer's
-            # old_log_probs under θ_k), importance-weighted back to the behaviour
-            # policy that sampled (the engine's log-probs, possibly θ_{k-1}).
-            rc = self.cfg.algorithm.rollout_correction
-            pg_loss, pg_m = alg.decoupled_ppo_loss(log_prob, t["old_log_probs"], t["rollout_log_probs"], t["advantages"],
-                                                   mask, is_cap=rc.cap, is_level=rc.level, is_mode=rc.mode, **clip)
-        else:
-            pg_loss, pg_m = alg.ppo_clip_loss(log_prob, t["old_log_probs"], t["advantages"], mask, **clip)
+        # The loss by name (ppo, or decoupled_ppo under rollout correction): the shared arguments here, its own
+        # (old / proximal / behaviour log-probs, importance-weight knobs) from its registration's ``inputs``.
+        policy_loss = alg.POLICY_LOSSES[self.cfg.policy_loss]
+        own = alg.POLICY_LOSSES.info(self.cfg.policy_loss).inputs(t, self.cfg)
+        pg_loss, pg_m = policy_loss(log_prob=log_prob, advantages=t["advantages"], response_mask=mask, **own, **clip)
         loss = pg_loss
         names = {"pg_clipfrac": "actor/pg_clipfrac", "ppo_kl": "actor/ppo_kl", "pg_clipfrac_lower": "actor/pg_clipfrac_lower",
                  "is_truncated_frac": "rollout/is_truncated_frac"}

@@ -1,30 +1,21 @@
 """The driver's advantage phase: token rewards (optionally KL-penalised) → advantages.
 
 This is the thin glue between a ``Batch`` and the pure estimators in
-``hybrid_rl.algorithms``: it reads the batch's tensors, picks the estimator
-named by ``algorithm.adv_estimator`` from a table, and returns a batch with
-``token_level_rewards``, ``advantages`` and ``returns`` added. No communication
-is needed: a prompt's n samples live on one rank.
+``hybrid_rl.algorithms``: it reads the batch's tensors, looks up the estimator
+named by ``algorithm.adv_estimator`` in the registry
+(``algorithms.advantages.ADV_ESTIMATORS``), calls it with what its
+registration says it needs, and returns a batch with ``token_level_rewards``,
+``advantages`` and ``returns`` added. No communication is needed: a prompt's n
+samples live on one rank.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 
 from hybrid_rl import algorithms as alg
 from hybrid_rl.batch import Batch
 from hybrid_rl.config import AlgorithmConfig
-
-
-# Each outcome/return estimator with the config knobs it reads; groups are the ``uid``s.
-_ESTIMATORS: dict[str, Callable] = {
-    "grpo": lambda r, m, uid, cfg: alg.grpo_advantage(r, m, uid, norm_by_std=cfg.norm_adv_by_std_in_grpo),
-    "dr_grpo": lambda r, m, uid, cfg: alg.dr_grpo_advantage(r, m, uid),
-    "rloo": lambda r, m, uid, cfg: alg.rloo_advantage(r, m, uid),
-    "reinforce_pp": lambda r, m, uid, cfg: alg.reinforce_pp_advantage(r, m, gamma=cfg.gamma),
-}
 
 
 def compute_advantage(batch: Batch, cfg: AlgorithmConfig) -> tuple[Batch, dict[str, float]]:
@@ -37,10 +28,16 @@ def compute_advantage(batch: Batch, cfg: AlgorithmConfig) -> tuple[Batch, dict[s
         metrics["actor/reward_kl_penalty"] = float(kl_mean)
     else:
         rewards = scores
-    estimator = _ESTIMATORS.get(cfg.adv_estimator)
-    if estimator is None:  # gae is rejected by Config.validate until a critic exists
-        raise ValueError(f"algorithm.adv_estimator={cfg.adv_estimator} is not supported by the driver yet")
-    adv, ret = estimator(rewards, mask, batch.non_tensors["uid"], cfg)
+    estimator = alg.ADV_ESTIMATORS[cfg.adv_estimator]
+    info: alg.EstimatorInfo = alg.ADV_ESTIMATORS.info(cfg.adv_estimator)
+    needs: dict[str, object] = {}
+    if info.needs_groups:
+        needs["index"] = batch.non_tensors["uid"]  # a group is the n samples of one prompt
+    if info.needs_critic:
+        if "values" not in t:  # gae is rejected by Config.validate until a critic exists
+            raise ValueError(f"algorithm.adv_estimator={cfg.adv_estimator} is not supported by the driver yet")
+        needs["values"] = t["values"]
+    adv, ret = estimator(token_level_rewards=rewards, response_mask=mask, **needs, **info.config(cfg))
     return batch.union(tensors=dict(token_level_rewards=rewards, advantages=adv, returns=ret)), metrics
 
 
