@@ -4,10 +4,10 @@ Every rank runs the same loop (no Ray, no controller). Under torchrun the
 process group comes from the environment (NCCL on GPU, gloo on CPU), even for
 one rank, so the actor takes the FSDP2 path; a plain ``python -m hybrid_rl``
 run is a world of one without a process group. Metrics are reduced as (sum, count) pairs so that means are weighted by
-how many samples or tokens each rank saw. The collectives here run over the
-*data-parallel group*: the whole world, except under ``trainer.placement=split``
-where the trainer ranks and the rollout ranks each reduce among themselves
-(``set_dp_group``). Left out: multi-node launch helpers (torchrun's rendezvous
+how many samples or tokens each rank saw. The collectives here run over a
+*data-parallel group*, carried in ``DistInfo.group``: the whole world (None),
+except under ``trainer.placement=split`` where the trainer ranks and the
+rollout ranks each reduce among themselves (``sources.make_placement``). Left out: multi-node launch helpers (torchrun's rendezvous
 already does that).
 """
 
@@ -26,6 +26,8 @@ class DistInfo:
     world_size: int
     local_rank: int
     device: torch.device
+    group: "dist.ProcessGroup | None" = None
+    """The data-parallel group this rank trains in (FSDP mesh, loss denominators, metrics); None = the world."""
 
     @property
     def is_main(self) -> bool:
@@ -50,65 +52,56 @@ def init_distributed(device_pref: str = "auto") -> DistInfo:
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
 
 
-_DP_GROUP: "dist.ProcessGroup | None" = None
-"""The group the training collectives (FSDP mesh, loss denominators, metrics) run over; None = the world."""
+Group = "dist.ProcessGroup | None"
 
 
-def set_dp_group(group: "dist.ProcessGroup | None") -> None:
-    global _DP_GROUP
-    _DP_GROUP = group
+def world_size(group: Group = None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def dp_group() -> "dist.ProcessGroup | None":
-    return _DP_GROUP
-
-
-def world_size() -> int:
-    return dist.get_world_size(_DP_GROUP) if dist.is_initialized() else 1
-
-
-def _reduce(t: torch.Tensor, op) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size(_DP_GROUP) > 1:
-        dist.all_reduce(t, op=op, group=_DP_GROUP)
+def _reduce(t: torch.Tensor, op, group: Group) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
     return t
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    return _reduce(t, dist.ReduceOp.SUM)
+def all_reduce_sum(t: torch.Tensor, group: Group = None) -> torch.Tensor:
+    return _reduce(t, dist.ReduceOp.SUM, group)
 
 
-def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+def all_reduce_max(t: torch.Tensor, group: Group = None) -> torch.Tensor:
     """In place; a CPU tensor is moved to the group's device for NCCL and back."""
-    if not (dist.is_initialized() and dist.get_world_size(_DP_GROUP) > 1):
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
         return t
-    if dist.get_backend(_DP_GROUP) == "nccl" and t.device.type != "cuda":
-        t.copy_(_reduce(t.to("cuda"), dist.ReduceOp.MAX))
+    if dist.get_backend(group) == "nccl" and t.device.type != "cuda":
+        t.copy_(_reduce(t.to("cuda"), dist.ReduceOp.MAX, group))
         return t
-    return _reduce(t, dist.ReduceOp.MAX)
+    return _reduce(t, dist.ReduceOp.MAX, group)
 
 
-def reduce_weighted_means(stats: dict[str, tuple[float, float]], device: torch.device) -> dict[str, float]:
+def reduce_weighted_means(stats: dict[str, tuple[float, float]], device: torch.device,
+                          group: Group = None) -> dict[str, float]:
     """Global means from per-rank (sum, count) pairs."""
     if not stats:
         return {}
     keys = sorted(stats)
     t = torch.tensor([[float(stats[k][0]), float(stats[k][1])] for k in keys], dtype=torch.float64, device=device)
-    all_reduce_sum(t)
+    all_reduce_sum(t, group)
     return {k: (t[i, 0] / t[i, 1]).item() if t[i, 1] > 0 else 0.0 for i, k in enumerate(keys)}
 
 
-def reduce_max(values: dict[str, float], device: torch.device) -> dict[str, float]:
+def reduce_max(values: dict[str, float], device: torch.device, group: Group = None) -> dict[str, float]:
     if not values:
         return {}
     keys = sorted(values)
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
-    all_reduce_max(t)
+    all_reduce_max(t, group)
     return {k: t[i].item() for i, k in enumerate(keys)}
 
 
-def barrier() -> None:
+def barrier(group: Group = None) -> None:
     if dist.is_initialized():
-        dist.barrier(group=_DP_GROUP)
+        dist.barrier(group=group)
 
 
 def destroy() -> None:

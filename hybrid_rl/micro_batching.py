@@ -109,7 +109,7 @@ def _pack_by_length(order: np.ndarray, p_len: np.ndarray, r_len: np.ndarray, max
 
 
 def plan_micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = None,
-                       lengths: tuple[np.ndarray, np.ndarray] | None = None) -> list[np.ndarray]:
+                       lengths: tuple[np.ndarray, np.ndarray] | None = None, group=None) -> list[np.ndarray]:
     """Row indices of each micro-batch: chunks of ``max_seqs`` rows of similar length, or bins within a token budget.
 
     Fixed-size chunks take the rows in order of length, so each micro-batch is trimmed to lengths close to
@@ -121,7 +121,7 @@ def plan_micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = Non
     With a token budget, rows are packed longest-first into consecutive bins whose padded size (what the
     forward really computes, since sequences are padded, not packed) stays within ``max_tokens``. A rank that
     needs fewer bins than the busiest rank splits its largest bins in half until the counts match, which only
-    shrinks them. (Balancing real tokens across bins instead, as verl does for padding-free packed sequences,
+    shrinks them (the counts are compared over ``group``, the data-parallel group). (Balancing real tokens across bins instead, as verl does for padding-free packed sequences,
     would put one long row in every bin and pad each to it: about twice the budget.)
     """
     n = len(batch)
@@ -131,7 +131,7 @@ def plan_micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = Non
         return [np.sort(order[s:s + max_seqs]) for s in range(0, n, max_seqs)]
     bins = _pack_by_length(order, p_len, r_len, max_tokens)
     k = torch.tensor(len(bins))
-    all_reduce_max(k)  # same number of FSDP forwards on every rank
+    all_reduce_max(k, group)  # same number of FSDP forwards on every rank
     while len(bins) < min(int(k), n):
         j = max((b for b in range(len(bins)) if len(bins[b]) > 1), key=lambda b: _padded(bins[b], p_len, r_len))
         half = len(bins[j]) // 2
@@ -139,7 +139,8 @@ def plan_micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = Non
     return [np.array(sorted(b)) for b in bins]
 
 
-def micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = None) -> list[tuple[np.ndarray, Batch]]:
+def micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = None,
+                  group=None) -> list[tuple[np.ndarray, Batch]]:
     """(row indices, trimmed micro-batch) pairs covering ``batch``.
 
     The lengths are read from the device once for the whole batch: a read per micro-batch would stall the
@@ -147,4 +148,4 @@ def micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = None) ->
     """
     p_len, r_len = _lengths(batch)
     return [(idx, trim_padding(batch.index(idx), (p_len[idx], r_len[idx])))
-            for idx in plan_micro_batches(batch, max_seqs, max_tokens, (p_len, r_len))]
+            for idx in plan_micro_batches(batch, max_seqs, max_tokens, (p_len, r_len), group)]

@@ -35,7 +35,6 @@ import torch.distributed as dist
 
 from hybrid_rl.batch import Batch
 from hybrid_rl.micro_batching import pad_widths
-from hybrid_rl.weights.broadcast import broadcast_weights, receive_weights  # noqa: F401  the step's second exchange
 
 
 @dataclass

@@ -2,13 +2,14 @@
 
 ``fit`` reads top to bottom: one call per phase, each under a named timer.
 Set-up (data, reward function, worker, trackers) happens in ``__init__``;
-validation is greedy pass@1 on the validation prompts. Metrics are reduced
-across ranks (weighted means, maxima) and logged by rank 0 only. Under
-``trainer.placement=split`` the rollout ranks run ``split_rollout_step`` and
-the trainer ranks ``split_train_step`` (see ``split.py``); the first trainer
-rank logs. Left out on purpose: a single controller (there is none:
-torch.distributed is the engine) and partial rollouts carried across steps
-(see ``pipeline.py``).
+validation is greedy pass@1 on the validation prompts. Every mode and
+placement runs the same ``step``: a ``RolloutSource`` (``sources.py``: sync,
+one-step overlap, split placement) hands over the batch, and ``train_on`` runs
+reward → log-probs → advantage → update on it. Metrics are reduced across
+ranks (weighted means, maxima) and logged by one rank (under split placement
+the first trainer rank). Left out on purpose: a single controller (there is
+none: torch.distributed is the engine) and partial rollouts carried across
+steps (see ``pipeline.py``).
 """
 
 from __future__ import annotations
@@ -27,22 +28,14 @@ from hybrid_rl.checkpoint import (CHECKPOINT_SUBDIR, CheckpointError, capture_rn
                                   read_checkpoint_config, restore_rng, save_checkpoint)
 from hybrid_rl.config import Config, ConfigError, resume_config_diff, save_config
 from hybrid_rl.data import PromptDataset, PromptSampler, collate_prompts, load_rows
-from hybrid_rl.distributed import DistInfo, reduce_max, reduce_weighted_means, set_dp_group
+from hybrid_rl.distributed import DistInfo, reduce_max, reduce_weighted_means
 from hybrid_rl.metrics import batch_metrics
-from hybrid_rl.pipeline import RolloutPipeline
 from hybrid_rl.rewards import get_reward_fn
 from hybrid_rl.scoring import compute_scores
+from hybrid_rl.sources import make_placement, make_source
 from hybrid_rl.tracking import Timer, Tracker, run_summary
 from hybrid_rl.watchdog import StallWatchdog
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
-
-
-class _NoParams:
-    """A weight source with nothing to send (the engine already holds this version)."""
-
-    @staticmethod
-    def iter_full_params(dtype=None, skip_static=False):
-        return iter(())
 
 
 class TrainingDiverged(RuntimeError):
@@ -72,31 +65,21 @@ class Trainer:
         self.cfg = cfg
         self.global_dist = dist
         seed_everything(cfg.trainer.seed + dist.rank)
-        self.split = None
-        sampler_rank, sampler_world, role = dist.rank, dist.world_size, "actor_rollout_ref"
-        if cfg.trainer.placement == "split":
-            from hybrid_rl.split import make_layout
-
-            self.split = make_layout(cfg.split_layout(dist.world_size)[0])
-            sp = self.split
-            set_dp_group(sp.rollout_group if sp.is_rollout else sp.trainer_group)
-            sampler_rank, sampler_world = (sp.index, sp.n_rollout) if sp.is_rollout else (0, sp.n_rollout)
-            role = "rollout" if sp.is_rollout else "actor_ref"
-            if not sp.is_rollout:  # the trainer ranks' own data-parallel world
-                dist = DistInfo(rank=sp.index, world_size=sp.side_size, local_rank=dist.local_rank, device=dist.device)
-        self.dist = dist
-        self.is_logger = self.split.rank == self.split.leader if self.split else dist.is_main
+        self.placement = make_placement(cfg, dist)  # this rank's role and data-parallel world
+        self.dist = self.placement.dist
+        self.is_logger = self.placement.is_logger
         self.ckpt_root = Path(cfg.trainer.output_dir) / CHECKPOINT_SUBDIR
         self.tracker_notes: list[str] = []
         resume_from = self._resume_target()  # before anything costly is built: a mismatched resume fails at once
         d = cfg.data
         from hybrid_rl.models import load_tokenizer
 
-        tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code,
-                                   "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
+        self.tokenizer = tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code,
+                                                    "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
         rows = load_rows(d.train_path, d.train_split, d.hub_config, d.task, d.num_synthetic, cfg.trainer.seed)
         self.train_set = PromptDataset(rows, d.task, tokenizer, d.max_prompt_length, d.truncation, d.system_prompt)
-        self.sampler = PromptSampler(len(self.train_set), d.train_batch_size, sampler_rank, sampler_world,
+        pl = self.placement
+        self.sampler = PromptSampler(len(self.train_set), d.train_batch_size, pl.sampler_rank, pl.sampler_world,
                                      cfg.trainer.seed, d.shuffle)
         self.val_set = None
         if d.val_path and (cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train):  # read only when used
@@ -108,13 +91,9 @@ class Trainer:
         self.reward_fn = get_reward_fn(cfg.reward.function, d.task)
         t = cfg.trainer
         self.total_steps = t.total_steps or t.total_epochs * self.sampler.steps_per_epoch
-        self.worker = ActorRolloutRefWorker(cfg, self.global_dist if role == "rollout" else dist, role=role,
-                                            total_training_steps=self.total_steps)
-        self.tokenizer = self.worker.tokenizer
-        self.pipeline = RolloutPipeline(self.worker, cfg.staleness_bound, cfg.trainer.stale_policy,
-                                        background=self.split is None)
-        if self.split is not None:
-            self._init_split()
+        self.worker = ActorRolloutRefWorker(cfg, pl.worker_dist, role=pl.role, total_training_steps=self.total_steps,
+                                            tokenizer=tokenizer)
+        self.source = make_source(cfg, pl, self.worker, self.next_prompts, self.global_dist, tokenizer.pad_token_id)
         self.skipped_in_a_row = 0
         self.last_val: tuple[int, float] | None = None
         self.start_step = self._restore(resume_from) if resume_from is not None else 0  # nothing written before this
@@ -131,21 +110,17 @@ class Trainer:
         history, started = [], time.perf_counter()
         for note in self.tracker_notes:
             self.tracker.write(note)
-        placement = (f"split ({self.split.n_rollout} rollout + {self.split.world - self.split.n_rollout} trainer ranks)"
-                     if self.split else "colocated")
-        self.tracker.write(f"hybrid_rl: {self.total_steps} steps, mode {self.cfg.trainer.mode}, placement {placement}, "
+        self.tracker.write(f"hybrid_rl: {self.total_steps} steps, mode {self.cfg.trainer.mode}, "
+                           f"placement {self.placement.describe()}, "
                            f"{self.global_dist.world_size} rank(s), device {self.dist.device}; {self.data_stats}")
         if self.start_step >= self.total_steps:
             self.tracker.write(f"nothing to do: the checkpoint is at step {self.start_step} of {self.total_steps}; "
                                "raise trainer.total_steps (or total_epochs) to train further")
         elif self.start_step == 0 and self.cfg.trainer.val_before_train and self.val_set is not None:
             self._log(self.validate(), step=0)
-        step_fn = self.overlap_step if self.cfg.trainer.mode == "overlap" else self.sync_step
-        if self.split is not None:
-            step_fn = self.split_rollout_step if self.split.is_rollout else self.split_train_step
         for step in range(self.start_step + 1, self.total_steps + 1):
             with self._profiled(step):
-                metrics = step_fn(last=step == self.total_steps)
+                metrics = self.step(last=step == self.total_steps)
             if self._due(step, self.cfg.trainer.test_freq) and self.val_set is not None:
                 metrics.update(self.validate())
             self._log(metrics, step)
@@ -154,7 +129,7 @@ class Trainer:
             save_freq = self.cfg.trainer.save_freq
             if save_freq >= 0 and (self._due(step, save_freq) or step == self.total_steps):
                 self.save(step)
-        self.pipeline.close()
+        self.source.close()
         self.tracker.close()
         self.tracker.write(self._summary(history, time.perf_counter() - started))
         return history
@@ -173,105 +148,20 @@ class Trainer:
                            [r["reward/mean"] for r in history if "reward/mean" in r], self.last_val,
                            find_latest(self.ckpt_root), t.save_freq)
 
-    def sync_step(self, last: bool = False) -> dict[str, float]:
+    def step(self, last: bool = False) -> dict[str, float]:
+        """One step: the source hands over a batch (``last``: none is generated ahead), the trainer learns from it."""
         timer = Timer()
         with timer("step"):
-            prompts = self.next_prompts()
-            with self.worker.rollout_mode():
-                with timer("gen"):
-                    batch = self.worker.generate(prompts)
+            batch = self.source.next_batch(timer, last)
+            if batch is None:  # split placement's rollout ranks only generate
+                return {}
             metrics = self.train_on(batch, timer)
-        return self._finish_metrics(metrics, timer)
-
-    def overlap_step(self, last: bool = False) -> dict[str, float]:
-        """One-step overlap: train on batch k (sampled with θ_{k-1}) while batch k+1 is generated with θ_k."""
-        timer = Timer()
-        with timer("step"):
-            with timer("wait_gen"):
-                batch = self.pipeline.take(self.next_prompts)  # batch k, generated in the background
-            if not last:
-                self.pipeline.start(self.next_prompts())  # batch k+1 under θ_k, concurrent with the update below
-            metrics = self.train_on(batch, timer)
-        timer.times["timing/gen"] = batch.meta["gen_s"]
-        return self._finish_metrics(metrics, timer)
-
-    # -- split placement (see split.py for the exchange order) ---------------------------
-    def _init_split(self) -> None:
-        from hybrid_rl.split import send_batch
-        from hybrid_rl.weights.broadcast import broadcast_weights, receive_weights
-
-        self._send_batch, self._broadcast, self._receive = send_batch, broadcast_weights, receive_weights
-        self._split_sync = (0.0, 0)
-        self._sent_version: int | None = None
-        self._pending: Batch | None = None
-        self._replayer = None
-        if self.split.is_rollout and self.cfg.rollout.weight_load_replay:
-            from hybrid_rl.weights.replay import WeightReplayer
-
-            engine = self.worker.rollout
-            self._replayer = WeightReplayer(lambda bucket: engine.load_weights(bucket))
-        if self.cfg.rollout.name == "vllm" and not self.split.is_rollout:
-            # vLLM's external launcher creates its groups over the whole world: build a twin and
-            # release it at once (sleep level 2 frees weights and KV cache), so the collectives pair up.
-            from hybrid_rl.rollout.vllm import VLLMRolloutEngine
-
-            VLLMRolloutEngine.from_config(self.cfg, self.global_dist, self.tokenizer).sleep(level=2)
-
-    def _exchange_weights(self) -> None:
-        """θ from the trainer ranks to the rollout ranks (skipped when the rollout already has this version)."""
-        w = self.worker
-        if self.split.is_rollout:
-            self._split_sync = self._receive(self.split, w.rollout, self.global_dist.device, self._replayer)
-            return
-        skip = self._sent_version == w.weight_version
-        src = _NoParams() if skip else w.actor
-        took, sent = self._broadcast(self.split, src, self.worker.rollout_dtype, self.cfg.rollout.weight_sync_bucket_mb * 2**20,
-                                     w.weight_version, self.dist.device)
-        self._split_sync = (self._split_sync[0] + took, self._split_sync[1] + sent)  # summed over the step's exchanges
-        self._sent_version = w.weight_version
-
-    def _exchange_batch(self, batch: Batch | None) -> Batch | None:
-        d = self.cfg.data
-        return self._send_batch(self.split, batch, (d.max_prompt_length, d.max_response_length),
-                                self.tokenizer.pad_token_id)
-
-    def split_rollout_step(self, last: bool = False) -> dict[str, float]:
-        """Rollout ranks: generate, hand the batch over, take the new weights (and, overlapping, generate the next)."""
-        overlap = self.cfg.staleness_bound > 0
-        if not overlap or self.worker.rollout.weights_version is None:  # mirrors the trainer ranks' condition
-            self._exchange_weights()
-        if self._pending is None:
-            self._pending = self.pipeline.generate_now(self.next_prompts())
-        self._exchange_batch(self._pending)
-        self._pending = None
-        if overlap:
-            self._exchange_weights()  # θ_k, pushed while the trainer ranks update on batch k
-            if not last:
-                self._pending = self.pipeline.generate_now(self.next_prompts())
-        return {}
-
-    def split_train_step(self, last: bool = False) -> dict[str, float]:
-        """Trainer ranks: take batch k from the rollout ranks, send θ_k back, update on batch k."""
-        overlap = self.cfg.staleness_bound > 0
-        timer = Timer()
-        self._split_sync = (0.0, 0)
-        with timer("step"):
-            if not overlap or self._sent_version is None:
-                with timer("sync_weights"):
-                    self._exchange_weights()
-            with timer("wait_gen"):
-                batch = self._exchange_batch(None).to(self.dist.device)
-            if overlap:
-                with timer("sync_weights"):
-                    self._exchange_weights()
-            metrics = self.train_on(batch, timer)
-        timer.times["timing/gen"] = batch.meta["gen_s"]
         return self._finish_metrics(metrics, timer)
 
     def train_on(self, batch: Batch, timer: Timer) -> dict:
         """reward → old log-prob → ref log-prob → advantage → update, on one generated batch."""
         w, cfg = self.worker, self.cfg
-        batch = self.pipeline.check_staleness(batch, w.weight_version)
+        batch = self.source.check_staleness(batch, w.weight_version)
         with timer("reward"):
             batch, reward_stats = compute_scores(batch, self.tokenizer, self.reward_fn, cfg.reward.on_error)
         with timer("old_log_prob"):
@@ -287,8 +177,7 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------
     def _rng_generators(self) -> dict:
-        w = self.worker
-        return {"shuffle": w._shuffle_rng, "lengths": w._length_rng}
+        return self.worker.rng_generators()
 
     def _capture_rng(self) -> dict:
         """Global RNGs, the worker's generators and the engine's sampling RNG (saved as generator "rollout")."""
@@ -313,12 +202,11 @@ class Trainer:
         a = self.worker.actor
         if a is None:
             return None, None, None, None
-        return a.model, a.optimizer, a.scheduler, self.split.trainer_group if self.split else None
+        return a.model, a.optimizer, a.scheduler, self.placement.dcp_group
 
     def save(self, step: int) -> None:
         w = self.worker
-        self.pipeline.wait()  # the in-flight batch is part of the state (and must not race the RNG capture)
-        pending = self._pending if self.split is not None else self.pipeline.peek()
+        pending = self.source.pending_batch()  # waits for the in-flight batch (it must not race the RNG capture)
         extra = {"step": step, "weight_version": w.weight_version, "sampler": self.sampler.state_dict(),
                  "rng": self._capture_rng(), "skipped_in_a_row": self.skipped_in_a_row,
                  "pending_batch": pending.state_dict() if pending is not None else None}
@@ -349,11 +237,7 @@ class Trainer:
         self.sampler.load_state_dict(extra["sampler"])
         self.skipped_in_a_row = extra.get("skipped_in_a_row", 0)
         if extra.get("pending_batch") is not None:
-            pending = Batch.from_state_dict(extra["pending_batch"]).to(self.global_dist.device)
-            if self.split is not None:
-                self._pending = pending  # split rollout ranks: the batch generated ahead, handed over next step
-            else:
-                self.pipeline.restore(pending)
+            self.source.restore_pending(Batch.from_state_dict(extra["pending_batch"]).to(self.global_dist.device))
         self._restore_rng(extra["rng"])  # last: building models consumed the global RNG
         self.tracker_notes.append(f"resumed from {path} (step {extra['step']})")
         return int(extra["step"])
@@ -434,12 +318,11 @@ class Trainer:
         means.update(parts["reward_stats"])
         means.update(parts["update_stats"])
         means.update({k: (v, 1.0) for k, v in parts["adv_metrics"].items()})
-        sm = self.worker.sharding_manager
         times = timer.pop()
-        sync_s, sync_bytes = (sm.last_sync_s, sm.last_sync_bytes) if sm else self._split_sync if self.split else (0.0, 0)
+        sync_s, sync_bytes = self.source.sync_stats()
         times["timing/sync_weights"] = sync_s
-        out = reduce_weighted_means(means, self.dist.device)
-        out.update(reduce_max({**maxima, **times}, self.dist.device))
+        out = reduce_weighted_means(means, self.dist.device, self.dist.group)
+        out.update(reduce_max({**maxima, **times}, self.dist.device, self.dist.group))
         out["reward/min"] = -out.pop("reward/min_neg")
         out["rollout/weight_sync_bytes"] = float(sync_bytes)
         out["rollout/weight_version"] = float(batch.meta.get("weight_version") or 0)
@@ -460,22 +343,7 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         """Greedy pass@1 on the validation prompts with the current weights (every rank takes its share)."""
-        if self.split is not None:
-            return self._split_validate()
-        self.pipeline.wait()  # the engine is shared with the in-flight rollout
-        with self.worker.rollout_mode():
-            return self._validate_on_engine(self.dist.rank, self.dist.world_size)
-
-    def _split_validate(self) -> dict[str, float]:
-        """Split placement: θ_k goes to the rollout ranks, they validate, the logging trainer rank gets the result."""
-        import torch.distributed as tdist
-
-        self._exchange_weights()
-        sp = self.split
-        mine = self._validate_on_engine(sp.index, sp.n_rollout) if sp.is_rollout else None
-        parts: list = [None] * sp.world
-        tdist.all_gather_object(parts, mine, group=sp.obj_group)
-        return parts[0]
+        return self.source.validate(self._validate_on_engine, self.dist)
 
     def _validate_on_engine(self, rank: int, world: int) -> dict[str, float]:
         assert self.val_set is not None
@@ -490,4 +358,4 @@ class Trainer:
             length += float(out.tensors["response_mask"].sum())
             count += len(out)
         return reduce_weighted_means({"val/reward_mean": (total, count), "val/response_length_mean": (length, count)},
-                                     self.dist.device)
+                                     self.dist.device, self.dist.group)

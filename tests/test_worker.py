@@ -317,7 +317,7 @@ def test_token_budget_bins_stay_within_budget_on_long_tails(monkeypatch):
     assert sorted(i for idx in plan for i in idx) == list(range(len(batch)))
     assert max(padded) <= budget and sum(padded) < 1.3 * real
     # another rank needs more bins: this one matches the count, and its bins only shrink
-    monkeypatch.setattr(mb, "all_reduce_max", lambda t: t.fill_(len(plan) + 3))
+    monkeypatch.setattr(mb, "all_reduce_max", lambda t, group=None: t.fill_(len(plan) + 3))
     more = mb.plan_micro_batches(batch, max_seqs=8, max_tokens=budget)
     assert len(more) == len(plan) + 3 and sorted(i for idx in more for i in idx) == list(range(len(batch)))
     assert max(mb.trim_padding(batch.index(idx))["input_ids"].numel() for idx in more) <= budget

@@ -64,7 +64,8 @@ class _Stats:
 
 
 class ActorRolloutRefWorker:
-    def __init__(self, cfg: Config, dist: DistInfo, role: str = "actor_rollout_ref", total_training_steps: int = 1):
+    def __init__(self, cfg: Config, dist: DistInfo, role: str = "actor_rollout_ref", total_training_steps: int = 1,
+                 tokenizer=None):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.cfg = cfg
@@ -78,8 +79,10 @@ class ActorRolloutRefWorker:
         self.rollout_dtype = resolve_dtype(cfg.rollout_dtype, self.device)
         """The engine's weight dtype: what the push casts to (``rollout.dtype``)."""
         mcfg = cfg.model
-        self.tokenizer = load_tokenizer(mcfg.tokenizer_path or mcfg.path, mcfg.trust_remote_code,
-                                        "model.tokenizer_path" if mcfg.tokenizer_path else "model.path")
+        # the driver loads the tokenizer once (for its datasets) and passes it in
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
+            mcfg.tokenizer_path or mcfg.path, mcfg.trust_remote_code,
+            "model.tokenizer_path" if mcfg.tokenizer_path else "model.path")
 
         self.actor: TrainingEngine | None = None
         if self.is_actor:
@@ -89,7 +92,7 @@ class ActorRolloutRefWorker:
             self.actor = TrainingEngine(model, self.device, self.dtype, trainable=True,
                                         gradient_checkpointing=mcfg.enable_gradient_checkpointing,
                                         accumulate_unsharded=cfg.actor.accumulate_unsharded,
-                                        compile_blocks=cfg.actor.use_torch_compile)
+                                        compile_blocks=cfg.actor.use_torch_compile, group=dist.group)
             a = cfg.actor
             updates_per_step = a.ppo_epochs * (cfg.data.train_batch_size // a.ppo_mini_batch_size)
             self.actor.configure_optimizer(a.lr, (a.betas[0], a.betas[1]), a.weight_decay, a.warmup_steps,
@@ -101,7 +104,7 @@ class ActorRolloutRefWorker:
                 self.ref = AdapterDisabledReference(self.actor)
             else:
                 ref_engine = TrainingEngine(load_causal_lm(mcfg.path, self.dtype, mcfg.trust_remote_code), self.device,
-                                            self.dtype, trainable=False)
+                                            self.dtype, trainable=False, group=dist.group)
                 self.ref = FrozenReference(ref_engine, offload=cfg.ref.offload)
         self.rollout: RolloutEngine | None = None
         self.sharding_manager: ShardingManager | None = None
@@ -118,6 +121,10 @@ class ActorRolloutRefWorker:
         self._token_budget = cfg.actor.max_token_len_per_device if cfg.actor.use_dynamic_bsz else None
         self._shuffle_rng = np.random.default_rng(cfg.trainer.seed + 7919 * dist.rank)
         self._length_rng = np.random.default_rng(cfg.trainer.seed + 104729 * (dist.rank + 1))
+
+    def rng_generators(self) -> dict[str, np.random.Generator]:
+        """The worker's own random streams (mini-batch shuffling, forced lengths), for checkpoints."""
+        return {"shuffle": self._shuffle_rng, "lengths": self._length_rng}
 
     # -- rollout ------------------------------------------------------------------------
     def _build_rollout(self) -> RolloutEngine:
@@ -199,12 +206,12 @@ class ActorRolloutRefWorker:
         # Global denominators across ranks: every micro-batch on every rank divides
         # by the same counts, so the summed gradient equals one big batch's.
         denom = torch.tensor([mask.sum().item(), float(len(mini))], dtype=torch.float64, device=self.device)
-        all_reduce_sum(denom)
+        all_reduce_sum(denom, self.dist.group)
         num_tokens, num_seqs = denom[0].item(), denom[1].item()
         # FSDP averages gradients over ranks; undo that so the loss is a global sum.
         scale = float(self.dist.world_size) if self.actor.fsdp else 1.0
         self.actor.zero_grad()
-        micros = micro_batches(mini, a.ppo_micro_batch_size_per_device, self._token_budget)
+        micros = micro_batches(mini, a.ppo_micro_batch_size_per_device, self._token_budget, self.dist.group)
         for i, (_, micro) in enumerate(micros):
             loss, m = self._micro_batch_loss(micro, num_tokens, num_seqs)
             self.actor.micro_batch_step(last=i == len(micros) - 1)

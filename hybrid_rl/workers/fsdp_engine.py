@@ -53,8 +53,11 @@ def _compile_blocks(model: torch.nn.Module) -> int:
 
 class TrainingEngine:
     def __init__(self, model: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype, trainable: bool,
-                 gradient_checkpointing: bool = False, accumulate_unsharded: bool = False, compile_blocks: bool = False):
+                 gradient_checkpointing: bool = False, accumulate_unsharded: bool = False, compile_blocks: bool = False,
+                 group=None):
         self.device = device
+        self.group = group
+        """The data-parallel process group the model is sharded over (None = the world)."""
         self.accumulate_unsharded = accumulate_unsharded
         """Parameters stay gathered through a pass of micro-batches; gradients are reduced on the last one only."""
         self.compute_dtype = compute_dtype
@@ -101,12 +104,10 @@ class TrainingEngine:
             mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-        from hybrid_rl.distributed import dp_group
-
         # An explicit mesh on the training device: without it fully_shard picks CUDA
         # whenever a GPU is visible, which breaks trainer.device=cpu on a GPU host.
         # Split placement shards over the trainer ranks only (the data-parallel group).
-        group = dp_group()
+        group = self.group
         mesh = (DeviceMesh.from_group(group, self.device.type) if group is not None
                 else init_device_mesh(self.device.type, (dist.get_world_size(),)))
         kwargs: dict = {"mesh": mesh}
@@ -218,7 +219,7 @@ class TrainingEngine:
         lps = torch.zeros(n, width, device=self.device)
         ents = torch.zeros(n, width, device=self.device) if with_entropy else None
         try:
-            for idx, micro in micro_batches(batch, micro_batch_size, max_tokens):
+            for idx, micro in micro_batches(batch, micro_batch_size, max_tokens, self.group):
                 lp, ent = self.forward(micro, temperature, with_entropy)
                 rows = as_slice(idx) or torch.as_tensor(idx, device=self.device)
                 lps[rows, :lp.shape[1]] = lp

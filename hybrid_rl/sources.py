@@ -1,0 +1,259 @@
+"""Where the trainer's batches come from: one ``RolloutSource`` per way of generating them.
+
+The driver's step is the same in every mode and placement: ``batch = source.next_batch(...)``,
+then train on it. What differs lives here, each source owning its own state:
+
+- ``SyncSource`` (``trainer.mode=sync``, colocated): push θ_k, generate batch k, hand it over.
+- ``OverlapSource`` (``trainer.mode=overlap``, colocated): hand over batch k (generated with θ_{k-1} in
+  the background), push θ_k and start batch k+1 before the update (``pipeline.RolloutPipeline``).
+- ``SplitSource`` (``trainer.placement=split``): the rollout ranks generate and hand batches to the
+  trainer ranks, which send θ back over NCCL (``split.py``); on the rollout ranks ``next_batch``
+  returns None (they train nothing), in either mode.
+
+``Placement`` is the set-up that comes before the worker exists: which role this rank plays, its
+data-parallel world, which rank logs. Each source also answers the questions the checkpoint and
+validation code used to ask of the trainer: the batch generated ahead (``pending_batch``), the last
+weight transfer (``sync_stats``), and how to run greedy validation on the engine (``validate``).
+Left out: more than one step of staleness and partial rollouts (see ``pipeline.py``).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from hybrid_rl.batch import Batch
+from hybrid_rl.config import Config
+from hybrid_rl.distributed import DistInfo
+from hybrid_rl.pipeline import RolloutPipeline
+from hybrid_rl.tracking import Timer
+
+NextPrompts = Callable[[], Batch]
+OnEngine = Callable[[int, int], dict]
+"""Greedy validation on this rank's engine: (share index, number of shares) → reduced metrics."""
+
+
+# --------------------------------------------------------------------------- placement
+@dataclass
+class Placement:
+    """This rank's part in the run, decided before the worker is built."""
+
+    layout: Any  # split.SplitLayout under trainer.placement=split, else None
+    role: str
+    """The worker's role: ``actor_rollout_ref`` colocated; ``rollout`` / ``actor_ref`` under split placement."""
+    sampler_rank: int
+    sampler_world: int
+    dist: DistInfo
+    """The data-parallel world this rank trains (or generates) in: the trainer ranks' own world under split."""
+    worker_dist: DistInfo
+    is_logger: bool
+
+    @property
+    def dcp_group(self):
+        """The process group the actor checkpoints over (None = the world)."""
+        return self.layout.trainer_group if self.layout is not None else None
+
+    def describe(self) -> str:
+        if self.layout is None:
+            return "colocated"
+        n = self.layout.n_rollout
+        return f"split ({n} rollout + {self.layout.world - n} trainer ranks)"
+
+
+def make_placement(cfg: Config, dist: DistInfo) -> Placement:
+    """Colocated: every rank does everything. Split: build the groups and pick this rank's side."""
+    if cfg.trainer.placement != "split":
+        return Placement(None, "actor_rollout_ref", dist.rank, dist.world_size, dist, dist, dist.is_main)
+    from hybrid_rl.split import make_layout
+
+    sp = make_layout(cfg.split_layout(dist.world_size)[0])
+    is_logger = sp.rank == sp.leader
+    if sp.is_rollout:  # global rank and world (vLLM's launcher needs them), reductions among the rollout ranks
+        rollout_dist = replace(dist, group=sp.rollout_group)
+        return Placement(sp, "rollout", sp.index, sp.n_rollout, rollout_dist, rollout_dist, is_logger)
+    trainer_dist = DistInfo(rank=sp.index, world_size=sp.side_size, local_rank=dist.local_rank, device=dist.device,
+                            group=sp.trainer_group)
+    # the trainer ranks read the prompts the rollout ranks sampled: their own sampler only keeps the position
+    return Placement(sp, "actor_ref", 0, sp.n_rollout, trainer_dist, trainer_dist, is_logger)
+
+
+# --------------------------------------------------------------------------- sources
+class RolloutSource(abc.ABC):
+    """The batches a trainer rank trains on, and the state that producing them carries."""
+
+    def __init__(self, worker, pipeline: RolloutPipeline, next_prompts: NextPrompts):
+        self.worker = worker
+        self.pipeline = pipeline
+        self.next_prompts = next_prompts
+
+    @abc.abstractmethod
+    def next_batch(self, timer: Timer, last: bool) -> Batch | None:
+        """The batch to train on this step (None: this rank only generates). ``last``: no step follows."""
+
+    def check_staleness(self, batch: Batch, trainer_version: int) -> Batch:
+        return self.pipeline.check_staleness(batch, trainer_version)
+
+    def sync_stats(self) -> tuple[float, int]:
+        """(seconds, bytes) of the step's weight transfer into the engine."""
+        sm = self.worker.sharding_manager
+        return (sm.last_sync_s, sm.last_sync_bytes) if sm is not None else (0.0, 0)
+
+    def pending_batch(self) -> Batch | None:
+        """The batch generated ahead (part of a checkpoint); waits for an in-flight generation."""
+        self.pipeline.wait()
+        return self.pipeline.peek()
+
+    def restore_pending(self, batch: Batch) -> None:
+        self.pipeline.restore(batch)
+
+    def validate(self, on_engine: OnEngine, dist: DistInfo) -> dict:
+        """Greedy validation with the current weights: every rank takes its share of the prompts."""
+        self.pipeline.wait()  # the engine is shared with the in-flight rollout
+        with self.worker.rollout_mode():
+            return on_engine(dist.rank, dist.world_size)
+
+    def close(self) -> None:
+        self.pipeline.close()
+
+
+class SyncSource(RolloutSource):
+    """Generate batch k with θ_k, then hand it over."""
+
+    def next_batch(self, timer: Timer, last: bool) -> Batch:
+        prompts = self.next_prompts()
+        with self.worker.rollout_mode():
+            with timer("gen"):
+                return self.worker.generate(prompts)
+
+
+class OverlapSource(RolloutSource):
+    """One-step overlap: hand over batch k (sampled with θ_{k-1}) and start batch k+1 with θ_k."""
+
+    def next_batch(self, timer: Timer, last: bool) -> Batch:
+        with timer("wait_gen"):
+            batch = self.pipeline.take(self.next_prompts)  # batch k, generated in the background
+        if not last:
+            self.pipeline.start(self.next_prompts())  # batch k+1 under θ_k, concurrent with the update
+        timer.times["timing/gen"] = batch.meta["gen_s"]
+        return batch
+
+
+class SplitSource(RolloutSource):
+    """Split placement: batches from the rollout ranks, weights back to them (see ``split.py`` for the order)."""
+
+    def __init__(self, worker, pipeline: RolloutPipeline, next_prompts: NextPrompts, cfg: Config, placement: Placement,
+                 global_dist: DistInfo, pad_token_id: int):
+        super().__init__(worker, pipeline, next_prompts)
+        self.cfg, self.layout, self.global_dist = cfg, placement.layout, global_dist
+        self.dist = placement.dist
+        self.pad_token_id = pad_token_id
+        self.overlap = cfg.staleness_bound > 0
+        self._sync = (0.0, 0)
+        self._sent_version: int | None = None
+        self._pending: Batch | None = None
+        self._replayer = None
+        if self.layout.is_rollout and cfg.rollout.weight_load_replay:
+            from hybrid_rl.weights.replay import WeightReplayer
+
+            engine = worker.rollout
+            self._replayer = WeightReplayer(lambda bucket: engine.load_weights(bucket))
+        if cfg.rollout.name == "vllm" and not self.layout.is_rollout:
+            # vLLM's external launcher creates its groups over the whole world: build a twin and
+            # release it at once (sleep level 2 frees weights and KV cache), so the collectives pair up.
+            from hybrid_rl.rollout.vllm import VLLMRolloutEngine
+
+            VLLMRolloutEngine.from_config(cfg, global_dist, worker.tokenizer).sleep(level=2)
+
+    # -- the two exchanges -----------------------------------------------------------
+    def _exchange_weights(self) -> None:
+        """θ from the trainer ranks to the rollout ranks (skipped when the rollout already has this version)."""
+        from hybrid_rl.weights.broadcast import broadcast_weights, receive_weights
+
+        w = self.worker
+        if self.layout.is_rollout:
+            self._sync = receive_weights(self.layout, w.rollout, self.global_dist.device, self._replayer)
+            return
+        skip = self._sent_version == w.weight_version
+        src = _NoParams() if skip else w.actor
+        took, sent = broadcast_weights(self.layout, src, w.rollout_dtype, self.cfg.rollout.weight_sync_bucket_mb * 2**20,
+                                       w.weight_version, self.dist.device)
+        self._sync = (self._sync[0] + took, self._sync[1] + sent)  # summed over the step's exchanges
+        self._sent_version = w.weight_version
+
+    def _exchange_batch(self, batch: Batch | None) -> Batch | None:
+        from hybrid_rl.split import send_batch
+
+        d = self.cfg.data
+        return send_batch(self.layout, batch, (d.max_prompt_length, d.max_response_length), self.pad_token_id)
+
+    # -- the step --------------------------------------------------------------------
+    def next_batch(self, timer: Timer, last: bool) -> Batch | None:
+        if self.layout.is_rollout:
+            self._rollout_side(last)
+            return None
+        self._sync = (0.0, 0)
+        if not self.overlap or self._sent_version is None:
+            with timer("sync_weights"):
+                self._exchange_weights()
+        with timer("wait_gen"):
+            batch = self._exchange_batch(None).to(self.dist.device)
+        if self.overlap:
+            with timer("sync_weights"):
+                self._exchange_weights()  # θ_k, received while this rank updates on batch k
+        timer.times["timing/gen"] = batch.meta["gen_s"]
+        return batch
+
+    def _rollout_side(self, last: bool) -> None:
+        """Generate, hand the batch over, take the new weights (and, overlapping, generate the next)."""
+        if not self.overlap or self.worker.rollout.weights_version is None:  # mirrors the trainer ranks' condition
+            self._exchange_weights()
+        if self._pending is None:
+            self._pending = self.pipeline.generate_now(self.next_prompts())
+        self._exchange_batch(self._pending)
+        self._pending = None
+        if self.overlap:
+            self._exchange_weights()  # θ_k, pushed while the trainer ranks update on batch k
+            if not last:
+                self._pending = self.pipeline.generate_now(self.next_prompts())
+
+    # -- state -----------------------------------------------------------------------
+    def sync_stats(self) -> tuple[float, int]:
+        return self._sync
+
+    def pending_batch(self) -> Batch | None:
+        return self._pending  # the rollout ranks' batch generated ahead, handed over next step
+
+    def restore_pending(self, batch: Batch) -> None:
+        self._pending = batch
+
+    def validate(self, on_engine: OnEngine, dist: DistInfo) -> dict:
+        """θ_k goes to the rollout ranks, they validate, the logging trainer rank gets the result."""
+        import torch.distributed as tdist
+
+        self._exchange_weights()
+        sp = self.layout
+        mine = on_engine(sp.index, sp.n_rollout) if sp.is_rollout else None
+        parts: list = [None] * sp.world
+        tdist.all_gather_object(parts, mine, group=sp.obj_group)
+        return parts[0]
+
+
+class _NoParams:
+    """A weight source with nothing to send (the rollout ranks already hold this version)."""
+
+    @staticmethod
+    def iter_full_params(dtype=None, skip_static=False):
+        return iter(())
+
+
+def make_source(cfg: Config, placement: Placement, worker, next_prompts: NextPrompts, global_dist: DistInfo,
+                pad_token_id: int) -> RolloutSource:
+    """The source for ``trainer.mode`` × ``trainer.placement``: the only place that choice is made."""
+    pipeline = RolloutPipeline(worker, cfg.staleness_bound, cfg.trainer.stale_policy,
+                               background=placement.layout is None)
+    if placement.layout is not None:
+        return SplitSource(worker, pipeline, next_prompts, cfg, placement, global_dist, pad_token_id)
+    if cfg.trainer.mode == "overlap":
+        return OverlapSource(worker, pipeline, next_prompts)
+    return SyncSource(worker, pipeline, next_prompts)
