@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Everything that needs GPUs, in one lease of a 2-GPU machine (the device tool's machines start bare).
+# For maintainers, not users: the runs behind benchmarks/results/ and the GPU checks of the issues, cut into parts that
+# each fit one 600 s call of the device tool (its machines start bare and have no network). A user with GPUs runs
+# `make bench` (benchmarks/modes.py) or the scripts themselves (benchmarks/README.md).
 # Expects vLLM 0.26 staged at /tmp/vs (../shared/device/README.md) and GSM8K in .devdata/. Run it from a clean export:
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean && git rev-parse HEAD > .clean/COMMIT \
 #     && cp -r .devdata .clean/      # then, on the lender (carry .clean): cd .clean && bash benchmarks/gpu_session.sh PART
