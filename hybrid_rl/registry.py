@@ -40,6 +40,17 @@ class Registry(Mapping[str, T], Generic[T]):
         self._info[name] = info
         return obj
 
+    def add(self, name: str, obj: T | str | None = None, info: Any = None):
+        """``register`` with ``obj`` given; without it, a decorator that registers what it decorates and returns it."""
+        if obj is not None:
+            return self.register(name, obj, info)
+
+        def decorate(target: T) -> T:
+            self.register(name, target, info)
+            return target
+
+        return decorate
+
     def unregister(self, name: str) -> None:
         """Remove ``name`` (tests use this to undo their registrations)."""
         if name not in self._objects:

@@ -79,13 +79,7 @@ def register_estimator(
     config: Optional[Callable[[Any], dict[str, Any]]] = None,
 ) -> Callable[[AdvEstimator], AdvEstimator]:
     """Decorator: register ``fn`` as ``algorithm.adv_estimator=name`` (a duplicate name is an error)."""
-    info = EstimatorInfo(needs_groups, needs_critic, config or (lambda algorithm_cfg: {}))
-
-    def add(fn: AdvEstimator) -> AdvEstimator:
-        ADV_ESTIMATORS.register(name, fn, info)
-        return fn
-
-    return add
+    return ADV_ESTIMATORS.add(name, info=EstimatorInfo(needs_groups, needs_critic, config or (lambda algorithm_cfg: {})))
 
 
 def _float_dtype(t: Tensor) -> torch.dtype:

@@ -57,12 +57,7 @@ POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy_loss")
 
 def register_policy_loss(name: str, *, inputs: LossInputs) -> Callable[[PolicyLoss], PolicyLoss]:
     """Decorator: register ``fn`` as the policy loss ``name`` (a duplicate name is an error)."""
-
-    def add(fn: PolicyLoss) -> PolicyLoss:
-        POLICY_LOSSES.register(name, fn, PolicyLossInfo(inputs))
-        return fn
-
-    return add
+    return POLICY_LOSSES.add(name, info=PolicyLossInfo(inputs))
 
 
 # exp(20) ~ 4.9e8: large enough never to bind on sane data, small enough

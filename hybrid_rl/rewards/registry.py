@@ -41,14 +41,7 @@ def register_reward(name: str, fn: RewardFn | None = None) -> Any:
     if name == "auto" or ":" in name:
         raise ValueError(f"reward name {name!r} would be read as {'the task default' if name == 'auto' else 'module:function'}; "
                          "choose another name")
-    if fn is not None:
-        return BUILTIN_REWARDS.register(name, fn)
-
-    def add(f: RewardFn) -> RewardFn:
-        BUILTIN_REWARDS.register(name, f)
-        return f
-
-    return add
+    return BUILTIN_REWARDS.add(name, fn)
 
 
 register_reward("gsm8k", gsm8k.compute_score)

@@ -25,14 +25,7 @@ ROLLOUT_ENGINES: "Registry[type[RolloutEngine]]" = Registry("rollout.name")
 def register_rollout_engine(name: str, cls: Optional[str | type] = None) -> Callable[[E], E] | str | type:
     """Register an engine class as ``rollout.name=name``: as a decorator, or with the class or a ``"module:Class"``
     path (imported on first use). A duplicate name is an error."""
-    if cls is not None:
-        return ROLLOUT_ENGINES.register(name, cls)
-
-    def add(engine_cls: E) -> E:
-        ROLLOUT_ENGINES.register(name, engine_cls)
-        return engine_cls
-
-    return add
+    return ROLLOUT_ENGINES.add(name, cls)
 
 
 def rollout_engine_class(name: str) -> "type[RolloutEngine]":
