@@ -213,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except Exception as e:
+        if type(e).__name__ == "RunInterrupted":  # stopped by SIGTERM/SIGINT after writing a checkpoint
+            if os.environ.get("RANK", "0") == "0":
+                print(f"hybrid_rl: {e}", file=sys.stderr, flush=True)
+            return 128 + e.signum
         if not _is_user_error(e):
             raise
         _report_user_error(e)

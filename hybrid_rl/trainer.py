@@ -29,6 +29,7 @@ from hybrid_rl.checkpoint import (CHECKPOINT_SUBDIR, CheckpointError, capture_rn
 from hybrid_rl.config import Config, ConfigError, resume_config_diff, save_config
 from hybrid_rl.data import PromptDataset, PromptSampler, collate_prompts, load_rows
 from hybrid_rl.distributed import DistInfo, reduce_max, reduce_weighted_means
+from hybrid_rl.interrupt import GracefulStop, RunInterrupted
 from hybrid_rl.metrics import batch_metrics
 from hybrid_rl.rewards import get_reward_fn
 from hybrid_rl.scoring import compute_scores
@@ -118,21 +119,40 @@ class Trainer:
                                "raise trainer.total_steps (or total_epochs) to train further")
         elif self.start_step == 0 and self.cfg.trainer.val_before_train and self.val_set is not None:
             self._log(self.validate(), step=0)
-        for step in range(self.start_step + 1, self.total_steps + 1):
-            with self._profiled(step):
-                metrics = self.step(last=step == self.total_steps)
-            if self._due(step, self.cfg.trainer.test_freq) and self.val_set is not None:
-                metrics.update(self.validate())
-            self._log(metrics, step)
-            self._guard_skipped_updates(metrics)
-            history.append({"step": step, **metrics})
-            save_freq = self.cfg.trainer.save_freq
-            if save_freq >= 0 and (self._due(step, save_freq) or step == self.total_steps):
-                self.save(step)
+        with GracefulStop() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint, exit non-zero
+            for step in range(self.start_step + 1, self.total_steps + 1):
+                with self._profiled(step):
+                    metrics = self.step(last=step == self.total_steps)
+                if self._due(step, self.cfg.trainer.test_freq) and self.val_set is not None:
+                    metrics.update(self.validate())
+                self._log(metrics, step)
+                self._guard_skipped_updates(metrics)
+                history.append({"step": step, **metrics})
+                save_freq = self.cfg.trainer.save_freq
+                saved = save_freq >= 0 and (self._due(step, save_freq) or step == self.total_steps)
+                if saved:
+                    self.save(step)
+                signum = stop.agreed(self.global_dist.device) if step < self.total_steps else 0
+                if signum:
+                    self._stop_on_signal(step, signum, saved)
         self.source.close()
         self.tracker.close()
         self.tracker.write(self._summary(history, time.perf_counter() - started))
         return history
+
+    def _stop_on_signal(self, step: int, signum: int, saved: bool) -> None:
+        """After the step a signal arrived in: checkpoint (unless checkpoints are off), close, raise RunInterrupted."""
+        import signal
+
+        if not saved and self.cfg.trainer.save_freq >= 0:
+            self.save(step)
+        self.source.close()
+        self.tracker.close()
+        latest = find_latest(self.ckpt_root)
+        where = (f"checkpoint {latest}; run the same command again to resume from it (trainer.resume=auto)"
+                 if latest is not None else "no checkpoint (trainer.save_freq=-1)")
+        raise RunInterrupted(signum, f"stopped by {signal.Signals(signum).name} after step {step} of {self.total_steps}: "
+                                     f"{where}")
 
     def _log(self, metrics: dict[str, float], step: int) -> None:
         self.tracker.log(metrics, step)
