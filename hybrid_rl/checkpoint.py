@@ -13,7 +13,7 @@ Layout (``root`` is normally ``<trainer.output_dir>/checkpoints``, so the run's
         .metadata, __*_*.distcp # torch.distributed.checkpoint shards (model + optimizer)
         extra_rank0.pt ...      # per-rank small state (torch.save, loaded with weights_only)
         config.yaml             # the resolved run config that trained up to this step (when the caller passes one)
-        COMPLETE                # JSON {step, world_size, ...}; written last, by rank 0
+        COMPLETE                # JSON {step, world_size, files: {shard/extra name: size}, ...}; written last, by rank 0
       .tmp-step_00000030/       # a save in progress (or a crashed one): never chosen
 
 Model and optimizer go through ``torch.distributed.checkpoint.state_dict``
@@ -45,8 +45,20 @@ Decisions:
   replaces ``latest``, then prunes. A crash at any point leaves either the old
   set of complete checkpoints or the new one. ``root`` must be on a file system
   every rank sees (a shared one for multi-node runs).
+* A write that fails (disk full, permissions) removes the temporary directory
+  and raises one :class:`CheckpointError` naming the path, the bytes needed (the
+  model + optimizer state) and the bytes free; the free space is checked before
+  writing, so a disk that is already too full fails before anything is written.
+* ``latest`` is a hint and ``COMPLETE`` is not proof the files are intact:
+  ``COMPLETE`` records every file's size, and :func:`verify_checkpoint` checks
+  them (and that ``.metadata`` reads and each shard is as long as its index
+  says; that part also covers checkpoints written before the sizes were kept)
+  before a load. A damaged checkpoint is a :class:`CorruptCheckpointError`
+  naming the file, distinct from a model/optimizer mismatch, and
+  :func:`find_resumable` skips it (with a warning) for the newest intact one.
 
-Left out: async/background saving, saving the frozen reference policy (it is
+Left out: checksums of the shard contents (sizes catch truncation, the common
+damage; reading every byte back would double the save's I/O), async/background saving, saving the frozen reference policy (it is
 rebuilt from ``model.path``), the rollout engine's weights (re-pushed from the
 actor by the sharding manager), and frozen-weight-free LoRA checkpoints.
 """
@@ -56,6 +68,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -84,6 +97,14 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be written, found or loaded; the message names the path and the fix."""
 
 
+class CorruptCheckpointError(CheckpointError):
+    """A complete checkpoint whose files are damaged (truncated, missing, unreadable); an older one may still load."""
+
+    def __init__(self, message: str, path: Path, file: str, problem: str):
+        super().__init__(message)
+        self.path, self.file, self.problem = path, file, problem
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
@@ -109,13 +130,20 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temp file next to ``path``, fsync, then ``os.replace``."""
+    """Write ``data`` to a temp file next to ``path``, fsync, then ``os.replace``; a failed write leaves ``path`` as it was."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
     _fsync_dir(path.parent)
 
 
@@ -189,6 +217,74 @@ def _check_weights_only(obj: Any, what: str) -> bytes:
     return buf.getvalue()
 
 
+_MARKER_ALLOWANCE = 16 * 1024
+"""Bytes allowed for COMPLETE and config.yaml on top of the state."""
+_PER_TENSOR_OVERHEAD = 3072
+"""DCP's bytes per tensor besides its data: a header in the shard (about 2.5 KiB with torch 2.x) and its .metadata entry."""
+
+
+def _state_bytes(obj: Any) -> int:
+    """Bytes this rank's shards of ``obj`` (a nested state dict) take on disk, about: tensor data plus a header each."""
+    if isinstance(obj, torch.Tensor):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj  # a DTensor: this rank writes its shard only
+        return local.numel() * local.element_size() + _PER_TENSOR_OVERHEAD
+    if isinstance(obj, Mapping):
+        return sum(_state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_state_bytes(v) for v in obj)
+    return 0
+
+
+def _all_sum(n: int) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return n
+    t = torch.tensor([n], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return int(t.item())
+
+
+def _free_bytes(path: Path) -> int:
+    """Free bytes on the file system holding ``path`` (its nearest existing ancestor); -1 when unknown."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return -1
+
+
+def _fmt_bytes(n: int) -> str:
+    if n < 0:
+        return "an unknown amount"
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _file_sizes(path: Path) -> dict[str, int]:
+    """The size of every file a load reads in checkpoint directory ``path`` (the manifest kept in COMPLETE);
+    ``config.yaml`` is a record read leniently (older checkpoints lack it), not part of the state."""
+    return {f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file() and f.name not in (COMPLETE, CONFIG_FILE)}
+
+
+class _WriteFailure:
+    """A failed checkpoint write; it becomes its CheckpointError after the temporary directory is removed, so that
+    the free space the message quotes counts the space the removal gave back."""
+
+    def __init__(self, path: Path, cause: BaseException | str, needed: int):
+        self.path, self.cause, self.needed = path, cause, needed
+
+    def error(self) -> CheckpointError:
+        cause = self.cause if isinstance(self.cause, str) else _summary(self.cause)
+        return CheckpointError(f"cannot write checkpoint {str(self.path)!r} ({cause}): it needs about {_fmt_bytes(self.needed)} "
+                               f"(model + optimizer state) and {_fmt_bytes(_free_bytes(self.path))} is free there; free space, "
+                               f"lower trainer.keep_last or move trainer.output_dir to a larger disk, and check it is writable "
+                               f"(the previous checkpoint and 'latest' are untouched)")
+
+
 # --------------------------------------------------------------------------- save
 def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
                     scheduler: Any | None, extra: Mapping[str, Any] | None, keep_last: int = 0,
@@ -205,7 +301,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module |
     shards, so a resume can tell whether it continues the same run
     (:func:`read_checkpoint_config`).
     """
-    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
@@ -243,32 +339,45 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module |
         extra_bytes = _check_weights_only(payload, "checkpoint extra")
     except CheckpointError as e:
         error = e
-    if rank == 0 and error is None:
-        try:  # a crashed earlier save of this step may have left a tmp dir: clear it before anyone writes
-            root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        except OSError as e:
-            error = CheckpointError(f"cannot create {str(tmp)!r} ({e}); make the checkpoint directory writable")
     _agree(error, tmp)
 
+    state = None
     if model is not None:
         if has_optim:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optim": optim_sd}
         else:
             state = {"model": get_model_state_dict(model)}
-        with _quiet_single_process():  # DCP agrees on its own failures across ranks
-            dcp_save(state, storage_writer=FileSystemWriter(str(tmp)),
-                     no_dist=not (dist.is_available() and dist.is_initialized()), process_group=process_group)
-    try:
-        _write_atomic(tmp / f"extra_rank{rank}.pt", extra_bytes)
-    except OSError as e:
-        error = CheckpointError(f"cannot write {str(tmp / f'extra_rank{rank}.pt')!r} ({e}); check free space and permissions")
-    _agree(error, tmp)
+    needed = _all_sum(_state_bytes(state) + len(extra_bytes)) + _MARKER_ALLOWANCE
+    if rank == 0:
+        try:  # a crashed earlier save of this step may have left a tmp dir: clear it (and count its space as free)
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            if 0 <= _free_bytes(root) < needed:  # known to fail: fail before writing anything
+                error = _WriteFailure(tmp, "not enough free space", needed)
+            else:
+                tmp.mkdir(parents=True)
+        except OSError as e:
+            error = _WriteFailure(tmp, e, needed)
+    _agree(error, tmp, cleanup=tmp)
+
+    if state is not None:
+        try:
+            with _quiet_single_process():  # DCP agrees on its own failures across ranks
+                dcp_save(state, storage_writer=FileSystemWriter(str(tmp)),
+                         no_dist=not (dist.is_available() and dist.is_initialized()), process_group=process_group)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - OSError, torch's "enforce fail" RuntimeError, ...
+            error = _WriteFailure(tmp, e, needed)
+    if error is None:
+        try:
+            _write_atomic(tmp / f"extra_rank{rank}.pt", extra_bytes)
+        except OSError as e:
+            error = _WriteFailure(tmp / f"extra_rank{rank}.pt", e, needed)
+    _agree(error, tmp, cleanup=tmp)
 
     _fault_point(f"save:{step}")
+    published = False
     if rank == 0:
         try:
             missing = [r for r in range(world) if not (tmp / f"extra_rank{r}.pt").exists()]
@@ -280,21 +389,33 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module |
 
                 _write_atomic(tmp / CONFIG_FILE, yaml.safe_dump(dict(config), sort_keys=False).encode())
             marker = {"format": FORMAT_VERSION, "step": int(step), "world_size": world, "has_optimizer_state": has_optim,
-                      "time": time.time()}
+                      "time": time.time(), "files": _file_sizes(tmp)}
             _write_atomic(tmp / COMPLETE, (json.dumps(marker) + "\n").encode())
             if final.exists():  # re-saving a step (e.g. after resuming from it): swap it in, then drop the old one
                 trash = root / f".trash-{name}-{os.getpid()}"
                 os.rename(final, trash)
-                os.rename(tmp, final)
+                try:
+                    os.rename(tmp, final)
+                except OSError:
+                    os.rename(trash, final)
+                    raise
                 _remove_checkpoint(trash)
             else:
                 os.rename(tmp, final)
+            published = True
             _fsync_dir(root)
             _write_atomic(root / LATEST, (name + "\n").encode())
             _prune(root, step, keep_last)
-        except (OSError, CheckpointError) as e:
-            error = e if isinstance(e, CheckpointError) else CheckpointError(f"cannot publish {str(final)!r} ({e}); check free space and permissions")
-    _agree(error, final)
+        except CheckpointError as e:
+            error = e
+        except OSError as e:
+            if published:  # complete, only `latest` is stale: find_resumable still finds it (and says so)
+                error = CheckpointError(f"{str(final)!r} is complete but {str(root / LATEST)!r} could not be updated ({e}); "
+                                        f"trainer.resume=auto finds the newest complete checkpoint without it; check free space "
+                                        f"and permissions")
+            else:
+                error = _WriteFailure(tmp, e, needed)
+    _agree(error, final, cleanup=tmp)
     return final
 
 
@@ -306,19 +427,28 @@ def _fault_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _agree(error: BaseException | None, path: Path) -> None:
-    """Raise on every rank if any rank failed (this rank's own error where it has one); also a barrier."""
-    if not (dist.is_available() and dist.is_initialized()):
-        if error is not None:
-            raise error
-        return
+def _collective_device() -> torch.device:
     backend = str(dist.get_backend())
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend and torch.cuda.is_available() else torch.device("cpu")
-    flag = torch.tensor([1 if error is not None else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend and torch.cuda.is_available() else torch.device("cpu")
+
+
+def _agree(error: "BaseException | _WriteFailure | None", path: Path, cleanup: Path | None = None) -> None:
+    """Raise on every rank if any rank failed (this rank's own error where it has one); also a barrier.
+
+    With ``cleanup``, rank 0 removes that (temporary) directory first, once every rank has stopped writing into it.
+    """
+    failed = error is not None
+    if dist.is_available() and dist.is_initialized():
+        flag = torch.tensor([1 if failed else 0], dtype=torch.int32, device=_collective_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed = bool(int(flag.item()))
+    if failed and cleanup is not None and _rank_world()[0] == 0:
+        shutil.rmtree(cleanup, ignore_errors=True)
+    if isinstance(error, _WriteFailure):
+        raise error.error()  # after the cleanup: the space it freed counts as free
     if error is not None:
         raise error
-    if int(flag.item()):
+    if failed:
         raise CheckpointError(f"checkpoint {str(path)!r} failed on another rank; that rank's log has the reason")
 
 
@@ -353,12 +483,159 @@ def find_latest(root: str | os.PathLike) -> Path | None:
     newest_step, newest = complete[-1]
     try:
         hinted = root / (root / LATEST).read_text().strip()
-    except OSError:
+    except (OSError, ValueError):  # missing, unreadable, or garbage bytes (UnicodeDecodeError): only a hint
         return newest
     m = _STEP_RE.match(hinted.name)
     if m and hinted.parent == root and is_complete(hinted) and int(m.group(1)) >= newest_step:
         return hinted
     return newest
+
+
+def _latest_problem(root: Path, chosen: Path) -> str | None:
+    """Why ``root/latest`` did not name ``chosen`` (None when it did)."""
+    f = root / LATEST
+    try:
+        text = f.read_bytes().decode().strip()
+    except FileNotFoundError:
+        return f"{str(f)!r} is missing"
+    except (OSError, UnicodeDecodeError) as e:
+        return f"{str(f)!r} is unreadable ({_summary(e)[:80]})"
+    if not _STEP_RE.match(text) or "/" in text:
+        return f"{str(f)!r} holds {text[:40]!r}, not a step_* name"
+    if text == chosen.name:
+        return None
+    hinted = root / text
+    if not hinted.is_dir():
+        return f"{str(f)!r} names {text}, which does not exist"
+    if not is_complete(hinted):
+        return f"{str(f)!r} names {text}, which is not complete (no {COMPLETE} marker)"
+    if _verify(hinted) is not None:
+        return None  # reported as damaged on its own line
+    return f"{str(f)!r} names {text}, but {chosen.name} is newer and complete (a save stopped before updating it)"
+
+
+def find_resumable(root: str | os.PathLike, below: int | None = None) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint under ``root`` whose files check out (:func:`verify_checkpoint`), and a warning
+    line for each thing that was not as ``latest`` and the markers said: ``latest`` missing, unreadable or naming
+    an incomplete directory, and each damaged checkpoint skipped. ``below``: only steps lower than it (the
+    fallback after one failed to load). (None, []) when there is no complete checkpoint; CorruptCheckpointError
+    when every one is damaged (starting over silently would drop them all).
+    """
+    root = Path(root)
+    complete = [(s, p) for s, p in _complete_checkpoints(root) if below is None or s < below]
+    notes: list[str] = []
+    first_damage: CorruptCheckpointError | None = None
+    for _, path in reversed(complete):
+        damage = _verify(path)
+        if damage is None:
+            problem = _latest_problem(root, path) if below is None else None
+            if problem is not None:
+                notes.append(f"warning: {problem}; resuming from the newest complete checkpoint, {path}")
+            return path, notes
+        err = _corrupt(path, *damage, hint=False)
+        first_damage = first_damage or err
+        notes.append(f"warning: skipping damaged checkpoint {path}: {damage[0]} {damage[1]}")
+    if first_damage is None and below is None and complete == [] and (root / LATEST).exists():
+        notes.append(f"warning: {str(root / LATEST)!r} is there but no complete checkpoint is; starting from step 0")
+    if first_damage is not None:
+        raise CorruptCheckpointError(f"no complete checkpoint under {str(root)!r} is intact ({len(complete)} damaged; the newest: "
+                                     f"{first_damage.path.name}/{first_damage.file} {first_damage.problem}); start over with "
+                                     f"trainer.resume=never (in a new trainer.output_dir to keep these files)",
+                                     first_damage.path, first_damage.file, first_damage.problem)
+    return None, notes
+
+
+def _verify(path: Path) -> tuple[str, str] | None:
+    """(file, what is wrong) for the first damaged file of complete checkpoint ``path``, None when its files check out.
+
+    Sizes against COMPLETE's manifest (checkpoints written before it had one skip that), then ``.metadata``
+    must unpickle (as DCP itself does on load) and every shard be as long as the index in it says.
+    """
+    marker = _read_marker(path) or {}
+    files = marker.get("files")
+    if isinstance(files, dict):
+        for name, size in files.items():
+            try:
+                actual = (path / name).stat().st_size
+            except OSError:
+                return name, "is missing"
+            if actual != size:
+                return name, f"is {actual} bytes but the save wrote {size} (truncated or overwritten)"
+    md = path / ".metadata"
+    if not md.exists():
+        return None  # no model state saved (or an old checkpoint missing it: the load then reports it)
+    try:
+        with open(md, "rb") as f:
+            storage = pickle.load(f).storage_data  # noqa: S301 - DCP's own format, read exactly as its loader does
+        ends: dict[str, int] = {}
+        for info in storage.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), int(info.offset) + int(info.length))
+    except Exception as e:  # noqa: BLE001 - truncated/garbled pickle: EOFError, UnpicklingError, AttributeError, ...
+        return ".metadata", f"cannot be read ({_summary(e)[:120]})"
+    for rel, end in sorted(ends.items()):
+        try:
+            size = (path / rel).stat().st_size
+        except OSError:
+            return rel, "is missing"
+        if size < end:
+            return rel, f"is {size} bytes but its index needs {end} (truncated)"
+    return None
+
+
+def _corrupt(path: Path, file: str, problem: str, hint: bool = True) -> CorruptCheckpointError:
+    fix = ""
+    if hint:
+        m = _STEP_RE.match(path.name)
+        older = None
+        if m:
+            try:
+                older, _ = find_resumable(path.parent, below=int(m.group(1)))
+            except CorruptCheckpointError:
+                older = None
+        fix = (f"; resume from the previous complete checkpoint, trainer.resume={older} (trainer.resume=auto skips damaged ones)"
+               if older is not None else "; no older intact checkpoint: start over with trainer.resume=never")
+    return CorruptCheckpointError(f"checkpoint {str(path)!r} is corrupt: {file} {problem}{fix}", path, file, problem)
+
+
+def _shard_names(path: Path) -> str:
+    """The shard file(s) of ``path``, for a message about one of them that cannot be read."""
+    shards = sorted(f.name for f in path.glob("*.distcp"))
+    if len(shards) == 1:
+        return shards[0]
+    return f"one of its shard files ({', '.join(shards[:4])}{', ...' if len(shards) > 4 else ''})" if shards else "its .metadata"
+
+
+def verify_checkpoint(path: str | os.PathLike) -> None:
+    """Raise CorruptCheckpointError naming the file (and the previous intact checkpoint) if complete checkpoint
+    ``path`` has a missing, truncated or unreadable file; cheap (sizes and ``.metadata`` only)."""
+    path = Path(path)
+    _require_complete(path)
+    damage = _verify(path)
+    if damage is not None:
+        raise _corrupt(path, *damage)
+
+
+_DAMAGE_TYPES = (EOFError, pickle.UnpicklingError, OSError, UnicodeDecodeError)
+_DAMAGE_TEXT = ("metadata read failed", "PytorchStreamReader", "truncated", "Weights only load failed", "invalid load key",
+                "central directory", "unexpected EOF")
+
+
+def _damage_in(e: BaseException, seen: set[int] | None = None) -> BaseException | None:
+    """The exception in ``e``'s chain (and in DCP's per-rank failures) that says a file is unreadable, if any;
+    a model/optimizer mismatch (DCP: "Size mismatch", "Missing key") has none."""
+    seen = set() if seen is None else seen
+    if id(e) in seen:
+        return None
+    seen.add(id(e))
+    failures = getattr(e, "failures", None)  # DCP's CheckpointException: its str() holds every rank's traceback
+    if not isinstance(failures, dict) and (isinstance(e, _DAMAGE_TYPES) or any(t in str(e) for t in _DAMAGE_TEXT)):
+        return e
+    inner = [exc for exc, _ in failures.values()] if isinstance(failures, dict) else []
+    for c in (*inner, e.__cause__, e.__context__):
+        found = _damage_in(c, seen) if isinstance(c, BaseException) else None
+        if found is not None:
+            return found
+    return None
 
 
 # --------------------------------------------------------------------------- load
@@ -393,9 +670,9 @@ def _load_extra(path: Path, rank: int) -> dict[str, Any]:
     try:
         return torch.load(f, weights_only=True, map_location="cpu")
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {str(path)!r} has no {f.name}; it is damaged: resume from an older step_* directory") from None
+        raise _corrupt(path, f.name, "is missing") from None
     except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"checkpoint {str(f)!r} cannot be read ({_summary(e)}); resume from an older step_* directory") from None
+        raise _corrupt(path, f.name, f"cannot be read ({_summary(e)[:120]})") from None
 
 
 def _load_into(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, no_dist: bool,
@@ -436,6 +713,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None, opti
     if saved_world != world:
         raise CheckpointError(f"checkpoint {str(path)!r} was written by {saved_world} ranks but this run has {world}; "
                               f"resume with the same number of ranks (or export it with hybrid_rl.export and start a new run)")
+    verify_checkpoint(path)  # damaged files: a CorruptCheckpointError naming the file, not a "does not match" below
     extra = _load_extra(path, rank)
     meta = extra.pop(_META_KEY, None)
     if not isinstance(meta, dict):
@@ -449,6 +727,10 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None, opti
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises several types for key/shape mismatches
+        damage = _damage_in(e)
+        if damage is not None:  # damage the size checks cannot see (garbled bytes): corrupt, not a different model
+            name = Path(damage.filename).name if isinstance(damage, OSError) and damage.filename else _shard_names(path)
+            raise _corrupt(path, name, f"cannot be read ({_summary(e)[:160]})") from e
         raise CheckpointError(f"checkpoint {str(path)!r} does not match this model/optimizer ({_summary(e)}); "
                               f"resume with the saving run's model.path and model.lora settings") from e
     if optimizer is not None and not load_optim:
@@ -544,7 +826,7 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, model_p
     from hybrid_rl.models import apply_lora, load_causal_lm, load_tokenizer
 
     ckpt = Path(checkpoint)
-    _require_complete(ckpt)
+    verify_checkpoint(ckpt)
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"export directory {str(out)!r} exists and is not empty; remove it or pick another output directory")

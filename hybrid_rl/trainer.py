@@ -24,8 +24,9 @@ import torch
 
 from hybrid_rl.phases.advantage import compute_advantage
 from hybrid_rl.batch import Batch
-from hybrid_rl.checkpoint import (CHECKPOINT_SUBDIR, CheckpointError, capture_rng, find_latest, is_complete, load_checkpoint,
-                                  read_checkpoint_config, restore_rng, save_checkpoint)
+from hybrid_rl.checkpoint import (CHECKPOINT_SUBDIR, CheckpointError, CorruptCheckpointError, capture_rng, find_latest,
+                                  find_resumable, is_complete, load_checkpoint, read_checkpoint_config, restore_rng,
+                                  save_checkpoint, verify_checkpoint)
 from hybrid_rl.config import Config, ConfigError, resume_config_diff, save_config
 from hybrid_rl.data import PromptDataset, PromptSampler, collate_prompts, load_rows
 from hybrid_rl.distributed import DistInfo, reduce_max, reduce_weighted_means
@@ -239,20 +240,37 @@ class Trainer:
         resume = self.cfg.trainer.resume
         if resume == "never":
             return None
-        path = find_latest(self.ckpt_root) if resume == "auto" else Path(resume)
-        if path is None:
-            return None
-        if not is_complete(path):
-            raise CheckpointError(f"trainer.resume={resume!r} is not a complete checkpoint (no COMPLETE marker: missing, "
-                                  f"crashed or partial); point it at a <output_dir>/checkpoints/step_* directory, or use "
-                                  f"trainer.resume=auto to pick the newest complete one")
+        if resume == "auto":  # `latest` is a hint: the newest complete checkpoint whose files check out, warned if not it
+            path, notes = find_resumable(self.ckpt_root)
+            self.tracker_notes.extend(notes)
+            if path is None:
+                return None
+        else:
+            path = Path(resume)
+            if not is_complete(path):
+                raise CheckpointError(f"trainer.resume={resume!r} is not a complete checkpoint (no COMPLETE marker: missing, "
+                                      f"crashed or partial); point it at a <output_dir>/checkpoints/step_* directory, or use "
+                                      f"trainer.resume=auto to pick the newest complete one")
+            verify_checkpoint(path)  # damaged files: one line naming the file and the previous checkpoint
         self._check_resumed_config(path)
         return path
 
     def _restore(self, path: Path) -> int:
         """Load checkpoint ``path``; returns the step to continue after."""
         w = self.worker
-        extra = load_checkpoint(path, *self._checkpoint_parts())
+        try:
+            extra = load_checkpoint(path, *self._checkpoint_parts())
+        except CorruptCheckpointError as e:  # damage the size checks missed; under resume=auto, the previous one
+            older = None
+            if self.cfg.trainer.resume == "auto":
+                older, notes = find_resumable(self.ckpt_root, below=int(path.name.rsplit("_", 1)[1]))
+                self.tracker_notes.extend(notes)
+            if older is None:
+                raise
+            self.tracker_notes.append(f"warning: checkpoint {path} is corrupt ({e.file} {e.problem}); "
+                                      f"resuming from the previous complete checkpoint, {older}")
+            self._check_resumed_config(older)
+            return self._restore(older)  # it loads every tensor, over whatever the failed load had written
         w.weight_version = extra["weight_version"]
         self.sampler.load_state_dict(extra["sampler"])
         self.skipped_in_a_row = extra.get("skipped_in_a_row", 0)
