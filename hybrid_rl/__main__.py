@@ -33,7 +33,8 @@ USER_ERROR = 2
 _USER_ERRORS = (("hybrid_rl.config", "ConfigError"), ("hybrid_rl.data.tasks", "DataError"),
                 ("hybrid_rl.models", "ModelLoadError"), ("hybrid_rl.rewards.registry", "RewardError"),
                 ("hybrid_rl.checkpoint", "CheckpointError"), ("hybrid_rl.pipeline", "StalenessError"),
-                ("hybrid_rl.trainer", "TrainingDiverged"), ("hybrid_rl.preflight", "PreflightError"))
+                ("hybrid_rl.trainer", "TrainingDiverged"), ("hybrid_rl.preflight", "PreflightError"),
+                ("hybrid_rl.runlock", "RunLockError"))
 
 
 def _is_user_error(e: BaseException) -> bool:
@@ -54,12 +55,28 @@ def cmd_train(args: argparse.Namespace) -> int:
     from hybrid_rl.distributed import destroy, init_distributed
     from hybrid_rl.trainer import Trainer
 
-    dist = init_distributed(cfg.trainer.device)
+    dist = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
     try:
         Trainer(cfg, dist).fit()
+    except RuntimeError as e:
+        if not _is_collective_timeout(e):
+            raise
+        # one line instead of a gloo/NCCL traceback; exit 1 (a fault, not bad input), torchrun's report follows
+        print(f"error: rank {dist.rank}: a collective waited trainer.collective_timeout_s={cfg.trainer.collective_timeout_s} s "
+              f"for the other ranks and gave up: one of them is hung or dead (its own log, or torchrun's report below, says "
+              f"which); restart the run (it resumes from the last checkpoint), or raise trainer.collective_timeout_s if a "
+              f"phase is legitimately that uneven across ranks", file=sys.stderr, flush=True)
+        return 1
     finally:
         destroy()
     return 0
+
+
+def _is_collective_timeout(e: BaseException) -> bool:
+    """gloo: "Timed out waiting ...ms for send/recv operation"; NCCL's watchdog: "... timed out" / "Watchdog caught"."""
+    msg = str(e)
+    return ("Timed out waiting" in msg or "Watchdog caught collective operation timeout" in msg
+            or ("NCCL" in msg and "timed out" in msg))
 
 
 def _nproc(value: str, cfg) -> int:

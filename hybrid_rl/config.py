@@ -240,7 +240,14 @@ class RewardConfig:
     function: str = "auto"
     """``auto`` (the task's own), a built-in name (``gsm8k``, ``successor``), or ``module:function``."""
     on_error: Literal["raise", "zero"] = "raise"
-    """A raising reward function stops the run (``raise``) or scores 0 and is counted (``zero``)."""
+    """A raising reward function (or one past ``timeout_s``) stops the run (``raise``) or scores 0 and is counted
+    (``zero``, metric ``reward/errors``)."""
+    timeout_s: float = 30.0
+    """Seconds one reward call may run before it is abandoned and fails as ``on_error`` says (0 = no limit). Needs
+    worker processes: with ``num_workers=0`` a long call is only reported."""
+    num_workers: int = -1
+    """Processes that score a batch: -1 = auto (min(8, CPUs per rank) for a ``module:function``, none for the
+    built-ins, which take microseconds), 0 = the training process, N = N processes. Scores are the same either way."""
 
 
 @dataclass
@@ -281,6 +288,9 @@ class TrainerConfig:
     stall_dump_s: float = 0.0
     """A step running longer than this many seconds dumps every thread's Python stack to stderr (0 = off): the
     first thing to look at when a multi-rank run hangs."""
+    collective_timeout_s: int = 1800
+    """How long a rank waits in a collective for the others before it fails the run (a hung or dead rank then ends the
+    run with an error instead of waiting forever); raise it if a phase is legitimately that uneven across ranks."""
     placement: Literal["colocated", "split"] = "colocated"
     """``colocated``: every rank trains and generates. ``split``: ranks ``0..R-1`` only generate, the rest only train
     (weights broadcast over NCCL after each update)."""
@@ -432,6 +442,13 @@ class Config:
         t = self.trainer
         if t.rollout_ranks < 0:
             raise ConfigError(f"trainer.rollout_ranks={t.rollout_ranks} must be >= 0 (0 = half the ranks under placement=split)")
+        if t.collective_timeout_s <= 0:
+            raise ConfigError(f"trainer.collective_timeout_s={t.collective_timeout_s} must be > 0 seconds")
+        if self.reward.timeout_s < 0:
+            raise ConfigError(f"reward.timeout_s={self.reward.timeout_s} must be >= 0 seconds (0 = no limit)")
+        if self.reward.num_workers < -1:
+            raise ConfigError(f"reward.num_workers={self.reward.num_workers} must be -1 (auto), 0 (score in the training "
+                              f"process) or a number of worker processes")
         if t.stall_dump_s < 0:
             raise ConfigError(f"trainer.stall_dump_s={t.stall_dump_s} must be >= 0 seconds (0 = off)")
         if any(step < 1 for step in t.profile_steps):
@@ -520,7 +537,8 @@ RESUME_HARMLESS = frozenset({
     # how long, how often, where to log and what to diagnose
     "trainer.total_steps", "trainer.total_epochs", "trainer.test_freq", "trainer.val_before_train", "trainer.logger",
     "trainer.save_freq", "trainer.keep_last", "trainer.max_skipped_updates", "trainer.stale_policy",
-    "trainer.profile_steps", "trainer.stall_dump_s", "trainer.device", "reward.on_error",
+    "trainer.profile_steps", "trainer.stall_dump_s", "trainer.collective_timeout_s", "trainer.device", "reward.on_error",
+    "reward.timeout_s", "reward.num_workers",
     # validation only
     "data.val_path", "data.val_split", "data.max_val_samples", "rollout.val_temperature",
     # memory/speed knobs that compute the same update (micro-batching, recomputation, offload, engine memory)

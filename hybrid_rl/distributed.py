@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -34,8 +35,9 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_distributed(device_pref: str = "auto") -> DistInfo:
-    """Join torchrun's process group when launched by it; otherwise a world of one."""
+def init_distributed(device_pref: str = "auto", timeout_s: float | None = None) -> DistInfo:
+    """Join torchrun's process group when launched by it; otherwise a world of one. ``timeout_s``: how long a
+    collective waits for the other ranks before it raises (torch's default when None)."""
     use_cuda = torch.cuda.is_available() if device_pref == "auto" else device_pref == "cuda"
     if device_pref == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("trainer.device=cuda but no CUDA device is visible; set trainer.device=cpu or auto")
@@ -48,7 +50,8 @@ def init_distributed(device_pref: str = "auto") -> DistInfo:
     # Under torchrun (even with one rank) join a process group so the actor is
     # FSDP2-wrapped on one code path; a plain `python -m hybrid_rl` run skips it.
     if "MASTER_ADDR" in os.environ and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+        kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=device if use_cuda else None, **kwargs)
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
 
 
