@@ -3,8 +3,8 @@
 Reward functions see text (response, ground truth) and return a float; this
 module turns a rollout batch into ``token_level_scores`` [B, R] (sparse: the
 score sits on the last real response token, as in verl) and counts failures
-when ``reward.on_error=zero``. Left out: a process pool for slow reward
-functions (GSM8K scoring is microseconds per sample).
+when ``reward.on_error=zero``. The scoring itself (in this process, or in worker
+processes with ``reward.timeout_s`` for user functions) is ``RewardScorer``'s.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from hybrid_rl.phases.advantage import sparse_scores
 from hybrid_rl.batch import Batch
-from hybrid_rl.rewards import score_responses
+from hybrid_rl.rewards import RewardScorer, score_responses
 
 
 def decode_responses(batch: Batch, tokenizer) -> list[str]:
@@ -24,9 +24,15 @@ def decode_responses(batch: Batch, tokenizer) -> list[str]:
     return tokenizer.batch_decode([r[m].tolist() for r, m in zip(responses, mask)], skip_special_tokens=True)
 
 
-def compute_scores(batch: Batch, tokenizer, fn: Callable[[str, str], float], on_error: str) -> tuple[Batch, dict[str, tuple[float, float]]]:
+def compute_scores(batch: Batch, tokenizer, fn: RewardScorer | Callable[[str, str], float],
+                   on_error: str) -> tuple[Batch, dict[str, tuple[float, float]]]:
+    """``fn``: the run's ``RewardScorer``, or a bare reward function (scored in this process)."""
     texts = decode_responses(batch, tokenizer)
-    scores, num_errors = score_responses(fn, texts, list(batch.non_tensors["ground_truth"]), on_error)
+    truths = list(batch.non_tensors["ground_truth"])
+    if isinstance(fn, RewardScorer):
+        scores, num_errors = fn.score(texts, truths, on_error)
+    else:
+        scores, num_errors = score_responses(fn, texts, truths, on_error)
     score_t = torch.tensor(scores, dtype=torch.float32)
     token_scores = sparse_scores(score_t, batch.tensors["response_mask"])
     stats = {"reward/errors": (float(num_errors), 1.0)}

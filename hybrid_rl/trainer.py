@@ -32,7 +32,8 @@ from hybrid_rl.data import PromptDataset, PromptSampler, collate_prompts, load_r
 from hybrid_rl.distributed import DistInfo, reduce_max, reduce_weighted_means
 from hybrid_rl.interrupt import GracefulStop, RunInterrupted
 from hybrid_rl.metrics import batch_metrics
-from hybrid_rl.rewards import get_reward_fn
+from hybrid_rl.rewards import RewardScorer
+from hybrid_rl.runlock import take_run_lock
 from hybrid_rl.scoring import compute_scores
 from hybrid_rl.sources import make_placement, make_source
 from hybrid_rl.tracking import Timer, Tracker, run_summary
@@ -64,6 +65,15 @@ def seed_everything(seed: int) -> None:
 
 class Trainer:
     def __init__(self, cfg: Config, dist: DistInfo):
+        # first, before anything is written: one run per output_dir (rank 0 holds it, the others wait for its verdict)
+        self.run_lock = take_run_lock(cfg.trainer.output_dir, dist.rank, dist.world_size)
+        try:
+            self._build(cfg, dist)
+        except BaseException:
+            self.run_lock.release()
+            raise
+
+    def _build(self, cfg: Config, dist: DistInfo) -> None:
         self.cfg = cfg
         self.global_dist = dist
         seed_everything(cfg.trainer.seed + dist.rank)
@@ -90,7 +100,7 @@ class Trainer:
             if d.max_val_samples:
                 val_rows = val_rows[: d.max_val_samples]
             self.val_set = PromptDataset(val_rows, d.task, tokenizer, d.max_prompt_length, d.truncation, d.system_prompt)
-        self.reward_fn = get_reward_fn(cfg.reward.function, d.task)
+        self.reward_fn = RewardScorer.from_config(cfg.reward, d.task)  # user functions score in worker processes
         t = cfg.trainer
         self.total_steps = t.total_steps or t.total_epochs * self.sampler.steps_per_epoch
         self.worker = ActorRolloutRefWorker(cfg, pl.worker_dist, role=pl.role, total_training_steps=self.total_steps,
@@ -109,6 +119,14 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------
     def fit(self) -> list[dict[str, float]]:
+        """Train to ``total_steps``; however it ends, the reward workers stop and the output_dir is free again."""
+        try:
+            return self._fit()
+        finally:
+            self.reward_fn.close()
+            self.run_lock.release()
+
+    def _fit(self) -> list[dict[str, float]]:
         history, started = [], time.perf_counter()
         for note in self.tracker_notes:
             self.tracker.write(note)

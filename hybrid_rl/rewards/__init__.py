@@ -1,7 +1,9 @@
 """Rule-based rewards: built-in scorers (``gsm8k``, ``successor``), resolution of
-``reward.function`` and batch scoring with ``reward.on_error`` handling (``registry``).
+``reward.function`` and batch scoring with ``reward.on_error`` handling (``registry``), in worker processes with
+a per-call ``reward.timeout_s`` for user functions (``pool``).
 """
 
-from .registry import BUILTIN_REWARDS, RewardError, RewardFn, get_reward_fn, register_reward, score_responses
+from .registry import BUILTIN_REWARDS, RewardError, RewardFn, get_reward_fn, register_reward, RewardScorer, score_responses
 
-__all__ = ["RewardError", "RewardFn", "BUILTIN_REWARDS", "get_reward_fn", "register_reward", "score_responses"]
+__all__ = ["RewardError", "RewardFn", "BUILTIN_REWARDS", "get_reward_fn", "register_reward", "RewardScorer",
+           "score_responses"]

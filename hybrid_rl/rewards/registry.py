@@ -4,25 +4,29 @@ A reward function is any ``fn(response: str, ground_truth: str) -> float``.
 ``get_reward_fn`` maps ``auto`` to the task's own reward, a built-in name to
 the function registered under it in ``BUILTIN_REWARDS`` (a new built-in is one
 function plus one ``register_reward("name")``), and ``module:function`` (or
-``path/to/file.py:function``) to user code. ``score_responses`` is the one place user reward code runs, so it
-is where failures are turned into a one-line error naming the sample, or into
-counted zeros when ``reward.on_error=zero``. Left out: model-based rewards,
-async/batched reward calls, and extra per-sample metadata beyond the ground
-truth (verl's ``extra_info``).
+``path/to/file.py:function``) to user code. ``RewardScorer`` is the one place user reward code runs (through
+``score_responses`` in this process, or a ``RewardPool`` of worker processes), so it is where failures and
+calls past ``reward.timeout_s`` are turned into a one-line error naming the sample, or into counted zeros when
+``reward.on_error=zero``, and where a long call is reported while it runs. The built-ins (microseconds per sample)
+are scored in this process unless ``reward.num_workers`` asks for workers: a pool round trip would cost more than
+the scoring. Left out: model-based rewards, batched reward calls, and extra per-sample metadata beyond the
+ground truth (verl's ``extra_info``).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import math
+import pickle
 import sys
-from collections.abc import Mapping
+import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 from ..registry import Registry
 from . import gsm8k, successor
+from .pool import PoolFailure, RewardPool, _InitError, score_one, worker_count
 
 RewardFn = Callable[[str, str], float]
 
@@ -102,42 +106,171 @@ def _import(module_name: str, name: str) -> Any:
                           f"fix that module") from e
 
 
+STALL_S = 10.0
+"""A reward call running longer than this is reported (every STALL_S seconds) naming the sample."""
+
+
 def score_responses(fn: RewardFn, responses: list[str], ground_truths: list[str],
                     on_error: str = "raise") -> tuple[list[float], int]:
-    """Scores for every (response, ground truth) pair and the number of failed samples scored 0.
+    """Scores for every (response, ground truth) pair and the number of failed samples scored 0, in this process.
 
     A failure is an exception from ``fn``, a return value that is not a number
     (a mapping with a ``"score"`` key, as verl reward functions may return, is
-    accepted), or a NaN/inf score.
+    accepted), or a NaN/inf score. A call still running after ``STALL_S`` is
+    reported on stderr; it cannot be abandoned here (``RewardScorer`` with workers can).
     """
+    _check_args(on_error, responses, ground_truths)
+    scores: list[float] = []
+    num_failed = 0
+    current = [0, time.monotonic()]  # the sample being scored and since when, for the stall reporter
+    with _StallReporter(fn, responses, ground_truths, current):
+        for i, (response, truth) in enumerate(zip(responses, ground_truths)):
+            current[:] = [i, time.monotonic()]
+            try:
+                score = score_one(fn, response, truth)
+            except Exception as e:
+                if on_error == "raise":
+                    raise RewardError(_failed_message(fn, i, f"{type(e).__name__}: {_first_line(e)}", response, truth)) from e
+                score = 0.0
+                num_failed += 1
+            scores.append(score)
+    return scores, num_failed
+
+
+def _check_args(on_error: str, responses: list[str], ground_truths: list[str]) -> None:
     if on_error not in ("raise", "zero"):
         raise RewardError(f"reward.on_error={on_error!r} must be 'raise' or 'zero'")
     if len(responses) != len(ground_truths):
         raise ValueError(f"score_responses got {len(responses)} responses but {len(ground_truths)} ground truths")
-    scores: list[float] = []
-    num_failed = 0
-    for i, (response, truth) in enumerate(zip(responses, ground_truths)):
+
+
+def _failed_message(fn: Any, i: int, what: str, response: str, truth: str) -> str:
+    return (f"reward function {_fn_name(fn)} failed on sample {i} ({what}); "
+            f"response={_short(response)!r}, ground_truth={_short(truth)!r}; fix the function, or set "
+            f"reward.on_error=zero to score such samples 0 and count them")
+
+
+def _timeout_message(fn: Any, i: int, timeout_s: float, response: str, truth: str) -> str:
+    return (f"reward function {_fn_name(fn)} did not return within reward.timeout_s={timeout_s:g} on sample {i} "
+            f"(response={_short(response)!r}, ground_truth={_short(truth)!r}); the call was abandoned: fix the hang "
+            f"or make it faster, raise reward.timeout_s, or set reward.on_error=zero to score such samples 0 and count them")
+
+
+def _stall_message(fn: Any, i: int, running_s: float, done: int, total: int, timeout_s: float, in_process: bool,
+                   response: str, truth: str) -> str:
+    if timeout_s > 0:
+        limit = f"reward.timeout_s={timeout_s:g} abandons it at {timeout_s:g} s"
+    elif in_process:
+        limit = ("no time limit: it runs in the training process (a built-in, or reward.num_workers=0), where a call "
+                 "cannot be abandoned")
+    else:
+        limit = "no time limit (reward.timeout_s=0); set reward.timeout_s to abandon such calls"
+    return (f"warning: reward function {_fn_name(fn)} has been running for {running_s:.0f} s on sample {i} "
+            f"(response={_short(response)!r}, ground_truth={_short(truth)!r}; {done}/{total} samples scored); {limit}")
+
+
+class _StallReporter:
+    """In-process scoring: a thread that reports the sample ``current`` = [index, since] every ``STALL_S``."""
+
+    def __init__(self, fn: Any, responses: list[str], truths: list[str], current: list):
+        self.args = fn, responses, truths, current
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> "_StallReporter":
+        self._thread = threading.Thread(target=self._run, name="hybrid_rl-reward-stall", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+
+    def _run(self) -> None:
+        fn, responses, truths, current = self.args
+        reported = (-1, 0)
+        while not self._done.wait(STALL_S / 4):
+            i, since = current
+            running = time.monotonic() - since
+            times = int(running // STALL_S)
+            if times >= 1 and (i, times) != reported and not self._done.is_set():
+                reported = (i, times)
+                print(_stall_message(fn, i, running, i, len(responses), 0.0, True, responses[i], truths[i]),
+                      file=sys.stderr, flush=True)
+
+
+class RewardScorer:
+    """``reward.*`` resolved once: scores a batch in this process or in worker processes, with the timeout.
+
+    ``num_workers=-1`` (auto): a user function (``module:function``, ``file.py:function``) runs in
+    ``worker_count`` processes, a built-in in this process. Scores and their order are the same either way.
+    """
+
+    def __init__(self, function: str = "auto", task: str = "gsm8k", on_error: str = "raise", timeout_s: float = 30.0,
+                 num_workers: int = -1):
+        if timeout_s < 0:
+            raise RewardError(f"reward.timeout_s={timeout_s} must be >= 0 seconds (0 = no limit)")
+        if num_workers < -1:
+            raise RewardError(f"reward.num_workers={num_workers} must be -1 (auto), 0 (this process) or a number of processes")
+        self.fn = get_reward_fn(function, task)  # a bad reward.function fails here, in the parent, at start-up
+        self.on_error, self.timeout_s = on_error, timeout_s
+        builtin = function == "auto" or function in BUILTIN_REWARDS
+        workers = worker_count(num_workers) if not (num_workers == -1 and builtin) else 0
+        self.pool: RewardPool | None = None
+        self._lock = threading.Lock()  # one batch at a time through the pool
+        if workers > 0:
+            self.pool = RewardPool(self._fn_ref(function, task, builtin, num_workers), workers)
+
+    @classmethod
+    def from_config(cls, reward_cfg: Any, task: str) -> "RewardScorer":
+        r = reward_cfg
+        return cls(r.function, task, r.on_error, r.timeout_s, r.num_workers)
+
+    def _fn_ref(self, function: str, task: str, builtin: bool, num_workers: int) -> tuple:
+        if not builtin:
+            module, _, attr = function.rpartition(":")
+            if module.endswith(".py"):  # workers start in this directory, but a later chdir must not matter
+                function = f"{Path(module).expanduser().resolve()}:{attr}"
+            return ("spec", function, task)
         try:
-            result = fn(response, truth)
-            if isinstance(result, Mapping) and "score" in result:
-                result = result["score"]
-            if isinstance(result, (str, bytes)):
-                # float("1") would succeed, but a string score is almost
-                # certainly a bug in the reward function, not a number.
-                raise TypeError(f"returned a {type(result).__name__} {result!r}, not a number")
-            score = float(result)
-            if not math.isfinite(score):
-                raise ValueError(f"returned {score}, not a finite number")
+            pickle.dumps(self.fn)
         except Exception as e:
+            raise RewardError(f"reward.num_workers={num_workers} sends the reward function to worker processes, but "
+                              f"{_fn_name(self.fn)} cannot be sent ({type(e).__name__}: {_first_line(e)}); define it at "
+                              f"module level, or set reward.num_workers=0 to score in this process") from e
+        return ("object", self.fn)
+
+    def score(self, responses: list[str], ground_truths: list[str], on_error: str | None = None) -> tuple[list[float], int]:
+        """Scores for every pair and the number of failed samples scored 0 (``reward.on_error=zero``)."""
+        on_error = on_error or self.on_error
+        if self.pool is None:
+            return score_responses(self.fn, responses, ground_truths, on_error)
+        _check_args(on_error, responses, ground_truths)
+        failed = [0]
+
+        def on_failure(f: PoolFailure) -> None:
+            r, t = responses[f.index], ground_truths[f.index]
             if on_error == "raise":
-                raise RewardError(
-                    f"reward function {_fn_name(fn)} failed on sample {i} ({type(e).__name__}: {_first_line(e)}); "
-                    f"response={_short(response)!r}, ground_truth={_short(truth)!r}; fix the function, or set "
-                    f"reward.on_error=zero to score such samples 0 and count them") from e
-            score = 0.0
-            num_failed += 1
-        scores.append(score)
-    return scores, num_failed
+                msg = (_timeout_message(self.fn, f.index, self.timeout_s, r, t) if f.timed_out
+                       else _failed_message(self.fn, f.index, f.detail, r, t))
+                raise RewardError(msg)
+            failed[0] += 1
+
+        def on_stall(i: int, running: float, done: int, total: int) -> None:
+            print(_stall_message(self.fn, i, running, done, total, self.timeout_s, False, responses[i], ground_truths[i]),
+                  file=sys.stderr, flush=True)
+
+        with self._lock:
+            try:
+                scores = self.pool.score(responses, ground_truths, self.timeout_s, on_failure, on_stall, STALL_S)
+            except _InitError as e:
+                raise RewardError(f"reward function {_fn_name(self.fn)} could not be loaded in a reward worker process "
+                                  f"({e}); make it importable from a fresh Python (module level, on PYTHONPATH), or set "
+                                  f"reward.num_workers=0 to score in the training process") from None
+        return scores, failed[0]
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
 
 
 def _fn_name(fn: Any) -> str:
