@@ -117,7 +117,7 @@ checks1)  # one-GPU checks: push on 1 rank, in-engine vs standalone vLLM through
     --repeats 2 --out "$RES" || echo "vllm_bench failed"
   stamp "pytest -m gpu"
   # no -x, vLLM module first: one failing module must not hide the others
-  timeout 150 python -m pytest -q -m gpu tests/test_vllm_gpu.py tests/test_multirank.py tests/test_checkpoint.py tests/test_data.py 2>&1 \
+  timeout 150 python -m pytest -q -m gpu tests/gpu/test_vllm_gpu.py tests/engine/test_multirank.py tests/integration/test_checkpoint.py tests/unit/test_data.py 2>&1 \
     | tail -15 || echo "pytest gpu failed"
   ;;
 cold4)  # issue 13 item 2: 4 ranks build builtin:qwen2.5-1.5b-random at once on a cold cache, then over a partial directory
@@ -145,8 +145,8 @@ fp32vllm)  # issue 13 item 1 on 1 GPU: the default (float32) recipe through vLLM
       trainer.val_before_train=false trainer.output_dir=$RES/old_fp32 2>&1 | grep -E "illegal|Error|error" | head -5) \
       ; echo "old fp32 done"
   fi
-  stamp "this commit: pytest -m gpu tests/test_gpu_train.py"
-  CUDA_VISIBLE_DEVICES=0 timeout 300 python -m pytest -q -m gpu tests/test_gpu_train.py 2>&1 | tail -15
+  stamp "this commit: pytest -m gpu tests/gpu/test_gpu_train.py"
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python -m pytest -q -m gpu tests/gpu/test_gpu_train.py 2>&1 | tail -15
   ;;
 *) echo "unknown part $PART (colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4)"; exit 2 ;;
 esac

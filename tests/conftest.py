@@ -1,4 +1,5 @@
-"""Shared test set-up: an isolated cache for the built-in tiny model, built once per session."""
+"""Shared test set-up (fixtures only; helpers shared by several modules live in helpers.py, see README.md):
+an isolated cache for the built-in tiny model, built once per session."""
 
 from __future__ import annotations
 
@@ -20,18 +21,3 @@ def tiny_model_path() -> str:
 
     return resolve_model_path("builtin:tiny-qwen2")
 
-
-def make_cfg(*overrides: str):
-    """A small CPU config for in-process tests."""
-    from hybrid_rl.config import load_config
-
-    base = ["trainer.device=cpu", "model.dtype=float32", "data.max_response_length=6", "rollout.n=4",
-            "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_device=16",
-            "actor.lr=1e-3", "trainer.logger=[jsonl]"]
-    return load_config(None, base + list(overrides)).validate()
-
-
-def cpu_dist():
-    from hybrid_rl.distributed import DistInfo
-
-    return DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))

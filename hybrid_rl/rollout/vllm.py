@@ -105,7 +105,7 @@ def engine_model(worker: Any) -> torch.nn.Module:
     dense models), whose ``get_model()`` unwraps CUDA-graph wrappers. Releases
     before ~0.10 exposed only ``model_runner.model``; the path moved between
     releases, so when it moves again, this is the function to change (and
-    ``tests/test_vllm_gpu.py::test_adapter_and_pushed_weights`` says so).
+    ``tests/gpu/test_vllm_gpu.py::test_adapter_and_pushed_weights`` says so).
     """
     runner = getattr(worker, "model_runner", None)
     if runner is None and getattr(worker, "worker", None) is not None:

@@ -1,8 +1,8 @@
-"""Multi-rank invariants of the hybrid engine, measured under torchrun and asserted by ``tests/test_multirank.py``.
+"""Multi-rank invariants of the hybrid engine, measured under torchrun and asserted by ``tests/engine/test_multirank.py``.
 
-    torchrun --standalone --nproc_per_node=2 tests/multirank/checks.py OUT_DIR    # FSDP2 on 2 gloo ranks
-    python tests/multirank/checks.py OUT_DIR --single                            # the single-process reference
-    MULTIRANK_DEVICE=cuda torchrun --standalone --nproc_per_node=2 tests/multirank/checks.py OUT_DIR  # 2 GPUs, bf16
+    torchrun --standalone --nproc_per_node=2 tests/engine/multirank/checks.py OUT_DIR    # FSDP2 on 2 gloo ranks
+    python tests/engine/multirank/checks.py OUT_DIR --single                            # the single-process reference
+    MULTIRANK_DEVICE=cuda torchrun --standalone --nproc_per_node=2 tests/engine/multirank/checks.py OUT_DIR  # 2 GPUs, bf16
 
 Every rank writes ``OUT_DIR/rank{r}.pt`` (``single.pt`` for the reference): a
 dict of named measurements. The script records instead of asserting, so a
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the checkout, without installing
 
 from hybrid_rl.algorithms import logprobs_from_logits  # noqa: E402
 from hybrid_rl.batch import Batch  # noqa: E402

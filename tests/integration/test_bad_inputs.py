@@ -1,6 +1,6 @@
 """Every bad input gets one line naming the key or file and the fix, exit code 2, and no traceback.
 
-The README's "Bad input" table is this list; ``python tests/test_bad_inputs.py`` prints it from real runs.
+The README's "Bad input" table is this list; ``python tests/integration/test_bad_inputs.py`` prints it from real runs.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/cpu_successor.yaml"
 FAST = ["trainer.total_steps=1", "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.logger=[jsonl]"]
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from hybrid_rl.rewards import RewardError, get_reward_fn, score_responses  # noqa: E402
 from hybrid_rl.rewards import gsm8k, successor  # noqa: E402
 
-GSM8K_TEST = Path(__file__).resolve().parents[1].parent / "shared/data/gsm8k/test.jsonl"
+GSM8K_TEST = Path(__file__).resolve().parents[2].parent / "shared/data/gsm8k/test.jsonl"
 
 
 @pytest.mark.parametrize("text, strict, flexible", [

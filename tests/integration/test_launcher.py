@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/cpu_successor.yaml"
 FAST = ["trainer.total_steps=1", "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.logger=[jsonl]"]
 

@@ -20,7 +20,7 @@ from hybrid_rl.rollout.base import RolloutEngine
 from hybrid_rl.weights.replay import WeightReplayer
 from hybrid_rl.weights.sharding_manager import ShardingManager
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # --------------------------------------------------------------------------- a vLLM-like engine
@@ -359,7 +359,7 @@ def test_sentinel_keeps_the_engine_guard(tiny_model_path):
 @pytest.mark.slow
 def test_two_rank_pushes_replay_bit_for_bit(tiny_model_path, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "multirank" / "checks.py"), str(tmp_path)]
+           str(ROOT / "tests" / "engine" / "multirank" / "checks.py"), str(tmp_path)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), MULTIRANK_CHECKS="replay")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

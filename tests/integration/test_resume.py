@@ -16,7 +16,7 @@ import torch
 from hybrid_rl.checkpoint import find_latest, load_checkpoint
 from hybrid_rl.models import load_causal_lm, resolve_model_path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "cpu_successor.yaml"
 STEPS = 8
 COMMON = [f"trainer.total_steps={STEPS}", "trainer.save_freq=2", "trainer.keep_last=0", "trainer.test_freq=0",
@@ -137,7 +137,7 @@ def test_export_round_trip_matches_trainer_logprobs(tmp_path, reference):
 
 def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
     """A NaN gradient norm skips the optimizer step (params unchanged, counted); N in a row end the run with a message."""
-    from conftest import cpu_dist
+    from helpers import cpu_dist
     from hybrid_rl.config import load_config
     from hybrid_rl.trainer import Trainer, TrainingDiverged
 

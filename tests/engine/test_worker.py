@@ -8,24 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cpu_dist, make_cfg
 from hybrid_rl.algorithms import LOSS_AGG_MODES
 from hybrid_rl.phases.advantage import compute_advantage, sparse_scores
 from hybrid_rl.batch import Batch
-from hybrid_rl.data import collate_prompts
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 
-
-def _prompts(worker, texts=("7", "Hello there, 12+5=?", "3", "a longer prompt with several words")) -> Batch:
-    tok = worker.tokenizer
-    items = [dict(input_ids=tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                                    tokenize=True, return_dict=False),
-                  ground_truth="8", data_source="successor", index=i) for i, t in enumerate(texts)]
-    return collate_prompts(items, tok.pad_token_id)
-
-
-def _actor_params(worker) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in worker.actor.model.named_parameters()}
+from helpers import actor_params, chat_prompts, cpu_dist, generate_batch, make_cfg, score_batch
 
 
 def _actor_grads(worker) -> dict[str, torch.Tensor]:
@@ -46,20 +34,6 @@ def _engine_params(worker) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in worker.rollout.named_weights()}
 
 
-def _rollout(worker, prompts=None) -> Batch:
-    with worker.rollout_mode():
-        return worker.generate(prompts if prompts is not None else _prompts(worker))
-
-
-def _scored(worker, batch: Batch, seed: int = 0) -> Batch:
-    g = torch.Generator().manual_seed(seed)
-    scores = torch.randint(0, 2, (len(batch),), generator=g).float()
-    batch = batch.union(tensors=dict(token_level_scores=sparse_scores(scores, batch["response_mask"]), scores=scores))
-    batch = worker.compute_log_prob(batch)
-    batch, _ = compute_advantage(batch, worker.cfg.algorithm)
-    return batch
-
-
 @pytest.fixture
 def worker(tiny_model_path):
     torch.manual_seed(0)
@@ -78,7 +52,7 @@ def test_role_flags(tiny_model_path):
 def test_engine_logprobs_match_trainer(worker):
     """The engine's sampled-token log-probs equal the trainer's recomputation (fp32, left padding, T != 1)."""
     worker.cfg.rollout.temperature = 0.7
-    batch = _rollout(worker)
+    batch = generate_batch(worker)
     assert batch.meta["temperature"] == 0.7
     assert batch["responses"].shape[0] == 4 * worker.cfg.rollout.n
     batch = worker.compute_log_prob(batch)
@@ -90,14 +64,14 @@ def test_engine_logprobs_match_trainer(worker):
 
 def test_response_mask_stops_after_eos(worker):
     eos = worker.tokenizer.eos_token_id
-    batch0 = _rollout(worker)  # push weights first; the hook below only biases the engine
+    batch0 = generate_batch(worker)  # push weights first; the hook below only biases the engine
     def favour_eos(module, args, out):
         out[..., eos] += 4.0
         return out
     handle = worker.rollout.model.lm_head.register_forward_hook(favour_eos)
     try:
         with worker.rollout_mode():
-            batch = worker.generate(_prompts(worker))
+            batch = worker.generate(chat_prompts(worker))
     finally:
         handle.remove()
     resp, mask, lps = batch["responses"], batch["response_mask"], batch["rollout_log_probs"]
@@ -126,7 +100,7 @@ def test_sharding_manager_pushes_actor_weights_and_skips_unchanged(worker):
             p.add_(1.0)
     with worker.rollout_mode():
         engine = _engine_params(worker)
-    actor = _actor_params(worker)
+    actor = actor_params(worker)
     for name, p in actor.items():
         assert torch.equal(engine[name], p), name
     assert torch.equal(worker.rollout.model.lm_head.weight, actor["model.embed_tokens.weight"])  # tied
@@ -139,29 +113,29 @@ def test_sharding_manager_pushes_actor_weights_and_skips_unchanged(worker):
 
 def test_sleep_level2_discards_and_push_restores(worker):
     worker.sharding_manager.sleep_level = 2
-    _rollout(worker)
+    generate_batch(worker)
     assert worker.rollout.weights_version is None  # discarded on exit
     assert all(p.numel() == 0 for _, p in worker.rollout.named_weights())
     with pytest.raises(RuntimeError, match="sleeping engine"):
-        worker.rollout.generate(_prompts(worker), worker.sampling_params())
+        worker.rollout.generate(chat_prompts(worker), worker.sampling_params())
     with worker.rollout_mode():
         for name, p in worker.rollout.named_weights():
             assert torch.equal(p, dict(worker.actor.model.named_parameters())[name])
 
 
 def test_update_changes_params_and_next_rollout_uses_them(worker):
-    before = _actor_params(worker)
-    batch = _scored(worker, _rollout(worker))
+    before = actor_params(worker)
+    batch = score_batch(worker, generate_batch(worker))
     v0 = worker.weight_version
     stats = worker.update_actor(batch)
     assert worker.weight_version == v0 + 1
-    after = _actor_params(worker)
+    after = actor_params(worker)
     changed = [n for n in before if not torch.equal(before[n], after[n])]
     assert len(changed) == len(before), "every parameter should move after an AdamW step"
     assert stats["actor/grad_norm"][0] > 0
     # the next rollout pushes the new weights and its log-probs follow them
     old_engine = _engine_params(worker)
-    batch2 = _rollout(worker)
+    batch2 = generate_batch(worker)
     new_engine = _engine_params(worker)
     assert all(torch.equal(new_engine[n], after[n]) for n in after)
     assert any(not torch.equal(old_engine[n], new_engine[n]) for n in after)
@@ -181,7 +155,7 @@ def test_micro_batch_accumulation_invariance(tiny_model_path, mode):
                        "actor.entropy_coeff=0.01")
         w = ActorRolloutRefWorker(cfg, cpu_dist())
         if not results:
-            saved = _scored(w, _rollout(w, _prompts(w, ("7", "a longer prompt here"))))
+            saved = score_batch(w, generate_batch(w, chat_prompts(w, ("7", "a longer prompt here"))))
         w.update_actor(saved)
         results.append(_actor_grads(w))
     _assert_same_gradients(*results)
@@ -196,7 +170,7 @@ def _ragged_grads(mode: str, micro: int, saved: Batch | None) -> tuple[dict[str,
                    "actor.kl_loss_type=k1", "actor.kl_loss_coef=0.1")
     w = ActorRolloutRefWorker(cfg, cpu_dist())
     if saved is None:
-        saved = w.compute_ref_log_prob(_scored(w, _rollout(w, _prompts(w, ("7", "a longer prompt here")))))
+        saved = w.compute_ref_log_prob(score_batch(w, generate_batch(w, chat_prompts(w, ("7", "a longer prompt here")))))
     w.update_actor(saved)
     return _actor_grads(w), saved
 
@@ -216,7 +190,7 @@ def test_reference_policy_is_frozen(tiny_model_path):
     cfg = make_cfg("actor.use_kl_loss=true", "actor.kl_loss_coef=0.1")
     w = ActorRolloutRefWorker(cfg, cpu_dist())
     ref_before = {n: p.detach().clone() for n, p in w.ref.model.named_parameters()}
-    batch = _scored(w, _rollout(w))
+    batch = score_batch(w, generate_batch(w))
     batch = w.compute_ref_log_prob(batch)
     # before any update, reference == actor, so the log-probs agree
     assert torch.allclose(batch["ref_log_prob"], batch["old_log_probs"], atol=1e-6)
@@ -230,7 +204,7 @@ def test_reference_policy_is_frozen(tiny_model_path):
 def test_forced_lengths_for_benchmarks(tiny_model_path):
     """rollout.forced_lengths imposes long-tailed response lengths (EOS ignored), capped at max_response_length."""
     w = ActorRolloutRefWorker(make_cfg("rollout.forced_lengths=lognormal:4:1.0", "data.max_response_length=12"), cpu_dist())
-    batch = _rollout(w)
+    batch = generate_batch(w)
     lengths = batch["response_mask"].sum(dim=1)
     assert lengths.min() >= 1 and lengths.max() <= 12 and len(set(lengths.tolist())) > 2
     assert batch["responses"].shape[1] == int(lengths.max())
@@ -245,7 +219,7 @@ def test_forced_lengths_for_benchmarks(tiny_model_path):
 def test_trim_padding_and_token_budget_plan(worker):
     from hybrid_rl.micro_batching import plan_micro_batches, trim_padding
 
-    batch = worker.compute_log_prob(_rollout(worker))
+    batch = worker.compute_log_prob(generate_batch(worker))
     small = batch.index([0, 1])  # the two samples of the shortest prompt
     trimmed = trim_padding(small)
     p = small["prompts"].shape[1]
@@ -279,7 +253,7 @@ def test_training_knobs_give_the_same_update_and_log_probs(tiny_model_path, knob
             on = m.is_activation_checkpointing if hasattr(m, "is_activation_checkpointing") else m.is_gradient_checkpointing
             assert on == (flag == "true")
         if not results:
-            base = _rollout(w)
+            base = generate_batch(w)
         batch = w.compute_log_prob(base)
         batch, _ = compute_advantage(batch.union(tensors=dict(
             token_level_scores=sparse_scores(torch.arange(len(batch)).remainder(2).float(), batch["response_mask"]))),

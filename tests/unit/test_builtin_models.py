@@ -20,7 +20,7 @@ import pytest
 
 MARKER = ".hybrid_rl_complete"  # spelled out, not imported, so the tests also run (and fail) on code without it
 NAME = "tiny-qwen2"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # One rank: imports first, then waits at a file barrier so that every rank calls
 # resolve_model_path at the same moment; then loads the model as the trainer would.

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import cpu_dist
+from helpers import cpu_dist
 from hybrid_rl.config import RESUME_HARMLESS, RESUME_IGNORED, ConfigError, all_keys, load_config, resume_config_diff
 from hybrid_rl.data import DataError
 from hybrid_rl.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "cpu_successor.yaml"
 SMALL = ["data.num_synthetic=64", "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4",
          "actor.ppo_micro_batch_size_per_device=16", "data.max_val_samples=4", "trainer.logger=[jsonl]",

@@ -17,7 +17,7 @@ import torch
 try:
     import hybrid_rl  # noqa: F401
 except ModuleNotFoundError:  # run without an install / pytest pythonpath config
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hybrid_rl.algorithms import (
     ADV_ESTIMATORS,

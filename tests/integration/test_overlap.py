@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cpu_dist, make_cfg
 from hybrid_rl.pipeline import RolloutPipeline, StalenessError
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
-from test_worker import _actor_params, _prompts, _rollout, _scored
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import actor_params, chat_prompts, cpu_dist, generate_batch, make_cfg, score_batch
+
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "cpu_successor.yaml"
 VOLATILE = ("timing/", "perf/")
 
@@ -58,11 +58,11 @@ def test_decoupled_loss_equals_ppo_when_behaviour_is_proximal(tiny_model_path):
         torch.manual_seed(0)
         w = ActorRolloutRefWorker(make_cfg(f"algorithm.rollout_correction.apply={correction}"), cpu_dist())
         if not results:
-            batch = _scored(w, _rollout(w))
+            batch = score_batch(w, generate_batch(w))
             batch = batch.union(tensors=dict(rollout_log_probs=batch["old_log_probs"].clone()))
         stats = w.update_actor(batch)
         assert ("rollout/is_truncated_frac" in stats) == (correction == "always")
-        results.append(_actor_params(w))
+        results.append(actor_params(w))
     for n in results[0]:
         assert torch.equal(results[0][n], results[1][n]), n
 
@@ -74,10 +74,10 @@ def test_decoupled_loss_reweights_stale_samples(tiny_model_path):
         torch.manual_seed(0)
         w = ActorRolloutRefWorker(make_cfg("algorithm.rollout_correction.apply=always"), cpu_dist())
         if not results:
-            base = _scored(w, _rollout(w))
+            base = score_batch(w, generate_batch(w))
         batch = base.union(tensors=dict(rollout_log_probs=base["old_log_probs"] - shift))
         stats = w.update_actor(batch)
-        results.append((_actor_params(w), stats))
+        results.append((actor_params(w), stats))
     (a, _), (b, stats_b) = results
     assert any(not torch.equal(a[n], b[n]) for n in a)
     # exp(0.5) = 1.65 < cap 2: nothing truncated
@@ -89,10 +89,10 @@ def test_engine_stays_awake_in_overlap_mode(tiny_model_path):
     from hybrid_rl.config import ConfigError, load_config
 
     sync = ActorRolloutRefWorker(make_cfg("rollout.sleep_level=2"), cpu_dist())
-    _rollout(sync)
+    generate_batch(sync)
     assert sync.rollout.weights_version is None  # slept at level 2 after the rollout
     over = ActorRolloutRefWorker(make_cfg("rollout.sleep_level=2", "trainer.mode=overlap"), cpu_dist())
-    _rollout(over)
+    generate_batch(over)
     assert over.rollout.weights_version == 0  # still holds θ_0, awake
     with pytest.raises(ConfigError, match="need trainer.mode=sync"):
         load_config(None, ["trainer.mode=overlap", "actor.param_offload=true"]).validate()
@@ -101,7 +101,7 @@ def test_engine_stays_awake_in_overlap_mode(tiny_model_path):
 def test_pipeline_regenerates_or_refuses_stale_batches(tiny_model_path):
     w = ActorRolloutRefWorker(make_cfg("trainer.mode=overlap"), cpu_dist())
     pipe = RolloutPipeline(w, max_staleness=1, stale_policy="drop")
-    pipe.start(_prompts(w))  # engine not pushed yet: weights_version None → recorded as -1
+    pipe.start(chat_prompts(w))  # engine not pushed yet: weights_version None → recorded as -1
     with w.rollout_mode():
         pass
     pipe.pending.result()

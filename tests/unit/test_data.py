@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from hybrid_rl.data import (TASKS, DataError, PromptDataset, PromptSampler, collate_prompts,  # noqa: E402
                             load_rows)
 
-GSM8K_TEST = Path(__file__).resolve().parents[1].parent / "shared/data/gsm8k/test.jsonl"
+GSM8K_TEST = Path(__file__).resolve().parents[2].parent / "shared/data/gsm8k/test.jsonl"
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cpu_dist, make_cfg
+from helpers import chat_prompts, cpu_dist, generate_batch, make_cfg, score_batch
 from hybrid_rl import algorithms as alg
 from hybrid_rl.algorithms import ADV_ESTIMATORS, POLICY_LOSSES, register_estimator, register_policy_loss
 from hybrid_rl.config import Config, ConfigError, load_config
@@ -21,7 +21,7 @@ from hybrid_rl.rewards import BUILTIN_REWARDS, get_reward_fn, register_reward
 from hybrid_rl.rollout import ROLLOUT_ENGINES, register_rollout_engine
 from hybrid_rl.rollout.hf import HFRolloutEngine
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "cpu_successor.yaml"
 SMALL = ["data.num_synthetic=64", "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4",
          "actor.ppo_micro_batch_size_per_device=16", "data.max_val_samples=4", "trainer.logger=[jsonl]",
@@ -127,14 +127,12 @@ def recording_engine():
 
 
 def test_worker_builds_the_registered_engine_by_name(recording_engine):
-    from test_worker import _prompts
-
     from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 
     worker = ActorRolloutRefWorker(make_cfg("rollout.name=recording_hf"), cpu_dist())
     assert type(worker.rollout) is RecordingEngine and RecordingEngine.built_with == [("recording_hf", 0)]
     with worker.rollout_mode():  # the sharding manager pushes into it and the worker generates with it
-        batch = worker.generate(_prompts(worker))
+        batch = worker.generate(chat_prompts(worker))
     assert worker.rollout.generated == 1 and len(batch) == 4 * 4
 
 
@@ -158,8 +156,6 @@ def test_loading_a_vllm_config_imports_no_engine():
 # --------------------------------------------------------------------------- policy losses by name
 def test_worker_computes_the_loss_through_the_registry(monkeypatch):
     """The worker's one loss call goes through POLICY_LOSSES by name, with the loss's own inputs."""
-    from test_worker import _rollout, _scored
-
     from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 
     seen = []
@@ -172,7 +168,7 @@ def test_worker_computes_the_loss_through_the_registry(monkeypatch):
     try:
         monkeypatch.setattr(Config, "policy_loss", property(lambda self: "spy_ppo"))
         worker = ActorRolloutRefWorker(make_cfg(), cpu_dist())
-        metrics = worker.update_actor(_scored(worker, _rollout(worker)))
+        metrics = worker.update_actor(score_batch(worker, generate_batch(worker)))
     finally:
         POLICY_LOSSES.unregister("spy_ppo")
     assert len(seen) == 1 and "actor/pg_loss" in metrics

@@ -1,6 +1,6 @@
 """GPU tests of the vLLM rollout engine colocated with the FSDP2 trainer (one process, world of one).
 
-Run on a CUDA machine with vLLM 0.26 installed:  pytest -m gpu tests/test_vllm_gpu.py
+Run on a CUDA machine with vLLM 0.26 installed:  pytest -m gpu tests/gpu/test_vllm_gpu.py
 Skips cleanly without CUDA or without vLLM.
 
 The model is the Qwen2.5-0.5B architecture (hidden 896, 24 layers, 14 heads, 2 KV heads,
@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 pytestmark = pytest.mark.gpu
 

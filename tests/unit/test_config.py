@@ -10,7 +10,7 @@ import pytest
 
 from hybrid_rl.config import Config, ConfigError, all_keys, load_config, save_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 
 

@@ -8,9 +8,9 @@ field (``vllm.logprobs.Logprob``/``FlatLogprobs``, ``vllm.outputs.CompletionOutp
 read from the 0.26 wheel), including how vLLM's ``LogprobsProcessor`` fills them: the sampled
 token first at each position, then the top-k. The fast post-processing is checked bit for bit
 against the previous implementation, kept below as ``ref_*``. The real engine is exercised by
-``tests/test_vllm_gpu.py`` on a GPU machine.
+``tests/gpu/test_vllm_gpu.py`` on a GPU machine.
 
-``python tests/test_vllm_cpu.py`` prints a CPU micro-benchmark of the post-processing (512
+``python tests/engine/test_vllm_cpu.py`` prints a CPU micro-benchmark of the post-processing (512
 sequences × 512 tokens) for the reference and the current code.
 """
 
@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hybrid_rl.batch import Batch  # noqa: E402
 from hybrid_rl.config import ConfigError, load_config  # noqa: E402
@@ -735,7 +735,7 @@ def vb():
     import os
 
     saved = dict(os.environ)
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_bench.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_bench.py"
     spec = importlib.util.spec_from_file_location("vllm_bench", path)
     module = importlib.util.module_from_spec(spec)
     try:
@@ -889,7 +889,7 @@ def test_bench_standalone_then_hybrid_end_to_end_on_cpu(vb, tmp_path, monkeypatc
         assert (tmp_path / f"vllm_CPUx1_{what}.json").exists(), what
 
 
-# --------------------------------------------------------------------------- micro-benchmark: python tests/test_vllm_cpu.py
+# --------------------------------------------------------------------------- micro-benchmark: python tests/engine/test_vllm_cpu.py
 def _micro_benchmark(reps: int = 7) -> None:
     """Reference vs current post-processing for 64 prompts × n=8 = 512 sequences × 512 tokens (CPU time, 1 thread)."""
     torch.set_num_threads(1)

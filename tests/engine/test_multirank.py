@@ -1,6 +1,6 @@
 """The hybrid engine on 2 ranks: FSDP2 vs one process, the weight push, LoRA, the reference policy, offload.
 
-One ``torchrun --nproc_per_node=2`` launch of ``tests/multirank/checks.py`` (2
+One ``torchrun --nproc_per_node=2`` launch of ``tests/engine/multirank/checks.py`` (2
 gloo ranks on CPU, tiny model) measures everything and one plain process
 measures the single-process reference; the tests below assert on what they
 recorded, so each invariant fails under its own name. The driver itself runs
@@ -12,7 +12,6 @@ benchmark runs its CPU smoke test. ``pytest -m gpu`` repeats the invariants on
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,28 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-CHECKS = ROOT / "tests" / "multirank" / "checks.py"
+from helpers import run_checked
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECKS = ROOT / "tests" / "engine" / "multirank" / "checks.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 pytestmark = pytest.mark.slow
-
-
-def _env(**extra: str) -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
-
-
-_RENDEZVOUS_ERRORS = ("address already in use", "EADDRINUSE", "DistNetworkError", "RendezvousConnectionError")
-
-
-def _run(cmd: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0 and any(e in proc.stderr for e in _RENDEZVOUS_ERRORS):
-        # torchrun --standalone picks a free port that another process can grab first: launch once more
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return proc
 
 
 def _load(path: Path) -> dict:
@@ -52,8 +36,8 @@ def _load(path: Path) -> dict:
 def runs(tiny_model_path, tmp_path_factory):
     """{'single': ..., 'ranks': [rank0, rank1]}: one 2-rank launch and one single-process reference."""
     out = tmp_path_factory.mktemp("multirank")
-    _run([sys.executable, str(CHECKS), str(out), "--single"])
-    _run(TORCHRUN + [str(CHECKS), str(out)])
+    run_checked([sys.executable, str(CHECKS), str(out), "--single"])
+    run_checked(TORCHRUN + [str(CHECKS), str(out)])
     return {"single": _load(out / "single.pt"), "ranks": [_load(out / f"rank{r}.pt") for r in range(2)]}
 
 
@@ -102,7 +86,7 @@ def test_torch_compiled_blocks_match_eager(tiny_model_path, tmp_path):
     Adam turns the tiny gradients of zero-initialised biases into full steps). The parameter bound is relative to the
     update itself: a bound relative to the weights (5e-5 before) measured rounding against the random init's norm and
     failed at 5.3e-5 with torch 2.13, while the compiled update differs from the eager one by < 1% of its size."""
-    _run(TORCHRUN + [str(CHECKS), str(tmp_path)], timeout=600, MULTIRANK_CHECKS="compile")
+    run_checked(TORCHRUN + [str(CHECKS), str(tmp_path)], timeout=600, MULTIRANK_CHECKS="compile")
     for r in range(2):
         res = _load(tmp_path / f"rank{r}.pt")["compile"]
         eager, compiled = res[False], res[True]
@@ -201,14 +185,14 @@ def _metrics(out_dir: Path) -> list[dict]:
 
 
 def test_trainer_single_process(tiny_model_path, tmp_path):
-    _run([sys.executable] + TRAIN + [f"trainer.output_dir={tmp_path}"])
+    run_checked([sys.executable] + TRAIN + [f"trainer.output_dir={tmp_path}"])
     rows = _metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2] and rows[-1]["rollout/weight_sync_bytes"] == 80896 * 4
 
 
 def test_trainer_two_ranks_lora_kl_offload(tiny_model_path, tmp_path):
-    _run(TORCHRUN + TRAIN + [f"trainer.output_dir={tmp_path}", "model.lora.rank=4", "actor.use_kl_loss=true",
-                             "actor.param_offload=true", "actor.optimizer_offload=true"])
+    run_checked(TORCHRUN + TRAIN + [f"trainer.output_dir={tmp_path}", "model.lora.rank=4", "actor.use_kl_loss=true",
+                                    "actor.param_offload=true", "actor.optimizer_offload=true"])
     rows = _metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
     # step 1 pushes everything, step 2 only the merged LoRA targets (all 7 linears of 2 layers)
@@ -219,7 +203,8 @@ def test_trainer_two_ranks_lora_kl_offload(tiny_model_path, tmp_path):
 
 
 def test_weight_sync_benchmark_cpu_smoke(tmp_path):
-    proc = _run(TORCHRUN + ["benchmarks/weight_sync.py", "--model", "tiny", "--switches", "3", "--out-dir", str(tmp_path)])
+    proc = run_checked(TORCHRUN + ["benchmarks/weight_sync.py", "--model", "tiny", "--switches", "3",
+                                   "--out-dir", str(tmp_path)])
     record = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     assert record["world_size"] == 2 and record["device"] == "cpux2" and record["verified"] is True
     assert record["bytes"] == 80896 * 4 and record["sync_s"] > 0 and record["bound_s"] > 0
@@ -231,7 +216,7 @@ def test_two_rank_mixed_precision_lora_reference_first(tiny_model_path, tmp_path
     """bf16 compute under FSDP2's mixed-precision policy, on gloo. The LoRA check computes the reference
     (adapters disabled) before any actor forward: peft's disable_adapter freezes the adapters, and if FSDP2 lazily
     initialised then, it skipped the fp32 gradient reduction and the first backward failed (found on 2xH200)."""
-    _run(TORCHRUN + [str(CHECKS), str(tmp_path)], MULTIRANK_DTYPE="bfloat16", MULTIRANK_CHECKS="full,lora")
+    run_checked(TORCHRUN + [str(CHECKS), str(tmp_path)], MULTIRANK_DTYPE="bfloat16", MULTIRANK_CHECKS="full,lora")
     for r in range(2):
         res = _load(tmp_path / f"rank{r}.pt")
         _assert_bf16_push_reference_and_lora(res)
@@ -252,7 +237,7 @@ def _assert_bf16_push_reference_and_lora(res: dict) -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_gpu_two_rank_push_lora_offload(tiny_model_path, tmp_path):
     """NCCL, bf16 engine, mixed precision FSDP2, offload to real host memory."""
-    _run(TORCHRUN + [str(CHECKS), str(tmp_path)], MULTIRANK_DEVICE="cuda")
+    run_checked(TORCHRUN + [str(CHECKS), str(tmp_path)], MULTIRANK_DEVICE="cuda")
     for r in range(2):
         res = _load(tmp_path / f"rank{r}.pt")
         _assert_bf16_push_reference_and_lora(res)
@@ -262,8 +247,8 @@ def test_gpu_two_rank_push_lora_offload(tiny_model_path, tmp_path):
 
 def test_update_step_benchmark_cpu_smoke(tmp_path):
     configs = ["default", "accumulate_unsharded", "accumulate_unsharded+dynamic_bsz"]  # compile: its own test
-    proc = _run(TORCHRUN + ["benchmarks/update_step.py", "--cpu-smoke", "--configs", ",".join(configs),
-                            "--out", str(tmp_path)])
+    proc = run_checked(TORCHRUN + ["benchmarks/update_step.py", "--cpu-smoke", "--configs", ",".join(configs),
+                                   "--out", str(tmp_path)])
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["config"] for r in rows] == configs
     doc = json.loads((tmp_path / "update_step_cpux2_tiny-qwen2.json").read_text())

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from hybrid_rl.checkpoint import (COMPLETE, LATEST, CheckpointError, capture_rng, export_hf,  # noqa: E402
                                   find_latest, load_checkpoint, restore_rng, save_checkpoint)

@@ -22,10 +22,10 @@ from hybrid_rl.batch import Batch
 from hybrid_rl.config import ConfigError
 from hybrid_rl.micro_batching import pad_widths, trim_padding
 
-from test_multirank import _env, _run
+from helpers import run_checked
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 COMMON = ["-m", "hybrid_rl", "train", "recipes/cpu_successor.yaml", "trainer.total_steps=10", "trainer.save_freq=-1",
           "trainer.test_freq=0", "trainer.val_before_train=false", "trainer.logger=[jsonl]", "trainer.resume=never",
@@ -46,8 +46,9 @@ def _metrics(out_dir: Path) -> list[dict]:
 def test_split_one_plus_one_equals_colocated_one_rank(tiny_model_path, tmp_path, mode):
     split, colo = tmp_path / "split", tmp_path / "colo"
     val = ["trainer.val_before_train=true", "trainer.test_freq=5", "data.max_val_samples=32"]
-    _run(_torchrun(2) + COMMON + val + [f"trainer.mode={mode}", "trainer.placement=split", f"trainer.output_dir={split}"])
-    _run(_torchrun(1) + COMMON + val + [f"trainer.mode={mode}", f"trainer.output_dir={colo}"])
+    run_checked(_torchrun(2) + COMMON + val + [f"trainer.mode={mode}", "trainer.placement=split",
+                                               f"trainer.output_dir={split}"])
+    run_checked(_torchrun(1) + COMMON + val + [f"trainer.mode={mode}", f"trainer.output_dir={colo}"])
     a, b = _metrics(split), _metrics(colo)
     # validation (greedy, on the rollout rank with the trainer's current weights) before step 1 and at steps 5, 10
     assert [r["step"] for r in a if "val/reward_mean" in r] == [0, 5, 10] == [r["step"] for r in b if "val/reward_mean" in r]
@@ -67,10 +68,10 @@ def test_split_one_plus_one_equals_colocated_one_rank(tiny_model_path, tmp_path,
 
 
 def test_split_one_rollout_two_trainer_ranks(tiny_model_path, tmp_path):
-    _run(_torchrun(3) + COMMON + ["trainer.total_steps=4", "trainer.mode=overlap", "trainer.placement=split",
-                                 "trainer.rollout_ranks=1", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8",
-                                 "actor.ppo_micro_batch_size_per_device=32",
-                                 f"trainer.output_dir={tmp_path}"], timeout=400)
+    run_checked(_torchrun(3) + COMMON + ["trainer.total_steps=4", "trainer.mode=overlap",
+                                        "trainer.placement=split", "trainer.rollout_ranks=1", "data.train_batch_size=16",
+                                        "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_device=32",
+                                        f"trainer.output_dir={tmp_path}"], timeout=400)
     rows = _metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r["rollout/weight_version"] for r in rows] == [0, 0, 1, 2]
@@ -83,10 +84,10 @@ def test_split_one_rollout_two_trainer_ranks(tiny_model_path, tmp_path):
 def test_split_two_rollout_two_trainer_ranks(tiny_model_path, tmp_path):
     """Four ranks, 2 + 2: batches from two rollout ranks are joined and re-cut for two trainer ranks, and the
     weights go from the first trainer rank to both rollout ranks (nothing assumes one rank per side)."""
-    _run(_torchrun(4) + COMMON + ["trainer.total_steps=3", "trainer.mode=overlap", "trainer.placement=split",
-                                 "trainer.rollout_ranks=2", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8",
-                                 "actor.ppo_micro_batch_size_per_device=32",
-                                 f"trainer.output_dir={tmp_path}"], timeout=400)
+    run_checked(_torchrun(4) + COMMON + ["trainer.total_steps=3", "trainer.mode=overlap",
+                                        "trainer.placement=split", "trainer.rollout_ranks=2", "data.train_batch_size=16",
+                                        "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_device=32",
+                                        f"trainer.output_dir={tmp_path}"], timeout=400)
     rows = _metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["rollout/weight_version"] for r in rows] == [0, 0, 1]
@@ -144,11 +145,11 @@ def test_split_resume_continues_the_same_run(tiny_model_path, tmp_path, mode):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     args = COMMON + ["trainer.total_steps=6", "trainer.save_freq=3", "trainer.keep_last=0", f"trainer.mode={mode}",
                      "trainer.placement=split"]
-    _run(_torchrun(2) + args + [f"trainer.output_dir={full}"])
+    run_checked(_torchrun(2) + args + [f"trainer.output_dir={full}"])
     shutil.copytree(full, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_00000006")
-    _run(_torchrun(2) + [a for a in args if a != "trainer.resume=never"] + [f"trainer.output_dir={resumed}",
-                                                                         "trainer.resume=auto"])
+    run_checked(_torchrun(2) + [a for a in args if a != "trainer.resume=never"]
+                + [f"trainer.output_dir={resumed}", "trainer.resume=auto"])
     a, b = _metrics(full), _metrics(resumed)
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
     assert any(r["actor/grad_norm"] > 0 for r in a[3:])

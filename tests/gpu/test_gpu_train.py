@@ -1,6 +1,6 @@
 """End-to-end GPU runs of the trainer as a user starts it (subprocesses: vLLM allows one engine per process).
 
-Run on a CUDA machine with vLLM 0.26:  pytest -m gpu tests/test_gpu_train.py
+Run on a CUDA machine with vLLM 0.26:  pytest -m gpu tests/gpu/test_gpu_train.py
 Skips cleanly without CUDA or without vLLM.
 
 - The CPU default recipe switched to vLLM (``model.dtype: float32``): vLLM 0.26 in float32 died with a CUDA illegal
@@ -28,7 +28,7 @@ if not torch.cuda.is_available():
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("needs vLLM (pip install -e '.[vllm]')", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1",
        "HF_HUB_OFFLINE": "1"}
 

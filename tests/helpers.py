@@ -1,0 +1,92 @@
+"""Helpers shared by more than one test module; fixtures stay in ``conftest.py``.
+
+Import them as ``from helpers import ...``: pytest puts ``tests/`` (the folder of the root
+``conftest.py``) on ``sys.path``, so this works from every subfolder. A helper used by one
+module only stays in that module.
+
+- ``make_cfg``, ``cpu_dist``: a small CPU config and a world-of-one ``DistInfo`` for in-process tests.
+- ``chat_prompts``, ``actor_params``, ``generate_batch``, ``score_batch``: drive one
+  ``ActorRolloutRefWorker`` on the tiny model (prompts -> rollout -> scores/advantages -> update).
+- ``ROOT``, ``subprocess_env``, ``run_checked``: launch ``python``/``torchrun`` from the checkout and
+  fail with the tail of its output (one retry when torchrun's free port was taken).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from hybrid_rl.batch import Batch
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout
+
+
+# --------------------------------------------------------------------------- in-process config and dist
+def make_cfg(*overrides: str):
+    """A small CPU config for in-process tests."""
+    from hybrid_rl.config import load_config
+
+    base = ["trainer.device=cpu", "model.dtype=float32", "data.max_response_length=6", "rollout.n=4",
+            "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_device=16",
+            "actor.lr=1e-3", "trainer.logger=[jsonl]"]
+    return load_config(None, base + list(overrides)).validate()
+
+
+def cpu_dist():
+    from hybrid_rl.distributed import DistInfo
+
+    return DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+# --------------------------------------------------------------------------- one worker: prompts -> rollout -> scores
+def chat_prompts(worker, texts=("7", "Hello there, 12+5=?", "3", "a longer prompt with several words")) -> Batch:
+    from hybrid_rl.data import collate_prompts
+
+    tok = worker.tokenizer
+    items = [dict(input_ids=tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=False),
+                  ground_truth="8", data_source="successor", index=i) for i, t in enumerate(texts)]
+    return collate_prompts(items, tok.pad_token_id)
+
+
+def actor_params(worker) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in worker.actor.model.named_parameters()}
+
+
+def generate_batch(worker, prompts=None) -> Batch:
+    with worker.rollout_mode():
+        return worker.generate(prompts if prompts is not None else chat_prompts(worker))
+
+
+def score_batch(worker, batch: Batch, seed: int = 0) -> Batch:
+    from hybrid_rl.phases.advantage import compute_advantage, sparse_scores
+
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, 2, (len(batch),), generator=g).float()
+    batch = batch.union(tensors=dict(token_level_scores=sparse_scores(scores, batch["response_mask"]), scores=scores))
+    batch = worker.compute_log_prob(batch)
+    batch, _ = compute_advantage(batch, worker.cfg.algorithm)
+    return batch
+
+
+# --------------------------------------------------------------------------- subprocesses from the checkout
+def subprocess_env(**extra: str) -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
+
+
+_RENDEZVOUS_ERRORS = ("address already in use", "EADDRINUSE", "DistNetworkError", "RendezvousConnectionError")
+
+
+def run_checked(cmd: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(**env), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 and any(e in proc.stderr for e in _RENDEZVOUS_ERRORS):
+        # torchrun --standalone picks a free port that another process can grab first: launch once more
+        proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(**env), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
