@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cpu_dist
+from helpers import cpu_dist
 from hybrid_rl.config import ConfigError, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "cpu_successor.yaml"
 SMALL = ["data.num_synthetic=16", "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4",
          "actor.ppo_micro_batch_size_per_device=16", "trainer.logger=[jsonl]", "trainer.total_steps=1",

@@ -15,7 +15,7 @@ import pytest
 
 psutil = pytest.importorskip("psutil")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["data.num_synthetic=256", "data.train_batch_size=16", "rollout.n=8", "actor.ppo_mini_batch_size=8",
          "actor.ppo_micro_batch_size_per_device=32", "trainer.logger=[jsonl]", "trainer.test_freq=0",
          "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.total_steps=500"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/cpu_successor.yaml"
 SMALL = ["data.num_synthetic=256", "data.train_batch_size=16", "rollout.n=8", "actor.ppo_mini_batch_size=8",
          "actor.ppo_micro_batch_size_per_device=64", "trainer.logger=[jsonl]", "trainer.test_freq=0",

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cpu_dist
+from helpers import cpu_dist
 from hybrid_rl import checkpoint as ckpt_mod
 from hybrid_rl.checkpoint import (COMPLETE, CheckpointError, CorruptCheckpointError, find_latest, load_checkpoint,
                                   save_checkpoint)
 from hybrid_rl.config import load_config
 from hybrid_rl.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "cpu_successor.yaml"
 SMALL = ["data.num_synthetic=64", "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4",
          "actor.ppo_micro_batch_size_per_device=16", "data.max_val_samples=4", "trainer.logger=[jsonl]",
