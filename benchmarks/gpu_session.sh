@@ -5,11 +5,11 @@
 # Expects vLLM 0.26 staged at /tmp/vs (../shared/device/README.md) and GSM8K in .devdata/. Run it from a clean export:
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean && git rev-parse HEAD > .clean/COMMIT \
 #     && cp -r .devdata .clean/      # then, on the lender (carry .clean): cd .clean && bash benchmarks/gpu_session.sh PART
-#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm ; writes $OUT/PART.tgz and $OUT/PART.log
+#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 ; writes $OUT/PART.tgz and $OUT/PART.log
 # Each part fits one 600 s device call; every piece has its own timeout and results are packed after each piece,
 # so a part cut short still returns what finished.
 set -u
-PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm}
+PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm|soak1}
 OUT=${OUT:-/tmp/gpu_out}
 RES=/tmp/res/$PART
 MODES_RES=/tmp/res/modes2  # colo2 and split2 write one modes JSON (merged by mode) when they run on one warm machine
@@ -147,6 +147,11 @@ fp32vllm)  # issue 13 item 1 on 1 GPU: the default (float32) recipe through vLLM
   fi
   stamp "this commit: pytest -m gpu tests/gpu/test_gpu_train.py"
   CUDA_VISIBLE_DEVICES=0 timeout 300 python -m pytest -q -m gpu tests/gpu/test_gpu_train.py 2>&1 | tail -15
+  ;;
+soak1)  # issue 20: host RSS and GPU memory per step over 200 vLLM steps on 1 GPU (benchmarks/soak.py)
+  stamp "soak x1"
+  CUDA_VISIBLE_DEVICES=0 timeout 560 torchrun --standalone --nproc_per_node=1 benchmarks/soak.py \
+    --recipe recipes/bench_modes.yaml --steps 200 --out "$RES" --run-dir /tmp/soak_run $BENCH || echo "soak x1 failed"
   ;;
 *) echo "unknown part $PART (colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4)"; exit 2 ;;
 esac
