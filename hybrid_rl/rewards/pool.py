@@ -172,6 +172,14 @@ class RewardPool:
         self._workers.append(w)
         return w
 
+    def _abandon(self, w, pending) -> int:
+        """The item ``w`` was working on (returned); the rest of its chunk goes back to ``pending``; ``w`` is replaced."""
+        idx = w.items.popleft()
+        pending.extendleft(reversed(w.items))
+        w.items.clear()
+        self._replace(w)
+        return idx
+
     def _replace(self, w: _Worker) -> None:
         w.kill()
         self._workers.remove(w)
@@ -229,11 +237,8 @@ class RewardPool:
                         if not w.ready:
                             raise _InitError(f"the worker process exited while starting (exit code {code})")
                         if w.items:
-                            idx = w.items.popleft()
-                            pending.extendleft(reversed(w.items))
-                            w.items.clear()
+                            idx = self._abandon(w, pending)
                             done += 1
-                            self._replace(w)
                             on_failure(PoolFailure(idx, f"the worker process died (exit code {code})", timed_out=False))
                         else:
                             self._replace(w)
@@ -245,11 +250,8 @@ class RewardPool:
                         continue
                     running = now - w.started
                     if timeout_s > 0 and running >= timeout_s:
-                        idx = w.items.popleft()
-                        pending.extendleft(reversed(w.items))
-                        w.items.clear()
+                        idx = self._abandon(w, pending)
                         done += 1
-                        self._replace(w)
                         on_failure(PoolFailure(idx, f"no result within reward.timeout_s={timeout_s:g}", timed_out=True))
                     elif running >= stall_s * (1 + w.warned):
                         w.warned += 1
