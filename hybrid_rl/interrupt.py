@@ -10,6 +10,7 @@ checkpoint can resume from exactly) and signals other than TERM and INT.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -55,8 +56,9 @@ class GracefulStop:
             signal.raise_signal(signum)
             return
         self.signum = signum
-        print(f"hybrid_rl: got {signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
-              f"(send it again to stop at once)", file=sys.stderr, flush=True)
+        if os.environ.get("RANK", "0") == "0":  # one notice per run, not one per rank
+            print(f"hybrid_rl: got {signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
+                  f"(send it again to stop at once)", file=sys.stderr, flush=True)
 
     def agreed(self, device: torch.device) -> int:
         """The signal any rank received (0: none); every rank must call this at the same point of every step."""
