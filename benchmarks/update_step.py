@@ -32,9 +32,11 @@ from bench_common import git_commit, gpu_short_name  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
 from hybrid_rl.data import collate_prompts  # noqa: E402
 from hybrid_rl.distributed import init_distributed  # noqa: E402
+from hybrid_rl.perf import ModelFlops, peak_flops  # noqa: E402
 from hybrid_rl.rollout.base import assemble_rollout  # noqa: E402
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker  # noqa: E402
 
+PADDED = ["actor.use_remove_padding=false", "actor.fused_logprob=false"]  # the passes before padding removal
 CONFIGS = {
     "default": ["actor.accumulate_unsharded=false"],  # explicit: recipes/bench_modes.yaml turns it on
     "accumulate_unsharded": ["actor.accumulate_unsharded=true"],
@@ -43,6 +45,16 @@ CONFIGS = {
                                          "actor.max_token_len_per_device=24576"],
     "accumulate_unsharded+dynamic_bsz+compile": ["actor.accumulate_unsharded=true", "actor.use_dynamic_bsz=true",
                                                  "actor.max_token_len_per_device=24576", "actor.use_torch_compile=true"],
+    # the padding-removal levers (issue 16), each on top of the one before
+    "padded": PADDED,
+    "packed": ["actor.use_remove_padding=true", "actor.fused_logprob=false"],
+    "packed+fused": ["actor.use_remove_padding=true", "actor.fused_logprob=true"],
+    "packed+fused+no_ckpt": ["model.enable_gradient_checkpointing=false"],
+    "packed+fused+no_ckpt+budget16k": ["model.enable_gradient_checkpointing=false", "actor.use_dynamic_bsz=true",
+                                       "actor.max_token_len_per_device=16384"],
+    "packed+fused+budget32k": ["actor.use_dynamic_bsz=true", "actor.max_token_len_per_device=32768"],
+    "packed+fused+no_ckpt+budget16k+unsharded": ["model.enable_gradient_checkpointing=false", "actor.use_dynamic_bsz=true",
+                                                 "actor.max_token_len_per_device=16384", "actor.accumulate_unsharded=true"],
 }
 
 
@@ -75,7 +87,7 @@ def _sync(device: torch.device) -> None:
 
 
 def run_config(name: str, overrides: list[str], args, d) -> dict:
-    cfg = load_config(str(ROOT / "recipes" / "bench_modes.yaml"), [
+    cfg = load_config(str(ROOT / "recipes" / f"{args.recipe}.yaml"), [
         f"model.path={args.model}", f"trainer.device={args.device}", "actor.use_kl_loss=false", "trainer.logger=[jsonl]",
         f"data.train_batch_size={args.prompts}", f"rollout.n={args.n}", f"actor.ppo_mini_batch_size={args.mini}",
         *args.overrides, *overrides]).validate(d.world_size)
@@ -84,6 +96,9 @@ def run_config(name: str, overrides: list[str], args, d) -> dict:
     if args.host_batch:  # as split placement hands it to the trainer ranks
         batch = batch.to("cpu")
     tokens = int(batch["attention_mask"].sum()) * d.world_size  # ranks hold equal shares of the same distribution
+    # model FLOPs of one forward over this rank's share (hybrid_rl.perf): MFU = passes × FLOPs / (time × peak)
+    fwd_flops = ModelFlops.of(worker.actor.model).forward(batch["attention_mask"].sum(1), float(batch["response_mask"].sum()))
+    peak = peak_flops(worker.device)
     runs = []
     if worker.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(worker.device)
@@ -100,13 +115,15 @@ def run_config(name: str, overrides: list[str], args, d) -> dict:
     measured = runs[1:]
     lp = statistics.median(r["log_prob_s"] for r in measured)
     up = statistics.median(r["update_s"] for r in measured)
-    peak = torch.cuda.max_memory_allocated(worker.device) / 2**30 if worker.device.type == "cuda" else 0.0
+    mem = torch.cuda.max_memory_allocated(worker.device) / 2**30 if worker.device.type == "cuda" else 0.0
+    mfu = {"mfu_log_prob": fwd_flops / (lp * peak), "mfu_update": 3 * cfg.actor.ppo_epochs * fwd_flops / (up * peak)} \
+        if peak else {}
     del worker, batch, scored
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return {"config": name, "overrides": overrides, "log_prob_s": lp, "update_s": up, "tokens": tokens,
-            "trained_tokens_per_s": tokens / (lp + up), "peak_memory_allocated_gb": peak, "runs": runs}
+            "trained_tokens_per_s": tokens / (lp + up), "peak_memory_allocated_gb": mem, **mfu, "runs": runs}
 
 
 def plot(doc: dict, path: Path) -> None:
@@ -123,7 +140,8 @@ def plot(doc: dict, path: Path) -> None:
     ax.barh(names, [r["log_prob_s"] for r in rows], label="old log-prob")
     ax.barh(names, [r["update_s"] for r in rows], left=[r["log_prob_s"] for r in rows], label="update")
     for i, r in enumerate(rows):
-        ax.text(r["log_prob_s"] + r["update_s"], i, f" {r['trained_tokens_per_s'] / 1e3:.1f}k tok/s", va="center")
+        mfu = f", MFU {r['mfu_update']:.0%}" if "mfu_update" in r else ""
+        ax.text(r["log_prob_s"] + r["update_s"], i, f" {r['trained_tokens_per_s'] / 1e3:.1f}k tok/s{mfu}", va="center")
     ax.set_xlabel("seconds per batch")
     ax.set_title(f"{doc['model']} on {doc['device']}: {doc['sequences']} sequences, {doc['tokens'] / 1e3:.0f}k tokens")
     ax.legend(loc="lower right")
@@ -140,13 +158,15 @@ def best_overrides(path: str) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="builtin:qwen2.5-0.5b-random")
+    ap.add_argument("--recipe", default="bench_modes", help="recipes/<name>.yaml under the benchmark's overrides "
+                    "(gsm8k_grpo: the flagship's micro-batches and activation checkpointing)")
     ap.add_argument("--prompts", type=int, default=32, help="prompts across all ranks")
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--mini", type=int, default=16, help="actor.ppo_mini_batch_size (prompts per optimizer step)")
     ap.add_argument("--resp-mean", type=float, default=200.0)
     ap.add_argument("--resp-cap", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
+    ap.add_argument("--configs", default=",".join(list(CONFIGS)[:5]), help=f"comma-separated subset of {','.join(CONFIGS)}")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--host-batch", action="store_true",
@@ -181,6 +201,7 @@ def main() -> None:
         doc = {"bench": "update_step", "device": device, "world_size": d.world_size, "model": args.model,
                "sequences": args.prompts * args.n, "tokens": rows[0]["tokens"], "resp_mean": args.resp_mean,
                "resp_cap": args.resp_cap, "mini_batch_prompts": args.mini, "overrides": args.overrides,
+               "recipe": args.recipe,
                "host_batch": args.host_batch,
                "torch": torch.__version__, "commit": git_commit(ROOT), "configs": rows}
         out = Path(args.out)

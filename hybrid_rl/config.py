@@ -160,6 +160,13 @@ class ActorConfig:
     """Cut micro-batches by padded tokens (``max_token_len_per_device``) instead of a sequence count, in every pass."""
     max_token_len_per_device: int = 16384
     """Token budget of one micro-batch with ``use_dynamic_bsz`` (prompt + response, padded)."""
+    use_remove_padding: bool = True
+    """Pack each micro-batch's sequences into one row without padding (per-sequence positions, attention that never
+    crosses sequences: flash-attention varlen on CUDA, per-sequence SDPA elsewhere); token budgets count real tokens.
+    Also used by the reference policy. Needs a transformers model with ``logits_to_keep`` and the attention interface."""
+    fused_logprob: bool = True
+    """Log-probs and entropy straight from the last hidden states and the LM head, in row chunks recomputed in
+    backward: the [tokens × vocabulary] logits are never materialised (the reference policy too)."""
     use_torch_compile: bool = False
     """``torch.compile`` each decoder block's forward (dynamic shapes) in the actor: fused kernels for a loop that is
     launch-bound (small models, many micro-batches); the first pass of each mode (train/eval) pays the compile."""
@@ -285,6 +292,9 @@ class TrainerConfig:
     profile_steps: list[int] = field(default_factory=list)
     """Steps to run under ``torch.profiler``; each rank writes its top ops by CUDA and CPU time to
     ``<output_dir>/profile/step_<N>_rank<R>.txt`` (e.g. ``trainer.profile_steps=[5]``)."""
+    peak_tflops: Optional[float] = None
+    """The device's dense bf16 peak in TFLOP/s for ``perf/mfu_*`` (default: looked up by GPU name in
+    ``hybrid_rl.perf``; MFU is not logged for devices it does not know)."""
     stall_dump_s: float = 0.0
     """A step running longer than this many seconds dumps every thread's Python stack to stderr (0 = off): the
     first thing to look at when a multi-rank run hangs."""
@@ -537,14 +547,14 @@ RESUME_HARMLESS = frozenset({
     # how long, how often, where to log and what to diagnose
     "trainer.total_steps", "trainer.total_epochs", "trainer.test_freq", "trainer.val_before_train", "trainer.logger",
     "trainer.save_freq", "trainer.keep_last", "trainer.max_skipped_updates", "trainer.stale_policy",
-    "trainer.profile_steps", "trainer.stall_dump_s", "trainer.collective_timeout_s", "trainer.device", "reward.on_error",
+    "trainer.profile_steps", "trainer.stall_dump_s", "trainer.peak_tflops", "trainer.collective_timeout_s", "trainer.device", "reward.on_error",
     "reward.timeout_s", "reward.num_workers",
     # validation only
     "data.val_path", "data.val_split", "data.max_val_samples", "rollout.val_temperature",
     # memory/speed knobs that compute the same update (micro-batching, recomputation, offload, engine memory)
     "model.enable_gradient_checkpointing", "model.trust_remote_code",
     "actor.ppo_micro_batch_size_per_device", "actor.log_prob_micro_batch_size_per_device", "actor.use_dynamic_bsz",
-    "actor.max_token_len_per_device", "actor.use_torch_compile", "actor.accumulate_unsharded", "actor.param_offload",
+    "actor.max_token_len_per_device", "actor.use_remove_padding", "actor.fused_logprob", "actor.use_torch_compile", "actor.accumulate_unsharded", "actor.param_offload",
     "actor.optimizer_offload", "ref.log_prob_micro_batch_size_per_device", "ref.offload",
     "rollout.max_num_seqs", "rollout.weight_sync_bucket_mb", "rollout.weight_load_replay", "rollout.free_cache_engine",
     "rollout.sleep_level", "rollout.gpu_memory_utilization", "rollout.max_num_batched_tokens", "rollout.max_model_len",

@@ -9,8 +9,9 @@ micro-batches whose padded size stays within ``max_tokens``; every rank uses the
 same number of micro-batches (the maximum over ranks), because each FSDP2
 forward is a collective. Loss normalisation by the mini-batch's global counts
 (in the worker) makes the result independent of how sequences are grouped.
-Rows are grouped by length before chunking, so padding stays small. Left out: sequence packing without
-padding (``use_remove_padding``).
+Rows are grouped by length before chunking, so padding stays small. With ``packed`` (the engine's
+``use_remove_padding``: each micro-batch runs as one row of real tokens) a bin's cost is its real tokens, so the
+same budget holds more sequences.
 """
 
 from __future__ import annotations
@@ -85,31 +86,40 @@ def _lengths(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
     return both[0], both[1]
 
 
-def _padded(rows: list[int], p_len: np.ndarray, r_len: np.ndarray) -> int:
-    """Tokens of a micro-batch after ``trim_padding``: rows × (longest prompt + longest response)."""
+def _padded(rows: list[int], p_len: np.ndarray, r_len: np.ndarray, packed: bool = False) -> int:
+    """Tokens a micro-batch computes: rows × (longest prompt + longest response) after ``trim_padding``, or
+    its real tokens when packed."""
+    if packed:
+        return int(p_len[rows].sum() + r_len[rows].sum())
     return len(rows) * int(p_len[rows].max() + r_len[rows].max())
 
 
-def _pack_by_length(order: np.ndarray, p_len: np.ndarray, r_len: np.ndarray, max_tokens: int) -> list[list[int]]:
-    """Consecutive runs of ``order`` (longest first) whose padded size stays within ``max_tokens``.
+def _pack_by_length(order: np.ndarray, p_len: np.ndarray, r_len: np.ndarray, max_tokens: int,
+                    packed: bool = False) -> list[list[int]]:
+    """Consecutive runs of ``order`` (longest first) whose computed size stays within ``max_tokens``.
 
     Rows of similar length share a bin, so the padding each bin pays is small; a row longer than the
     budget goes alone.
     """
     bins: list[list[int]] = []
     mp = mr = 0
+    real = 0
     for i in order:
         np_, nr = max(mp, p_len[i]), max(mr, r_len[i])
-        if not bins or (len(bins[-1]) + 1) * (np_ + nr) > max_tokens:
+        cost = real + p_len[i] + r_len[i] if packed else (len(bins[-1]) + 1 if bins else 1) * (np_ + nr)
+        if not bins or cost > max_tokens:
             bins.append([])
             np_, nr = p_len[i], r_len[i]
+            real = 0
         bins[-1].append(int(i))
         mp, mr = np_, nr
+        real += int(p_len[i] + r_len[i])
     return bins
 
 
 def plan_micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = None,
-                       lengths: tuple[np.ndarray, np.ndarray] | None = None, group=None) -> list[np.ndarray]:
+                       lengths: tuple[np.ndarray, np.ndarray] | None = None, group=None,
+                       packed: bool = False) -> list[np.ndarray]:
     """Row indices of each micro-batch: chunks of ``max_seqs`` rows of similar length, or bins within a token budget.
 
     Fixed-size chunks take the rows in order of length, so each micro-batch is trimmed to lengths close to
@@ -129,23 +139,23 @@ def plan_micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = Non
     order = np.argsort(-(p_len + r_len), kind="stable")
     if max_tokens is None:
         return [np.sort(order[s:s + max_seqs]) for s in range(0, n, max_seqs)]
-    bins = _pack_by_length(order, p_len, r_len, max_tokens)
+    bins = _pack_by_length(order, p_len, r_len, max_tokens, packed)
     k = torch.tensor(len(bins))
     all_reduce_max(k, group)  # same number of FSDP forwards on every rank
     while len(bins) < min(int(k), n):
-        j = max((b for b in range(len(bins)) if len(bins[b]) > 1), key=lambda b: _padded(bins[b], p_len, r_len))
+        j = max((b for b in range(len(bins)) if len(bins[b]) > 1), key=lambda b: _padded(bins[b], p_len, r_len, packed))
         half = len(bins[j]) // 2
         bins[j:j + 1] = [bins[j][:half], bins[j][half:]]
     return [np.array(sorted(b)) for b in bins]
 
 
 def micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = None,
-                  group=None) -> list[tuple[np.ndarray, Batch]]:
-    """(row indices, trimmed micro-batch) pairs covering ``batch``.
+                  group=None, packed: bool = False) -> list[tuple[np.ndarray, Batch]]:
+    """(row indices, trimmed micro-batch) pairs covering ``batch`` (``packed``: budgets count real tokens).
 
     The lengths are read from the device once for the whole batch: a read per micro-batch would stall the
     GPU queue between micro-batches.
     """
     p_len, r_len = _lengths(batch)
     return [(idx, trim_padding(batch.index(idx), (p_len[idx], r_len[idx])))
-            for idx in plan_micro_batches(batch, max_seqs, max_tokens, (p_len, r_len), group)]
+            for idx in plan_micro_batches(batch, max_seqs, max_tokens, (p_len, r_len), group, packed)]

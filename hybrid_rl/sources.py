@@ -122,9 +122,13 @@ class SyncSource(RolloutSource):
 
     def next_batch(self, timer: Timer, last: bool) -> Batch:
         prompts = self.next_prompts()
-        with self.worker.rollout_mode():
+        manager = self.worker.rollout_mode()
+        with manager:
             with timer("gen"):
-                return self.worker.generate(prompts)
+                batch = self.worker.generate(prompts)
+        # waking and pushing into the engine, and putting it back to sleep (``timing/sync_weights`` is part of it)
+        timer.times["timing/switch"] = manager.last_switch_s
+        return batch
 
 
 class OverlapSource(RolloutSource):

@@ -32,6 +32,7 @@ from hybrid_rl.data import PromptDataset, PromptSampler, collate_prompts, load_r
 from hybrid_rl.distributed import DistInfo, reduce_max, reduce_weighted_means
 from hybrid_rl.interrupt import GracefulStop, RunInterrupted
 from hybrid_rl.metrics import batch_metrics
+from hybrid_rl.perf import ModelFlops, pass_mfu, peak_flops
 from hybrid_rl.rewards import RewardScorer
 from hybrid_rl.runlock import take_run_lock
 from hybrid_rl.scoring import compute_scores
@@ -106,6 +107,8 @@ class Trainer:
         self.worker = ActorRolloutRefWorker(cfg, pl.worker_dist, role=pl.role, total_training_steps=self.total_steps,
                                             tokenizer=tokenizer)
         self.source = make_source(cfg, pl, self.worker, self.next_prompts, self.global_dist, tokenizer.pad_token_id)
+        self.model_flops = ModelFlops.of(self.worker.actor.model) if self.worker.actor is not None else None
+        self.peak_flops = peak_flops(self.dist.device, cfg.trainer.peak_tflops)
         self.skipped_in_a_row = 0
         self.last_val: tuple[int, float] | None = None
         self.start_step = self._restore(resume_from) if resume_from is not None else 0  # nothing written before this
@@ -374,7 +377,13 @@ class Trainer:
         means.update(parts["reward_stats"])
         means.update(parts["update_stats"])
         means.update({k: (v, 1.0) for k, v in parts["adv_metrics"].items()})
+        if self.model_flops is not None:  # this rank's forward FLOPs over its share, summed over ranks below
+            t = batch.tensors
+            means["perf/forward_flops"] = (self.model_flops.forward(t["attention_mask"].sum(1), float(t["response_mask"].sum())), 1.0)
         times = timer.pop()
+        if "timing/switch" in times:  # sync: what the step spent outside its named phases (host work, stalls)
+            times["timing/other"] = max(0.0, times["timing/step"] - sum(
+                v for k, v in times.items() if k not in ("timing/step", "timing/sync_weights")))
         sync_s, sync_bytes = self.source.sync_stats()
         times["timing/sync_weights"] = sync_s
         out = reduce_weighted_means(means, self.dist.device, self.dist.group)
@@ -390,6 +399,9 @@ class Trainer:
         out["perf/tokens_per_s"] = total_tokens / max(out["timing/step"], 1e-9)
         out["perf/gen_tokens_per_s"] = response_tokens / max(out["timing/gen"], 1e-9)
         out["perf/throughput_per_gpu"] = out["perf/tokens_per_s"] / self.global_dist.world_size
+        if "perf/forward_flops" in out:
+            out.update(pass_mfu(out, out.pop("perf/forward_flops") * world, self.peak_flops, world,
+                                self.cfg.actor.ppo_epochs))
         if self.dist.device.type == "cuda":
             out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(self.dist.device) / 2**30
             out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(self.dist.device) / 2**30

@@ -71,6 +71,8 @@ class ShardingManager:
         self.param_offload = param_offload
         self.optimizer_offload = optimizer_offload
         self.last_sync_s = 0.0
+        self.last_switch_s = 0.0
+        """Seconds of the last entry plus exit (wake, push, offload, sleep, onload): the step's switching cost."""
         self.last_sync_bytes = 0
         self.last_sync_tensors = 0
         self.last_sync_replayed = 0
@@ -133,6 +135,13 @@ class ShardingManager:
             self._after_sleep()
 
     def __enter__(self) -> RolloutEngine:
+        start = time.perf_counter()
+        try:
+            return self._enter()
+        finally:
+            self.last_switch_s = time.perf_counter() - start
+
+    def _enter(self) -> RolloutEngine:
         self.engine.wake_up(["weights"])
         self.push()
         offload = self.param_offload or self.optimizer_offload
@@ -147,6 +156,7 @@ class ShardingManager:
         return self.engine
 
     def __exit__(self, *exc) -> None:
+        start = time.perf_counter()
         try:
             if self.free_cache_engine:
                 self.engine.sleep(level=self.sleep_level)
@@ -154,6 +164,9 @@ class ShardingManager:
         finally:
             if self.param_offload or self.optimizer_offload:
                 self.source.onload()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the onload's copies belong to the switch, not to the next phase
+            self.last_switch_s += time.perf_counter() - start
 
     def _after_sleep(self) -> None:
         """Recorded loads stay valid only while the engine keeps its weights where they were."""

@@ -92,7 +92,9 @@ class ActorRolloutRefWorker:
             self.actor = TrainingEngine(model, self.device, self.dtype, trainable=True,
                                         gradient_checkpointing=mcfg.enable_gradient_checkpointing,
                                         accumulate_unsharded=cfg.actor.accumulate_unsharded,
-                                        compile_blocks=cfg.actor.use_torch_compile, group=dist.group)
+                                        compile_blocks=cfg.actor.use_torch_compile, group=dist.group,
+                                        remove_padding=cfg.actor.use_remove_padding,
+                                        fused_logprob=cfg.actor.fused_logprob)
             a = cfg.actor
             updates_per_step = a.ppo_epochs * (cfg.data.train_batch_size // a.ppo_mini_batch_size)
             self.actor.configure_optimizer(a.lr, (a.betas[0], a.betas[1]), a.weight_decay, a.warmup_steps,
@@ -104,7 +106,9 @@ class ActorRolloutRefWorker:
                 self.ref = AdapterDisabledReference(self.actor)
             else:
                 ref_engine = TrainingEngine(load_causal_lm(mcfg.path, self.dtype, mcfg.trust_remote_code), self.device,
-                                            self.dtype, trainable=False, group=dist.group)
+                                            self.dtype, trainable=False, group=dist.group,
+                                            remove_padding=cfg.actor.use_remove_padding,
+                                            fused_logprob=cfg.actor.fused_logprob)
                 self.ref = FrozenReference(ref_engine, offload=cfg.ref.offload)
         self.rollout: RolloutEngine | None = None
         self.sharding_manager: ShardingManager | None = None
@@ -211,7 +215,8 @@ class ActorRolloutRefWorker:
         # FSDP averages gradients over ranks; undo that so the loss is a global sum.
         scale = float(self.dist.world_size) if self.actor.fsdp else 1.0
         self.actor.zero_grad()
-        micros = micro_batches(mini, a.ppo_micro_batch_size_per_device, self._token_budget, self.dist.group)
+        micros = micro_batches(mini, a.ppo_micro_batch_size_per_device, self._token_budget, self.dist.group,
+                               self.actor.remove_padding)
         for i, (_, micro) in enumerate(micros):
             loss, m = self._micro_batch_loss(micro, num_tokens, num_seqs)
             self.actor.micro_batch_step(last=i == len(micros) - 1)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from hybrid_rl.algorithms import entropy_from_logits, logprobs_from_logits
 from hybrid_rl.batch import Batch, as_slice
 from hybrid_rl.micro_batching import micro_batches
+from hybrid_rl.workers.packed import logprob_head, pack, split_head_output, unpack, use_varlen_attention
 from hybrid_rl.weights.plan import PushPlan, decoder_layer_classes
 
 
@@ -54,8 +55,12 @@ def _compile_blocks(model: torch.nn.Module) -> int:
 class TrainingEngine:
     def __init__(self, model: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype, trainable: bool,
                  gradient_checkpointing: bool = False, accumulate_unsharded: bool = False, compile_blocks: bool = False,
-                 group=None):
+                 group=None, remove_padding: bool = False, fused_logprob: bool = False):
         self.device = device
+        self.remove_padding = remove_padding
+        """Every forward packs its micro-batch into one row without padding (``hybrid_rl.workers.packed``)."""
+        self.fused_logprob = fused_logprob
+        """Log-probs and entropy come from the LM head in row chunks; the [tokens × vocabulary] logits never exist."""
         self.group = group
         """The data-parallel process group the model is sharded over (None = the world)."""
         self.accumulate_unsharded = accumulate_unsharded
@@ -76,6 +81,8 @@ class TrainingEngine:
         # Keep fp32 masters for training; the compute dtype is applied by FSDP's
         # mixed-precision policy (or autocast without FSDP).
         model.to(device=device, dtype=torch.float32 if trainable else compute_dtype)
+        if remove_padding:
+            use_varlen_attention(model)
         if compile_blocks:
             _compile_blocks(model)
         if self.fsdp:
@@ -186,12 +193,22 @@ class TrainingEngine:
         return nullcontext()
 
     def forward(self, micro: Batch, temperature: float, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (and entropy) of the response tokens of ``micro`` at ``temperature``: [b, R]."""
+        """Log-probs (and entropy) of the response tokens of ``micro`` at ``temperature``: [b, R], float32."""
         t = micro.to(self.device).tensors
+        if self.remove_padding:
+            return self._forward_packed(t, temperature, with_entropy)
         responses = t["responses"]
         resp_len = responses.shape[1]
         kwargs = dict(input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"],
                       use_cache=False)
+        if self.fused_logprob:
+            # the R positions ending one before the last predict the response tokens
+            width = t["input_ids"].shape[1]
+            keep = torch.arange(width - resp_len - 1, width - 1, device=self.device)
+            with self._autocast(), logprob_head(self.model, responses.reshape(-1), temperature):
+                out = self._call(kwargs, keep)
+            lp, ent = split_head_output(out.logits)
+            return lp.view_as(responses), ent.view_as(responses) if with_entropy else None
         with self._autocast():
             if self._logits_to_keep:
                 # only the response positions go through the LM head (the prompt's logits are never used)
@@ -209,6 +226,32 @@ class TrainingEngine:
         entropy = entropy_from_logits(logits, temperature) if with_entropy else None
         return log_probs, entropy
 
+    def _call(self, kwargs: dict, keep: torch.Tensor):
+        """The model on ``kwargs`` with only the ``keep`` positions going through the LM head."""
+        try:
+            return self.model(**kwargs, logits_to_keep=keep)
+        except TypeError as e:
+            if "logits_to_keep" not in str(e):
+                raise
+            raise ValueError(f"{type(self.model).__name__} has no logits_to_keep argument (a remote-code model?): set "
+                             "actor.use_remove_padding=false and actor.fused_logprob=false for it") from e
+
+    def _forward_packed(self, t: dict[str, torch.Tensor], temperature: float,
+                        with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward`` on the micro-batch packed into one row: only real tokens pass through the model."""
+        p = pack(t)
+        kwargs = dict(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False,
+                      hybrid_cu_seqlens=p.cu_seqlens, hybrid_max_seqlen=p.max_seqlen)
+        with self._autocast():
+            if self.fused_logprob:
+                with logprob_head(self.model, p.targets, temperature):
+                    lp, ent = split_head_output(self._call(kwargs, p.keep).logits)
+            else:
+                logits = self._call(kwargs, p.keep).logits  # [1, n, V]
+                lp = logprobs_from_logits(logits, p.targets[None], temperature)[0]
+                ent = entropy_from_logits(logits, temperature)[0] if with_entropy else None
+        return unpack(lp, p.valid), unpack(ent, p.valid) if with_entropy else None
+
     @torch.no_grad()
     def compute_log_prob(self, batch: Batch, micro_batch_size: int, temperature: float, with_entropy: bool = False,
                          max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -219,7 +262,7 @@ class TrainingEngine:
         lps = torch.zeros(n, width, device=self.device)
         ents = torch.zeros(n, width, device=self.device) if with_entropy else None
         try:
-            for idx, micro in micro_batches(batch, micro_batch_size, max_tokens, self.group):
+            for idx, micro in micro_batches(batch, micro_batch_size, max_tokens, self.group, self.remove_padding):
                 lp, ent = self.forward(micro, temperature, with_entropy)
                 rows = as_slice(idx) or torch.as_tensor(idx, device=self.device)
                 lps[rows, :lp.shape[1]] = lp

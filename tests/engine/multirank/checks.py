@@ -205,6 +205,19 @@ def run_accumulate_unsharded(d: DistInfo, res: dict) -> None:
     res["unsharded"] = results
 
 
+def run_packed(d: DistInfo, res: dict) -> None:
+    """The same log-probs and update padded and packed (actor.use_remove_padding + actor.fused_logprob) on FSDP2."""
+    results = {}
+    for flag in (False, True):
+        keys = [f"actor.use_remove_padding={str(flag).lower()}", f"actor.fused_logprob={str(flag).lower()}"]
+        w = ActorRolloutRefWorker(load_config(None, BASE + keys).validate(d.world_size), d)
+        batch = make_batch(w, seed=0)
+        lp = w.compute_log_prob(batch)["old_log_probs"] * batch["response_mask"]
+        stats = w.update_actor(local_share(batch, d))
+        results[flag] = dict(log_probs=lp, params=actor_full_params(w), grad_norm=stats["actor/grad_norm"][0])
+    res["packed"] = results
+
+
 def run_compile(d: DistInfo, res: dict) -> None:
     """The same log-probs and update with the actor's decoder blocks under torch.compile (actor.use_torch_compile)."""
     results = {}
@@ -378,7 +391,7 @@ def main() -> None:
     d = init_distributed(DEVICE)
     assert torch.distributed.is_initialized() and d.world_size > 1, "run me under torchrun with 2+ ranks"
     res: dict = {"world_size": d.world_size}
-    which = os.environ.get("MULTIRANK_CHECKS", "full,offload,lora,unsharded,uneven").split(",")  # also: replay
+    which = os.environ.get("MULTIRANK_CHECKS", "full,offload,lora,unsharded,uneven,packed").split(",")  # also: replay
     if "full" in which:
         run_full_finetune(d, res)
     if "offload" in which:
@@ -391,6 +404,8 @@ def main() -> None:
         run_accumulate_unsharded(d, res)
     if "uneven" in which:
         run_uneven_shards(d, res)
+    if "packed" in which:
+        run_packed(d, res)
     if "replay" in which:
         run_replay(d, res)
     torch.save(res, out / f"rank{d.rank}.pt")

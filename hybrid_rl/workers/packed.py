@@ -1,0 +1,250 @@
+"""Padding-free forward passes: a micro-batch packed into one row, attention that never crosses sequences, and
+log-probs taken from the LM head chunk by chunk without the [tokens × vocabulary] logits.
+
+A rollout batch is left-padded prompts and right-padded responses; even trimmed and sorted by length, a
+micro-batch computes every padding position through every layer. Packing keeps only the real tokens:
+``pack`` lays the micro-batch's sequences end to end in one row with their own position ids (taken from the
+padded layout, so rotary embeddings see exactly what the padded pass saw) and the cumulative lengths
+``cu_seqlens``. The model runs with a registered transformers attention function, ``hybrid_rl_varlen``, that
+attends within each sequence: PyTorch's flash-attention ``varlen_attn`` on CUDA where the installed torch has
+it, otherwise one causal SDPA call per sequence (exact, and what CPU tests compare against the padded path).
+
+The LM head is the other waste: a micro-batch of 16 × 1k response tokens with Qwen's 151,936-entry vocabulary
+is 5 GB of bf16 logits plus float32 softmax chunks, all to read one entry and an entropy per token.
+``FusedLogProb`` computes log p(target) and the entropy from the last hidden states and the head's weight in
+row chunks and recomputes each chunk in backward, so the full logits never exist. The model's own head is
+swapped for this computation only inside ``logprob_head`` (an instance-level ``forward``), so parameter names,
+FSDP2 units and the weight push are untouched.
+
+Left out: sliding-window attention (no supported model uses it in training), attention dropout (0 in the
+supported configs), and sequence parallelism (Ulysses / ring): one packed row lives on one device.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ATTN_NAME = "hybrid_rl_varlen"
+LOGIT_CHUNK_ROWS = 1024
+"""Rows of hidden states per LM-head chunk: 1024 × 151,936 float32 logits is 0.6 GB, big enough to keep the matmul
+efficient and small enough to leave room for larger micro-batches."""
+
+_registered = False
+
+
+# --------------------------------------------------------------------------- packing
+@dataclass
+class Packed:
+    input_ids: torch.Tensor  # [1, T] the real tokens of every row, end to end
+    position_ids: torch.Tensor  # [1, T] each sequence's own positions
+    cu_seqlens: torch.Tensor  # [b + 1] int32 sequence boundaries in the packed row
+    max_seqlen: int
+    keep: torch.Tensor  # [n] packed positions whose next token is a response token (the LM head's rows)
+    targets: torch.Tensor  # [n] those response tokens
+    valid: torch.Tensor  # [b, R] bool: which response slots the n rows fill (row-major)
+
+
+def pack(tensors: dict[str, torch.Tensor]) -> Packed:
+    """One row holding the real tokens of a padded micro-batch (``input_ids``/``attention_mask``/``position_ids``
+    [b, P + R], ``responses`` [b, R]), and where its response tokens are predicted."""
+    mask = tensors["attention_mask"].bool()  # [b, L]
+    responses = tensors["responses"]  # [b, R]
+    width = responses.shape[1]
+    prompt_width = mask.shape[1] - width
+    lengths = mask.sum(dim=1)  # [b]
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=mask.device)
+    cu[1:] = torch.cumsum(lengths, 0)
+    # packed index of every real token, in padded coordinates
+    index = torch.cumsum(mask.flatten().long(), 0).reshape(mask.shape) - 1  # [b, L]
+    # response token j is predicted at padded column P + j - 1; it counts where the token itself is real
+    valid = mask[:, prompt_width:]  # [b, R]
+    keep = index[:, prompt_width - 1:prompt_width - 1 + width][valid]  # [n]
+    return Packed(input_ids=tensors["input_ids"][mask][None], position_ids=tensors["position_ids"][mask][None],
+                  cu_seqlens=cu, max_seqlen=int(lengths.max()) if len(lengths) else 0, keep=keep,
+                  targets=responses[valid], valid=valid)
+
+
+def unpack(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[n] per-response-token values back to [b, R], 0 in the padding slots."""
+    out = values.new_zeros(valid.shape)
+    out[valid] = values
+    return out
+
+
+# --------------------------------------------------------------------------- attention
+def _varlen_kernel():
+    """PyTorch's flash-attention varlen entry point and how this torch asks for causality (None: not available)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    return varlen_attn, causal, "enable_gqa" in params
+
+
+_KERNEL: tuple | None | bool = False
+
+
+def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention function for one packed row: q [1, Hq, T, D], k/v [1, Hkv, T, D] → [1, T, Hq, D].
+
+    Sequences are given by ``hybrid_cu_seqlens`` (passed through the model's forward kwargs); a call without
+    them is a usage error (this implementation is only set on engines whose every forward is packed).
+    """
+    global _KERNEL
+    cu = kwargs.get("hybrid_cu_seqlens")
+    if cu is None:
+        raise RuntimeError(f"attention '{ATTN_NAME}' needs packed inputs (hybrid_cu_seqlens): call the model through "
+                           "hybrid_rl.workers.packed, or set actor.use_remove_padding=false")
+    if query.shape[0] != 1:
+        raise ValueError(f"'{ATTN_NAME}' takes one packed row, got a batch of {query.shape[0]}")
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, H, D]
+    groups = q.shape[1] // k.shape[1]
+    if _KERNEL is False:
+        _KERNEL = _varlen_kernel()
+    if q.is_cuda and _KERNEL is not None and q.dtype in (torch.float16, torch.bfloat16):
+        fn, causal, has_gqa = _KERNEL
+        if groups > 1 and not has_gqa:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        extra = {"enable_gqa": True} if groups > 1 and has_gqa else {}
+        max_len = int(kwargs["hybrid_max_seqlen"])
+        out = fn(q, k, v, cu, cu, max_len, max_len, scale=scaling, **causal, **extra)  # [T, Hq, D]
+        return out[None], None
+    # one causal SDPA per sequence: exact, and the reference the packed path is tested against
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    out = torch.empty_like(q)
+    bounds = cu.tolist()
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        if e > s:
+            out[s:e] = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1),
+                                                      v[s:e].transpose(0, 1), is_causal=True,
+                                                      scale=scaling).transpose(0, 1)
+    return out[None], None
+
+
+def use_varlen_attention(model: torch.nn.Module) -> None:
+    """Register ``hybrid_rl_varlen`` with transformers and set it on ``model`` (every forward must then be packed)."""
+    global _registered
+    from transformers import AttentionInterface
+
+    if not _registered:
+        AttentionInterface.register(ATTN_NAME, varlen_attention)
+        _registered = True
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(target, "set_attn_implementation"):
+        target.set_attn_implementation(ATTN_NAME)
+    else:  # older transformers
+        target.config._attn_implementation = ATTN_NAME
+
+
+# --------------------------------------------------------------------------- LM head
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    z = hidden @ weight.t()  # [C, V] in the compute dtype, then at least float32 like the padded path
+    if z.dtype != torch.float64:
+        z = z.float()
+    return z / temperature if temperature != 1.0 else z
+
+
+class FusedLogProb(torch.autograd.Function):
+    """(log softmax(h Wᵀ / T)[target], entropy) per row, chunked; backward recomputes each chunk's logits."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                chunk: int):  # [n, H], [V, H], [n] -> [n], [n]
+        n = hidden.shape[0]
+        logp = torch.empty(n, dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32,
+                           device=hidden.device)
+        ent = torch.empty_like(logp)
+        lse = torch.empty_like(logp)
+        for s in range(0, n, chunk):
+            z = _chunk_logits(hidden[s:s + chunk], weight, temperature)
+            lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
+            p = torch.exp(z - lse[s:s + chunk, None])
+            logp[s:s + chunk] = z.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
+            ent[s:s + chunk] = lse[s:s + chunk] - torch.where(p > 0, p * z, 0.0).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(targets)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp: torch.Tensor | None, grad_ent: torch.Tensor | None):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        t, chunk = ctx.temperature, ctx.chunk
+        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
+        for s in range(0, hidden.shape[0], chunk):
+            h = hidden[s:s + chunk]
+            z = _chunk_logits(h, weight, t)  # [C, V]
+            p = torch.exp(z - lse[s:s + chunk, None])
+            g = torch.zeros_like(z)
+            if grad_logp is not None:  # d log p_y / dz = onehot(y) - p
+                gl = grad_logp[s:s + chunk, None].to(z.dtype)
+                g -= gl * p
+                g.scatter_add_(-1, targets[s:s + chunk, None], gl)
+            if grad_ent is not None:  # dH / dz_k = -p_k (z_k - E_p[z])
+                mean_z = torch.where(p > 0, p * z, 0.0).sum(-1, keepdim=True)
+                g -= grad_ent[s:s + chunk, None].to(z.dtype) * p * torch.where(p > 0, z - mean_z, 0.0)
+            if t != 1.0:
+                g /= t
+            g = g.to(hidden.dtype)
+            if grad_h is not None:
+                grad_h[s:s + chunk] = g @ weight.to(hidden.dtype)
+            if grad_w is not None:
+                grad_w += (g.t() @ h).to(acc)
+        return grad_h, grad_w.to(weight.dtype) if grad_w is not None else None, None, None, None
+
+
+def fused_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                          chunk: int = LOGIT_CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies [n] (float32) of ``targets`` under softmax(hidden @ weightᵀ / temperature)."""
+    if hidden.dtype != weight.dtype:  # autocast (one GPU without FSDP): the head's matmul runs in the autocast dtype
+        dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else hidden.dtype
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    return FusedLogProb.apply(hidden, weight, targets.long(), float(temperature), chunk)
+
+
+def output_head(model: torch.nn.Module) -> torch.nn.Module:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor) or getattr(head, "bias", None) is not None:
+        raise ValueError(f"{type(model).__name__}: the fused log-prob head needs a bias-free linear output layer "
+                         "(get_output_embeddings()); set actor.fused_logprob=false for this model")
+    return head
+
+
+@contextmanager
+def logprob_head(model: torch.nn.Module, targets: torch.Tensor, temperature: float):
+    """Inside: the model's LM head returns [1, n, 2] = (log-prob of ``targets``, entropy) for its n input rows
+    instead of logits (read them with ``split_head_output``)."""
+    head = output_head(model)
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        flat = hidden.reshape(-1, hidden.shape[-1])  # [n, H]
+        logp, ent = fused_logprob_entropy(flat, head.weight, targets, temperature)
+        return torch.stack([logp, ent], dim=-1)[None]  # [1, n, 2]
+
+    previous = head.__dict__.get("forward")  # an instance-level forward already set (e.g. by a wrapper)
+    head.forward = forward
+    try:
+        yield
+    finally:
+        if previous is None:
+            del head.forward  # back to the class's forward
+        else:
+            head.forward = previous
+
+
+def split_head_output(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The [.., n, 2] output of ``logprob_head`` as (log-probs [n], entropies [n]), float32."""
+    flat = logits.reshape(-1, 2).float()
+    return flat[:, 0], flat[:, 1]
