@@ -1,0 +1,110 @@
+"""Combine the per-framework results (hybrid_rl.json, trl.json, verl.json from the run_*.py scripts) into
+``benchmarks/results/peers_<device>_<model>.json`` and a bar plot beside it. Runs on the GPU machine at the end of
+every ``run_all.sh`` part, or here on the JSON files the device call returned:
+
+    python benchmarks/peers/plot.py --res /path/with/the/three/jsons
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workload import ROOT, VERSIONS, WORKLOAD  # noqa: E402
+
+ORDER = ["hybrid_rl", "verl", "trl"]
+COLORS = {"hybrid_rl": "tab:green", "verl": "tab:blue", "trl": "tab:orange"}
+
+
+def combine(res: Path) -> dict:
+    runs = {}
+    for name in ORDER:
+        p = res / f"{name}.json"
+        if p.exists():
+            runs[name] = json.loads(p.read_text())
+    ok = {k: v for k, v in runs.items() if "step_s" in v}
+    devices = {v.get("device") for v in runs.values() if v.get("device")}
+    device = sorted(devices)[0] if devices else "unknown"
+    base = ok.get("hybrid_rl")
+    ratios = {}
+    if base:
+        for peer in ("verl", "trl"):
+            if peer in ok:
+                # equal work per step (same prompts per step, n, fixed response length): the step-time ratio is the
+                # throughput ratio; the token-based ratio is kept beside it as a check
+                ratios[f"hybrid_rl_vs_{peer}_step_time"] = ok[peer]["step_s"] / base["step_s"]
+                if base.get("trained_tokens_per_s") and ok[peer].get("trained_tokens_per_s"):
+                    ratios[f"hybrid_rl_vs_{peer}_trained_tokens_per_s"] = (base["trained_tokens_per_s"]
+                                                                          / ok[peer]["trained_tokens_per_s"])
+    return {"device": device, "model": WORKLOAD["model"], "workload": WORKLOAD, "pinned_versions": VERSIONS,
+            "hybrid_rl_commit": (runs.get("hybrid_rl") or {}).get("commit"), "ratios": ratios,
+            "target": "hybrid_rl >= 1.3x verl's throughput",
+            "target_met": (ratios["hybrid_rl_vs_verl_step_time"] >= 1.3) if "hybrid_rl_vs_verl_step_time" in ratios
+            else None,
+            "frameworks": [runs[k] for k in ORDER if k in runs]}
+
+
+def plot(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in doc["frameworks"] if "step_s" in r]
+    if not ok:
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [r["framework"] for r in ok]
+    bottom = [0.0] * len(ok)
+    phases = list(dict.fromkeys(p for r in ok for p in r.get("phases_s", {})))
+    cmap = plt.get_cmap("tab20")
+    for i, ph in enumerate(phases):
+        vals = [r.get("phases_s", {}).get(ph, 0.0) for r in ok]
+        ax1.bar(names, vals, bottom=bottom, label=ph, color=cmap(i % 20), width=0.6)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax1.plot(names, [r["step_s"] for r in ok], "k_", markersize=40, label="step (wall)")
+    ax1.set_ylabel("seconds per step (mean of measured steps)")
+    ax1.set_title("step time and the phases each framework reports")
+    ax1.legend(fontsize=6, ncol=2)
+    tput = [r.get("trained_tokens_per_s") or 0.0 for r in ok]
+    ax2.bar(names, tput, color=[COLORS.get(n, "gray") for n in names], width=0.6)
+    base = next((r["step_s"] for r in ok if r["framework"] == "hybrid_rl"), None)
+    for i, r in enumerate(ok):
+        label = f'{r["step_s"]:.1f} s/step'
+        if base and r["framework"] != "hybrid_rl":
+            label += f'\nhybrid_rl {r["step_s"] / base:.2f}x'
+        ax2.text(i, tput[i], label, ha="center", va="bottom", fontsize=8)
+    ax2.set_ylim(0, max(tput) * 1.25 if max(tput) > 0 else 1)
+    ax2.set_ylabel("trained tokens / s (prompt + response)")
+    ax2.set_title("throughput at equal work")
+    w = doc["workload"]
+    fig.suptitle(f"{doc['model']} on {doc['device']}: GRPO, {w['prompts_per_step']} prompts x {w['n']}, "
+                 f"{w['response_length']} tokens each, mini-batch {w['mini_batch_prompts']} prompts", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--res", default="/tmp/peers_res")
+    ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args()
+    doc = combine(Path(args.res))
+    model_tag = doc["model"].split(":")[-1]
+    stem = Path(args.out_dir) / f"peers_{doc['device']}_{model_tag}"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{stem}.json").write_text(json.dumps(doc, indent=2))
+    try:
+        plot(doc, Path(f"{stem}.png"))
+    except ImportError as e:
+        print(f"no plot ({e}); run this script where matplotlib is installed", file=sys.stderr)
+    print(json.dumps({"device": doc["device"], "ratios": doc["ratios"], "target_met": doc["target_met"],
+                      "steps": {r["framework"]: r.get("step_s", r.get("error")) for r in doc["frameworks"]}}))
+    print(f"wrote {stem}.json (+ .png)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""verl (verl==0.9.1, its V1 trainer, vLLM 0.24.0 colocated in hybrid-engine mode) on the peer workload
+(benchmarks/peers/workload.py).
+
+Writes GSM8K as verl's parquet (prompt as chat messages, reward_model.ground_truth, data_source='openai/gsm8k', so
+verl's own gsm8k scorer is the reward), runs ``python -m verl.trainer.main_ppo`` with Hydra overrides and the
+``file`` logger (VERL_FILE_LOGGER_PATH), and parses verl's per-step metrics (timing_s/*, perf/*, response_length/*)
+into the peers' JSON shape.
+
+    python benchmarks/peers/run_verl.py --gpus 2 --model-dir /tmp/peers_model --out /tmp/peers_res
+    python benchmarks/peers/run_verl.py --print-overrides       # the Hydra overrides, one a line
+    python benchmarks/peers/run_verl.py --check-config           # compose the config (verl + hydra importable, no GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workload import (ROOT, VERSIONS, WORKLOAD as W, commit, device_name, gsm8k_rows, prepare_model,  # noqa: E402
+                      summarize, tail, write_result)
+
+VERL_VERSION = VERSIONS["verl"]
+PHASES = ["gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights"]
+
+
+def write_parquet(src: Path, out: Path) -> Path:
+    """GSM8K jsonl → verl's RL parquet (the fields of verl's examples/data_preprocess/gsm8k.py)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if out.exists():
+        return out
+    rows = gsm8k_rows(src)
+    table = pa.Table.from_pylist([{
+        "data_source": "openai/gsm8k",
+        "prompt": r["messages"],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": r["ground_truth"]},
+        "extra_info": {"split": "train", "index": r["index"]},
+    } for r in rows])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, out)
+    return out
+
+
+def overrides(model_dir: str, parquet: Path, gpus: int, steps: int) -> list[str]:
+    a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+    return [
+        "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False", "algorithm.norm_adv_by_std_in_grpo=True",
+        f"data.train_files={parquet}", f"data.val_files={parquet}",
+        f"data.train_batch_size={W['prompts_per_step']}", f"data.max_prompt_length={W['max_prompt_length']}",
+        f"data.max_response_length={W['response_length']}", "data.filter_overlong_prompts=False",
+        "data.truncation=error", "data.shuffle=True", f"data.seed={W['seed']}",
+        f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+        "actor_rollout_ref.model.use_remove_padding=True",
+        f"{a}.optim.lr={W['lr']}", f"{a}.optim.weight_decay=0.0", f"{a}.optim.lr_scheduler_type=constant",
+        f"{a}.optim.clip_grad={W['grad_clip']}", f"{a}.grad_clip={W['grad_clip']}",
+        f"{a}.ppo_mini_batch_size={W['mini_batch_prompts']}",
+        f"{a}.ppo_micro_batch_size_per_gpu={W['micro_batch_per_gpu']}", f"{a}.use_dynamic_bsz=False",
+        f"{a}.ppo_epochs=1", f"{a}.clip_ratio_low={W['clip_low']}", f"{a}.clip_ratio_high={W['clip_high']}",
+        f"{a}.loss_agg_mode=token-mean", f"{a}.entropy_coeff=0", f"{a}.use_kl_loss=False",
+        f"{a}.fsdp_config.param_offload=False", f"{a}.fsdp_config.optimizer_offload=False",
+        f"{r}.name=vllm", f"{r}.tensor_model_parallel_size=1", f"{r}.n={W['n']}",
+        f"{r}.temperature={W['temperature']}", f"{r}.top_p=1.0", f"{r}.top_k=-1", f"{r}.ignore_eos=True",
+        f"{r}.gpu_memory_utilization={W['gpu_memory_utilization']}", f"{r}.max_num_seqs={W['max_num_seqs']}",
+        f"{r}.max_num_batched_tokens=8192", f"{r}.enforce_eager=False", f"{r}.free_cache_engine=True",
+        f"{r}.enable_prefix_caching=True", f"{r}.dtype=bfloat16",
+        f"{r}.log_prob_micro_batch_size_per_gpu={W['log_prob_micro_batch_per_gpu']}",
+        f"trainer.n_gpus_per_node={gpus}", "trainer.nnodes=1", f"trainer.total_training_steps={steps}",
+        "trainer.total_epochs=1", "trainer.logger=[console,file]", "trainer.val_before_train=False",
+        "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.project_name=peers", "trainer.experiment_name=verl",
+        "trainer.resume_mode=disable",
+        "+ray_kwargs.ray_init.include_dashboard=False",
+    ]
+
+
+def parse(metrics: Path) -> list[dict]:
+    rows = []
+    for line in metrics.read_text().splitlines():
+        rec = json.loads(line)
+        d = rec.get("data", rec)
+        if "timing_s/step" not in d:
+            continue
+        resp = d.get("response_length/mean")
+        rows.append({
+            "step_s": d["timing_s/step"],
+            "phases": {p: d[f"timing_s/{p}"] for p in PHASES if f"timing_s/{p}" in d},
+            "total_tokens": d.get("perf/total_num_tokens"),
+            "response_tokens": resp * W["prompts_per_step"] * W["n"] if resp is not None else None,
+            "response_length_mean": resp,
+            "prompt_length_mean": d.get("prompt_length/mean"),
+            "max_memory_allocated_gb": d.get("perf/max_memory_allocated_gb"),
+            "max_memory_reserved_gb": d.get("perf/max_memory_reserved_gb"),
+            "verl_throughput_per_gpu": d.get("perf/throughput"),
+        })
+    return rows
+
+
+def check_config(ov: list[str]) -> None:
+    """Compose verl's ppo_trainer config with the overrides (Hydra), as main_ppo would, and validate what can be
+    validated without GPUs."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    import verl.trainer.main_ppo as mp
+
+    cfg_dir = str(Path(mp.__file__).parent / "config")
+    with initialize_config_dir(config_dir=cfg_dir, version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=ov)
+    OmegaConf.resolve(cfg)
+    keys = ["actor_rollout_ref.rollout.ignore_eos", "actor_rollout_ref.actor.ppo_mini_batch_size",
+            "actor_rollout_ref.rollout.n", "trainer.use_v1", "actor_rollout_ref.rollout.mode",
+            "actor_rollout_ref.actor.fsdp_config.model_dtype", "actor_rollout_ref.actor.strategy"]
+    for k in keys:
+        print(k, "=", OmegaConf.select(cfg, k))
+    try:
+        from verl.trainer.ppo.utils import need_critic, need_reference_policy
+        from verl.utils.config import validate_config
+
+        validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+        print("validate_config: ok; reference policy:", need_reference_policy(cfg))
+    except Exception as e:  # noqa: BLE001 - report whatever verl's own check says
+        print("validate_config:", type(e).__name__, e)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--model-dir", default="/tmp/peers_model")
+    ap.add_argument("--data", default=str(ROOT / ".devdata" / "train.jsonl"))
+    ap.add_argument("--steps", type=int, default=W["steps"])
+    ap.add_argument("--warmup", type=int, default=W["warmup"])
+    ap.add_argument("--out", default="/tmp/peers_res")
+    ap.add_argument("--timeout", type=float, default=480)
+    ap.add_argument("--print-overrides", action="store_true")
+    ap.add_argument("--check-config", action="store_true")
+    ap.add_argument("extra", nargs="*", help="more Hydra overrides")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    parquet = out / "gsm8k_verl" / "train.parquet"
+    if args.print_overrides or args.check_config:
+        ov = overrides(args.model_dir, parquet, args.gpus, args.steps) + args.extra
+        if args.check_config:
+            check_config(ov)
+        else:
+            print("\n".join(ov))
+        return
+    t0 = time.perf_counter()
+    model = str(prepare_model(W["model"], Path(args.model_dir)))
+    write_parquet(Path(args.data), parquet)
+    ov = overrides(model, parquet, args.gpus, args.steps) + args.extra
+    metrics = out / "verl_metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    log_path = out / "verl_stdout.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", VERL_FILE_LOGGER_PATH=str(metrics), TOKENIZERS_PARALLELISM="false",
+               RAY_DEDUP_LOGS="0", HYDRA_FULL_ERROR="1", RAY_USAGE_STATS_ENABLED="0")
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *ov]
+    first_step_at = done_at = None
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=out, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        while proc.poll() is None:
+            time.sleep(1.0)
+            n = sum(1 for l in metrics.read_text().splitlines() if "timing_s/step" in l) if metrics.exists() else 0
+            el = time.perf_counter() - t0
+            if n >= 1 and first_step_at is None:
+                first_step_at = el
+            if n >= args.steps and done_at is None:
+                done_at = el
+            if (done_at is not None and el - done_at > 20) or el > args.timeout:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                break
+    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True, timeout=60,
+                   env=env, check=False)  # the ray cluster this run started
+    rows = parse(metrics) if metrics.exists() else []
+    try:
+        import verl
+
+        version = getattr(verl, "__version__", VERL_VERSION)
+    except ImportError:
+        version = VERL_VERSION
+    if len(rows) <= args.warmup:
+        doc = {"framework": "verl", "version": version, "error": f"exit {proc.returncode}, {len(rows)} steps logged",
+               "log_tail": tail(log_path, 6000)}
+    else:
+        doc = summarize("verl", version, rows, args.gpus, args.warmup,
+                        startup_s=(first_step_at - rows[0]["step_s"]) if first_step_at else None,
+                        wall_s=done_at or time.perf_counter() - t0, settings={"overrides": ov},
+                        notes=["verl V1 trainer (trainer.use_v1=True, its default), rollout mode async (vLLM AsyncLLM "
+                               "server per GPU, colocated hybrid engine)",
+                               "lengths forced with actor_rollout_ref.rollout.ignore_eos=True, response_length 256",
+                               "verl's own gsm8k scorer (data_source openai/gsm8k) is the reward",
+                               "verl defaults kept: use_remove_padding, torch.compile of its log-prob helpers, "
+                               "balance_batch"])
+    doc.update(device=device_name(args.gpus), commit=commit())
+    write_result(doc, out / "verl.json")
+
+
+if __name__ == "__main__":
+    main()

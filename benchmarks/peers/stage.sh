@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Stage the peers' pinned wheels (issue 15) for the GPU lender (CPython 3.12, manylinux x86_64, torch 2.11.0+cu130,
+# no network) as carry folders of < 60 MiB each, beside vLLM 0.26's own staging (../shared/device/vllm-stage):
+#   OUT/trl_c1            trl 1.16.0 (everything else TRL needs is on the lender or in vLLM 0.26's set)
+#   OUT/verl_c1 .. c7     verl 0.9.1, vLLM 0.24.0 (its pin), transformers 5.9.0 (its vllm-extra pin), tokenizers
+#                         0.22.2, ray 2.60.0 (core, no dashboard extras), TransferQueue, hydra/omegaconf, tensordict,
+#                         torchdata, and the vLLM 0.24 serving deps that 0.26's set leaves out (verl drives vLLM through
+#                         its OpenAI server code): c1 = ray part 0, c2 = ray part 1 + the small wheels,
+#                         c3..c7 = vLLM 0.24 parts 0..4 (c7 also transformers)
+# Every file is checked against benchmarks/peers/{trl,verl}.sha256 (pinned here); antlr4-python3-runtime 4.9.3 (hydra's
+# pin) has no wheel on PyPI: its checked sdist is built into a pure-Python wheel here.
+# Usage: bash benchmarks/peers/stage.sh [OUT]      (default .stage_peers; git-ignore it: /.stage_peers/ in .git/info/exclude)
+# Then see benchmarks/peers/README.md for the device calls.
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+OUT=${1:-.stage_peers}
+DL=$(mktemp -d)
+trap 'rm -rf "$DL"' EXIT
+PLAT=(--python-version 3.12 --implementation cp --only-binary=:all: --no-deps
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64
+      --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+      --platform manylinux_2_31_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64)
+pins() { awk '{print $2}' "$1" | grep '\.whl$' | sed -E 's/^([A-Za-z0-9_.]+)-([0-9][^-]*)-.*/\1==\2/' | sed 's/_/-/g'; }
+mkdir -p "$DL/trl" "$DL/verl"
+python3 -m pip download -q "${PLAT[@]}" -d "$DL/trl" $(pins "$HERE/trl.sha256")
+python3 -m pip download -q "${PLAT[@]}" -d "$DL/verl" $(pins "$HERE/verl.sha256")
+python3 -m pip download -q --no-deps --no-binary=:all: -d "$DL/verl" antlr4-python3-runtime==4.9.3
+(cd "$DL/trl" && sha256sum -c --quiet "$HERE/trl.sha256")
+(cd "$DL/verl" && sha256sum -c --quiet "$HERE/verl.sha256")
+# the sdist → a py3-none-any wheel (pure Python; built here, so its own hash goes into the carry's checksum file)
+python3 -m pip wheel -q --no-deps -w "$DL/verl" "$DL/verl/antlr4-python3-runtime-4.9.3.tar.gz"
+rm "$DL/verl/antlr4-python3-runtime-4.9.3.tar.gz"
+
+rm -rf "$OUT" && mkdir -p "$OUT/trl_c1"
+cp "$DL"/trl/*.whl "$OUT/trl_c1/" && (cd "$OUT/trl_c1" && sha256sum ./*.whl > trl_c1.sha256)
+
+V=vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl
+R=ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
+T=transformers-5.9.0-py3-none-any.whl
+(cd "$DL/verl" && split -b 59m -d -a 2 "$R" "$R.part" && split -b 59m -d -a 2 "$V" "$V.part")
+for k in 1 2 3 4 5 6 7; do mkdir -p "$OUT/verl_c$k"; done
+mv "$DL/verl/$R.part00" "$OUT/verl_c1/"
+mv "$DL/verl/$R.part01" "$OUT/verl_c2/"
+i=3
+for p in "$DL/verl/$V".part0*; do mv "$p" "$OUT/verl_c$i/"; i=$((i + 1)); done
+mv "$DL/verl/$T" "$OUT/verl_c7/"
+rm "$DL/verl/$R" "$DL/verl/$V"
+mv "$DL"/verl/*.whl "$OUT/verl_c2/"
+for k in 1 2 3 4 5 6 7; do (cd "$OUT/verl_c$k" && sha256sum ./* > "verl_c$k.sha256"); done
+du -sh "$OUT"/*
+for d in "$OUT"/*; do
+  s=$(du -sb "$d" | cut -f1)
+  [ "$s" -lt $((60 * 1024 * 1024)) ] || { echo "ERROR: $d is $s bytes, over 60 MiB" >&2; exit 1; }
+done
+echo "Staged: $OUT/trl_c1 and $OUT/verl_c1 .. verl_c7 (see benchmarks/peers/README.md for the device calls)."
