@@ -45,10 +45,16 @@ def test_default_recipe_learns(tmp_path):
 
 
 def test_same_seed_same_metrics(tmp_path):
-    a = _train(tmp_path / "a", "trainer.total_steps=3", "trainer.test_freq=0", "trainer.val_before_train=false")
+    # a CPU "peak" of 1 TFLOP/s (2 cores reach a few %) so that MFU is logged here too (GPUs are looked up by name)
+    a = _train(tmp_path / "a", "trainer.total_steps=3", "trainer.test_freq=0", "trainer.val_before_train=false",
+               "trainer.peak_tflops=1")
     b = _train(tmp_path / "b", "trainer.total_steps=3", "trainer.test_freq=0", "trainer.val_before_train=false")
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))} for r in rows]
     assert strip(a) == strip(b)
+    for row in a:  # MFU of each pass, and the step's time outside its named phases
+        assert 0 < row["perf/mfu_update"] < 1 and 0 < row["perf/mfu_log_prob"] < 1, row
+        assert 0 <= row["timing/switch"] and 0 <= row["timing/other"] < row["timing/step"]
+    assert "perf/mfu_update" not in b[0]  # an unknown device and no trainer.peak_tflops: not logged
     c = _train(tmp_path / "c", "trainer.total_steps=3", "trainer.test_freq=0", "trainer.val_before_train=false",
                "trainer.seed=1")
     assert strip(a) != strip(c)

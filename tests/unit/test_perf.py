@@ -1,0 +1,36 @@
+"""Model FLOPs and device peaks behind ``perf/mfu_*`` (``hybrid_rl.perf``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from hybrid_rl.perf import ModelFlops, pass_mfu, peak_flops
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_model_flops_by_hand(tied):
+    cfg = Qwen2Config(vocab_size=100, hidden_size=16, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=tied)
+    model = Qwen2ForCausalLM(cfg)
+    f = ModelFlops.of(model)
+    # per layer: q (16x16 + 16) + k, v (16x8 + 8 each) + o (16x16) + MLP (3 x 16x40) + 2 norms (16 each)
+    layer = (16 * 16 + 16) + 2 * (16 * 8 + 8) + 16 * 16 + 3 * 16 * 40 + 2 * 16
+    assert f.body_params == 2 * layer + 16  # + the final norm; embedding and head excluded
+    assert f.head_params == 100 * 16 and f.attn_width == 2 * 4 * 4
+    lengths = torch.tensor([3, 5])
+    pairs = 3 * 4 / 2 + 5 * 6 / 2
+    assert f.forward(lengths, 4.0) == pytest.approx(2 * f.body_params * 8 + 2 * 1600 * 4 + 4 * 32 * pairs)
+
+
+def test_peaks_and_pass_mfu(monkeypatch):
+    assert peak_flops(torch.device("cpu")) is None and peak_flops(torch.device("cpu"), 2.0) == 2e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")
+    assert peak_flops(torch.device("cuda", 0)) == 989e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA GH200 480GB")
+    assert peak_flops(torch.device("cuda", 0)) == 989e12
+    times = {"timing/update": 3.0, "timing/old_log_prob": 1.0}
+    out = pass_mfu(times, forward_flops=8e12, peak=1e12, gpus=4, ppo_epochs=2)
+    assert out == {"perf/mfu_update": pytest.approx(3 * 2 * 8 / (3 * 4)), "perf/mfu_log_prob": pytest.approx(8 / 4)}
+    assert pass_mfu(times, 8e12, None, 4) == {}
