@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import ROOT, WORKLOAD as W, commit, device_name, prepare_model, summarize, tail, write_result  # noqa: E402
 
-PHASES = ["gen", "sync_weights", "reward", "old_log_prob", "ref", "adv", "update"]
+PHASES = ["gen", "switch", "sync_weights", "reward", "old_log_prob", "ref", "adv", "update", "other"]
 
 
 def overrides(model_dir: str, run_dir: Path, data: str, steps: int, cpu: bool) -> list[str]:
