@@ -288,7 +288,8 @@ class _WriteFailure:
 # --------------------------------------------------------------------------- save
 def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
                     scheduler: Any | None, extra: Mapping[str, Any] | None, keep_last: int = 0,
-                    process_group: "dist.ProcessGroup | None" = None, config: Mapping[str, Any] | None = None) -> Path:
+                    process_group: "dist.ProcessGroup | None" = None, config: Mapping[str, Any] | None = None,
+                    parts: Mapping[str, tuple[torch.nn.Module, Any, Any]] | None = None) -> Path:
     """Save ``model``/``optimizer``/``scheduler`` + this rank's ``extra`` as ``root/step_{step:08d}``; every rank calls it.
 
     Returns the published directory. ``keep_last`` > 0 prunes older complete
@@ -299,7 +300,9 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module |
     ``model=None`` and write their extra alone. ``config`` (rank 0's resolved run
     config, a nested dict of primitives) is written as ``config.yaml`` beside the
     shards, so a resume can tell whether it continues the same run
-    (:func:`read_checkpoint_config`).
+    (:func:`read_checkpoint_config`). ``parts`` adds more trained modules beside
+    the model, by name (e.g. ``{"critic": (model, optimizer, scheduler)}``): same
+    DCP save under ``<name>.model`` / ``<name>.optim``, their schedulers in the extra.
     """
     from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
@@ -316,6 +319,9 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module |
     final = root / name
 
     has_optim = _has_optimizer_state(optimizer)
+    parts = dict(parts or {})
+    if {"model", "optim"} & set(parts):
+        raise CheckpointError(f"checkpoint parts must not be named 'model' or 'optim' (got {sorted(parts)})")
     meta = {
         "format": FORMAT_VERSION,
         "step": int(step),
@@ -327,6 +333,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module |
         # hyper-parameters (lr after warm-up/schedule, initial_lr) here instead.
         "optimizer_param_groups": ([{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
                                    if optimizer is not None and not has_optim else None),
+        "parts": {name: _optimizer_meta(opt, sched) for name, (_, opt, sched) in parts.items()},
     }
     payload = dict(extra or {})
     if _META_KEY in payload:
@@ -348,6 +355,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module |
             state = {"model": model_sd, "optim": optim_sd}
         else:
             state = {"model": get_model_state_dict(model)}
+        for name, (part_model, part_optim, _) in parts.items():
+            state[name] = _module_state(part_model, part_optim)
     needed = _all_sum(_state_bytes(state) + len(extra_bytes)) + _MARKER_ALLOWANCE
     if rank == 0:
         try:  # a crashed earlier save of this step may have left a tmp dir: clear it (and count its space as free)
@@ -417,6 +426,24 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module |
                 error = _WriteFailure(tmp, e, needed)
     _agree(error, final, cleanup=tmp)
     return final
+
+
+def _optimizer_meta(optimizer: torch.optim.Optimizer | None, scheduler: Any | None) -> dict[str, Any]:
+    """A part's scheduler state and, while its AdamW has no state yet, its param-group hyper-parameters."""
+    has_optim = _has_optimizer_state(optimizer)
+    groups = ([{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
+              if optimizer is not None and not has_optim else None)
+    return {"has_optimizer_state": has_optim, "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "optimizer_param_groups": groups}
+
+
+def _module_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if _has_optimizer_state(optimizer):
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+    return {"model": get_model_state_dict(model)}
 
 
 def _fault_point(name: str) -> None:
@@ -676,7 +703,8 @@ def _load_extra(path: Path, rank: int) -> dict[str, Any]:
 
 
 def _load_into(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, no_dist: bool,
-               process_group: "dist.ProcessGroup | None" = None) -> None:
+               process_group: "dist.ProcessGroup | None" = None, key: str | None = None) -> None:
+    """Load the model (+ optimizer) saved at the top level, or under part ``key``."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
@@ -686,18 +714,22 @@ def _load_into(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
         # get_state_dict gives the (sharded, for FSDP2) layout to read into; on a
         # fresh optimizer it first materialises AdamW state, which the load overwrites.
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp_load(state, storage_reader=FileSystemReader(str(path)), no_dist=no_dist, process_group=process_group)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        inner = {"model": model_sd, "optim": optim_sd}
+        dcp_load({key: inner} if key else inner, storage_reader=FileSystemReader(str(path)), no_dist=no_dist,
+                 process_group=process_group)
+        set_state_dict(model, optimizer, model_state_dict=inner["model"], optim_state_dict=inner["optim"])
     else:
-        state = {"model": get_model_state_dict(model)}
-        dcp_load(state, storage_reader=FileSystemReader(str(path)), no_dist=no_dist, process_group=process_group)
-        set_model_state_dict(model, state["model"])
+        inner = {"model": get_model_state_dict(model)}
+        dcp_load({key: inner} if key else inner, storage_reader=FileSystemReader(str(path)), no_dist=no_dist,
+                 process_group=process_group)
+        set_model_state_dict(model, inner["model"])
 
 
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None = None,
-                    scheduler: Any | None = None, process_group: "dist.ProcessGroup | None" = None) -> dict[str, Any]:
-    """Restore ``model``/``optimizer``/``scheduler`` in place from ``path``; returns this rank's ``extra``.
+                    scheduler: Any | None = None, process_group: "dist.ProcessGroup | None" = None,
+                    parts: Mapping[str, tuple[torch.nn.Module, Any, Any]] | None = None) -> dict[str, Any]:
+    """Restore ``model``/``optimizer``/``scheduler`` (and each of ``parts``, as saved) in place from ``path``; returns
+    this rank's ``extra``.
 
     Every rank calls it (collective under a process group). The model (and
     optimizer) must be built and, for FSDP2, sharded exactly as in the saving
@@ -720,10 +752,19 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None, opti
         raise CheckpointError(f"checkpoint {str(path)!r}: extra_rank{rank}.pt was not written by hybrid_rl.checkpoint; pass a step_* directory it wrote")
     no_dist = not (dist.is_available() and dist.is_initialized())
     load_optim = optimizer is not None and bool(meta.get("has_optimizer_state"))
+    parts = dict(parts or {})
+    saved_parts = meta.get("parts") or {}
+    missing = sorted(set(parts) - set(saved_parts))
+    if missing and model is not None:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds no {', '.join(missing)} (it has {sorted(saved_parts) or 'none'}); "
+                              f"resume from a checkpoint of a run that trained one, or start a new trainer.output_dir")
     try:
         if model is not None:  # split placement: the rollout ranks only read their extra
             with _quiet_single_process():
                 _load_into(path, model, optimizer if load_optim else None, no_dist, process_group)
+                for name, (part_model, part_optim, _) in parts.items():
+                    part_load_optim = part_optim is not None and bool(saved_parts[name].get("has_optimizer_state"))
+                    _load_into(path, part_model, part_optim if part_load_optim else None, no_dist, process_group, key=name)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises several types for key/shape mismatches
@@ -733,7 +774,18 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None, opti
             raise _corrupt(path, name, f"cannot be read ({_summary(e)[:160]})") from e
         raise CheckpointError(f"checkpoint {str(path)!r} does not match this model/optimizer ({_summary(e)}); "
                               f"resume with the saving run's model.path and model.lora settings") from e
-    if optimizer is not None and not load_optim:
+    _restore_schedule(path, optimizer, scheduler, meta, load_optim)
+    if model is not None:
+        for name, (_, part_optim, part_sched) in parts.items():
+            part = saved_parts[name]
+            _restore_schedule(path, part_optim, part_sched, part, part_optim is not None and bool(part["has_optimizer_state"]))
+    return extra
+
+
+def _restore_schedule(path: Path, optimizer: torch.optim.Optimizer | None, scheduler: Any | None, meta: Mapping[str, Any],
+                      loaded_optim: bool) -> None:
+    """The scheduler's state, and the optimizer's hyper-parameters where it was saved without AdamW state."""
+    if optimizer is not None and not loaded_optim:
         # Saved before AdamW had state: the resumed optimizer must have none either.
         optimizer.state.clear()
         groups = meta.get("optimizer_param_groups")
@@ -747,7 +799,6 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None, opti
         if meta.get("scheduler") is None:
             raise CheckpointError(f"checkpoint {str(path)!r} holds no LR scheduler state; pass scheduler=None or resume from a checkpoint saved with one")
         scheduler.load_state_dict(meta["scheduler"])
-    return extra
 
 
 # --------------------------------------------------------------------------- RNG

@@ -223,6 +223,63 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """``fixed``: β stays ``kl_coef``. ``adaptive``: β is scaled after every step towards ``target_kl`` (Ziegler et al.)."""
+    kl_coef: float = 0.001
+    """β for the reward penalty (the starting value under ``adaptive``)."""
+    target_kl: float = 0.1
+    """``adaptive``: the per-sequence mean KL β steers towards."""
+    horizon: int = 10000
+    """``adaptive``: sequences over which β may change by the full ±20% proportional error."""
+
+
+@dataclass
+class CriticConfig:
+    model_path: Optional[str] = None
+    """Where the value model's backbone comes from: null = the actor's ``model.path``; a causal LM (its LM head is
+    dropped and a fresh scalar value head added)."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute the critic's activations in the backward pass."""
+    lr: float = 1e-5
+    """AdamW peak learning rate of the critic."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    lr_warmup_steps: int = 0
+    """Linear LR warm-up, in critic optimizer steps."""
+    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    """LR schedule after warm-up."""
+    min_lr_ratio: float = 0.0
+    """Cosine floor as a fraction of ``lr``."""
+    warmup_steps: int = 0
+    """Critic warm-up: the first N trainer steps update only the critic (the actor does not move)."""
+    ppo_epochs: int = 1
+    """Passes of the critic over each batch."""
+    ppo_mini_batch_size: int = 16
+    """Prompts per critic optimizer step, across all ranks (each brings ``rollout.n`` samples)."""
+    ppo_micro_batch_size_per_device: int = 8
+    """Sequences per critic forward/backward on one device."""
+    forward_micro_batch_size_per_device: int = 16
+    """Sequences per no-grad forward when computing values."""
+    use_dynamic_bsz: bool = False
+    """Cut the critic's micro-batches by padded tokens (``max_token_len_per_device``) instead of a sequence count."""
+    max_token_len_per_device: int = 16384
+    """Token budget of one critic micro-batch with ``use_dynamic_bsz``."""
+    cliprange_value: Optional[float] = 0.5
+    """Value clipping: a prediction may move at most this far from the values the batch was scored with (null = off)."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How the per-token value losses are averaged."""
+    grad_clip: float = 1.0
+    """Max global gradient norm of the critic (0 = off)."""
+    param_offload: bool = False
+    """Move the critic's parameters (and gradients) to CPU between its phases (e.g. while the engine generates)."""
+    optimizer_offload: bool = False
+    """Move the critic's AdamW state to CPU between its updates."""
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator registered in ``hybrid_rl.algorithms.ADV_ESTIMATORS``: grpo, dr_grpo, rloo, reinforce_pp, gae."""
@@ -236,8 +293,8 @@ class AlgorithmConfig:
     """Subtract β·KL(π_old‖π_ref) from the token rewards (needs the reference policy)."""
     kl_penalty: Literal["k1", "k2", "k3"] = "k1"
     """KL estimator for the reward penalty."""
-    kl_coef: float = 0.001
-    """β for the reward penalty."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """β of the reward penalty: fixed, or adapted towards a target KL."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Off-policy correction between the rollout engine's policy and the trainer's."""
 
@@ -323,6 +380,8 @@ class Config:
     """Optimiser and PPO update."""
     ref: RefConfig = field(default_factory=RefConfig)
     """The frozen reference policy (built only when a KL term needs it)."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model (built only when ``algorithm.adv_estimator`` needs one, e.g. gae)."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Advantage estimator and KL-in-reward."""
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -363,6 +422,11 @@ class Config:
     def policy_loss(self) -> str:
         """The actor's loss, a name in ``hybrid_rl.algorithms.POLICY_LOSSES``: decoupled PPO under rollout correction."""
         return "decoupled_ppo" if self.use_rollout_correction else "ppo"
+
+    @property
+    def need_critic(self) -> bool:
+        """A critic is only built for an estimator registered with ``needs_critic`` (gae)."""
+        return _registry("algorithm.adv_estimator").info(self.algorithm.adv_estimator).needs_critic
 
     @property
     def need_ref(self) -> bool:
@@ -408,9 +472,13 @@ class Config:
             raise ConfigError(f"a mini-batch holds {seqs_per_rank} sequences per device (actor.ppo_mini_batch_size / ranks × rollout.n), "
                               f"not divisible by actor.ppo_micro_batch_size_per_device={a.ppo_micro_batch_size_per_device}; use a divisor of {seqs_per_rank}")
         if est.needs_critic:
-            no_critic = [n for n in estimators if not estimators.info(n).needs_critic]
-            raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs a critic, which hybrid_rl does "
-                              f"not build yet; use {_or(no_critic)}")
+            self._validate_critic(world_size)
+        kc = self.algorithm.kl_ctrl
+        if kc.kl_coef < 0:
+            raise ConfigError(f"algorithm.kl_ctrl.kl_coef={kc.kl_coef} must be >= 0")
+        if kc.type == "adaptive" and (kc.target_kl <= 0 or kc.horizon <= 0):
+            raise ConfigError(f"algorithm.kl_ctrl.type=adaptive needs algorithm.kl_ctrl.target_kl > 0 and "
+                              f"algorithm.kl_ctrl.horizon > 0 (got {kc.target_kl} and {kc.horizon})")
         if not 0 < r.gpu_memory_utilization < 1:
             raise ConfigError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in (0, 1); 0.3-0.6 leaves room for training")
         if r.forced_lengths is not None:
@@ -468,6 +536,32 @@ class Config:
         if d.task != "successor" and d.train_path.startswith("synthetic:"):
             raise ConfigError(f"data.train_path={d.train_path} is a synthetic task but data.task={d.task}; set data.task to the synthetic task's name")
         return self
+
+    def _validate_critic(self, world_size: int) -> None:
+        """The critic's batch sizes divide like the actor's; its knobs are in range."""
+        c, d, n = self.critic, self.data, self.rollout.n
+        _positive(self, ["critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_device", "critic.ppo_epochs",
+                         "critic.forward_micro_batch_size_per_device"])
+        if d.train_batch_size % c.ppo_mini_batch_size:
+            raise ConfigError(f"data.train_batch_size={d.train_batch_size} must be divisible by critic.ppo_mini_batch_size="
+                              f"{c.ppo_mini_batch_size}; lower critic.ppo_mini_batch_size to a divisor")
+        if c.ppo_mini_batch_size % world_size:
+            raise ConfigError(f"critic.ppo_mini_batch_size={c.ppo_mini_batch_size} must be divisible by the {world_size} "
+                              f"ranks; set it to a multiple of {world_size}")
+        seqs = c.ppo_mini_batch_size // world_size * n
+        if seqs % c.ppo_micro_batch_size_per_device:
+            raise ConfigError(f"a critic mini-batch holds {seqs} sequences per device (critic.ppo_mini_batch_size / ranks × "
+                              f"rollout.n), not divisible by critic.ppo_micro_batch_size_per_device="
+                              f"{c.ppo_micro_batch_size_per_device}; use a divisor of {seqs}")
+        if c.cliprange_value is not None and c.cliprange_value <= 0:
+            raise ConfigError(f"critic.cliprange_value={c.cliprange_value} must be > 0, or null to turn value clipping off")
+        if c.warmup_steps < 0 or c.lr_warmup_steps < 0:
+            raise ConfigError("critic.warmup_steps and critic.lr_warmup_steps must be >= 0")
+        if len(c.betas) != 2:
+            raise ConfigError(f"critic.betas must hold two numbers, got {c.betas}")
+        if c.use_dynamic_bsz and c.max_token_len_per_device < d.max_prompt_length + d.max_response_length:
+            raise ConfigError(f"critic.max_token_len_per_device={c.max_token_len_per_device} must hold one full sequence: "
+                              f"raise it to at least {d.max_prompt_length + d.max_response_length}")
 
     def _validate_split(self, world: int) -> int:
         t, d, r = self.trainer, self.data, self.rollout
@@ -556,6 +650,9 @@ RESUME_HARMLESS = frozenset({
     "actor.ppo_micro_batch_size_per_device", "actor.log_prob_micro_batch_size_per_device", "actor.use_dynamic_bsz",
     "actor.max_token_len_per_device", "actor.use_remove_padding", "actor.fused_logprob", "actor.use_torch_compile", "actor.accumulate_unsharded", "actor.param_offload",
     "actor.optimizer_offload", "ref.log_prob_micro_batch_size_per_device", "ref.offload",
+    "critic.enable_gradient_checkpointing", "critic.ppo_micro_batch_size_per_device",
+    "critic.forward_micro_batch_size_per_device", "critic.use_dynamic_bsz", "critic.max_token_len_per_device",
+    "critic.param_offload", "critic.optimizer_offload",
     "rollout.max_num_seqs", "rollout.weight_sync_bucket_mb", "rollout.weight_load_replay", "rollout.free_cache_engine",
     "rollout.sleep_level", "rollout.gpu_memory_utilization", "rollout.max_num_batched_tokens", "rollout.max_model_len",
     "rollout.enforce_eager", "rollout.enable_prefix_caching",

@@ -5,7 +5,9 @@ Set-up (data, reward function, worker, trackers) happens in ``__init__``;
 validation is greedy pass@1 on the validation prompts. Every mode and
 placement runs the same ``step``: a ``RolloutSource`` (``sources.py``: sync,
 one-step overlap, split placement) hands over the batch, and ``train_on`` runs
-reward → log-probs → advantage → update on it. Metrics are reduced across
+reward → log-probs → (values) → advantage → (critic update) → actor update on it;
+the critic phases run when the estimator needs a critic (gae, ``workers/critic.py``),
+and the first ``critic.warmup_steps`` steps update the critic only. Metrics are reduced across
 ranks (weighted means, maxima) and logged by one rank (under split placement
 the first trainer rank). Left out on purpose: a single controller (there is
 none: torch.distributed is the engine) and partial rollouts carried across
@@ -22,14 +24,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybrid_rl.phases.advantage import compute_advantage
+from hybrid_rl import algorithms as alg
+from hybrid_rl.phases.advantage import compute_advantage, kl_in_reward_stats
 from hybrid_rl.batch import Batch
 from hybrid_rl.checkpoint import (CHECKPOINT_SUBDIR, CheckpointError, CorruptCheckpointError, capture_rng, find_latest,
                                   find_resumable, is_complete, load_checkpoint, read_checkpoint_config, restore_rng,
                                   save_checkpoint, verify_checkpoint)
 from hybrid_rl.config import Config, ConfigError, resume_config_diff, save_config
 from hybrid_rl.data import PromptDataset, PromptSampler, collate_prompts, load_rows
-from hybrid_rl.distributed import DistInfo, reduce_max, reduce_weighted_means
+from hybrid_rl.distributed import DistInfo, all_reduce_sum, reduce_max, reduce_weighted_means
 from hybrid_rl.interrupt import GracefulStop, RunInterrupted
 from hybrid_rl.metrics import batch_metrics
 from hybrid_rl.perf import ModelFlops, pass_mfu, peak_flops
@@ -106,12 +109,20 @@ class Trainer:
         self.total_steps = t.total_steps or t.total_epochs * self.sampler.steps_per_epoch
         self.worker = ActorRolloutRefWorker(cfg, pl.worker_dist, role=pl.role, total_training_steps=self.total_steps,
                                             tokenizer=tokenizer)
+        self.critic = None  # the critic role, beside actor/rollout/ref in this process (trainer ranks only)
+        if cfg.need_critic and pl.role != "rollout":
+            from hybrid_rl.workers.critic import CriticWorker
+
+            self.critic = CriticWorker(cfg, pl.worker_dist, total_training_steps=self.total_steps)
+        kc = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = alg.make_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon)  # β of KL-in-reward
         self.source = make_source(cfg, pl, self.worker, self.next_prompts, self.global_dist, tokenizer.pad_token_id)
         self.model_flops = ModelFlops.of(self.worker.actor.model) if self.worker.actor is not None else None
         self.peak_flops = peak_flops(self.dist.device, cfg.trainer.peak_tflops)
         self.skipped_in_a_row = 0
         self.last_val: tuple[int, float] | None = None
         self.start_step = self._restore(resume_from) if resume_from is not None else 0  # nothing written before this
+        self.current_step = self.start_step  # the step being run (``step`` counts); critic warm-up reads it
         if self.is_logger:
             _trim_metrics(Path(t.output_dir) / "metrics.jsonl", self.start_step)
         self.tracker = Tracker(t.output_dir, t.logger, self.total_steps, enabled=self.is_logger, initial_step=self.start_step)
@@ -193,6 +204,7 @@ class Trainer:
     def step(self, last: bool = False) -> dict[str, float]:
         """One step: the source hands over a batch (``last``: none is generated ahead), the trainer learns from it."""
         timer = Timer()
+        self.current_step += 1
         with timer("step"):
             batch = self.source.next_batch(timer, last)
             if batch is None:  # split placement's rollout ranks only generate
@@ -201,8 +213,8 @@ class Trainer:
         return self._finish_metrics(metrics, timer)
 
     def train_on(self, batch: Batch, timer: Timer) -> dict:
-        """reward → old log-prob → ref log-prob → advantage → update, on one generated batch."""
-        w, cfg = self.worker, self.cfg
+        """reward → old log-prob → ref log-prob → values → advantage → critic update → actor update, on one batch."""
+        w, cfg, critic = self.worker, self.cfg, self.critic
         batch = self.source.check_staleness(batch, w.weight_version)
         with timer("reward"):
             batch, reward_stats = compute_scores(batch, self.tokenizer, self.reward_fn, cfg.reward.on_error)
@@ -211,11 +223,27 @@ class Trainer:
         if cfg.need_ref:
             with timer("ref"):
                 batch = w.compute_ref_log_prob(batch)
+        if critic is not None:
+            with timer("values"):
+                batch = critic.compute_values(batch)
         with timer("adv"):
-            batch, adv_metrics = compute_advantage(batch, cfg.algorithm)
-        with timer("update"):
-            update_stats = w.update_actor(batch)
+            batch, adv_metrics = compute_advantage(batch, cfg.algorithm, kl_coef=self.kl_ctrl.value)
+            if cfg.algorithm.use_kl_in_reward:
+                self._update_kl_ctrl(batch)
+        update_stats: dict = {}
+        if critic is not None:
+            with timer("update_critic"):
+                update_stats.update(critic.update_critic(batch))
+        if critic is None or self.current_step > cfg.critic.warmup_steps:  # critic warm-up: the actor waits
+            with timer("update"):
+                update_stats.update(w.update_actor(batch))
         return dict(batch=batch, reward_stats=reward_stats, update_stats=update_stats, adv_metrics=adv_metrics)
+
+    def _update_kl_ctrl(self, batch: Batch) -> None:
+        """Feed the KL controller this step's per-sequence mean KL over every rank (so β stays the same on all)."""
+        kl = torch.tensor(kl_in_reward_stats(batch, self.cfg.algorithm), dtype=torch.float64, device=self.dist.device)
+        all_reduce_sum(kl, self.dist.group)
+        self.kl_ctrl.update(float(kl[0] / kl[1].clamp(min=1)), int(kl[1]))
 
     # -- checkpoints ---------------------------------------------------------------------
     def _rng_generators(self) -> dict:
@@ -251,10 +279,20 @@ class Trainer:
         pending = self.source.pending_batch()  # waits for the in-flight batch (it must not race the RNG capture)
         extra = {"step": step, "weight_version": w.weight_version, "sampler": self.sampler.state_dict(),
                  "rng": self._capture_rng(), "skipped_in_a_row": self.skipped_in_a_row,
-                 "pending_batch": pending.state_dict() if pending is not None else None}
+                 "pending_batch": pending.state_dict() if pending is not None else None,
+                 "kl_ctrl": self.kl_ctrl.state_dict()}
         model, optimizer, scheduler, group = self._checkpoint_parts()
-        save_checkpoint(self.ckpt_root, step, model, optimizer, scheduler, extra, self.cfg.trainer.keep_last, group,
-                        config=self.cfg.to_dict())
+        with self._critic_resident():
+            save_checkpoint(self.ckpt_root, step, model, optimizer, scheduler, extra, self.cfg.trainer.keep_last, group,
+                            config=self.cfg.to_dict(), parts=self._extra_parts())
+
+    def _extra_parts(self) -> dict:
+        """Trained modules checkpointed beside the actor: the critic (model, optimizer, scheduler), when there is one."""
+        return {"critic": self.critic.checkpoint_part()} if self.critic is not None else {}
+
+    def _critic_resident(self):
+        """The critic on its device while a checkpoint reads or writes it (it may be offloaded between phases)."""
+        return self.critic.resident() if self.critic is not None else nullcontext()
 
     def _resume_target(self) -> Path | None:
         """The checkpoint ``trainer.resume`` names (None = a fresh run), its run config checked against this one."""
@@ -280,7 +318,8 @@ class Trainer:
         """Load checkpoint ``path``; returns the step to continue after."""
         w = self.worker
         try:
-            extra = load_checkpoint(path, *self._checkpoint_parts())
+            with self._critic_resident():
+                extra = load_checkpoint(path, *self._checkpoint_parts(), parts=self._extra_parts())
         except CorruptCheckpointError as e:  # damage the size checks missed; under resume=auto, the previous one
             older = None
             if self.cfg.trainer.resume == "auto":
@@ -295,6 +334,8 @@ class Trainer:
         w.weight_version = extra["weight_version"]
         self.sampler.load_state_dict(extra["sampler"])
         self.skipped_in_a_row = extra.get("skipped_in_a_row", 0)
+        if "kl_ctrl" in extra:  # the adaptive controller's β where the run left it
+            self.kl_ctrl.load_state_dict(extra["kl_ctrl"])
         if extra.get("pending_batch") is not None:
             self.source.restore_pending(Batch.from_state_dict(extra["pending_batch"]).to(self.global_dist.device))
         self._restore_rng(extra["rng"])  # last: building models consumed the global RNG
@@ -325,7 +366,8 @@ class Trainer:
 
     def _guard_skipped_updates(self, metrics: dict[str, float]) -> None:
         """A non-finite loss/grad norm skips the update; too many in a row stops the run."""
-        self.skipped_in_a_row = self.skipped_in_a_row + 1 if metrics.get("actor/skipped_updates", 0) > 0 else 0
+        skipped = metrics.get("actor/skipped_updates", 0) > 0 or metrics.get("critic/skipped_updates", 0) > 0
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
         limit = self.cfg.trainer.max_skipped_updates
         if self.skipped_in_a_row >= limit:
             raise TrainingDiverged(f"{self.skipped_in_a_row} steps in a row had a non-finite loss or gradient norm and were "

@@ -1,5 +1,5 @@
-"""RL algorithm math: advantage estimators, policy losses, KL terms, and the
-masked tensor helpers they share. Pure tensor functions, no distributed code.
+"""RL algorithm math: advantage estimators, policy losses, the critic's value loss,
+KL terms and controllers, and the masked tensor helpers they share. Pure tensor functions, no distributed code.
 Estimators and losses are registered by name (``ADV_ESTIMATORS``,
 ``POLICY_LOSSES``) beside their definitions."""
 
@@ -23,11 +23,26 @@ from .core import (
     masked_var,
     masked_whiten,
 )
-from .kl import KL_ESTIMATORS, apply_kl_in_reward, kl_k1, kl_k2, kl_k3, kl_loss, kl_penalty
+from .kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_in_reward,
+    kl_k1,
+    kl_k2,
+    kl_k3,
+    kl_loss,
+    kl_penalty,
+    make_kl_controller,
+    sequence_kl,
+)
 from .policy_loss import POLICY_LOSSES, PolicyLossInfo, decoupled_ppo_loss, ppo_clip_loss, register_policy_loss
+from .value_loss import clipped_value_loss
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "AdaptiveKLController",
+    "FixedKLController",
     "EstimatorInfo",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
@@ -35,6 +50,7 @@ __all__ = [
     "PolicyLossInfo",
     "agg_loss",
     "apply_kl_in_reward",
+    "clipped_value_loss",
     "decoupled_ppo_loss",
     "dr_grpo_advantage",
     "entropy_from_logits",
@@ -46,6 +62,7 @@ __all__ = [
     "kl_loss",
     "kl_penalty",
     "logprobs_from_logits",
+    "make_kl_controller",
     "masked_mean",
     "masked_sum",
     "masked_var",
@@ -55,4 +72,5 @@ __all__ = [
     "register_policy_loss",
     "reinforce_pp_advantage",
     "rloo_advantage",
+    "sequence_kl",
 ]

@@ -3,13 +3,18 @@
 Sampled per-token estimates of KL(pi_theta || pi_ref) from the log-probs
 of the sampled tokens (Schulman, "Approximating KL Divergence"), used two
 ways: as a loss term (``kl_loss``, GRPO style) or subtracted from the
-reward before advantage estimation (``apply_kl_in_reward``, PPO style).
+reward before advantage estimation (``apply_kl_in_reward``, PPO style), whose
+coefficient β a controller keeps: ``FixedKLController`` (constant) or
+``AdaptiveKLController`` (Ziegler et al. 2019: β grows when the measured KL is
+above ``target_kl`` and shrinks below it, by at most ±20% of the error per
+``horizon`` sequences).
 
 Sign convention: every estimator takes (log_prob, ref_log_prob) with the
 *current/rollout* policy first, and is positive in expectation.
 
-Left out: adaptive KL controllers (the coefficient is a plain argument),
-full-vocabulary KL, and the straight-through "+" variants.
+Left out: full-vocabulary KL and the straight-through "+" variants. The
+controllers hold no distributed state: the driver feeds them the KL reduced
+over all ranks, so every rank's β stays identical.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from torch import Tensor
 
 from .core import Number, _check_same_shape, _select, agg_loss, masked_mean
 
-__all__ = ["KL_ESTIMATORS", "apply_kl_in_reward", "kl_k1", "kl_k2", "kl_k3", "kl_loss", "kl_penalty"]
+__all__ = ["AdaptiveKLController", "FixedKLController", "KL_ESTIMATORS", "apply_kl_in_reward", "kl_k1", "kl_k2", "kl_k3",
+           "kl_loss", "kl_penalty", "make_kl_controller", "sequence_kl"]
 
 
 def kl_k1(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
@@ -102,3 +108,49 @@ def apply_kl_in_reward(
         rewards = token_level_scores - kl_coef * kld
         kl_mean = float(masked_mean(kld, response_mask).item())
     return rewards, kl_mean
+
+
+def sequence_kl(old_log_prob: Tensor, ref_log_prob: Tensor, response_mask: Tensor, kind: str = "k1") -> Tensor:
+    """Each sequence's mean per-token KL estimate [B] (what the adaptive controller tracks, as verl does)."""
+    kld = kl_penalty(old_log_prob, ref_log_prob, kind)  # [B, R]
+    return masked_mean(kld, response_mask, dim=-1)  # [B]
+
+
+class FixedKLController:
+    """β stays ``kl_coef``."""
+
+    def __init__(self, kl_coef: float):
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """No-op: the coefficient is fixed."""
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController(FixedKLController):
+    """β ← β · (1 + clip(KL/target − 1, −0.2, 0.2) · n_steps / horizon) after every batch of ``n_steps`` sequences."""
+
+    def __init__(self, kl_coef: float, target_kl: float, horizon: int):
+        if target_kl <= 0 or horizon <= 0:
+            raise ValueError(f"AdaptiveKLController needs target_kl > 0 and horizon > 0, got {target_kl} and {horizon}")
+        super().__init__(kl_coef)
+        self.target = float(target_kl)
+        self.horizon = int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+
+def make_kl_controller(kind: str, kl_coef: float, target_kl: float = 0.1, horizon: int = 10000) -> FixedKLController:
+    """The controller ``algorithm.kl_ctrl.type`` names: ``fixed`` or ``adaptive``."""
+    if kind == "fixed":
+        return FixedKLController(kl_coef)
+    if kind == "adaptive":
+        return AdaptiveKLController(kl_coef, target_kl, horizon)
+    raise ValueError(f"unknown KL controller {kind!r}; valid: fixed, adaptive")

@@ -53,7 +53,7 @@ def test_uid_types_group_the_same(est, uid):
 
 
 def test_kl_in_reward_penalises_token_rewards():
-    cfg = load_config(None, ["algorithm.use_kl_in_reward=true", "algorithm.kl_coef=0.1", "algorithm.kl_penalty=k1"]).algorithm
+    cfg = load_config(None, ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.1", "algorithm.kl_penalty=k1"]).algorithm
     out, metrics = compute_advantage(_batch(), cfg)
     # k1 = old − ref = 0.5 on every real token; reward = score − 0.1·0.5
     assert torch.allclose(out["token_level_rewards"][0], torch.tensor([-0.05, 0.95, 0.0]))

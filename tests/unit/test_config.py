@@ -55,7 +55,7 @@ def test_bad_overrides_name_the_key(override, message):
     (["actor.ppo_micro_batch_size_per_device=7"], "ppo_micro_batch_size_per_device"),
     (["actor.clip_ratio_c=0.5"], "actor.clip_ratio_c"),
     (["rollout.temperature=0"], "rollout.val_temperature"),
-    (["algorithm.adv_estimator=gae"], "needs a critic"),
+    (["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=5"], "critic.ppo_mini_batch_size"),
     (["data.train_batch_size=0"], "data.train_batch_size=0 must be a positive"),
     (["trainer.rollout_ranks=-1"], "trainer.rollout_ranks=-1 must be >= 0"),
     (["trainer.stall_dump_s=-5"], "trainer.stall_dump_s=-5.0 must be >= 0"),

@@ -93,8 +93,10 @@ def test_estimator_metadata_drives_validation(mean_baseline):
         with pytest.raises(ConfigError, match=r"adv_estimator=grouped_mean compares the samples of one prompt, so rollout.n "
                                               r"must be >= 2 \(got 1\); raise rollout.n or use reinforce_pp or mean_baseline"):
             load_config(None, ["algorithm.adv_estimator=grouped_mean", "rollout.n=1"]).validate()
-        with pytest.raises(ConfigError, match="adv_estimator=valued_mean needs a critic"):
-            load_config(None, ["algorithm.adv_estimator=valued_mean"]).validate()
+        # an estimator that needs a critic gets one (the critic's batch sizes are then checked too)
+        assert load_config(None, ["algorithm.adv_estimator=valued_mean"]).validate().need_critic
+        with pytest.raises(ConfigError, match="critic.ppo_mini_batch_size"):
+            load_config(None, ["algorithm.adv_estimator=valued_mean", "critic.ppo_mini_batch_size=5"]).validate()
     finally:
         ADV_ESTIMATORS.unregister("grouped_mean")
         ADV_ESTIMATORS.unregister("valued_mean")
