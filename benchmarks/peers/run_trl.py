@@ -99,6 +99,13 @@ def worker(args) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     rows = gsm8k_rows(Path(args.data))
+    # TRL 1.x has no prompt cap: drop what hybrid_rl (data.truncation=filter) and verl (filter_overlong_prompts) drop,
+    # prompts over max_prompt_length tokens (the built-in tokenizer is near character level: ~1 in 20 GSM8K prompts)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model_dir)
+    rows = [r for r in rows if len(tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False)) <= W["max_prompt_length"]]
     ds = Dataset.from_list([{"prompt": r["messages"], "ground_truth": r["ground_truth"]} for r in rows])
 
     def gsm8k(completions, ground_truth, **kwargs):

@@ -56,7 +56,7 @@ def overrides(model_dir: str, parquet: Path, gpus: int, steps: int) -> list[str]
         "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False", "algorithm.norm_adv_by_std_in_grpo=True",
         f"data.train_files={parquet}", f"data.val_files={parquet}",
         f"data.train_batch_size={W['prompts_per_step']}", f"data.max_prompt_length={W['max_prompt_length']}",
-        f"data.max_response_length={W['response_length']}", "data.filter_overlong_prompts=False",
+        f"data.max_response_length={W['response_length']}", "data.filter_overlong_prompts=True",
         "data.truncation=error", "data.shuffle=True", f"data.seed={W['seed']}",
         f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.enable_gradient_checkpointing=True",
         "actor_rollout_ref.model.use_remove_padding=True",
