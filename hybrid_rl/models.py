@@ -74,6 +74,10 @@ RANDOM_ARCHS: dict[str, dict[str, Any]] = {
 }
 
 
+BUILTIN_NAMES: tuple[str, ...] = (TINY_MODEL, *RANDOM_ARCHS, *GGUF_BUILTINS)
+"""Every ``builtin:NAME`` that ``resolve_model_path`` can materialise."""
+
+
 class ModelLoadError(ValueError):
     """A model or tokenizer path that cannot be loaded; the message names the fix."""
 
@@ -367,7 +371,7 @@ def resolve_model_path(path: str) -> str:
     if not path.startswith(BUILTIN_PREFIX):
         return path
     name = path[len(BUILTIN_PREFIX):]
-    known = [TINY_MODEL, *RANDOM_ARCHS, *GGUF_BUILTINS]
+    known = list(BUILTIN_NAMES)
     if name not in known:
         raise ModelLoadError(f"model.path: unknown built-in model {name!r}; choose one of {[BUILTIN_PREFIX + k for k in known]}")
     seed = 0

@@ -86,10 +86,10 @@ def check_model(cfg: Config) -> None:
 
 
 def _check_model_path(path: str, key: str, marker: str) -> None:
-    from hybrid_rl.models import BUILTIN_PREFIX, RANDOM_ARCHS, TINY_MODEL, ModelLoadError, _check_local
+    from hybrid_rl.models import BUILTIN_NAMES, BUILTIN_PREFIX, ModelLoadError, _check_local
 
     if path.startswith(BUILTIN_PREFIX):  # built on first use by the ranks; here only the name is checked
-        known = [TINY_MODEL, *RANDOM_ARCHS]
+        known = list(BUILTIN_NAMES)
         if path[len(BUILTIN_PREFIX):] not in known:
             raise ModelLoadError(f"{key}: unknown built-in model {path[len(BUILTIN_PREFIX):]!r}; "
                                  f"choose one of {[BUILTIN_PREFIX + k for k in known]}")
