@@ -39,7 +39,10 @@ verl)
     echo "$OURS" | grep -qx "$n" && continue
     VSW+=("$w")
   done
-  "${PIP[@]}" --target "$SITE" ./*.whl "${VSW[@]}"
+  # never TRL's wheel (it shares /tmp/ps with verl's carries): with trl importable, verl 0.9.1's monkey_patch imports
+  # AutoModelForCausalLMWithValueHead, which trl 1.x no longer has (ImportError at model init, H100 2026-11-26)
+  "${PIP[@]}" --target "$SITE" $(ls ./*.whl | grep -v '^\./trl-') "${VSW[@]}"
+  rm -rf "$SITE"/trl "$SITE"/trl-*.dist-info
   ;;
 *) echo "unknown peer $PEER (trl | verl)" >&2; exit 2 ;;
 esac

@@ -59,7 +59,9 @@ def overrides(model_dir: str, parquet: Path, gpus: int, steps: int) -> list[str]
         f"data.max_response_length={W['response_length']}", "data.filter_overlong_prompts=True",
         "data.truncation=error", "data.shuffle=True", f"data.seed={W['seed']}",
         f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.enable_gradient_checkpointing=True",
-        "actor_rollout_ref.model.use_remove_padding=True",
+        # no flash-attn wheel on the GPU machines (torch 2.11+cu130, no network): verl's padding removal needs
+        # flash_attention_2, so verl runs padded with SDPA (hybrid_rl's packing uses torch's own varlen kernel)
+        "actor_rollout_ref.model.use_remove_padding=False", "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         f"{a}.optim.lr={W['lr']}", f"{a}.optim.weight_decay=0.0", f"{a}.optim.lr_scheduler_type=constant",
         f"{a}.optim.clip_grad={W['grad_clip']}", f"{a}.grad_clip={W['grad_clip']}",
         f"{a}.ppo_mini_batch_size={W['mini_batch_prompts']}",
