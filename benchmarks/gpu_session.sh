@@ -5,11 +5,11 @@
 # Expects vLLM 0.26 staged at /tmp/vs (../shared/device/README.md) and GSM8K in .devdata/. Run it from a clean export:
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean && git rev-parse HEAD > .clean/COMMIT \
 #     && cp -r .devdata .clean/      # then, on the lender (carry .clean): cd .clean && bash benchmarks/gpu_session.sh PART
-#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 ; writes $OUT/PART.tgz and $OUT/PART.log
+#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 ; writes $OUT/PART.tgz and $OUT/PART.log
 # Each part fits one 600 s device call; every piece has its own timeout and results are packed after each piece,
 # so a part cut short still returns what finished.
 set -u
-PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm|soak1}
+PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm|soak1|flagship1}
 OUT=${OUT:-/tmp/gpu_out}
 RES=/tmp/res/$PART
 MODES_RES=/tmp/res/modes2  # colo2 and split2 write one modes JSON (merged by mode) when they run on one warm machine
@@ -136,6 +136,27 @@ cold4)  # issue 13 item 2: 4 ranks build builtin:qwen2.5-1.5b-random at once on 
   timeout 250 make train VPY="$(command -v python3)" RECIPE=gsm8k_grpo GPUS=4 \
     ARGS="$G trainer.total_steps=1 trainer.output_dir=$RES/partial4" ; echo "partial4 rc=$?"
   ls -la "$M"; ls -a "$HYBRID_RL_CACHE"
+  ;;
+flagship1)  # issue 16: the flagship recipe on 1 GPU with the 4-GPU run's per-GPU share (64 of 256 prompts, mini-batch 16
+  # of 64), the old commit (.clean_old, its own model cache) then this one; 3 steps each, the first dropped
+  F="model.path=builtin:qwen2.5-1.5b-random data.train_path=$PWD/.devdata/train.jsonl data.train_batch_size=64 \
+    actor.ppo_mini_batch_size=16 rollout.forced_lengths=lognormal:250:0.8 trainer.total_steps=3 trainer.test_freq=0 \
+    trainer.val_before_train=false trainer.save_freq=-1 trainer.logger=[jsonl]"
+  OLD=$(cat .clean_old/COMMIT 2>/dev/null | cut -c1-7)
+  if [ -d .clean_old ]; then
+    stamp "old commit $OLD: flagship x1"
+    (cd .clean_old && export HYBRID_RL_CACHE=/tmp/hrc_old PYTHONPATH=/tmp/site:$PWD && \
+      python -c "from hybrid_rl.models import resolve_model_path as r; r('builtin:qwen2.5-1.5b-random')" && \
+      CUDA_VISIBLE_DEVICES=0 timeout 260 python -m hybrid_rl train recipes/gsm8k_grpo.yaml $F trainer.output_dir=$RES/old \
+      2>&1 | grep -vE "it/s|s/it" | tail -5) ; echo "old rc=$?"
+  fi
+  stamp "this commit: flagship x1"
+  CUDA_VISIBLE_DEVICES=0 timeout 260 python -m hybrid_rl train recipes/gsm8k_grpo.yaml $F trainer.output_dir=$RES/new \
+    2>&1 | grep -vE "it/s|s/it" | tail -5; echo "new rc=$?"
+  python benchmarks/flagship.py --run "${OLD:-old}=$RES/old" --run "new=$RES/new" --device "$(python -c "import torch, sys; \
+sys.path.insert(0, 'benchmarks'); from bench_common import gpu_short_name as g; print(g(torch.cuda.get_device_name()))")x1" \
+    --settings "$F" --out-dir "$RES" || echo "flagship summary failed"
+  cp "$RES"/flagship_* "$RES"/old/metrics.jsonl "$OUT/" 2>/dev/null; cp "$RES"/new/metrics.jsonl "$OUT/new_metrics.jsonl" 2>/dev/null
   ;;
 fp32vllm)  # issue 13 item 1 on 1 GPU: the default (float32) recipe through vLLM, the old commit (.clean_old) then this one
   if [ -d .clean_old ]; then

@@ -134,7 +134,7 @@ def plot(doc: dict, path: Path) -> None:
     except ImportError:
         print("matplotlib not installed: no plot", file=sys.stderr)
         return
-    rows = doc["configs"]
+    rows = [r for r in doc["configs"] if "error" not in r]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     names = [r["config"] for r in rows]
     ax.barh(names, [r["log_prob_s"] for r in rows], label="old log-prob")
@@ -191,15 +191,20 @@ def main() -> None:
               else f"cpux{d.world_size}")
     rows = []
     for name in args.configs.split(","):
-        rows.append(run_config(name, CONFIGS[name], args, d))
+        try:
+            rows.append(run_config(name, CONFIGS[name], args, d))
+        except torch.OutOfMemoryError as e:  # a configuration that does not fit is a result too; the next one runs
+            rows.append({"config": name, "overrides": CONFIGS[name], "error": f"out of memory: {str(e)[:160]}"})
+            gc.collect()
+            torch.cuda.empty_cache()
         if d.rank == 0:
             print(json.dumps({"device": device, **{k: v for k, v in rows[-1].items() if k != "runs"}}), flush=True)
     if d.rank == 0:
-        base = rows[0]["trained_tokens_per_s"]
-        for r in rows:
-            r["speedup_vs_first"] = r["trained_tokens_per_s"] / base
+        ok = [r for r in rows if "error" not in r]
+        for r in ok:
+            r["speedup_vs_first"] = r["trained_tokens_per_s"] / ok[0]["trained_tokens_per_s"]
         doc = {"bench": "update_step", "device": device, "world_size": d.world_size, "model": args.model,
-               "sequences": args.prompts * args.n, "tokens": rows[0]["tokens"], "resp_mean": args.resp_mean,
+               "sequences": args.prompts * args.n, "tokens": ok[0]["tokens"] if ok else 0, "resp_mean": args.resp_mean,
                "resp_cap": args.resp_cap, "mini_batch_prompts": args.mini, "overrides": args.overrides,
                "recipe": args.recipe,
                "host_batch": args.host_batch,
