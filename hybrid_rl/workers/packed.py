@@ -91,6 +91,8 @@ def _varlen_kernel():
 _KERNEL: tuple | None | bool = False
 
 
+@torch.compiler.disable  # compiled blocks (actor.use_torch_compile) break the graph here: per-sequence slicing and the
+# kernel's lengths are data-dependent, which inductor failed on ("Exponent must be non-negative", torch 2.13)
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                      **kwargs) -> tuple[torch.Tensor, None]:
