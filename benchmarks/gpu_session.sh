@@ -139,7 +139,8 @@ cold4)  # issue 13 item 2: 4 ranks build builtin:qwen2.5-1.5b-random at once on 
   ;;
 flagship1)  # issue 16: the flagship recipe on 1 GPU with the 4-GPU run's per-GPU share (64 of 256 prompts, mini-batch 16
   # of 64), the old commit (.clean_old, its own model cache) then this one; 3 steps each, the first dropped
-  F="model.path=builtin:qwen2.5-1.5b-random data.train_path=$PWD/.devdata/train.jsonl data.train_batch_size=64 \
+  F="model.path=builtin:qwen2.5-1.5b-random data.train_path=$PWD/.devdata/train.jsonl data.val_path=$PWD/.devdata/test.jsonl \
+    data.train_batch_size=64 \
     actor.ppo_mini_batch_size=16 rollout.forced_lengths=lognormal:250:0.8 trainer.total_steps=3 trainer.test_freq=0 \
     trainer.val_before_train=false trainer.save_freq=-1 trainer.logger=[jsonl]"
   OLD=$(cat .clean_old/COMMIT 2>/dev/null | cut -c1-7)
@@ -147,11 +148,11 @@ flagship1)  # issue 16: the flagship recipe on 1 GPU with the 4-GPU run's per-GP
     stamp "old commit $OLD: flagship x1"
     (cd .clean_old && export HYBRID_RL_CACHE=/tmp/hrc_old PYTHONPATH=/tmp/site:$PWD && \
       python -c "from hybrid_rl.models import resolve_model_path as r; r('builtin:qwen2.5-1.5b-random')" && \
-      CUDA_VISIBLE_DEVICES=0 timeout 260 python -m hybrid_rl train recipes/gsm8k_grpo.yaml $F trainer.output_dir=$RES/old \
+      CUDA_VISIBLE_DEVICES=0 timeout 230 python -m hybrid_rl train recipes/gsm8k_grpo.yaml $F trainer.output_dir=$RES/old \
       2>&1 | grep -vE "it/s|s/it" | tail -5) ; echo "old rc=$?"
   fi
   stamp "this commit: flagship x1"
-  CUDA_VISIBLE_DEVICES=0 timeout 260 python -m hybrid_rl train recipes/gsm8k_grpo.yaml $F trainer.output_dir=$RES/new \
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python -m hybrid_rl train recipes/gsm8k_grpo.yaml $F trainer.output_dir=$RES/new \
     2>&1 | grep -vE "it/s|s/it" | tail -5; echo "new rc=$?"
   python benchmarks/flagship.py --run "${OLD:-old}=$RES/old" --run "new=$RES/new" --device "$(python -c "import torch, sys; \
 sys.path.insert(0, 'benchmarks'); from bench_common import gpu_short_name as g; print(g(torch.cuda.get_device_name()))")x1" \

@@ -289,6 +289,9 @@ class AlgorithmConfig:
     """Discount."""
     lam: float = 1.0
     """GAE λ."""
+    gae_whiten: Literal["std", "mean", "none"] = "std"
+    """How GAE advantages are normalised over the batch's tokens: ``std`` whitens (verl), ``mean`` only subtracts the
+    mean (keeps the critic's small errors small when a batch holds no reward at all), ``none`` leaves them raw."""
     use_kl_in_reward: bool = False
     """Subtract β·KL(π_old‖π_ref) from the token rewards (needs the reference policy)."""
     kl_penalty: Literal["k1", "k2", "k3"] = "k1"

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from hybrid_rl.registry import Registry
 
-from .core import _check_same_shape, _select, masked_sum, masked_whiten
+from .core import _check_same_shape, _select, masked_mean, masked_sum, masked_whiten
 
 # One group id per sequence: a 1-D tensor / numpy array, or a sequence of hashable ids.
 GroupIndex = Union[Tensor, np.ndarray, Sequence[Hashable]]
@@ -238,7 +238,7 @@ def reinforce_pp_advantage(
     return advantages, returns
 
 
-@register_estimator("gae", needs_critic=True, config=lambda c: {"gamma": c.gamma, "lam": c.lam})
+@register_estimator("gae", needs_critic=True, config=lambda c: {"gamma": c.gamma, "lam": c.lam, "whiten": c.gae_whiten})
 @torch.no_grad()
 def gae_advantage(
     token_level_rewards: Tensor,
@@ -246,6 +246,7 @@ def gae_advantage(
     response_mask: Tensor,
     gamma: float,
     lam: float,
+    whiten: str = "std",
 ) -> tuple[Tensor, Tensor]:
     """Generalised Advantage Estimation (PPO with a critic).
 
@@ -254,7 +255,8 @@ def gae_advantage(
     skipped (the next value and the running advantage carry through them),
     so right padding behaves like the end of the episode.
     returns = A + V (the critic target, un-whitened); advantages = A
-    whitened over the masked tokens. Both zero outside the mask.
+    whitened over the masked tokens (``whiten="std"``), only centred
+    (``"mean"``) or raw (``"none"``). Both zero outside the mask.
     """
     if token_level_rewards.dim() != 2:
         raise ValueError(f"token_level_rewards must be [B, R], got {tuple(token_level_rewards.shape)}")
@@ -278,6 +280,12 @@ def gae_advantage(
         adv[:, t] = _select(gae_t, m)
 
     returns = _select(adv + values, keep)
-    advantages = _select(masked_whiten(adv, keep), keep)
+    if whiten == "std":
+        adv = masked_whiten(adv, keep)
+    elif whiten == "mean":
+        adv = adv - masked_mean(adv, keep)
+    elif whiten != "none":
+        raise ValueError(f"whiten must be 'std', 'mean' or 'none', got {whiten!r}")
+    advantages = _select(adv, keep)
     return advantages, returns
 

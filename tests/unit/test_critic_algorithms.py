@@ -149,3 +149,22 @@ def test_gae_config_builds_a_critic_and_grpo_does_not():
     assert load_config(None, ["algorithm.adv_estimator=gae"]).validate().need_critic
     assert not load_config(None, []).validate().need_critic
     assert math.isclose(load_config(None, ["algorithm.kl_ctrl.kl_coef=0.2"]).algorithm.kl_ctrl.kl_coef, 0.2)
+
+
+def test_gae_normalisation_modes():
+    """``algorithm.gae_whiten``: std whitens, mean only centres (small critic errors stay small), none is raw."""
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    values = torch.tensor([[0.01, -0.02, 0.03], [0.02, 0.01, -0.01]])
+    mask = torch.ones(2, 3)
+    raw, ret = gae_advantage(rewards, values, mask, gamma=1.0, lam=1.0, whiten="none")
+    assert torch.allclose(raw, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]) - values)
+    centred, _ = gae_advantage(rewards, values, mask, gamma=1.0, lam=1.0, whiten="mean")
+    assert torch.allclose(centred, raw - raw.mean()) and abs(float(centred.mean())) < 1e-6
+    whitened, ret_w = gae_advantage(rewards, values, mask, gamma=1.0, lam=1.0)
+    assert torch.allclose(whitened, (raw - raw.mean()) / raw.std()) and torch.equal(ret, ret_w)
+    # a batch without any reward: whitening blows the critic's errors up to unit scale, centring does not
+    zero = torch.zeros(2, 3)
+    assert float(gae_advantage(zero, values, mask, 1.0, 1.0)[0].std()) == pytest.approx(1.0, rel=1e-3)
+    assert float(gae_advantage(zero, values, mask, 1.0, 1.0, whiten="mean")[0].abs().max()) < 0.05
+    with pytest.raises(ConfigError, match="algorithm.gae_whiten"):
+        load_config(None, ["algorithm.gae_whiten=l2"]).validate()
