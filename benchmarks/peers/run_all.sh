@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # On the GPU lender (issue 15): one framework per device call, all on one warm machine, then the combined report.
-#   bash benchmarks/peers/run_all.sh hybrid_rl|trl|verl|report [GPUS]      (GPUS default: every visible GPU)
+#   bash benchmarks/peers/run_all.sh hybrid_rl|trl|verl|verl_bg|verl_wait|report [GPUS]   (GPUS default: every visible GPU)
 # Expects: vLLM 0.26's carries unpacked in /tmp/vs (../shared/device/README.md), the peers' carries unpacked in
 # /tmp/ps (benchmarks/peers/stage.sh; trl_c1 before 'trl', verl_c1..c7 before 'verl'), GSM8K in .devdata/ in the
 # first call (copied to /tmp/peers_data for the later ones). Each part installs what it needs once per machine,
 # writes /tmp/peers_res/<framework>.json, and rebuilds benchmarks/results/peers_<device>_<model>.json + .png from
 # every framework finished so far; all of it is copied to $OUT (the device tool returns $OUT).
 set -u
-PART=${1:?usage: run_all.sh hybrid_rl|trl|verl|report [GPUS]}
+PART=${1:?usage: run_all.sh hybrid_rl|trl|verl|verl_bg|verl_wait|report [GPUS]}
 GPUS=${2:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 OUT=${OUT:-/tmp/peers_out}
 RES=/tmp/peers_res
@@ -74,8 +74,26 @@ verl)
   PYTHONPATH=/tmp/site_verl timeout 520 python3 benchmarks/peers/run_verl.py --gpus "$GPUS" --model-dir "$MODEL_DIR" \
     --data "$DATA" --out "$RES" --timeout 490 ${VERL_ARGS:-} || echo "verl failed"
   ;;
+verl_bg)  # verl padded (no flash-attn wheel) needs ~4 min to start and ~130-150 s a step on 1xH100: longer than one
+  # 600 s call. Start it detached (it survives the call while the machine stays warm), then call 'verl_wait' until done.
+  [ -d /tmp/site/vllm ] || need_vllm026
+  make_model
+  if [ ! -d /tmp/site_verl/verl ]; then
+    stamp "install verl (vLLM 0.24, transformers 5.9, ray 2.60)"
+    bash benchmarks/peers/install_remote.sh verl /tmp/ps /tmp/site_verl /tmp/vs || { echo "verl install failed"; exit 3; }
+  fi
+  stamp "verl x$GPUS, detached"
+  PYTHONPATH=/tmp/site_verl setsid nohup python3 benchmarks/peers/run_verl.py --gpus "$GPUS" --model-dir "$MODEL_DIR" \
+    --data "$DATA" --out "$RES" --timeout 2400 ${VERL_ARGS:-} > /tmp/peers_verl_bg.log 2>&1 < /dev/null &
+  echo "started pid $!; poll with: bash benchmarks/peers/run_all.sh verl_wait"
+  exit 0
+  ;;
+verl_wait)  # wait (up to 560 s) for the detached verl run, then report what it finished
+  for _ in $(seq 56); do pgrep -f run_verl.py > /dev/null || break; sleep 10; done
+  pgrep -f run_verl.py > /dev/null && { echo "verl still running:"; grep -o "step:[0-9]* " "$RES/verl_stdout.log" 2>/dev/null | tail -1; }
+  ;;
 report) ;;
-*) echo "unknown part $PART (hybrid_rl | trl | verl | report)"; exit 2 ;;
+*) echo "unknown part $PART (hybrid_rl | trl | verl | verl_bg | verl_wait | report)"; exit 2 ;;
 esac
 report
 stamp "done"
