@@ -36,7 +36,7 @@ from torch import Tensor
 
 from hybrid_rl.registry import Registry
 
-from .core import _check_same_shape, _select, masked_mean, masked_sum, masked_whiten
+from .core import _check_same_shape, _select, masked_mean, masked_sum, masked_var, masked_whiten
 
 # One group id per sequence: a 1-D tensor / numpy array, or a sequence of hashable ids.
 GroupIndex = Union[Tensor, np.ndarray, Sequence[Hashable]]
@@ -238,7 +238,8 @@ def reinforce_pp_advantage(
     return advantages, returns
 
 
-@register_estimator("gae", needs_critic=True, config=lambda c: {"gamma": c.gamma, "lam": c.lam, "whiten": c.gae_whiten})
+@register_estimator("gae", needs_critic=True, config=lambda c: {"gamma": c.gamma, "lam": c.lam, "whiten": c.gae_whiten,
+                                                           "std_floor": c.gae_std_floor})
 @torch.no_grad()
 def gae_advantage(
     token_level_rewards: Tensor,
@@ -247,6 +248,7 @@ def gae_advantage(
     gamma: float,
     lam: float,
     whiten: str = "std",
+    std_floor: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """Generalised Advantage Estimation (PPO with a critic).
 
@@ -256,7 +258,8 @@ def gae_advantage(
     so right padding behaves like the end of the episode.
     returns = A + V (the critic target, un-whitened); advantages = A
     whitened over the masked tokens (``whiten="std"``), only centred
-    (``"mean"``) or raw (``"none"``). Both zero outside the mask.
+    (``"mean"``) or raw (``"none"``); ``std_floor`` bounds the whitening's
+    divisor from below. Both zero outside the mask.
     """
     if token_level_rewards.dim() != 2:
         raise ValueError(f"token_level_rewards must be [B, R], got {tuple(token_level_rewards.shape)}")
@@ -280,7 +283,10 @@ def gae_advantage(
         adv[:, t] = _select(gae_t, m)
 
     returns = _select(adv + values, keep)
-    if whiten == "std":
+    if whiten == "std" and std_floor > 0:
+        centred = adv - masked_mean(adv, keep)
+        adv = centred / torch.clamp(masked_var(adv, keep, unbiased=True).sqrt(), min=std_floor)
+    elif whiten == "std":
         adv = masked_whiten(adv, keep)
     elif whiten == "mean":
         adv = adv - masked_mean(adv, keep)

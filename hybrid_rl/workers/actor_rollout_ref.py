@@ -79,6 +79,9 @@ class ActorRolloutRefWorker:
         self.rollout_dtype = resolve_dtype(cfg.rollout_dtype, self.device)
         """The engine's weight dtype: what the push casts to (``rollout.dtype``)."""
         mcfg = cfg.model
+        on_gpu = self.device.type == "cuda"  # null = the device's default (see ActorConfig)
+        self.remove_padding = on_gpu if cfg.actor.use_remove_padding is None else cfg.actor.use_remove_padding
+        self.fused_logprob = on_gpu if cfg.actor.fused_logprob is None else cfg.actor.fused_logprob
         # the driver loads the tokenizer once (for its datasets) and passes it in
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
             mcfg.tokenizer_path or mcfg.path, mcfg.trust_remote_code,
@@ -93,8 +96,7 @@ class ActorRolloutRefWorker:
                                         gradient_checkpointing=mcfg.enable_gradient_checkpointing,
                                         accumulate_unsharded=cfg.actor.accumulate_unsharded,
                                         compile_blocks=cfg.actor.use_torch_compile, group=dist.group,
-                                        remove_padding=cfg.actor.use_remove_padding,
-                                        fused_logprob=cfg.actor.fused_logprob)
+                                        remove_padding=self.remove_padding, fused_logprob=self.fused_logprob)
             a = cfg.actor
             updates_per_step = a.ppo_epochs * (cfg.data.train_batch_size // a.ppo_mini_batch_size)
             self.actor.configure_optimizer(a.lr, (a.betas[0], a.betas[1]), a.weight_decay, a.warmup_steps,
@@ -107,8 +109,7 @@ class ActorRolloutRefWorker:
             else:
                 ref_engine = TrainingEngine(load_causal_lm(mcfg.path, self.dtype, mcfg.trust_remote_code), self.device,
                                             self.dtype, trainable=False, group=dist.group,
-                                            remove_padding=cfg.actor.use_remove_padding,
-                                            fused_logprob=cfg.actor.fused_logprob)
+                                            remove_padding=self.remove_padding, fused_logprob=self.fused_logprob)
                 self.ref = FrozenReference(ref_engine, offload=cfg.ref.offload)
         self.rollout: RolloutEngine | None = None
         self.sharding_manager: ShardingManager | None = None

@@ -166,5 +166,10 @@ def test_gae_normalisation_modes():
     zero = torch.zeros(2, 3)
     assert float(gae_advantage(zero, values, mask, 1.0, 1.0)[0].std()) == pytest.approx(1.0, rel=1e-3)
     assert float(gae_advantage(zero, values, mask, 1.0, 1.0, whiten="mean")[0].abs().max()) < 0.05
+    floored, _ = gae_advantage(zero, values, mask, 1.0, 1.0, std_floor=0.1)
+    assert torch.allclose(floored, (-values - (-values).mean()) / 0.1)  # the noise's std is under the floor
+    assert torch.allclose(gae_advantage(rewards, values, mask, 1.0, 1.0, std_floor=0.1)[0], whitened)  # std > floor
+    with pytest.raises(ConfigError, match="algorithm.gae_std_floor"):
+        load_config(None, ["algorithm.gae_std_floor=-1"]).validate()
     with pytest.raises(ConfigError, match="algorithm.gae_whiten"):
         load_config(None, ["algorithm.gae_whiten=l2"]).validate()
