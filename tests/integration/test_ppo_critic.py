@@ -104,9 +104,6 @@ def _learns(rows: list[dict]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(run=False, strict=True, reason="issue 19 is open: GAE does not yet learn the CPU task (reward/mean "
-                   "0.15 after 100 steps at best; with algorithm.gae_whiten=mean or none still ~0.001 after 34 steps); "
-                   "250 steps x 2 modes would also cost CI ~15 minutes. Run it with --runxfail once tuned.")
 @pytest.mark.parametrize("mode", ["sync", "overlap"])
 def test_gae_learns_the_default_task(tmp_path, mode):
     """The issue's bar: reward/mean ≥ 0.8 over the last 3 steps with adv_estimator=gae, in sync and overlap mode."""
