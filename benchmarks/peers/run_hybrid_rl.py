@@ -10,14 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import ROOT, WORKLOAD as W, commit, device_name, prepare_model, summarize, tail, write_result  # noqa: E402
+from workload import (ROOT, WORKLOAD as W, commit, device_name, prepare_model, run_watched, summarize, tail,  # noqa: E402
+                      write_result)
 
 PHASES = ["gen", "switch", "sync_weights", "reward", "old_log_prob", "ref", "adv", "update", "other"]
 
@@ -106,34 +105,21 @@ def main() -> None:
     metrics.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in [env.get("PYTHONPATH", ""), str(ROOT)] if p)
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-        first_step_at = None
-        done_at = None
-        while proc.poll() is None:
-            time.sleep(1.0)
-            n = sum(1 for l in metrics.read_text().splitlines() if '"timing/step"' in l) if metrics.exists() else 0
-            el = time.perf_counter() - t0
-            if n >= 1 and first_step_at is None:
-                first_step_at = el
-            if n >= args.steps and done_at is None:
-                done_at = el
-            if (done_at is not None and el - done_at > 20) or el > args.timeout:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                break
+    w = run_watched(cmd, ROOT, env, log_path,
+                    lambda: sum(1 for l in metrics.read_text().splitlines() if '"timing/step"' in l) if metrics.exists() else 0,
+                    args.steps, args.timeout, t0)
     rows = parse(metrics) if metrics.exists() else []
     import torch
 
     version = f"{commit()} (torch {torch.__version__})"
     if len(rows) <= args.warmup:
-        doc = {"framework": "hybrid_rl", "version": version, "error": f"exit {proc.returncode}, {len(rows)} steps logged",
+        doc = {"framework": "hybrid_rl", "version": version, "error": f"exit {w.returncode}, {len(rows)} steps logged",
                "log_tail": tail(log_path)}
     else:
         first = rows[0]["step_s"]
         doc = summarize("hybrid_rl", version, rows, args.gpus, args.warmup,
-                        startup_s=(first_step_at - first) if first_step_at else None,
-                        wall_s=done_at or time.perf_counter() - t0, settings={"overrides": ov},
+                        startup_s=(w.first_step_at - first) if w.first_step_at else None,
+                        wall_s=w.done_at or time.perf_counter() - t0, settings={"overrides": ov},
                         notes=["response lengths forced: rollout.forced_lengths=fixed:256 (EOS ignored, no stop ids)"])
     doc.update(device=device_name(args.gpus) if not args.cpu_smoke else "CPU", commit=commit())
     write_result(doc, out / "hybrid_rl.json")

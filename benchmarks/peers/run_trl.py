@@ -19,15 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import (ROOT, VERSIONS, WORKLOAD as W, commit, device_name, gsm8k_reward, gsm8k_rows,  # noqa: E402
-                      prepare_model, summarize, tail, write_result)
+                      prepare_model, run_watched, summarize, tail, write_result)
 
 TRL_VERSION = VERSIONS["trl"]
 ACCELERATE_FSDP2 = """compute_environment: LOCAL_MACHINE
@@ -103,7 +101,7 @@ def worker(args) -> None:
     # prompts over max_prompt_length tokens (the built-in tokenizer is near character level: ~1 in 20 GSM8K prompts)
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(args.model_dir)
+    tok = AutoTokenizer.from_pretrained(args.model)
     rows = [r for r in rows if len(tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True,
                                                            return_dict=False)) <= W["max_prompt_length"]]
     ds = Dataset.from_list([{"prompt": r["messages"], "ground_truth": r["ground_truth"]} for r in rows])
@@ -243,21 +241,9 @@ def main() -> None:
     steps_file = out / "trl_steps.jsonl"
     steps_file.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    first_step_at = done_at = None
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-        while proc.poll() is None:
-            time.sleep(1.0)
-            n = len(steps_file.read_text().splitlines()) if steps_file.exists() else 0
-            el = time.perf_counter() - t0
-            if n >= 1 and first_step_at is None:
-                first_step_at = el
-            if n >= args.steps and done_at is None:
-                done_at = el
-            if (done_at is not None and el - done_at > 20) or el > args.timeout:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                break
+    w = run_watched(cmd, ROOT, env, log_path,
+                    lambda: len(steps_file.read_text().splitlines()) if steps_file.exists() else 0, args.steps,
+                    args.timeout, t0)
     rows = [json.loads(l) for l in steps_file.read_text().splitlines()] if steps_file.exists() else []
     try:
         import trl
@@ -268,7 +254,7 @@ def main() -> None:
     if version != TRL_VERSION:
         print(f"WARNING: trl {version} imported, {TRL_VERSION} pinned", file=sys.stderr)
     if len(rows) <= args.warmup:
-        doc = {"framework": "trl", "version": version, "error": f"exit {proc.returncode}, {len(rows)} steps logged",
+        doc = {"framework": "trl", "version": version, "error": f"exit {w.returncode}, {len(rows)} steps logged",
                "log_tail": tail(log_path)}
     else:
         cfg_doc = json.loads((out / "trl_config.json").read_text()) if (out / "trl_config.json").exists() else {}
@@ -278,8 +264,8 @@ def main() -> None:
                 "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "generation_kwargs", "max_steps",
                 "vllm_importance_sampling_correction", "scale_rewards", "model_init_kwargs"]
         doc = summarize("trl", version, rows, args.gpus, args.warmup,
-                        startup_s=(first_step_at - rows[0]["step_s"]) if first_step_at else None,
-                        wall_s=done_at or time.perf_counter() - t0,
+                        startup_s=(w.first_step_at - rows[0]["step_s"]) if w.first_step_at else None,
+                        wall_s=w.done_at or time.perf_counter() - t0,
                         settings={"strategy": args.strategy, **{k: cfg_doc.get(k) for k in keep}},
                         notes=["one step = 2 TRL optimizer steps over one generation batch of 512 completions",
                                "lengths forced with generation_kwargs ignore_eos=True, min_tokens=256",

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import (ROOT, VERSIONS, WORKLOAD as W, commit, device_name, gsm8k_rows, prepare_model,  # noqa: E402
-                      summarize, tail, write_result)
+                      run_watched, summarize, tail, write_result)
 
 VERL_VERSION = VERSIONS["verl"]
 PHASES = ["gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights"]
@@ -164,21 +163,9 @@ def main() -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1", VERL_FILE_LOGGER_PATH=str(metrics), TOKENIZERS_PARALLELISM="false",
                RAY_DEDUP_LOGS="0", HYDRA_FULL_ERROR="1", RAY_USAGE_STATS_ENABLED="0")
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *ov]
-    first_step_at = done_at = None
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, cwd=out, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-        while proc.poll() is None:
-            time.sleep(1.0)
-            n = sum(1 for l in metrics.read_text().splitlines() if "timing_s/step" in l) if metrics.exists() else 0
-            el = time.perf_counter() - t0
-            if n >= 1 and first_step_at is None:
-                first_step_at = el
-            if n >= args.steps and done_at is None:
-                done_at = el
-            if (done_at is not None and el - done_at > 20) or el > args.timeout:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                break
+    w = run_watched(cmd, out, env, log_path,
+                    lambda: sum(1 for l in metrics.read_text().splitlines() if "timing_s/step" in l) if metrics.exists() else 0,
+                    args.steps, args.timeout, t0)
     subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True, timeout=60,
                    env=env, check=False)  # the ray cluster this run started
     rows = parse(metrics) if metrics.exists() else []
@@ -189,12 +176,12 @@ def main() -> None:
     except ImportError:
         version = VERL_VERSION
     if len(rows) <= args.warmup:
-        doc = {"framework": "verl", "version": version, "error": f"exit {proc.returncode}, {len(rows)} steps logged",
+        doc = {"framework": "verl", "version": version, "error": f"exit {w.returncode}, {len(rows)} steps logged",
                "log_tail": tail(log_path, 6000)}
     else:
         doc = summarize("verl", version, rows, args.gpus, args.warmup,
-                        startup_s=(first_step_at - rows[0]["step_s"]) if first_step_at else None,
-                        wall_s=done_at or time.perf_counter() - t0, settings={"overrides": ov},
+                        startup_s=(w.first_step_at - rows[0]["step_s"]) if w.first_step_at else None,
+                        wall_s=w.done_at or time.perf_counter() - t0, settings={"overrides": ov},
                         notes=["verl V1 trainer (trainer.use_v1=True, its default), rollout mode async (vLLM AsyncLLM "
                                "server per GPU, colocated hybrid engine)",
                                "lengths forced with actor_rollout_ref.rollout.ignore_eos=True, response_length 256",

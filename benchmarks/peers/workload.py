@@ -28,10 +28,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
@@ -190,6 +194,37 @@ def write_result(doc: dict, out: Path) -> None:
     if extra:
         Path(extra).mkdir(parents=True, exist_ok=True)
         (Path(extra) / out.name).write_text(json.dumps(doc, indent=2))
+
+
+@dataclass
+class Watched:
+    returncode: int | None
+    first_step_at: float | None
+    """Seconds from ``t0`` to the first logged step (None: none was)."""
+    done_at: float | None
+    """Seconds from ``t0`` to the last wanted step (None: not reached)."""
+
+
+def run_watched(cmd: list[str], cwd: Path, env: dict, log_path: Path, steps_logged: Callable[[], int], steps: int,
+                timeout: float, t0: float) -> Watched:
+    """Run a framework's training command with its output in ``log_path``, polling ``steps_logged`` every second;
+    its process group is killed 20 s after ``steps`` steps are logged (no teardown timed) or at ``timeout``."""
+    first_step_at = done_at = None
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        while proc.poll() is None:
+            time.sleep(1.0)
+            n = steps_logged()
+            el = time.perf_counter() - t0
+            if n >= 1 and first_step_at is None:
+                first_step_at = el
+            if n >= steps and done_at is None:
+                done_at = el
+            if (done_at is not None and el - done_at > 20) or el > timeout:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                break
+    return Watched(proc.returncode, first_step_at, done_at)
 
 
 def tail(path: Path, n: int = 4000) -> str:
