@@ -539,6 +539,9 @@ class Config:
                               f"process) or a number of worker processes")
         if t.stall_dump_s < 0:
             raise ConfigError(f"trainer.stall_dump_s={t.stall_dump_s} must be >= 0 seconds (0 = off)")
+        if t.peak_tflops is not None and t.peak_tflops <= 0:
+            raise ConfigError(f"trainer.peak_tflops={t.peak_tflops} must be > 0 (the GPU's dense bf16 TFLOP/s), or null to "
+                              f"look it up by GPU name")
         if any(step < 1 for step in t.profile_steps):
             raise ConfigError(f"trainer.profile_steps={t.profile_steps} must list step numbers >= 1, e.g. [5]")
         if self.trainer.total_steps < 0 or self.trainer.total_epochs < 1:

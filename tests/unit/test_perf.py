@@ -34,3 +34,11 @@ def test_peaks_and_pass_mfu(monkeypatch):
     out = pass_mfu(times, forward_flops=8e12, peak=1e12, gpus=4, ppo_epochs=2)
     assert out == {"perf/mfu_update": pytest.approx(3 * 2 * 8 / (3 * 4)), "perf/mfu_log_prob": pytest.approx(8 / 4)}
     assert pass_mfu(times, 8e12, None, 4) == {}
+
+
+def test_peak_tflops_must_be_positive():
+    from hybrid_rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="trainer.peak_tflops"):
+        load_config(None, ["trainer.peak_tflops=0"]).validate()
+    assert load_config(None, ["trainer.peak_tflops=989"]).validate().trainer.peak_tflops == 989
