@@ -5,11 +5,11 @@
 # Expects vLLM 0.26 staged at /tmp/vs (../shared/device/README.md) and GSM8K in .devdata/. Run it from a clean export:
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean && git rev-parse HEAD > .clean/COMMIT \
 #     && cp -r .devdata .clean/      # then, on the lender (carry .clean): cd .clean && bash benchmarks/gpu_session.sh PART
-#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 ; writes $OUT/PART.tgz and $OUT/PART.log
+#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | ppo ; writes $OUT/PART.tgz and $OUT/PART.log
 # Each part fits one 600 s device call; every piece has its own timeout and results are packed after each piece,
 # so a part cut short still returns what finished.
 set -u
-PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm|soak1|flagship1}
+PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm|soak1|flagship1|ppo}
 OUT=${OUT:-/tmp/gpu_out}
 RES=/tmp/res/$PART
 MODES_RES=/tmp/res/modes2  # colo2 and split2 write one modes JSON (merged by mode) when they run on one warm machine
@@ -174,6 +174,14 @@ soak1)  # issue 20: host RSS and GPU memory per step over 200 vLLM steps on 1 GP
   stamp "soak x1"
   CUDA_VISIBLE_DEVICES=0 timeout 560 torchrun --standalone --nproc_per_node=1 benchmarks/soak.py \
     --recipe recipes/bench_modes.yaml --steps 200 --out "$RES" --run-dir /tmp/soak_run $BENCH || echo "soak x1 failed"
+  ;;
+ppo)  # issue 19: PPO with the critic through vLLM, 4 steps each on 1 GPU (critic resident / offloaded) and on 4 GPUs
+  stamp "ppo: pytest -m gpu tests/gpu/test_gpu_ppo.py"
+  DEV=$(python -c "import torch, sys; sys.path.insert(0, 'benchmarks'); from bench_common import gpu_short_name as g; \
+print(g(torch.cuda.get_device_name()))")
+  HYBRID_RL_GPU_RESULTS=$RES/ppo_critic_${DEV}.jsonl timeout 560 python -m pytest -q -s -m gpu tests/gpu/test_gpu_ppo.py \
+    2>&1 | grep -vE "it/s|s/it" | tail -40
+  cp "$RES"/ppo_critic_*.jsonl "$OUT/" 2>/dev/null
   ;;
 *) echo "unknown part $PART (colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4)"; exit 2 ;;
 esac

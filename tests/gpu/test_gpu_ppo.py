@@ -1,4 +1,4 @@
-"""PPO with a critic on GPUs with vLLM (issue 19): a few steps on 1 and 2 ranks, the critic's phases timed, memory reported.
+"""PPO with a critic on GPUs with vLLM (issue 19): a few steps on 1 and 4 ranks, the critic's phases timed, memory reported.
 
 Run on a CUDA machine with vLLM 0.26 (see benchmarks/gpu_session.sh for the environment):
     pytest -m gpu -s tests/gpu/test_gpu_ppo.py
@@ -40,8 +40,8 @@ MODEL = ["model.path=builtin:qwen2.5-0.5b-random", "model.dtype=bfloat16", "roll
          "critic.forward_micro_batch_size_per_device=32", "actor.lr=1e-6", "critic.lr=1e-5"]
 
 
-@pytest.mark.parametrize("gpus", [1, 2])
-@pytest.mark.parametrize("offload", [False, True], ids=["resident", "critic_offload"])
+@pytest.mark.parametrize(("gpus", "offload"), [(1, False), (1, True), (4, False)],
+                         ids=["1gpu_resident", "1gpu_critic_offload", "4gpu_resident"])
 def test_ppo_steps_with_vllm(tmp_path, gpus, offload):
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs")
@@ -64,5 +64,9 @@ def test_ppo_steps_with_vllm(tmp_path, gpus, offload):
     keys = ["timing/gen", "timing/old_log_prob", "timing/values", "timing/adv", "timing/update_critic", "timing/update",
             "timing/step", "perf/max_memory_allocated_gb", "perf/max_memory_reserved_gb", "critic/vf_loss"]
     summary = {k: round(sum(r[k] for r in later) / len(later), 4) for k in keys}
-    print(json.dumps({"test": "ppo_critic_vllm", "gpus": gpus, "critic_offload": offload,
-                      "device": torch.cuda.get_device_name(0), **summary}))
+    line = json.dumps({"test": "ppo_critic_vllm", "gpus": gpus, "critic_offload": offload,
+                       "device": torch.cuda.get_device_name(0), **summary})
+    print(line)
+    if os.environ.get("HYBRID_RL_GPU_RESULTS"):  # gpu_session.sh collects these lines into one JSON file
+        with open(os.environ["HYBRID_RL_GPU_RESULTS"], "a") as f:
+            f.write(line + "\n")
