@@ -179,7 +179,7 @@ ppo)  # issue 19: PPO with the critic through vLLM, 4 steps each on 1 GPU (criti
   stamp "ppo: pytest -m gpu tests/gpu/test_gpu_ppo.py"
   DEV=$(python -c "import torch, sys; sys.path.insert(0, 'benchmarks'); from bench_common import gpu_short_name as g; \
 print(g(torch.cuda.get_device_name()))")
-  HYBRID_RL_GPU_RESULTS=$RES/ppo_critic_${DEV}.jsonl timeout 560 python -m pytest -q -s -m gpu tests/gpu/test_gpu_ppo.py \
+  HYBRID_RL_GPU_RESULTS=$RES/ppo_critic_${DEV}.jsonl timeout ${PPO_TIMEOUT:-560} python -m pytest -q -s -m gpu tests/gpu/test_gpu_ppo.py -k "${PPO_K:-gpu}" \
     2>&1 | grep -vE "it/s|s/it" | tail -40
   cp "$RES"/ppo_critic_*.jsonl "$OUT/" 2>/dev/null
   ;;
