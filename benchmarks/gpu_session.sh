@@ -5,15 +5,17 @@
 # Expects vLLM 0.26 staged at /tmp/vs (../shared/device/README.md) and GSM8K in .devdata/. Run it from a clean export:
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean && git rev-parse HEAD > .clean/COMMIT \
 #     && cp -r .devdata .clean/      # then, on the lender (carry .clean): cd .clean && bash benchmarks/gpu_session.sh PART
-#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | ppo ; writes $OUT/PART.tgz and $OUT/PART.log
+#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | ppo | sweep4a..sweep4d ; writes $OUT/PART.tgz and $OUT/PART.log
 # Each part fits one 600 s device call; every piece has its own timeout and results are packed after each piece,
 # so a part cut short still returns what finished.
 set -u
-PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm|soak1|flagship1|ppo}
+CALL0=$(date +%s)  # the sweep parts size their budget by what is left of the 600 s call
+PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm|soak1|flagship1|ppo|sweep4a|sweep4b|sweep4c|sweep4d}
 OUT=${OUT:-/tmp/gpu_out}
 RES=/tmp/res/$PART
 MODES_RES=/tmp/res/modes2  # colo2 and split2 write one modes JSON (merged by mode) when they run on one warm machine
-mkdir -p "$OUT" "$RES" "$MODES_RES"
+SWEEP_RES=/tmp/res/sweep4  # sweep4a..d write one modes_sweep JSON (merged by length and mode), likewise
+mkdir -p "$OUT" "$RES" "$MODES_RES" "$SWEEP_RES"
 exec > >(tee "$OUT/$PART.log") 2>&1
 if [ -d /tmp/vs ] && [ ! -d /tmp/site/vllm ]; then
   bash /tmp/vs/install_remote.sh /tmp/vs /tmp/site --with-datasets >/dev/null || echo "vllm install failed"
@@ -26,7 +28,7 @@ python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__
 # cold4 measures the ranks' own build on a cold cache: no pre-build there
 [ "$PART" = cold4 ] || python -c "from hybrid_rl.models import resolve_model_path as r; r('builtin:qwen2.5-0.5b-random'); r('builtin:qwen2.5-1.5b-random')"
 T0=$(date +%s)
-pack() { tar czf "$OUT/$PART.tgz.tmp" --exclude=checkpoints --exclude=tensorboard -C /tmp/res "$PART" modes2 2>/dev/null;
+pack() { tar czf "$OUT/$PART.tgz.tmp" --exclude=checkpoints --exclude=tensorboard -C /tmp/res "$PART" modes2 sweep4 2>/dev/null;
         mv "$OUT/$PART.tgz.tmp" "$OUT/$PART.tgz"; }
 stamp() { echo "== $1 at +$(( $(date +%s) - T0 ))s"; pack; }
 # and every 20 s, so a call killed at its limit still returns what was written
@@ -43,6 +45,33 @@ push_runs() {
 # the benchmark recipe on GSM8K prompts with vLLM (32 prompts x 8 samples per step), lognormal lengths (mean 200, cap 512)
 MODEL4=${MODEL4:-qwen2.5-1.5b-random}  # the model of the 4-GPU parts
 BENCH="data.train_path=.devdata/train.jsonl rollout.name=vllm data.max_response_length=512 rollout.forced_lengths=lognormal:200:0.8"
+# issue 18's crossover sweep (benchmarks/modes_sweep.py) on 4 GPUs with $MODEL4: 24 prompts x 8 per step at every
+# length (24 and its mini-batch of 12 split evenly over 4 colocated ranks and over 1/2/3 rollout or trainer ranks);
+# lognormal lengths, sigma 0.8, capped at 2x the mean; 1 warm-up + 1 measured step per run (a third step is started
+# and not waited for); micro-batches by a 16k-token budget with activation checkpointing (8k responses at 1.5B);
+# the split runs' rollout GPUs give vLLM 0.6 of the card (they hold nothing else); split ratio 'auto' = round(4 x the
+# sync generation share). Estimate per run, 4xH200 (issue 18: ~130k gen tok/s on 4 GPUs, ~60 s start-up per run;
+# flagship training ~12.6k tok/s per GPU; decode of the capped tail ~4 ms per token step):
+#   mean  256 (cap   512): sync step ~5 s   -> ~70 s per run,  3 runs ~215 s
+#   mean 1024 (cap  2048): sync step ~15 s  -> ~90 s per run,  3 runs ~260 s
+#   mean 4096 (cap  8192): sync step ~55 s  -> ~150-170 s,     3 runs ~470 s
+#   mean 8192 (cap 16384): sync step ~115 s -> ~250-300 s,     3 runs ~810 s (two calls)
+# so four calls on one warm machine, ~1750 s in all (H100s: slower, more may be skipped). Each part's budget is what
+# is left of its call; a run that cannot fit is recorded as skipped with the reason, and calling the part again
+# (--resume) runs only what is missing. Parts of one sweep must run on one machine (the JSON lives in $SWEEP_RES;
+# a JSON carried in benchmarks/results/ seeds a fresh machine, and rows from two hosts are flagged mixed_hosts).
+SWEEP="--gpus 4 --model builtin:$MODEL4 --prompts 24 --n 8 --sigma 0.8 --cap-factor 2 --warmup 1 --measure 1 \
+  --token-budget 16384 --split-ratios auto --split-override rollout.gpu_memory_utilization=0.6 --resume \
+  --out $SWEEP_RES data.train_path=.devdata/train.jsonl rollout.name=vllm model.enable_gradient_checkpointing=true \
+  actor.ppo_mini_batch_size=12 actor.ppo_micro_batch_size_per_device=8 trainer.stall_dump_s=300"
+sweep_part() {  # $1: --lengths, $2: --modes
+  ls "$SWEEP_RES"/modes_sweep_*.json >/dev/null 2>&1 || cp benchmarks/results/modes_sweep_*x4_"$MODEL4".json "$SWEEP_RES"/ 2>/dev/null
+  local budget=$(( 555 - ($(date +%s) - CALL0) ))
+  stamp "sweep x4 ($MODEL4): lengths $1, modes $2, budget ${budget}s"
+  timeout $(( budget + 30 )) python benchmarks/modes_sweep.py $SWEEP --budget "$budget" --lengths "$1" --modes "$2" \
+    || echo "sweep x4 $1 $2 failed"
+  cp "$SWEEP_RES"/modes_sweep_*.json "$SWEEP_RES"/modes_sweep_*.png "$OUT/" 2>/dev/null
+}
 
 case $PART in
 colo2)  # sync vs overlap colocated on 2 GPUs; the sync run is also the 20-step vLLM training run on 2 GPUs
@@ -183,7 +212,19 @@ print(g(torch.cuda.get_device_name()))")
     2>&1 | grep -vE "it/s|s/it" | tail -40
   cp "$RES"/ppo_critic_*.jsonl "$OUT/" 2>/dev/null
   ;;
-*) echo "unknown part $PART (colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4)"; exit 2 ;;
+sweep4a)  # issue 18's crossover sweep, part 1 of 4 (see SWEEP above): the short end, ~490 s
+  sweep_part 256,1024 sync,overlap_colocated,overlap_split
+  ;;
+sweep4b)  # part 2: mean 4k, ~470 s
+  sweep_part 4096 sync,overlap_colocated,overlap_split
+  ;;
+sweep4c)  # part 3: mean 8k, sync alone (~300 s; its generation share picks part 4's split ratio)
+  sweep_part 8192 sync
+  ;;
+sweep4d)  # part 4: mean 8k, both overlap modes (~510 s)
+  sweep_part 8192 overlap_colocated,overlap_split
+  ;;
+*) echo "unknown part $PART (colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | sweep4a..d | ...)"; exit 2 ;;
 esac
 stamp "done"
 kill $PACKER  # else the open output pipe keeps the device call waiting until its limit

@@ -91,11 +91,51 @@ def _steps_logged(path: Path) -> int:
         return 0
 
 
+def _process_tree(root: int) -> list[int]:
+    """``root`` and every process below it, by the parent links in /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")"
+            ppid = int(stat.read_text().rpartition(")")[2].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _kill(proc: subprocess.Popen) -> None:
-    """torchrun and every worker it started (workers sit in their own process groups, so killpg alone misses them)."""
-    os.killpg(proc.pid, signal.SIGKILL)
+    """torchrun and every process it started, and nothing else (other runs on the machine are left alone).
+
+    Workers sit in their own process groups, so killpg alone misses them: the tree is found by parent links
+    and stopped first, so that nothing forks a child while it is being collected, then killed.
+    """
+    stopped: set[int] = set()
+    for _ in range(5):
+        new = [pid for pid in _process_tree(proc.pid) if pid not in stopped]
+        if not new:
+            break
+        for pid in new:
+            _signal(pid, signal.SIGSTOP)
+        stopped.update(new)
+    for pid in stopped:
+        _signal(pid, signal.SIGKILL)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
     proc.wait()
-    subprocess.run(["pkill", "-9", "-f", "hybrid_rl train"], check=False)
     time.sleep(3)  # let the driver release the GPU memory
 
 
@@ -113,15 +153,19 @@ def run_mode(name: str, overrides: list[str], args, out_dir: Path) -> dict:
     log = (run_dir / "stderr.log").open("w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     metrics = run_dir / "metrics.jsonl"
+    # the sweep (modes_sweep.py) stops a run once its measured steps are logged, before the last step, which
+    # generates nothing ahead in overlap mode and so is no steady-state step
+    target = getattr(args, "stop_after", None) or args.steps
+    grace = 15 if target >= args.steps else 0
     done_at = None
     while proc.poll() is None:
-        time.sleep(1.0)
+        time.sleep(1.0 if grace else 0.25)
         elapsed = time.perf_counter() - start
         logged = _steps_logged(metrics) if metrics.exists() else 0
-        sampler.active = args.warmup <= logged < args.steps
-        if done_at is None and logged >= args.steps:
+        sampler.active = args.warmup <= logged < target
+        if done_at is None and logged >= target:
             done_at = elapsed  # every step is logged: the rest is teardown, which gets a short grace period
-        if (done_at is not None and elapsed - done_at > 15) or (args.mode_timeout and elapsed > args.mode_timeout):
+        if (done_at is not None and elapsed - done_at >= grace) or (args.mode_timeout and elapsed > args.mode_timeout):
             _kill(proc)
             break
     wall = (done_at if done_at is not None else time.perf_counter() - start)
@@ -141,7 +185,7 @@ def run_mode(name: str, overrides: list[str], args, out_dir: Path) -> dict:
 def summarize(name: str, overrides: list[str], run_dir: Path, args, wall: float | None, busy: float | None) -> dict:
     """One mode's figures from its ``metrics.jsonl`` (warm-up steps dropped)."""
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "timing/step" in r][args.warmup:]
+    rows = [r for r in rows if "timing/step" in r][args.warmup:getattr(args, "stop_after", None) or None]
     mean = lambda k: statistics.fmean(r.get(k, 0.0) for r in rows)
     step_s = mean("timing/step")
     # every rank's response/total tokens per step, recovered from the logged throughputs
