@@ -130,6 +130,12 @@ def check_config(ov: list[str]) -> None:
         print("validate_config:", type(e).__name__, e)
 
 
+def port_race(log_path: Path) -> bool:
+    """Whether a run that logged no step died of the vLLM servers' distributed-init port collision."""
+    text = tail(log_path, 400_000)
+    return "EADDRINUSE" in text and "Engine core initialization failed" in text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", type=int, default=2)
@@ -141,6 +147,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=480)
     ap.add_argument("--print-overrides", action="store_true")
     ap.add_argument("--check-config", action="store_true")
+    ap.add_argument("--start-retries", type=int, default=2,
+                    help="start again this many times when vLLM's servers collide on a port before step 1")
     ap.add_argument("extra", nargs="*", help="more Hydra overrides")
     args = ap.parse_args()
     out = Path(args.out)
@@ -163,11 +171,19 @@ def main() -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1", VERL_FILE_LOGGER_PATH=str(metrics), TOKENIZERS_PARALLELISM="false",
                RAY_DEDUP_LOGS="0", HYDRA_FULL_ERROR="1", RAY_USAGE_STATS_ENABLED="0")
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *ov]
-    w = run_watched(cmd, out, env, log_path,
-                    lambda: sum(1 for l in metrics.read_text().splitlines() if "timing_s/step" in l) if metrics.exists() else 0,
-                    args.steps, args.timeout, t0)
-    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True, timeout=60,
-                   env=env, check=False)  # the ray cluster this run started
+    for attempt in range(1, args.start_retries + 2):
+        w = run_watched(cmd, out, env, log_path,
+                        lambda: sum(1 for l in metrics.read_text().splitlines() if "timing_s/step" in l)
+                        if metrics.exists() else 0, args.steps, args.timeout, t0)
+        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True, timeout=60,
+                       env=env, check=False)  # the ray cluster this run started
+        # verl starts one vLLM server per GPU at once, and their distributed-init ports can collide (vLLM picks each
+        # with its own open-port probe: verl-project/verl#6677; seen here on 4xH200, 2026-11-26). Start again.
+        if metrics.exists() or not port_race(log_path) or attempt > args.start_retries:
+            break
+        kept = log_path.with_name(f"verl_stdout_try{attempt}.log")
+        log_path.replace(kept)
+        print(f"verl: vLLM servers collided on a port (EADDRINUSE) before step 1; log kept in {kept}; starting again")
     rows = parse(metrics) if metrics.exists() else []
     try:
         import verl
