@@ -204,6 +204,38 @@ soak1)  # issue 20: host RSS and GPU memory per step over 200 vLLM steps on 1 GP
   CUDA_VISIBLE_DEVICES=0 timeout 560 torchrun --standalone --nproc_per_node=1 benchmarks/soak.py \
     --recipe recipes/bench_modes.yaml --steps 200 --out "$RES" --run-dir /tmp/soak_run $BENCH || echo "soak x1 failed"
   ;;
+flagship4a|flagship4b)  # issue 16, the yardstick on 4 GPUs: 4a = cba16b7 (.clean_old, its own model cache) then this
+  # commit as shipped; 4b = this commit with the levers (LEVERS_B, LEVERS_C), step 3 profiled. 4 steps each, the first
+  # dropped by flagship.py; each run ~60 s to start + 4 x ~30 s. Same machine for both parts: flagship4b merges 4a's runs.
+  F4="model.path=builtin:qwen2.5-1.5b-random data.train_path=$PWD/.devdata/train.jsonl \
+    data.val_path=$PWD/.devdata/test.jsonl rollout.forced_lengths=lognormal:250:0.8 trainer.total_steps=4 \
+    trainer.test_freq=0 trainer.val_before_train=false trainer.save_freq=-1 trainer.logger=[jsonl]"
+  R4=/tmp/res/flagship4; mkdir -p $R4
+  run4() {  # name dir overrides...: the flagship recipe on 4 ranks from directory dir
+    local name=$1 dir=$2; shift 2
+    stamp "flagship x4: $name"
+    (cd "$dir" && PYTHONPATH=/tmp/site:$PWD timeout 260 torchrun --standalone --nproc_per_node=4 -m hybrid_rl train \
+      recipes/gsm8k_grpo.yaml $F4 trainer.output_dir=$R4/$name "$@" 2>&1 | grep -vE "it/s|s/it" | tail -4)
+  }
+  if [ "$PART" = flagship4a ]; then
+    OLD=$(cut -c1-7 .clean_old/COMMIT)
+    (cd .clean_old && HYBRID_RL_CACHE=/tmp/hrc_old PYTHONPATH=/tmp/site:$PWD python -c \
+      "from hybrid_rl.models import resolve_model_path as r; r('builtin:qwen2.5-1.5b-random')")
+    HYBRID_RL_CACHE=/tmp/hrc_old run4 "$OLD" .clean_old
+    run4 "$(cut -c1-7 COMMIT 2>/dev/null || echo new)" .
+  else
+    run4 levers_b . ${LEVERS_B:-model.enable_gradient_checkpointing=false actor.accumulate_unsharded=true}
+    run4 levers_c . ${LEVERS_C:-model.enable_gradient_checkpointing=false actor.accumulate_unsharded=true \
+      actor.ppo_micro_batch_size_per_device=32 actor.log_prob_micro_batch_size_per_device=64} trainer.profile_steps=[3]
+  fi
+  RUNS=""; for d in $R4/*/; do [ -f "$d/metrics.jsonl" ] && RUNS="$RUNS --run $(basename $d)=$d"; done
+  python benchmarks/flagship.py $RUNS --device "$(python -c "import torch, sys; sys.path.insert(0, 'benchmarks'); \
+from bench_common import gpu_short_name as g; print(g(torch.cuda.get_device_name()))")x4" --settings "$F4" \
+    --out-dir "$RES" || echo "flagship summary failed"
+  cp "$RES"/flagship_* "$OUT/" 2>/dev/null
+  # every run's metrics.jsonl and profile tables in one file (the device tool returns 8 files at most)
+  tar czf "$OUT/flagship4_runs.tgz" -C $R4 --exclude=checkpoints --exclude=tensorboard . 2>/dev/null
+  ;;
 ppo)  # issue 19: PPO with the critic through vLLM, 4 steps each on 1 GPU (critic resident / offloaded) and on 4 GPUs
   stamp "ppo: pytest -m gpu tests/gpu/test_gpu_ppo.py"
   DEV=$(python -c "import torch, sys; sys.path.insert(0, 'benchmarks'); from bench_common import gpu_short_name as g; \
