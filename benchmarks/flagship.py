@@ -47,8 +47,12 @@ def summarise(run_dir: Path, flops: ModelFlops, peak: float, gpus: int, skip: in
     mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in rows)  # noqa: E731
     out = {"steps": len(rows), "step_s": mean("timing/step"), "step_s_all": [r["timing/step"] for r in rows],
            "phases_s": {p: mean(f"timing/{p}") for p in PHASES if any(f"timing/{p}" in r for r in rows)}}
-    named = sum(v for k, v in out["phases_s"].items())
-    out["untimed_s"] = out["step_s"] - named
+    if any("timing/other" in r for r in rows):
+        # the trainer's own figure: step minus its named phases on each rank, before the max over ranks (a sum of
+        # per-phase maxima over ranks exceeds the step when ranks are slow in different phases)
+        out["untimed_s"] = mean("timing/other")
+    else:  # older commits log no timing/other
+        out["untimed_s"] = out["step_s"] - sum(v for k, v in out["phases_s"].items())
     out["untimed_share"] = out["untimed_s"] / out["step_s"]
     # the batch: every sequence is one prompt + one response (means over the global batch)
     total = mean("perf/tokens_per_s") * out["step_s"]
