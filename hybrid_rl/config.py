@@ -202,6 +202,13 @@ class ActorConfig:
     """Max global gradient norm (0 = off)."""
     shuffle_mini_batches: bool = False
     """Shuffle samples before cutting mini-batches (seeded)."""
+    old_log_prob: Literal["auto", "recompute", "engine"] = "auto"
+    """Where π_old (PPO's ratio denominator; the proximal policy in overlap mode) comes from. ``recompute``: a separate
+    no-grad forward of the actor over the batch before the update. ``auto``: skip that pass when it is exact, i.e.
+    ``ppo_epochs=1``, one mini-batch per step (``ppo_mini_batch_size = data.train_batch_size``), no KL-in-reward, and
+    the actor updates this step: the update's own forward, detached, is π_old (ratio 1, the same gradient); otherwise
+    recompute. ``engine``: never run the pass, use the rollout engine's log-probs (an approximation: engine and trainer
+    numerics differ; in overlap mode proximal = behaviour). Metric ``actor/old_log_prob_skipped`` says which ran."""
 
 
 @dataclass

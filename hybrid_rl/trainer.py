@@ -5,7 +5,8 @@ Set-up (data, reward function, worker, trackers) happens in ``__init__``;
 validation is greedy pass@1 on the validation prompts. Every mode and
 placement runs the same ``step``: a ``RolloutSource`` (``sources.py``: sync,
 one-step overlap, split placement) hands over the batch, and ``train_on`` runs
-reward → log-probs → (values) → advantage → (critic update) → actor update on it;
+reward → log-probs → (values) → advantage → (critic update) → actor update on it
+(the old-log-prob pass is skipped where ``actor.old_log_prob`` allows);
 the critic phases run when the estimator needs a critic (gae, ``workers/critic.py``),
 and the first ``critic.warmup_steps`` steps update the critic only. Metrics are reduced across
 ranks (weighted means, maxima) and logged by one rank (under split placement
@@ -218,8 +219,14 @@ class Trainer:
         batch = self.source.check_staleness(batch, w.weight_version)
         with timer("reward"):
             batch, reward_stats = compute_scores(batch, self.tokenizer, self.reward_fn, cfg.reward.on_error)
-        with timer("old_log_prob"):
-            batch = w.compute_log_prob(batch)
+        old_source = self._old_log_prob_source(batch)
+        if old_source == "recompute":
+            with timer("old_log_prob"):
+                batch = w.compute_log_prob(batch)
+        else:  # π_old from the update's own forward (filled in below) or from the engine: the pass takes 0 s
+            timer.times["timing/old_log_prob"] = 0.0
+            if old_source == "engine":
+                batch = w.engine_log_probs_as_old(batch)
         if cfg.need_ref:
             with timer("ref"):
                 batch = w.compute_ref_log_prob(batch)
@@ -230,14 +237,35 @@ class Trainer:
             batch, adv_metrics = compute_advantage(batch, cfg.algorithm, kl_coef=self.kl_ctrl.value)
             if cfg.algorithm.use_kl_in_reward:
                 self._update_kl_ctrl(batch)
-        update_stats: dict = {}
+        update_stats: dict = {"actor/old_log_prob_skipped": (float(old_source != "recompute"), 1.0)}
         if critic is not None:
             with timer("update_critic"):
                 update_stats.update(critic.update_critic(batch))
-        if critic is None or self.current_step > cfg.critic.warmup_steps:  # critic warm-up: the actor waits
+        if self._actor_updates():
             with timer("update"):
-                update_stats.update(w.update_actor(batch))
+                if old_source == "update":  # the batch comes back with the old_log_probs the metrics read
+                    stats, batch = w.update_actor_own_old(batch)
+                else:
+                    stats = w.update_actor(batch)
+                update_stats.update(stats)
         return dict(batch=batch, reward_stats=reward_stats, update_stats=update_stats, adv_metrics=adv_metrics)
+
+    def _actor_updates(self) -> bool:
+        """Whether the actor updates this step (during the critic's warm-up it waits)."""
+        return self.critic is None or self.current_step > self.cfg.critic.warmup_steps
+
+    def _old_log_prob_source(self, batch: Batch) -> str:
+        """Where this step's π_old comes from (``actor.old_log_prob``): ``recompute`` (the separate pass), ``engine``
+        (the rollout's log-probs), or under ``auto`` ``update`` (the update's own forward, detached) where that is
+        exact: one epoch of one mini-batch (the weights have not moved when its forward runs; in overlap mode that
+        forward is under θ_k, the proximal policy), the actor updates this step, and nothing reads π_old before the
+        update (KL-in-reward does; the step's metrics read it after)."""
+        cfg = self.cfg
+        if cfg.actor.old_log_prob != "auto":
+            return cfg.actor.old_log_prob
+        exact = (cfg.actor.ppo_epochs == 1 and self.worker.num_mini_batches(batch) == 1
+                 and not cfg.algorithm.use_kl_in_reward and self._actor_updates())
+        return "update" if exact else "recompute"
 
     def _update_kl_ctrl(self, batch: Batch) -> None:
         """Feed the KL controller this step's per-sequence mean KL over every rank (so β stays the same on all)."""

@@ -11,6 +11,9 @@ engine holds its own weights, refreshed by the sharding manager returned from
 micro-batches with gradient accumulation, each micro-batch loss normalised by
 the *mini-batch's global* token/sequence counts so that any micro-batch split
 (and any number of ranks) gives the same gradient up to rounding.
+``update_actor_own_old`` is the same update with π_old taken from its own
+forward, for the driver to skip the old-log-prob pass where that is exact
+(``actor.old_log_prob=auto``: one epoch of one mini-batch).
 """
 
 from __future__ import annotations
@@ -181,6 +184,14 @@ class ActorRolloutRefWorker:
                                               batch.meta["temperature"], with_entropy=True, max_tokens=self._token_budget)
         return batch.union(tensors=dict(old_log_probs=lp, old_entropy=ent))
 
+    def engine_log_probs_as_old(self, batch: Batch) -> Batch:
+        """``actor.old_log_prob=engine``: the rollout engine's log-probs of the sampled tokens stand in for π_old."""
+        if "rollout_log_probs" not in batch.tensors:
+            raise ValueError(f"actor.old_log_prob=engine uses the rollout engine's log-probs as π_old, but rollout.name="
+                             f"{self.cfg.rollout.name} returned none (no 'rollout_log_probs' in the batch); use "
+                             f"actor.old_log_prob=auto or recompute")
+        return batch.union(tensors=dict(old_log_probs=batch.tensors["rollout_log_probs"].clone()))
+
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         assert self.ref is not None
         lp, _ = self.ref.compute_log_prob(batch, self.cfg.ref.log_prob_micro_batch_size_per_device, batch.meta["temperature"],
@@ -188,24 +199,54 @@ class ActorRolloutRefWorker:
         return batch.union(tensors=dict(ref_log_prob=lp))
 
     # -- update -------------------------------------------------------------------------
+    def num_mini_batches(self, batch: Batch) -> int:
+        """Optimizer steps per epoch that ``update_actor`` takes on this rank's share ``batch``."""
+        return len(range(0, len(batch), self._seqs_per_mini()))
+
+    def _seqs_per_mini(self) -> int:
+        return self.cfg.actor.ppo_mini_batch_size // self.dist.world_size * self.cfg.rollout.n
+
     def update_actor(self, batch: Batch) -> dict[str, tuple[float, float]]:
         """PPO update on this rank's share of ``batch``; returns (sum, count) metric pairs."""
+        return self._update(batch, own_old=False)[0]
+
+    def update_actor_own_old(self, batch: Batch) -> tuple[dict[str, tuple[float, float]], Batch]:
+        """The update with π_old taken from its own forward, detached (``actor.old_log_prob=auto``'s skip).
+
+        Exact only for one epoch of one mini-batch: that forward runs under the weights the skipped pass would
+        have seen, so the ratio is 1 in value and the gradient is the recomputed one's. Returns the metric pairs
+        and ``batch`` with ``old_log_probs`` / ``old_entropy`` from that forward (for the step's metrics).
+        """
+        if self.cfg.actor.ppo_epochs != 1 or self.num_mini_batches(batch) != 1:
+            raise ValueError(f"π_old from the update's own forward needs actor.ppo_epochs=1 and one mini-batch per step "
+                             f"(got {self.cfg.actor.ppo_epochs} epoch(s), {self.num_mini_batches(batch)} mini-batches); "
+                             f"compute_log_prob first")
+        stats, lp, ent = self._update(batch, own_old=True)
+        return stats, batch.union(tensors=dict(old_log_probs=lp, old_entropy=ent))
+
+    def _update(self, batch: Batch, own_old: bool) -> tuple[dict[str, tuple[float, float]], torch.Tensor | None,
+                                                             torch.Tensor | None]:
         assert self.actor is not None
         a = self.cfg.actor
-        world = self.dist.world_size
-        seqs_per_mini = a.ppo_mini_batch_size // world * self.cfg.rollout.n
+        seqs_per_mini = self._seqs_per_mini()
         stats = _Stats()
+        # own_old: [B, R] buffers the update's forward fills, in the batch's row order (0 past each response)
+        lps = torch.zeros(batch.tensors["responses"].shape, device=self.device) if own_old else None
+        ents = torch.zeros_like(lps) if own_old else None
         self.actor.model.train()
         for _ in range(a.ppo_epochs):
             order = self._shuffle_rng.permutation(len(batch)) if a.shuffle_mini_batches else np.arange(len(batch))
             for start in range(0, len(batch), seqs_per_mini):
-                mini = batch.index(order[start:start + seqs_per_mini])
-                self._update_mini_batch(mini, stats)
+                rows = order[start:start + seqs_per_mini]
+                self._update_mini_batch(batch.index(rows), stats, (rows, lps, ents) if own_old else None)
         self.weight_version += 1
         stats.add("actor/lr", self.actor.lr)
-        return stats.pairs()
+        return stats.pairs(), lps, ents
 
-    def _update_mini_batch(self, mini: Batch, stats: _Stats) -> None:
+    def _update_mini_batch(self, mini: Batch, stats: _Stats,
+                           capture: tuple[np.ndarray, torch.Tensor, torch.Tensor] | None = None) -> None:
+        """``capture`` = (the mini-batch's rows in the batch, [B, R] log-prob and entropy buffers): π_old is the
+        forward's own detached log-probs, written into the buffers."""
         a = self.cfg.actor
         mask = mini.tensors["response_mask"].float()
         # Global denominators across ranks: every micro-batch on every rank divides
@@ -218,8 +259,13 @@ class ActorRolloutRefWorker:
         self.actor.zero_grad()
         micros = micro_batches(mini, a.ppo_micro_batch_size_per_device, self._token_budget, self.dist.group,
                                self.actor.remove_padding)
-        for i, (_, micro) in enumerate(micros):
-            loss, m = self._micro_batch_loss(micro, num_tokens, num_seqs)
+        for i, (idx, micro) in enumerate(micros):
+            loss, m, (lp, ent) = self._micro_batch_loss(micro, num_tokens, num_seqs, own_old=capture is not None)
+            if capture is not None:
+                rows, lps, ents = capture
+                where = torch.as_tensor(rows[idx], device=self.device)
+                lps[where, :lp.shape[1]] = lp
+                ents[where, :ent.shape[1]] = ent
             self.actor.micro_batch_step(last=i == len(micros) - 1)
             (loss * scale).backward()
             ntok = micro.tensors["response_mask"].sum().double()
@@ -229,12 +275,16 @@ class ActorRolloutRefWorker:
         stats.add("actor/grad_norm", grad_norm if stepped else 0.0)
         stats.add("actor/skipped_updates", 0.0 if stepped else 1.0)
 
-    def _micro_batch_loss(self, micro: Batch, num_tokens: float, num_seqs: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """This micro-batch's share of the mini-batch loss, and its metrics as detached device tensors."""
+    def _micro_batch_loss(self, micro: Batch, num_tokens: float, num_seqs: float, own_old: bool = False
+                          ) -> tuple[torch.Tensor, dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """This micro-batch's share of the mini-batch loss, its metrics as detached device tensors, and the
+        forward's detached (log-probs, entropy). ``own_old``: those log-probs are π_old (see ``update_actor_own_old``)."""
         a = self.cfg.actor
         t = micro.to(self.device).tensors
         mask = t["response_mask"].float()  # [b, R]
         log_prob, entropy = self.actor.forward(micro, micro.meta["temperature"], with_entropy=True)
+        if own_old:
+            t = {**t, "old_log_probs": log_prob.detach()}
         # A fixed norm_length: each micro-batch is trimmed to its own longest response, so the tensor's
         # width (agg_loss's default for seq-mean-token-sum-norm) would change with the split.
         denoms = dict(num_tokens=num_tokens, num_seqs=num_seqs, norm_length=self.cfg.data.max_response_length)
@@ -264,4 +314,4 @@ class ActorRolloutRefWorker:
         # (how the driver reduces metrics) is exactly the mini-batch loss.
         ntok = mask.sum().clamp(min=1.0)
         metrics["actor/pg_loss"] = pg_loss.detach() * num_tokens / ntok
-        return loss, metrics
+        return loss, metrics, (log_prob.detach(), entropy.detach() if entropy is not None else torch.zeros_like(log_prob))

@@ -90,6 +90,17 @@ def test_packed_passes_match_padded_on_two_ranks(runs):
             assert (packed["params"][name] - want).abs().max().item() < 1e-5, name
 
 
+def test_update_with_own_old_log_probs_matches_pass_then_update_on_two_ranks(runs):
+    """actor.old_log_prob=auto's skip under FSDP2: π_old from the update's own forward is the pass's, and the step is
+    the same up to rounding (the pass and the update cut different micro-batches)."""
+    for rank in runs["ranks"]:
+        rec, own = rank["own_old"][False], rank["own_old"][True]
+        assert (rec["log_probs"] - own["log_probs"]).abs().max().item() < 1e-5
+        assert own["grad_norm"] == pytest.approx(rec["grad_norm"], rel=1e-4)
+        for name, want in rec["params"].items():  # 1% of one Adam step (lr 1e-3): near-zero gradients flip sign
+            assert (own["params"][name] - want).abs().max().item() < 1e-5, name
+
+
 def test_torch_compiled_blocks_match_eager(tiny_model_path, tmp_path):
     """actor.use_torch_compile under FSDP2 on 2 ranks: every decoder block compiled, the same log-probs before and
     after one update, and the same parameters after it up to rounding (compiled kernels sum in another order, and

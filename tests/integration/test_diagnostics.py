@@ -14,7 +14,7 @@ def test_profile_table_and_stall_dump(tiny_model_path, tmp_path):
     cmd = [sys.executable, "-m", "hybrid_rl", "train", "recipes/cpu_successor.yaml", "trainer.total_steps=2",
            "trainer.profile_steps=[2]", "trainer.stall_dump_s=0.05", f"trainer.output_dir={tmp_path}",
            "trainer.resume=never", "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.logger=[jsonl]",
-           "data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]
+           "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.old_log_prob=recompute"]  # auto would skip the pass
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = (tmp_path / "profile" / "step_2_rank0.txt").read_text()

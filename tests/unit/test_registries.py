@@ -61,13 +61,16 @@ def test_registered_estimator_trains_a_step_through_the_config(mean_baseline, tm
     from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 
     updated_on = []
-    update_actor = ActorRolloutRefWorker.update_actor
 
-    def spy_update(self, batch, *a, **k):
-        updated_on.append(batch["advantages"].clone())
-        return update_actor(self, batch, *a, **k)
+    def spy(update):
+        def spy_update(self, batch, *a, **k):
+            updated_on.append(batch["advantages"].clone())
+            return update(self, batch, *a, **k)
+        return spy_update
 
-    monkeypatch.setattr(ActorRolloutRefWorker, "update_actor", spy_update)
+    # update_actor_own_old: the update when actor.old_log_prob=auto skips the old-log-prob pass (one mini-batch here)
+    for name in ("update_actor", "update_actor_own_old"):
+        monkeypatch.setattr(ActorRolloutRefWorker, name, spy(getattr(ActorRolloutRefWorker, name)))
     register_reward("parity", parity_reward)
     try:
         cfg = load_config(RECIPE, [*SMALL, f"trainer.output_dir={tmp_path / 'run'}", "reward.function=parity",

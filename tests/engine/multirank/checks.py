@@ -218,6 +218,25 @@ def run_packed(d: DistInfo, res: dict) -> None:
     res["packed"] = results
 
 
+def run_own_old(d: DistInfo, res: dict) -> None:
+    """``actor.old_log_prob=auto``'s skip on FSDP2: the update with π_old from its own forward gives the pass's
+    log-probs and lands where the pass followed by the update lands (one mini-batch)."""
+    results = {}
+    for own in (False, True):
+        w = ActorRolloutRefWorker(load_config(None, BASE).validate(d.world_size), d)
+        batch = w.compute_log_prob(make_batch(w, seed=0))  # the pass's π_old instead of make_batch's noisy one
+        share = local_share(batch, d)
+        if own:
+            bare = Batch({k: v for k, v in share.tensors.items() if k not in ("old_log_probs", "old_entropy")},
+                         share.non_tensors, share.meta)
+            stats, share = w.update_actor_own_old(bare)
+        else:
+            stats = w.update_actor(share)
+        results[own] = dict(log_probs=share["old_log_probs"] * share["response_mask"], params=actor_full_params(w),
+                            grad_norm=stats["actor/grad_norm"][0])
+    res["own_old"] = results
+
+
 def run_compile(d: DistInfo, res: dict) -> None:
     """The same log-probs and update with the actor's decoder blocks under torch.compile (actor.use_torch_compile)."""
     results = {}
@@ -391,7 +410,7 @@ def main() -> None:
     d = init_distributed(DEVICE)
     assert torch.distributed.is_initialized() and d.world_size > 1, "run me under torchrun with 2+ ranks"
     res: dict = {"world_size": d.world_size}
-    which = os.environ.get("MULTIRANK_CHECKS", "full,offload,lora,unsharded,uneven,packed").split(",")  # also: replay
+    which = os.environ.get("MULTIRANK_CHECKS", "full,offload,lora,unsharded,uneven,packed,own_old").split(",")  # also: replay
     if "full" in which:
         run_full_finetune(d, res)
     if "offload" in which:
@@ -406,6 +425,8 @@ def main() -> None:
         run_uneven_shards(d, res)
     if "packed" in which:
         run_packed(d, res)
+    if "own_old" in which:
+        run_own_old(d, res)
     if "replay" in which:
         run_replay(d, res)
     torch.save(res, out / f"rank{d.rank}.pt")
