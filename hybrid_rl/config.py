@@ -74,6 +74,9 @@ class DataConfig:
     """Split name for hub datasets."""
     max_val_samples: int = 256
     """Cap on validation prompts (0 = all)."""
+    val_batch_size: Optional[int] = None
+    """Validation prompts per generate call on each rank (default: ``data.train_batch_size``). A large value lets
+    vLLM schedule the whole validation set at once (the engine still caps concurrency at ``rollout.max_num_seqs``)."""
     train_batch_size: int = 32
     """Prompts per step, across all ranks."""
     max_prompt_length: int = 512
@@ -549,6 +552,9 @@ class Config:
         if t.peak_tflops is not None and t.peak_tflops <= 0:
             raise ConfigError(f"trainer.peak_tflops={t.peak_tflops} must be > 0 (the GPU's dense bf16 TFLOP/s), or null to "
                               f"look it up by GPU name")
+        if d.val_batch_size is not None and d.val_batch_size < 1:
+            raise ConfigError(f"data.val_batch_size={d.val_batch_size} must be a positive number of prompts (or null "
+                              "for data.train_batch_size)")
         if any(step < 1 for step in t.profile_steps):
             raise ConfigError(f"trainer.profile_steps={t.profile_steps} must list step numbers >= 1, e.g. [5]")
         if self.trainer.total_steps < 0 or self.trainer.total_epochs < 1:
@@ -664,7 +670,7 @@ RESUME_HARMLESS = frozenset({
     "trainer.profile_steps", "trainer.stall_dump_s", "trainer.peak_tflops", "trainer.collective_timeout_s", "trainer.device", "reward.on_error",
     "reward.timeout_s", "reward.num_workers",
     # validation only
-    "data.val_path", "data.val_split", "data.max_val_samples", "rollout.val_temperature",
+    "data.val_path", "data.val_split", "data.max_val_samples", "data.val_batch_size", "rollout.val_temperature",
     # memory/speed knobs that compute the same update (micro-batching, recomputation, offload, engine memory)
     "model.enable_gradient_checkpointing", "model.trust_remote_code",
     "actor.ppo_micro_batch_size_per_device", "actor.log_prob_micro_batch_size_per_device", "actor.use_dynamic_bsz",

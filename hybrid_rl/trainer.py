@@ -486,7 +486,7 @@ class Trainer:
     def _validate_on_engine(self, rank: int, world: int) -> dict[str, float]:
         assert self.val_set is not None
         idx = list(range(rank, len(self.val_set), world))
-        chunk = self.cfg.data.train_batch_size
+        chunk = self.cfg.data.val_batch_size or self.cfg.data.train_batch_size
         total, count, length = 0.0, 0.0, 0.0
         for s in range(0, len(idx), chunk):
             prompts = collate_prompts([self.val_set[i] for i in idx[s:s + chunk]], self.tokenizer.pad_token_id)
