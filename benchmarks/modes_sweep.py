@@ -494,7 +494,9 @@ def parse_args(argv: list[str] | None = None):
         if args.split_ratios == "auto":
             args.split_ratios = "1:1"
         args.measure = min(args.measure, 1)
+        # the synthetic task's prompts: the smoke needs no GSM8K files (CI has no ../shared)
         args.overrides = ["trainer.device=cpu", "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_device=8",
+                          "data.train_path=synthetic:successor", "data.task=successor", "data.max_prompt_length=32",
                           *args.overrides]
     args.overrides = [*args.overrides, f"data.train_batch_size={args.prompts}", f"rollout.n={args.n}"]
     args.steps = args.warmup + args.measure + 1  # the last step is not waited for (see the docstring)

@@ -126,6 +126,7 @@ def test_cpu_smoke_sweep(tiny_model_path, tmp_path):
     printed = _sweep(tmp_path, "--lengths", "8,24", "--modes", "sync,overlap_colocated")
     assert [(p["length_mean"], p["mode"]) for p in printed] == [(8, "sync"), (8, "overlap_colocated"),
                                                                   (24, "sync"), (24, "overlap_colocated")]
+    assert all("step_s" in p and "skipped" not in p for p in printed), [p.get("skipped") for p in printed]
     # a second part, merged into the same file: a point that cannot fit the budget is recorded as skipped, with the
     # reason, and runs nothing
     started = time.perf_counter()
