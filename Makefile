@@ -10,7 +10,7 @@ GPUS    ?= $(shell nvidia-smi -L 2>/dev/null | wc -l | awk '{print ($$1>0)?$$1:1
 # CPU-only machines get the CPU torch build (no multi-GB CUDA download)
 TORCH_SPEC ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install train test test-fast test-gpu bench clean
+.PHONY: install train test test-learning test-fast test-gpu bench clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,11 @@ train: $(VPY)
 
 test: $(VPY)
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+# the learning curves on CPU (the default recipe in sync and overlap mode, GAE in both): ~9 minutes on 2 cores;
+# CI runs it after `make test`
+test-learning: $(VPY)
+	$(VPY) -m pytest -q -m "learning and not gpu" $(PYTEST_ARGS)
 
 # the suite without the multi-process and end-to-end tests (marked slow): a quick check while editing
 test-fast: $(VPY)

@@ -118,6 +118,7 @@ def test_pipeline_regenerates_or_refuses_stale_batches(tiny_model_path):
 
 
 @pytest.mark.slow
+@pytest.mark.learning
 def test_overlap_mode_still_learns(tmp_path):
     rows = _train(tmp_path / "over", "trainer.mode=overlap", "trainer.test_freq=0", "trainer.val_before_train=false")
     train = [r for r in rows if "reward/mean" in r]

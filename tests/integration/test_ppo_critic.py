@@ -104,6 +104,7 @@ def _learns(rows: list[dict]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.learning
 @pytest.mark.parametrize("mode", ["sync", "overlap"])
 def test_gae_learns_the_default_task(tmp_path, mode):
     """The issue's bar: reward/mean ≥ 0.8 over the last 3 steps with adv_estimator=gae, in sync and overlap mode."""

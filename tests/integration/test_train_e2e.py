@@ -27,6 +27,7 @@ REQUIRED = ["step", "reward/mean", "actor/pg_loss", "actor/entropy", "actor/grad
 
 
 @pytest.mark.slow
+@pytest.mark.learning
 def test_default_recipe_learns(tmp_path):
     """The issue's bar: reward/mean ≤ 0.3 over the first 3 steps, ≥ 0.8 over the last 3."""
     rows = _train(tmp_path / "run")
