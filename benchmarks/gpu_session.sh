@@ -135,6 +135,15 @@ update)  # no vLLM needed: the training passes alone per FSDP2 setting (1 then 2
   CUDA_VISIBLE_DEVICES=0 timeout 50 torchrun --standalone --nproc_per_node=1 benchmarks/weight_sync.py --model qwen2.5-0.5b \
     --switches 50 --profile 5 --out-dir "$RES" || echo "weight_sync x1 profile failed"
   ;;
+update4)  # issue 16, no vLLM needed: the training passes alone at the flagship's shapes on 4 GPUs (256 prompts x 8,
+  # mini-batch 64, responses lognormal mean 250 cap 1024), one row per lever with its MFU; ~40 s per configuration
+  stamp "update_step x4 (flagship shapes)"
+  timeout 560 torchrun --standalone --nproc_per_node=4 benchmarks/update_step.py --model builtin:$MODEL4 \
+    --recipe gsm8k_grpo --prompts 256 --mini 64 --resp-mean 250 --resp-cap 1024 --out "$RES" \
+    --configs ${UPDATE4_CONFIGS:-padded,packed+fused,packed+fused+no_ckpt,packed+fused+no_ckpt+budget16k+unsharded} \
+    || echo "update_step x4 failed"
+  cp "$RES"/update_step_* "$OUT/" 2>/dev/null
+  ;;
 checks1)  # one-GPU checks: push on 1 rank, in-engine vs standalone vLLM throughput, the GPU-marked tests
   stamp "weight_sync x1"
   CUDA_VISIBLE_DEVICES=0 timeout 50 torchrun --standalone --nproc_per_node=1 benchmarks/weight_sync.py --model qwen2.5-0.5b \
