@@ -234,7 +234,8 @@ def logprob_head(model: torch.nn.Module, targets: torch.Tensor, temperature: flo
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])  # [n, H]
         logp, ent = fused_logprob_entropy(flat, head.weight, targets, temperature)
-        return torch.stack([logp, ent], dim=-1)[None]  # [1, n, 2]
+        # stacked straight into [1, n, 2]: a view here (``[None]``) is what FSDP2 warns about for a root output
+        return torch.stack([logp[None], ent[None]], dim=-1)
 
     previous = head.__dict__.get("forward")  # an instance-level forward already set (e.g. by a wrapper)
     head.forward = forward
