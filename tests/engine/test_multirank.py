@@ -80,25 +80,25 @@ def test_accumulate_unsharded_gathers_once_per_pass_and_matches(runs):
         assert once["unsharded_after"] == [] and base["unsharded_after"] == []
 
 
+def _same_step(ref: dict, other: dict) -> None:
+    """Two ways to one step: the same log-probs, gradient norm and updated weights, up to rounding."""
+    assert (ref["log_probs"] - other["log_probs"]).abs().max().item() < 1e-5
+    assert other["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+    for name, want in ref["params"].items():  # 1% of one Adam step (lr 1e-3): near-zero gradients flip sign
+        assert (other["params"][name] - want).abs().max().item() < 1e-5, name
+
+
 def test_packed_passes_match_padded_on_two_ranks(runs):
     """FSDP2 on 2 ranks: padding-free packing with the fused LM head gives the padded pass's log-probs and update."""
     for rank in runs["ranks"]:
-        padded, packed = rank["packed"][False], rank["packed"][True]
-        assert (padded["log_probs"] - packed["log_probs"]).abs().max().item() < 1e-5
-        assert packed["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-4)
-        for name, want in padded["params"].items():  # 1% of one Adam step (lr 1e-3): near-zero gradients flip sign
-            assert (packed["params"][name] - want).abs().max().item() < 1e-5, name
+        _same_step(rank["packed"][False], rank["packed"][True])
 
 
 def test_update_with_own_old_log_probs_matches_pass_then_update_on_two_ranks(runs):
     """actor.old_log_prob=auto's skip under FSDP2: π_old from the update's own forward is the pass's, and the step is
     the same up to rounding (the pass and the update cut different micro-batches)."""
     for rank in runs["ranks"]:
-        rec, own = rank["own_old"][False], rank["own_old"][True]
-        assert (rec["log_probs"] - own["log_probs"]).abs().max().item() < 1e-5
-        assert own["grad_norm"] == pytest.approx(rec["grad_norm"], rel=1e-4)
-        for name, want in rec["params"].items():  # 1% of one Adam step (lr 1e-3): near-zero gradients flip sign
-            assert (own["params"][name] - want).abs().max().item() < 1e-5, name
+        _same_step(rank["own_old"][False], rank["own_old"][True])
 
 
 def test_torch_compiled_blocks_match_eager(tiny_model_path, tmp_path):
