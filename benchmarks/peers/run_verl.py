@@ -136,6 +136,25 @@ def port_race(log_path: Path) -> bool:
     return "EADDRINUSE" in text and "Engine core initialization failed" in text
 
 
+PORT_SITE = """\
+# Written by hybrid_rl's peer harness (benchmarks/peers/run_verl.py), first on PYTHONPATH of the verl run only.
+# verl starts one vLLM server per GPU at once; each picks its distributed-init port with vLLM's open-port probe, which
+# releases the port before binding it, so two servers can pick the same one (verl-project/verl#6677). vLLM scans
+# upward from VLLM_PORT when it is set: give every process its own base, 16 ports apart, chosen by its pid (children,
+# such as the engine core, inherit their parent's). A VLLM_PORT set by the user is kept.
+import os
+os.environ.setdefault("VLLM_PORT", str(20000 + (os.getpid() % 2000) * 16))
+"""
+
+
+def port_site(out: Path) -> Path:
+    """A folder holding the sitecustomize.py above (Python's own start-up hook; verl's code is not touched)."""
+    site = out / "verl_port_site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(PORT_SITE)
+    return site
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", type=int, default=2)
@@ -170,6 +189,7 @@ def main() -> None:
     log_path = out / "verl_stdout.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1", VERL_FILE_LOGGER_PATH=str(metrics), TOKENIZERS_PARALLELISM="false",
                RAY_DEDUP_LOGS="0", HYDRA_FULL_ERROR="1", RAY_USAGE_STATS_ENABLED="0")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(port_site(out)), env.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *ov]
     for attempt in range(1, args.start_retries + 2):
         w = run_watched(cmd, out, env, log_path,
@@ -178,7 +198,8 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True, timeout=60,
                        env=env, check=False)  # the ray cluster this run started
         # verl starts one vLLM server per GPU at once, and their distributed-init ports can collide (vLLM picks each
-        # with its own open-port probe: verl-project/verl#6677; seen here on 4xH200, 2026-11-26). Start again.
+        # with its own open-port probe: verl-project/verl#6677; seen here on 4xH200, 2026-11-26). port_site() spreads
+        # the ports apart; should it still happen, start again.
         if metrics.exists() or not port_race(log_path) or attempt > args.start_retries:
             break
         kept = log_path.with_name(f"verl_stdout_try{attempt}.log")
