@@ -138,12 +138,14 @@ def port_race(log_path: Path) -> bool:
 
 PORT_SITE = """\
 # Written by hybrid_rl's peer harness (benchmarks/peers/run_verl.py), first on PYTHONPATH of the verl run only.
-# verl starts one vLLM server per GPU at once; each picks its distributed-init port with vLLM's open-port probe, which
-# releases the port before binding it, so two servers can pick the same one (verl-project/verl#6677). vLLM scans
-# upward from VLLM_PORT when it is set: give every process its own base, 16 ports apart, chosen by its pid (children,
-# such as the engine core, inherit their parent's). A VLLM_PORT set by the user is kept.
+# verl starts one vLLM server per GPU at once; each engine core picks its distributed-init port with vLLM's open-port
+# probe, which releases the port before binding it, so two can pick the same one (verl-project/verl#6677). vLLM scans
+# upward from VLLM_PORT when it is set: give every process its own base, 16 ports apart, chosen by its own pid. A base
+# inherited from a parent is replaced (inherited, every engine core would scan from the same port and collide for
+# certain: seen on 4xH200, 2026-11-27); a VLLM_PORT the user set is kept.
 import os
-os.environ.setdefault("VLLM_PORT", str(20000 + (os.getpid() % 2000) * 16))
+if os.environ.get("VLLM_PORT", "") in ("", os.environ.get("HYBRID_RL_PEERS_VLLM_PORT")):
+    os.environ["VLLM_PORT"] = os.environ["HYBRID_RL_PEERS_VLLM_PORT"] = str(20000 + (os.getpid() % 2000) * 16)
 """
 
 

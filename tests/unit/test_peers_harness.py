@@ -24,24 +24,30 @@ def test_other_failures_are_not_retried(tmp_path):
     assert not run_verl.port_race(tmp_path / "missing.log")
 
 
+CHILD = ("import os, subprocess, sys; print(os.getpid(), os.environ['VLLM_PORT']); sys.stdout.flush(); "
+         "subprocess.run([sys.executable, '-c', 'import os; print(os.getpid(), os.environ[\\'VLLM_PORT\\'])'])")
+
+
 def _vllm_port(site, env_port=None):
+    """(pid, VLLM_PORT) of a process started with the port site, then of a child it starts."""
     import os
     import subprocess
 
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_PORT"}
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PORT", "HYBRID_RL_PEERS_VLLM_PORT")}
     env["PYTHONPATH"] = str(site)
     if env_port:
         env["VLLM_PORT"] = env_port
-    out = subprocess.run([sys.executable, "-c", "import os; print(os.getpid(), os.environ['VLLM_PORT'])"],
-                         env=env, capture_output=True, text=True, check=True).stdout.split()
-    return int(out[0]), int(out[1])
+    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    return (int(out[0]), int(out[1])), (int(out[2]), int(out[3]))
 
 
 def test_port_site_gives_each_process_its_own_vllm_port(tmp_path):
     site = run_verl.port_site(tmp_path)
-    (pid_a, a), (pid_b, b) = _vllm_port(site), _vllm_port(site)
+    # a child gets its own base, not its parent's (an inherited base made every vLLM engine core collide)
+    (pid_a, a), (pid_b, b) = _vllm_port(site)
     assert a == 20000 + (pid_a % 2000) * 16 and b == 20000 + (pid_b % 2000) * 16
     assert 20000 <= min(a, b) and max(a, b) < 20000 + 2000 * 16 < 65536
     if pid_a % 2000 != pid_b % 2000:
         assert abs(a - b) >= 16
-    assert _vllm_port(site, "31000")[1] == 31000  # the user's own VLLM_PORT is kept
+    assert [p for _, p in _vllm_port(site, "31000")] == [31000, 31000]  # the user's own VLLM_PORT is kept
