@@ -39,8 +39,13 @@ def combine(res: Path) -> dict:
                 if base.get("trained_tokens_per_s") and ok[peer].get("trained_tokens_per_s"):
                     ratios[f"hybrid_rl_vs_{peer}_trained_tokens_per_s"] = (base["trained_tokens_per_s"]
                                                                           / ok[peer]["trained_tokens_per_s"])
+    leases = {k: v.get("lease") for k, v in ok.items()}
+    same = len(set(leases.values())) <= 1 and None not in leases.values()
     return {"device": device, "model": WORKLOAD["model"], "workload": WORKLOAD, "pinned_versions": VERSIONS,
             "hybrid_rl_commit": (runs.get("hybrid_rl") or {}).get("commit"), "ratios": ratios,
+            "leases": leases, "same_lease": same,
+            "lease_note": None if same else "the ratios compare runs from different leases (machines) of the same "
+                                            "device kind: compare with that in mind",
             "target": "hybrid_rl >= 1.3x verl's throughput",
             "target_met": (ratios["hybrid_rl_vs_verl_step_time"] >= 1.3) if "hybrid_rl_vs_verl_step_time" in ratios
             else None,
@@ -68,7 +73,7 @@ def plot(doc: dict, path: Path) -> None:
     ax1.plot(names, [r["step_s"] for r in ok], "k_", markersize=40, label="step (wall)")
     ax1.set_ylabel("seconds per step (mean of measured steps)")
     ax1.set_title("step time and the phases each framework reports")
-    ax1.legend(fontsize=6, ncol=2)
+    ax1.legend(fontsize=6, ncol=2, loc="upper left")
     tput = [r.get("trained_tokens_per_s") or 0.0 for r in ok]
     ax2.bar(names, tput, color=[COLORS.get(n, "gray") for n in names], width=0.6)
     base = next((r["step_s"] for r in ok if r["framework"] == "hybrid_rl"), None)
@@ -82,7 +87,9 @@ def plot(doc: dict, path: Path) -> None:
     ax2.set_title("throughput at equal work")
     w = doc["workload"]
     fig.suptitle(f"{doc['model']} on {doc['device']}: GRPO, {w['prompts_per_step']} prompts x {w['n']}, "
-                 f"{w['response_length']} tokens each, mini-batch {w['mini_batch_prompts']} prompts", fontsize=10)
+                 f"{w['response_length']} tokens each, mini-batch {w['mini_batch_prompts']} prompts"
+                 + ("" if doc.get("same_lease", True) else "\nruns from different leases: "
+                    + ", ".join(f"{k} {v}" for k, v in doc["leases"].items())), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -102,6 +109,7 @@ def main() -> None:
     except ImportError as e:
         print(f"no plot ({e}); run this script where matplotlib is installed", file=sys.stderr)
     print(json.dumps({"device": doc["device"], "ratios": doc["ratios"], "target_met": doc["target_met"],
+                      "same_lease": doc["same_lease"],
                       "steps": {r["framework"]: r.get("step_s", r.get("error")) for r in doc["frameworks"]}}))
     print(f"wrote {stem}.json (+ .png)", file=sys.stderr)
 

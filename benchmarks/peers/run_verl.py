@@ -97,8 +97,10 @@ def parse(metrics: Path) -> list[dict]:
             "response_tokens": resp * W["prompts_per_step"] * W["n"] if resp is not None else None,
             "response_length_mean": resp,
             "prompt_length_mean": d.get("prompt_length/mean"),
-            "max_memory_allocated_gb": d.get("perf/max_memory_allocated_gb"),
-            "max_memory_reserved_gb": d.get("perf/max_memory_reserved_gb"),
+            # verl 0.9.1 logs the training worker's torch peak as actor/perf/* (the vLLM server is another process)
+            "max_memory_allocated_gb": d.get("perf/max_memory_allocated_gb",
+                                             d.get("actor/perf/max_memory_allocated_gb")),
+            "max_memory_reserved_gb": d.get("perf/max_memory_reserved_gb", d.get("actor/perf/max_memory_reserved_gb")),
             "verl_throughput_per_gpu": d.get("perf/throughput"),
         })
     return rows

@@ -186,7 +186,17 @@ def summarize(framework: str, version: str, rows: list[dict], gpus: int, warmup:
     }
 
 
+def lease_id() -> str:
+    """Which machine (lease) ran this: the kernel's boot id, the same for every run of one lease, and the date."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+    except OSError:
+        boot = "unknown"
+    return f"{time.strftime('%Y-%m-%d', time.gmtime())} boot {boot}"
+
+
 def write_result(doc: dict, out: Path) -> None:
+    doc.setdefault("lease", lease_id())
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2))
     print(json.dumps({k: v for k, v in doc.items() if k not in ("settings", "step_s_all", "log_tail")}), flush=True)
