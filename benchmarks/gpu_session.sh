@@ -20,6 +20,11 @@ exec > >(tee "$OUT/$PART.log") 2>&1
 if [ -d /tmp/vs ] && [ ! -d /tmp/site/vllm ]; then
   bash /tmp/vs/install_remote.sh /tmp/vs /tmp/site --with-datasets >/dev/null || echo "vllm install failed"
 fi
+# model.use_liger (issue 16): liger-kernel, pinned, from .stage_liger/ (benchmarks/stage_liger.sh; copied into the export)
+if [ -d .stage_liger ] && [ ! -d /tmp/site/liger_kernel ]; then
+  (cd .stage_liger && sha256sum -c --quiet ../benchmarks/liger.sha256) && python -m pip install -q --no-index --no-deps \
+    --target /tmp/site .stage_liger/liger_kernel-*.whl || echo "liger-kernel install failed"
+fi
 export PYTHONPATH=/tmp/site:$PWD
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
 export PYTHONUNBUFFERED=1 HYBRID_RL_CACHE=/tmp/hrc TOKENIZERS_PARALLELISM=false
@@ -140,7 +145,7 @@ update4)  # issue 16, no vLLM needed: the training passes alone at the flagship'
   stamp "update_step x4 (flagship shapes)"
   timeout 560 torchrun --standalone --nproc_per_node=4 benchmarks/update_step.py --model builtin:$MODEL4 \
     --recipe gsm8k_grpo --prompts 256 --mini 64 --resp-mean 250 --resp-cap 1024 --out "$RES" \
-    --configs ${UPDATE4_CONFIGS:-padded,packed+fused,packed+fused+no_ckpt,packed+fused+no_ckpt+budget16k+unsharded} \
+    --configs ${UPDATE4_CONFIGS:-padded,packed+fused,packed+fused+liger,packed+fused+no_ckpt,packed+fused+no_ckpt+budget16k+unsharded,packed+fused+no_ckpt+budget16k+unsharded+liger} \
     || echo "update_step x4 failed"
   cp "$RES"/update_step_* "$OUT/" 2>/dev/null
   ;;
@@ -235,7 +240,8 @@ flagship4a|flagship4b)  # issue 16, the yardstick on 4 GPUs: 4a = cba16b7 (.clea
   else
     run4 levers_b . ${LEVERS_B:-model.enable_gradient_checkpointing=false actor.accumulate_unsharded=true}
     run4 levers_c . ${LEVERS_C:-model.enable_gradient_checkpointing=false actor.accumulate_unsharded=true \
-      actor.ppo_micro_batch_size_per_device=32 actor.log_prob_micro_batch_size_per_device=64} trainer.profile_steps=[3]
+      actor.ppo_micro_batch_size_per_device=32 actor.log_prob_micro_batch_size_per_device=64 model.use_liger=true} \
+      trainer.profile_steps=[3]
   fi
   RUNS=""; for d in $R4/*/; do [ -f "$d/metrics.jsonl" ] && RUNS="$RUNS --run $(basename $d)=$d"; done
   python benchmarks/flagship.py $RUNS --device "$(python -c "import torch, sys; sys.path.insert(0, 'benchmarks'); \

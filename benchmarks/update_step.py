@@ -55,6 +55,11 @@ CONFIGS = {
     "packed+fused+budget32k": ["actor.use_dynamic_bsz=true", "actor.max_token_len_per_device=32768"],
     "packed+fused+no_ckpt+budget16k+unsharded": ["model.enable_gradient_checkpointing=false", "actor.use_dynamic_bsz=true",
                                                  "actor.max_token_len_per_device=16384", "actor.accumulate_unsharded=true"],
+    # Liger's fused RMSNorm / SwiGLU / rotary kernels (model.use_liger; needs liger-kernel on the GPU machine)
+    "packed+fused+liger": ["model.use_liger=true"],
+    "packed+fused+no_ckpt+budget16k+unsharded+liger": ["model.enable_gradient_checkpointing=false",
+                                                       "actor.use_dynamic_bsz=true", "actor.max_token_len_per_device=16384",
+                                                       "actor.accumulate_unsharded=true", "model.use_liger=true"],
 }
 
 

@@ -52,6 +52,9 @@ class ModelConfig:
     """Training/inference dtype; ``auto`` is bf16 on GPU and fp32 on CPU."""
     enable_gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (≈ half the activation memory)."""
+    use_liger: bool = False
+    """Liger-Kernel's fused Triton kernels (RMSNorm, SwiGLU, rotary embeddings) in the actor and the reference
+    (``hybrid_rl/kernels.py``); CUDA only, needs ``pip install 'hybrid_rl[liger]'``. Same math, fewer kernels."""
     trust_remote_code: bool = False
     """Passed to ``from_pretrained``."""
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -672,7 +675,7 @@ RESUME_HARMLESS = frozenset({
     # validation only
     "data.val_path", "data.val_split", "data.max_val_samples", "data.val_batch_size", "rollout.val_temperature",
     # memory/speed knobs that compute the same update (micro-batching, recomputation, offload, engine memory)
-    "model.enable_gradient_checkpointing", "model.trust_remote_code",
+    "model.enable_gradient_checkpointing", "model.use_liger", "model.trust_remote_code",
     "actor.ppo_micro_batch_size_per_device", "actor.log_prob_micro_batch_size_per_device", "actor.use_dynamic_bsz",
     "actor.max_token_len_per_device", "actor.use_remove_padding", "actor.fused_logprob", "actor.use_torch_compile", "actor.accumulate_unsharded", "actor.param_offload",
     "actor.optimizer_offload", "ref.log_prob_micro_batch_size_per_device", "ref.offload",

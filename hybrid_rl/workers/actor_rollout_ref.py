@@ -29,6 +29,7 @@ from hybrid_rl.batch import Batch
 from hybrid_rl.config import Config, parse_forced_lengths
 from hybrid_rl.micro_batching import micro_batches
 from hybrid_rl.distributed import DistInfo, all_reduce_sum
+from hybrid_rl.kernels import apply_liger
 from hybrid_rl.models import apply_lora, load_causal_lm, load_tokenizer, resolve_dtype
 from hybrid_rl.rollout import rollout_engine_class
 from hybrid_rl.rollout.base import RolloutEngine, SamplingParams
@@ -93,6 +94,8 @@ class ActorRolloutRefWorker:
         self.actor: TrainingEngine | None = None
         if self.is_actor:
             model = load_causal_lm(mcfg.path, torch.float32, mcfg.trust_remote_code)
+            if mcfg.use_liger:  # before LoRA wraps the linears and FSDP2 shards the blocks
+                apply_liger(model, self.device)
             if mcfg.lora.rank > 0:
                 model = apply_lora(model, mcfg.lora.rank, mcfg.lora.alpha, mcfg.lora.target_modules, mcfg.lora.dropout)
             self.actor = TrainingEngine(model, self.device, self.dtype, trainable=True,
@@ -110,7 +113,10 @@ class ActorRolloutRefWorker:
                 # LoRA: the reference is the base model, i.e. the actor with its adapters off (no second copy)
                 self.ref = AdapterDisabledReference(self.actor)
             else:
-                ref_engine = TrainingEngine(load_causal_lm(mcfg.path, self.dtype, mcfg.trust_remote_code), self.device,
+                ref_model = load_causal_lm(mcfg.path, self.dtype, mcfg.trust_remote_code)
+                if mcfg.use_liger:
+                    apply_liger(ref_model, self.device)
+                ref_engine = TrainingEngine(ref_model, self.device,
                                             self.dtype, trainable=False, group=dist.group,
                                             remove_padding=self.remove_padding, fused_logprob=self.fused_logprob)
                 self.ref = FrozenReference(ref_engine, offload=cfg.ref.offload)
