@@ -210,11 +210,13 @@ class ActorConfig:
     """Shuffle samples before cutting mini-batches (seeded)."""
     old_log_prob: Literal["auto", "recompute", "engine"] = "auto"
     """Where π_old (PPO's ratio denominator; the proximal policy in overlap mode) comes from. ``recompute``: a separate
-    no-grad forward of the actor over the batch before the update. ``auto``: skip that pass when it is exact, i.e.
-    ``ppo_epochs=1``, one mini-batch per step (``ppo_mini_batch_size = data.train_batch_size``), no KL-in-reward, and
-    the actor updates this step: the update's own forward, detached, is π_old (ratio 1, the same gradient); otherwise
-    recompute. ``engine``: never run the pass, use the rollout engine's log-probs (an approximation: engine and trainer
-    numerics differ; in overlap mode proximal = behaviour). Metric ``actor/old_log_prob_skipped`` says which ran."""
+    no-grad forward of the actor over the batch before the update. ``auto``: the update's first mini-batch takes π_old
+    from its own forward, detached (the weights have not moved yet: ratio 1, the same gradient), and the pass runs on
+    the other mini-batches only: none with one mini-batch per epoch (``ppo_mini_batch_size = data.train_batch_size``),
+    1/M less with M; later epochs read what that forward left. Exact, so it is the default; it falls back to the whole
+    pass when π_old is read before the update (KL-in-reward), the actor does not update this step, or partial rollouts
+    are on. ``engine``: never run the pass, use the rollout engine's log-probs (an approximation: engine and trainer
+    numerics differ; in overlap mode proximal = behaviour). Metric ``actor/old_log_prob_skipped``: the share skipped."""
 
 
 @dataclass

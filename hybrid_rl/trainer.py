@@ -223,6 +223,9 @@ class Trainer:
         if old_source == "recompute":
             with timer("old_log_prob"):
                 batch = w.compute_log_prob(batch)
+        elif old_source == "first_mini":  # the pass without the first mini-batch, which the update fills below
+            with timer("old_log_prob"):
+                batch = w.compute_log_prob_but_first_mini_batch(batch)
         else:  # π_old from the update's own forward (filled in below) or from the engine: the pass takes 0 s
             timer.times["timing/old_log_prob"] = 0.0
             if old_source == "engine":
@@ -237,13 +240,14 @@ class Trainer:
             batch, adv_metrics = compute_advantage(batch, cfg.algorithm, kl_coef=self.kl_ctrl.value)
             if cfg.algorithm.use_kl_in_reward:
                 self._update_kl_ctrl(batch)
-        update_stats: dict = {"actor/old_log_prob_skipped": (float(old_source != "recompute"), 1.0)}
+        skipped = {"recompute": 0.0, "first_mini": 1.0 / w.num_mini_batches(batch)}.get(old_source, 1.0)
+        update_stats: dict = {"actor/old_log_prob_skipped": (skipped, 1.0)}  # the share of the pass not run
         if critic is not None:
             with timer("update_critic"):
                 update_stats.update(critic.update_critic(batch))
         if self._actor_updates():
             with timer("update"):
-                if old_source == "update":  # the batch comes back with the old_log_probs the metrics read
+                if old_source in ("update", "first_mini"):  # back with the complete old_log_probs the metrics read
                     stats, batch = w.update_actor_own_old(batch)
                 else:
                     stats = w.update_actor(batch)
@@ -256,16 +260,17 @@ class Trainer:
 
     def _old_log_prob_source(self, batch: Batch) -> str:
         """Where this step's π_old comes from (``actor.old_log_prob``): ``recompute`` (the separate pass), ``engine``
-        (the rollout's log-probs), or under ``auto`` ``update`` (the update's own forward, detached) where that is
-        exact: one epoch of one mini-batch (the weights have not moved when its forward runs; in overlap mode that
-        forward is under θ_k, the proximal policy), the actor updates this step, and nothing reads π_old before the
-        update (KL-in-reward does; the step's metrics read it after)."""
+        (the rollout's log-probs), or under ``auto`` the update's own forward, detached, for its first mini-batch,
+        where that is exact: the weights have not moved when that forward runs (in overlap mode it is under θ_k, the
+        proximal policy), the actor updates this step, and nothing reads π_old before the update (KL-in-reward
+        does; the step's metrics read it after). ``update``: one mini-batch per epoch, no pass at all;
+        ``first_mini``: the pass runs on the other mini-batches only."""
         cfg = self.cfg
         if cfg.actor.old_log_prob != "auto":
             return cfg.actor.old_log_prob
-        exact = (cfg.actor.ppo_epochs == 1 and self.worker.num_mini_batches(batch) == 1
-                 and not cfg.algorithm.use_kl_in_reward and self._actor_updates())
-        return "update" if exact else "recompute"
+        if cfg.algorithm.use_kl_in_reward or not self._actor_updates():
+            return "recompute"
+        return "update" if self.worker.num_mini_batches(batch) == 1 else "first_mini"
 
     def _update_kl_ctrl(self, batch: Batch) -> None:
         """Feed the KL controller this step's per-sequence mean KL over every rank (so β stays the same on all)."""

@@ -190,6 +190,29 @@ class ActorRolloutRefWorker:
                                               batch.meta["temperature"], with_entropy=True, max_tokens=self._token_budget)
         return batch.union(tensors=dict(old_log_probs=lp, old_entropy=ent))
 
+    def compute_log_prob_but_first_mini_batch(self, batch: Batch) -> Batch:
+        """``old_log_probs`` for every row except the update's first mini-batch, which ``update_actor_own_old`` fills
+        from its own forward (the weights have not moved yet when it runs): the pass shrinks by one mini-batch.
+
+        The first epoch's mini-batch order is drawn here, from the same generator and in the same place of its
+        stream as ``update_actor`` would draw it, and handed to the update in ``meta["update_order"]``; the first
+        mini-batch's rows hold 0 until the update fills them.
+        """
+        assert self.actor is not None
+        a = self.cfg.actor
+        order = self._shuffle_rng.permutation(len(batch)) if a.shuffle_mini_batches else np.arange(len(batch))
+        rest = np.sort(order[self._seqs_per_mini():])
+        lp = torch.zeros(batch.tensors["responses"].shape, device=self.device)
+        ent = torch.zeros_like(lp)
+        if len(rest):  # every rank runs this (FSDP collectives): each skips one mini-batch of the same size
+            part_lp, part_ent = self.actor.compute_log_prob(batch.index(rest), a.log_prob_micro_batch_size_per_device,
+                                                            batch.meta["temperature"], with_entropy=True,
+                                                            max_tokens=self._token_budget)
+            where = torch.as_tensor(rest, device=self.device)
+            lp[where, :part_lp.shape[1]] = part_lp
+            ent[where, :part_ent.shape[1]] = part_ent
+        return batch.union(tensors=dict(old_log_probs=lp, old_entropy=ent), update_order=order)
+
     def engine_log_probs_as_old(self, batch: Batch) -> Batch:
         """``actor.old_log_prob=engine``: the rollout engine's log-probs of the sampled tokens stand in for π_old."""
         if "rollout_log_probs" not in batch.tensors:
@@ -217,16 +240,18 @@ class ActorRolloutRefWorker:
         return self._update(batch, own_old=False)[0]
 
     def update_actor_own_old(self, batch: Batch) -> tuple[dict[str, tuple[float, float]], Batch]:
-        """The update with π_old taken from its own forward, detached (``actor.old_log_prob=auto``'s skip).
+        """The update with the first epoch's first mini-batch taking π_old from its own forward, detached
+        (``actor.old_log_prob=auto``).
 
-        Exact only for one epoch of one mini-batch: that forward runs under the weights the skipped pass would
-        have seen, so the ratio is 1 in value and the gradient is the recomputed one's. Returns the metric pairs
-        and ``batch`` with ``old_log_probs`` / ``old_entropy`` from that forward (for the step's metrics).
+        Exact: that forward runs under the weights a separate pass would have seen, so the ratio is 1 in value and
+        the gradient is the recomputed one's; later epochs read the values it left. With one mini-batch per epoch it
+        covers every row and no pass runs at all; with more, the other rows come from
+        ``compute_log_prob_but_first_mini_batch``. Returns the metric pairs and ``batch`` with ``old_log_probs`` /
+        ``old_entropy`` complete (for the step's metrics).
         """
-        if self.cfg.actor.ppo_epochs != 1 or self.num_mini_batches(batch) != 1:
-            raise ValueError(f"π_old from the update's own forward needs actor.ppo_epochs=1 and one mini-batch per step "
-                             f"(got {self.cfg.actor.ppo_epochs} epoch(s), {self.num_mini_batches(batch)} mini-batches); "
-                             f"compute_log_prob first")
+        if self.num_mini_batches(batch) != 1 and "update_order" not in batch.meta:
+            raise ValueError(f"π_old from the update's own forward covers its first mini-batch only, and this update has "
+                             f"{self.num_mini_batches(batch)}: call compute_log_prob_but_first_mini_batch first")
         stats, lp, ent = self._update(batch, own_old=True)
         return stats, batch.union(tensors=dict(old_log_probs=lp, old_entropy=ent))
 
@@ -236,15 +261,26 @@ class ActorRolloutRefWorker:
         a = self.cfg.actor
         seqs_per_mini = self._seqs_per_mini()
         stats = _Stats()
-        # own_old: [B, R] buffers the update's forward fills, in the batch's row order (0 past each response)
-        lps = torch.zeros(batch.tensors["responses"].shape, device=self.device) if own_old else None
-        ents = torch.zeros_like(lps) if own_old else None
+        lps = ents = None
+        if own_old:
+            # [B, R] π_old in the batch's row order, the first mini-batch's rows filled by its forward below; the
+            # batch holds these very tensors, so later mini-batches and epochs read what that forward wrote
+            shape = batch.tensors["responses"].shape
+            lps = batch.tensors["old_log_probs"].clone() if "old_log_probs" in batch.tensors else \
+                torch.zeros(shape, device=self.device)
+            ents = batch.tensors["old_entropy"].clone() if "old_entropy" in batch.tensors else torch.zeros_like(lps)
+            batch = batch.union(tensors=dict(old_log_probs=lps, old_entropy=ents))
+        planned = batch.meta.get("update_order")  # drawn by compute_log_prob_but_first_mini_batch
         self.actor.model.train()
-        for _ in range(a.ppo_epochs):
-            order = self._shuffle_rng.permutation(len(batch)) if a.shuffle_mini_batches else np.arange(len(batch))
+        for epoch in range(a.ppo_epochs):
+            if epoch == 0 and planned is not None:
+                order = np.asarray(planned)
+            else:
+                order = self._shuffle_rng.permutation(len(batch)) if a.shuffle_mini_batches else np.arange(len(batch))
             for start in range(0, len(batch), seqs_per_mini):
                 rows = order[start:start + seqs_per_mini]
-                self._update_mini_batch(batch.index(rows), stats, (rows, lps, ents) if own_old else None)
+                capture = own_old and epoch == 0 and start == 0
+                self._update_mini_batch(batch.index(rows), stats, (rows, lps, ents) if capture else None)
         self.weight_version += 1
         stats.add("actor/lr", self.actor.lr)
         return stats.pairs(), lps, ents

@@ -99,6 +99,8 @@ def test_update_with_own_old_log_probs_matches_pass_then_update_on_two_ranks(run
     the same up to rounding (the pass and the update cut different micro-batches)."""
     for rank in runs["ranks"]:
         _same_step(rank["own_old"][False], rank["own_old"][True])
+        assert rank["own_old_two_mini"][True]["mini_batches"] == 2  # the pass runs on the second mini-batch only
+        _same_step(rank["own_old_two_mini"][False], rank["own_old_two_mini"][True])
 
 
 def test_torch_compiled_blocks_match_eager(tiny_model_path, tmp_path):

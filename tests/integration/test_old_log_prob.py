@@ -1,9 +1,10 @@
 """``actor.old_log_prob``: where π_old comes from (issue 16, "Fewer passes").
 
-``auto`` skips the separate no-grad pass when the update is one epoch of one mini-batch and nothing reads π_old
-before it: the update's own forward, detached, is π_old. That must give the same weights and the same metrics as
-``recompute`` (sync and overlap mode); any other shape of update (2 mini-batches, 2 epochs, KL-in-reward) still
-runs the pass; ``engine`` uses the rollout's log-probs. Tiny in-process runs of the CPU recipe (seconds each).
+``auto`` takes π_old for the update's first mini-batch from that mini-batch's own forward, detached (the weights
+have not moved yet), and runs the separate no-grad pass on the other mini-batches only (none when there is one
+mini-batch per epoch; later epochs read what the first forward left). That must give the same weights and the
+same metrics as ``recompute`` (sync and overlap mode, several update shapes); KL-in-reward, which reads π_old
+before the update, still runs the whole pass; ``engine`` uses the rollout's log-probs. Tiny in-process runs of the CPU recipe (seconds each).
 """
 
 from __future__ import annotations
@@ -48,12 +49,28 @@ def _run(out: Path, *overrides: str) -> tuple[list[dict], dict[str, torch.Tensor
     return rows, actor_params(trainer.worker)
 
 
-@pytest.mark.parametrize("mode", ["sync", "overlap"])
-def test_auto_skips_the_pass_and_matches_recompute(tmp_path, reward, mode):
-    steps = ["trainer.total_steps=3", f"trainer.mode={mode}", reward]
+# the shapes of update ``auto`` covers: (overrides, the share of the pass it skips)
+SHAPES = {
+    "one_mini_batch": ([], 1.0),
+    "two_epochs": (["actor.ppo_epochs=2"], 1.0),  # epoch 2 reads what epoch 1's first forward left
+    "two_mini_batches": (["actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_device=8"], 0.5),
+    "four_mini_batches_shuffled_two_epochs": (["actor.ppo_mini_batch_size=1", "actor.ppo_micro_batch_size_per_device=4",
+                                               "actor.shuffle_mini_batches=true", "actor.ppo_epochs=2"], 0.25),
+}
+
+
+@pytest.mark.parametrize("mode,shape", [("sync", "one_mini_batch"), ("overlap", "one_mini_batch"),
+                                        ("sync", "two_epochs"), ("sync", "two_mini_batches"),
+                                        ("overlap", "two_mini_batches"), ("sync", "four_mini_batches_shuffled_two_epochs")])
+def test_auto_skips_the_pass_and_matches_recompute(tmp_path, reward, mode, shape):
+    """``auto`` takes the first mini-batch's π_old from the update's own forward (the whole pass when that is the
+    only mini-batch, the rest of it otherwise) and gives the weights and metrics of ``recompute``."""
+    extra, skipped = SHAPES[shape]
+    steps = ["trainer.total_steps=3", f"trainer.mode={mode}", reward, *extra]
     auto_rows, auto_params = _run(tmp_path / "auto", *steps)
     rec_rows, rec_params = _run(tmp_path / "recompute", *steps, "actor.old_log_prob=recompute")
-    assert all(r["actor/old_log_prob_skipped"] == 1.0 and r["timing/old_log_prob"] == 0.0 for r in auto_rows)
+    assert all(r["actor/old_log_prob_skipped"] == skipped for r in auto_rows)
+    assert all((r["timing/old_log_prob"] == 0.0) == (skipped == 1.0) for r in auto_rows)
     assert all(r["actor/old_log_prob_skipped"] == 0.0 and r["timing/old_log_prob"] > 0 for r in rec_rows)
     if mode == "overlap":  # the decoupled loss ran on stale batches: proximal (θ_k) ≠ behaviour (θ_{k-1})
         assert all("rollout/is_truncated_frac" in r for r in auto_rows)
@@ -72,11 +89,8 @@ def test_auto_skips_the_pass_and_matches_recompute(tmp_path, reward, mode):
         assert not diff, f"step {a['step']}: {diff}"
 
 
-@pytest.mark.parametrize("why", [["actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_device=8"], ["actor.ppo_epochs=2"],
-                                 ["algorithm.use_kl_in_reward=true"]],
-                         ids=["two_mini_batches", "two_epochs", "kl_in_reward"])
-def test_auto_recomputes_when_the_skip_is_not_exact(tmp_path, why):
-    rows, _ = _run(tmp_path / "run", "trainer.total_steps=1", *why)
+def test_auto_recomputes_when_pi_old_is_read_before_the_update(tmp_path):
+    rows, _ = _run(tmp_path / "run", "trainer.total_steps=1", "algorithm.use_kl_in_reward=true")
     assert rows[0]["actor/old_log_prob_skipped"] == 0.0 and rows[0]["timing/old_log_prob"] > 0
 
 
@@ -147,11 +161,29 @@ def test_update_own_old_equals_pass_then_update(tiny_model_path, correction, log
         assert abs(s_own[k][0] / s_own[k][1] - s_rec[k][0] / s_rec[k][1]) <= (0.0 if exact else 1e-5), k
 
 
-def test_update_own_old_refuses_more_than_one_mini_batch(tiny_model_path):
+def test_update_own_old_needs_the_other_mini_batches_pass(tiny_model_path):
     w = ActorRolloutRefWorker(make_cfg("actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_device=8"),
                               cpu_dist())
-    with pytest.raises(ValueError, match="one mini-batch per step .* 2 mini-batches"):
+    with pytest.raises(ValueError, match="covers its first mini-batch only, and this update has 2: call "
+                                         "compute_log_prob_but_first_mini_batch first"):
         w.update_actor_own_old(generate_batch(w))
+
+
+def test_pass_but_first_mini_batch_leaves_exactly_those_rows(tiny_model_path):
+    """The partial pass's rows equal the full pass's; the first mini-batch's rows (of the order the update will use,
+    shuffled here) are left at 0 for the update to fill."""
+    w = ActorRolloutRefWorker(make_cfg("actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_device=8",
+                                       "actor.shuffle_mini_batches=true"), cpu_dist())
+    batch = generate_batch(w)
+    full = w.compute_log_prob(batch)
+    part = w.compute_log_prob_but_first_mini_batch(batch)
+    order = part.meta["update_order"]
+    first, rest = order[:len(batch) // 2], order[len(batch) // 2:]
+    assert sorted(order) == list(range(len(batch))) and list(order) != list(range(len(batch)))  # drawn, shuffled
+    mask = batch["response_mask"].bool()
+    for key in ("old_log_probs", "old_entropy"):
+        torch.testing.assert_close(part[key][rest][mask[rest]], full[key][rest][mask[rest]], rtol=0, atol=1e-6)
+        assert not part[key][first].any()
 
 
 def test_bad_value_is_a_config_error():

@@ -219,22 +219,26 @@ def run_packed(d: DistInfo, res: dict) -> None:
 
 
 def run_own_old(d: DistInfo, res: dict) -> None:
-    """``actor.old_log_prob=auto``'s skip on FSDP2: the update with π_old from its own forward gives the pass's
-    log-probs and lands where the pass followed by the update lands (one mini-batch)."""
-    results = {}
-    for own in (False, True):
-        w = ActorRolloutRefWorker(load_config(None, BASE).validate(d.world_size), d)
-        batch = w.compute_log_prob(make_batch(w, seed=0))  # the pass's π_old instead of make_batch's noisy one
-        share = local_share(batch, d)
-        if own:
-            bare = Batch({k: v for k, v in share.tensors.items() if k not in ("old_log_probs", "old_entropy")},
-                         share.non_tensors, share.meta)
-            stats, share = w.update_actor_own_old(bare)
-        else:
-            stats = w.update_actor(share)
-        results[own] = dict(log_probs=share["old_log_probs"] * share["response_mask"], params=actor_full_params(w),
-                            grad_norm=stats["actor/grad_norm"][0])
-    res["own_old"] = results
+    """``actor.old_log_prob=auto`` on FSDP2: the update with its first mini-batch's π_old from its own forward gives
+    the pass's log-probs and lands where the pass followed by the update lands, with one mini-batch (no pass) and
+    with two (the pass over the second only)."""
+    for name, extra in (("own_old", []), ("own_old_two_mini", ["actor.ppo_mini_batch_size=2"])):
+        results = {}
+        for own in (False, True):
+            w = ActorRolloutRefWorker(load_config(None, BASE + extra).validate(d.world_size), d)
+            batch = w.compute_log_prob(make_batch(w, seed=0))  # the pass's π_old instead of make_batch's noisy one
+            share = local_share(batch, d)
+            if own:
+                bare = Batch({k: v for k, v in share.tensors.items() if k not in ("old_log_probs", "old_entropy")},
+                             share.non_tensors, share.meta)
+                if w.num_mini_batches(bare) > 1:
+                    bare = w.compute_log_prob_but_first_mini_batch(bare)
+                stats, share = w.update_actor_own_old(bare)
+            else:
+                stats = w.update_actor(share)
+            results[own] = dict(log_probs=share["old_log_probs"] * share["response_mask"], params=actor_full_params(w),
+                                grad_norm=stats["actor/grad_norm"][0], mini_batches=w.num_mini_batches(share))
+        res[name] = results
 
 
 def run_compile(d: DistInfo, res: dict) -> None:
