@@ -6,7 +6,7 @@
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean && git rev-parse HEAD > .clean/COMMIT \
 #     && cp -r .devdata .clean/ && { [ -d .stage_liger ] && cp -r .stage_liger .clean/; }  # (bash benchmarks/stage_liger.sh first)
 #   then, on the lender (carry .clean): cd .clean && bash benchmarks/gpu_session.sh PART
-#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | ppo | sweep4a..sweep4d ; writes $OUT/PART.tgz and $OUT/PART.log
+#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | compile1 | ppo | sweep4a..sweep4d ; writes $OUT/PART.tgz and $OUT/PART.log
 # Each part fits one 600 s device call; every piece has its own timeout and results are packed after each piece,
 # so a part cut short still returns what finished.
 set -u
@@ -202,6 +202,23 @@ flagship1)  # issue 16: the flagship recipe on 1 GPU with the 4-GPU run's per-GP
 sys.path.insert(0, 'benchmarks'); from bench_common import gpu_short_name as g; print(g(torch.cuda.get_device_name()))")x1" \
     --settings "$F" --out-dir "$RES" || echo "flagship summary failed"
   cp "$RES"/flagship_* "$RES"/old/metrics.jsonl "$OUT/" 2>/dev/null; cp "$RES"/new/metrics.jsonl "$OUT/new_metrics.jsonl" 2>/dev/null
+  ;;
+compile1)  # issue 16: why actor.use_torch_compile stalled in training (the recipe's note: every new batch recompiled,
+  # the first step unfinished after 200 s) though update_step's repeated batch gained 15%. The flagship's per-GPU share
+  # on 1 GPU with vLLM in the process, compile on, without then with recomputation; dynamo's recompile reasons and
+  # graph breaks logged (TORCH_LOGS) into $OUT/compile1_*.log; 4 steps each, ~250 s each at most
+  F="model.path=builtin:qwen2.5-1.5b-random data.train_path=$PWD/.devdata/train.jsonl data.train_batch_size=64 \
+    actor.ppo_mini_batch_size=16 rollout.forced_lengths=lognormal:250:0.8 trainer.total_steps=4 trainer.test_freq=0 \
+    trainer.val_before_train=false trainer.save_freq=-1 trainer.logger=[jsonl] actor.use_torch_compile=true"
+  for ck in false true; do
+    stamp "compile x1, recomputation $ck"
+    CUDA_VISIBLE_DEVICES=0 TORCH_LOGS=recompiles,graph_breaks timeout 250 python -m hybrid_rl train recipes/gsm8k_grpo.yaml \
+      $F model.enable_gradient_checkpointing=$ck trainer.output_dir=$RES/ckpt_$ck > "$OUT/compile1_ckpt_$ck.log" 2>&1
+    echo "rc=$?"; grep -c "Recompiling function" "$OUT/compile1_ckpt_$ck.log"; grep -vE "it/s|s/it" "$OUT/compile1_ckpt_$ck.log" | tail -3
+    python -c "import json,sys; [print(r['step'], round(r['timing/step'],1), round(r['timing/update'],2), round(r['timing/old_log_prob'],2)) \
+for r in map(json.loads, open('$RES/ckpt_$ck/metrics.jsonl')) if 'timing/step' in r]" 2>/dev/null
+    cp "$RES/ckpt_$ck/metrics.jsonl" "$OUT/compile1_ckpt_${ck}_metrics.jsonl" 2>/dev/null
+  done
   ;;
 fp32vllm)  # issue 13 item 1 on 1 GPU: the default (float32) recipe through vLLM, the old commit (.clean_old) then this one
   if [ -d .clean_old ]; then
