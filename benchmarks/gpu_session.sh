@@ -146,7 +146,7 @@ update4)  # issue 16, no vLLM needed: the training passes alone at the flagship'
   stamp "update_step x4 (flagship shapes)"
   timeout 560 torchrun --standalone --nproc_per_node=4 benchmarks/update_step.py --model builtin:$MODEL4 \
     --recipe gsm8k_grpo --prompts 256 --mini 64 --resp-mean 250 --resp-cap 1024 --out "$RES" \
-    --configs ${UPDATE4_CONFIGS:-padded,packed+fused,packed+fused+liger,packed+fused+no_ckpt,packed+fused+no_ckpt+budget16k+unsharded,packed+fused+no_ckpt+budget16k+unsharded+liger} \
+    --configs ${UPDATE4_CONFIGS:-padded,packed+fused,packed+fused+shared,packed+fused+liger,packed+fused+no_ckpt,packed+fused+no_ckpt+budget16k+unsharded,packed+fused+no_ckpt+budget16k+unsharded+shared,packed+fused+no_ckpt+budget16k+unsharded+liger} \
     || echo "update_step x4 failed"
   cp "$RES"/update_step_* "$OUT/" 2>/dev/null
   ;;
@@ -258,7 +258,8 @@ flagship4a|flagship4b)  # issue 16, the yardstick on 4 GPUs: 4a = cba16b7 (.clea
   else
     run4 levers_b . ${LEVERS_B:-model.enable_gradient_checkpointing=false actor.accumulate_unsharded=true}
     run4 levers_c . ${LEVERS_C:-model.enable_gradient_checkpointing=false actor.accumulate_unsharded=true \
-      actor.ppo_micro_batch_size_per_device=32 actor.log_prob_micro_batch_size_per_device=64 model.use_liger=true} \
+      actor.ppo_micro_batch_size_per_device=32 actor.log_prob_micro_batch_size_per_device=64 model.use_liger=true \
+      actor.share_prompts=true} \
       trainer.profile_steps=[3]
   fi
   RUNS=""; for d in $R4/*/; do [ -f "$d/metrics.jsonl" ] && RUNS="$RUNS --run $(basename $d)=$d"; done

@@ -55,6 +55,12 @@ CONFIGS = {
     "packed+fused+budget32k": ["actor.use_dynamic_bsz=true", "actor.max_token_len_per_device=32768"],
     "packed+fused+no_ckpt+budget16k+unsharded": ["model.enable_gradient_checkpointing=false", "actor.use_dynamic_bsz=true",
                                                  "actor.max_token_len_per_device=16384", "actor.accumulate_unsharded=true"],
+    # each prompt once per micro-batch, its n responses attending to it (actor.share_prompts)
+    "packed+fused+shared": ["actor.share_prompts=true"],
+    "packed+fused+no_ckpt+budget16k+unsharded+shared": ["model.enable_gradient_checkpointing=false",
+                                                        "actor.use_dynamic_bsz=true",
+                                                        "actor.max_token_len_per_device=16384",
+                                                        "actor.accumulate_unsharded=true", "actor.share_prompts=true"],
     # Liger's fused RMSNorm / SwiGLU / rotary kernels (model.use_liger; needs liger-kernel on the GPU machine)
     "packed+fused+liger": ["model.use_liger=true"],
     "packed+fused+no_ckpt+budget16k+unsharded+liger": ["model.enable_gradient_checkpointing=false",

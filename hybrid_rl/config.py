@@ -175,6 +175,12 @@ class ActorConfig:
     """Log-probs and entropy straight from the last hidden states and the LM head, in row chunks recomputed in
     backward: the [tokens × vocabulary] logits are never materialised (the reference policy too). Default (null): on
     for CUDA, off on CPU (a small vocabulary gains nothing there and the recomputation costs)."""
+    share_prompts: bool = False
+    """With ``use_remove_padding``: each distinct prompt of a micro-batch passes through the model once and its
+    responses attend to that one copy (``workers/packed.py``'s ``pack_shared``), in the actor's passes and the
+    reference's. Exact (a prompt never sees its responses); with GRPO's n samples per prompt it removes (n-1)/n of the
+    prompt tokens from every training pass (GSM8K, n=8: about half of all tokens). ``perf/mfu_*`` keep counting the
+    batch's tokens (the work the unshared passes do), so with sharing they read as effective MFU."""
     use_torch_compile: bool = False
     """``torch.compile`` each decoder block's forward (dynamic shapes) in the actor: fused kernels for a loop that is
     launch-bound (small models, many micro-batches); the first pass of each mode (train/eval) pays the compile."""
@@ -679,7 +685,7 @@ RESUME_HARMLESS = frozenset({
     # memory/speed knobs that compute the same update (micro-batching, recomputation, offload, engine memory)
     "model.enable_gradient_checkpointing", "model.use_liger", "model.trust_remote_code",
     "actor.ppo_micro_batch_size_per_device", "actor.log_prob_micro_batch_size_per_device", "actor.use_dynamic_bsz",
-    "actor.max_token_len_per_device", "actor.use_remove_padding", "actor.fused_logprob", "actor.use_torch_compile", "actor.accumulate_unsharded", "actor.param_offload",
+    "actor.max_token_len_per_device", "actor.use_remove_padding", "actor.fused_logprob", "actor.share_prompts", "actor.use_torch_compile", "actor.accumulate_unsharded", "actor.param_offload",
     "actor.optimizer_offload", "ref.log_prob_micro_batch_size_per_device", "ref.offload",
     "critic.enable_gradient_checkpointing", "critic.ppo_micro_batch_size_per_device",
     "critic.forward_micro_batch_size_per_device", "critic.use_dynamic_bsz", "critic.max_token_len_per_device",

@@ -117,9 +117,54 @@ def _pack_by_length(order: np.ndarray, p_len: np.ndarray, r_len: np.ndarray, max
     return bins
 
 
+def _by_prompt(uid: np.ndarray, p_len: np.ndarray, r_len: np.ndarray, max_seqs: int, max_tokens: int | None,
+               group) -> list[np.ndarray]:
+    """``plan_micro_batches`` for prompt-shared packing (``actor.share_prompts``): a prompt's rows stay together, so
+    each micro-batch holds few distinct prompts, each computed once.
+
+    Fixed-size chunks cut the rows in group order (a chunk of 16 with 8 samples per prompt is two whole groups). With a
+    token budget the units are groups (a group over the budget is cut into pieces that fit, each with its prompt), a
+    unit costs its prompt once plus its responses, and units are binned longest-first as ``_pack_by_length`` does."""
+    members: dict = {}
+    for row, u in enumerate(uid.tolist()):
+        members.setdefault(u, []).append(row)
+    groups = list(members.values())
+    if max_tokens is None:
+        order = np.array([r for g in groups for r in g], dtype=np.int64)
+        return [np.sort(order[s:s + max_seqs]) for s in range(0, len(order), max_seqs)]
+    units: list[list[int]] = []
+    for rows in groups:
+        piece: list[int] = []
+        for r in sorted(rows, key=lambda r: -r_len[r]):
+            if piece and p_len[piece[0]] + r_len[piece].sum() + r_len[r] > max_tokens:
+                units.append(piece)
+                piece = []
+            piece.append(r)
+        units.append(piece)
+
+    def cost(rows: list[int]) -> int:  # tokens of a prompt-shared row: each distinct prompt once
+        seen = {}
+        for r in rows:
+            seen.setdefault(uid[r], p_len[r])
+        return int(sum(seen.values()) + r_len[rows].sum())
+
+    bins: list[list[int]] = []
+    for unit in sorted(units, key=lambda u: -cost(u)):
+        if not bins or cost(bins[-1] + unit) > max_tokens:
+            bins.append([])
+        bins[-1].extend(unit)
+    k = torch.tensor(len(bins))
+    all_reduce_max(k, group)  # same number of FSDP forwards on every rank
+    while len(bins) < min(int(k), len(uid)):
+        j = max((b for b in range(len(bins)) if len(bins[b]) > 1), key=lambda b: cost(bins[b]))
+        half = len(bins[j]) // 2
+        bins[j:j + 1] = [bins[j][:half], bins[j][half:]]
+    return [np.array(sorted(b)) for b in bins]
+
+
 def plan_micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = None,
                        lengths: tuple[np.ndarray, np.ndarray] | None = None, group=None,
-                       packed: bool = False) -> list[np.ndarray]:
+                       packed: bool = False, share_prompts: bool = False) -> list[np.ndarray]:
     """Row indices of each micro-batch: chunks of ``max_seqs`` rows of similar length, or bins within a token budget.
 
     Fixed-size chunks take the rows in order of length, so each micro-batch is trimmed to lengths close to
@@ -136,6 +181,8 @@ def plan_micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = Non
     """
     n = len(batch)
     p_len, r_len = lengths if lengths is not None else _lengths(batch)
+    if share_prompts and "uid" in batch.non_tensors:
+        return _by_prompt(np.asarray(batch.non_tensors["uid"]), p_len, r_len, max_seqs, max_tokens, group)
     order = np.argsort(-(p_len + r_len), kind="stable")
     if max_tokens is None:
         return [np.sort(order[s:s + max_seqs]) for s in range(0, n, max_seqs)]
@@ -150,12 +197,13 @@ def plan_micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = Non
 
 
 def micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = None,
-                  group=None, packed: bool = False) -> list[tuple[np.ndarray, Batch]]:
-    """(row indices, trimmed micro-batch) pairs covering ``batch`` (``packed``: budgets count real tokens).
+                  group=None, packed: bool = False, share_prompts: bool = False) -> list[tuple[np.ndarray, Batch]]:
+    """(row indices, trimmed micro-batch) pairs covering ``batch`` (``packed``: budgets count real tokens;
+    ``share_prompts``: a prompt's samples stay in one micro-batch, see ``_by_prompt``).
 
     The lengths are read from the device once for the whole batch: a read per micro-batch would stall the
     GPU queue between micro-batches.
     """
     p_len, r_len = _lengths(batch)
     return [(idx, trim_padding(batch.index(idx), (p_len[idx], r_len[idx])))
-            for idx in plan_micro_batches(batch, max_seqs, max_tokens, (p_len, r_len), group, packed)]
+            for idx in plan_micro_batches(batch, max_seqs, max_tokens, (p_len, r_len), group, packed, share_prompts)]

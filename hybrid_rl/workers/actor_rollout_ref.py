@@ -86,6 +86,10 @@ class ActorRolloutRefWorker:
         on_gpu = self.device.type == "cuda"  # null = the device's default (see ActorConfig)
         self.remove_padding = on_gpu if cfg.actor.use_remove_padding is None else cfg.actor.use_remove_padding
         self.fused_logprob = on_gpu if cfg.actor.fused_logprob is None else cfg.actor.fused_logprob
+        if cfg.actor.share_prompts and not self.remove_padding:
+            raise ValueError("actor.share_prompts=true shares prompts inside a packed row, but this run does not pack "
+                             f"(actor.use_remove_padding={cfg.actor.use_remove_padding} on {self.device.type}): set "
+                             "actor.use_remove_padding=true, or actor.share_prompts=false")
         # the driver loads the tokenizer once (for its datasets) and passes it in
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
             mcfg.tokenizer_path or mcfg.path, mcfg.trust_remote_code,
@@ -102,7 +106,8 @@ class ActorRolloutRefWorker:
                                         gradient_checkpointing=mcfg.enable_gradient_checkpointing,
                                         accumulate_unsharded=cfg.actor.accumulate_unsharded,
                                         compile_blocks=cfg.actor.use_torch_compile, group=dist.group,
-                                        remove_padding=self.remove_padding, fused_logprob=self.fused_logprob)
+                                        remove_padding=self.remove_padding, fused_logprob=self.fused_logprob,
+                                        share_prompts=cfg.actor.share_prompts)
             a = cfg.actor
             updates_per_step = a.ppo_epochs * (cfg.data.train_batch_size // a.ppo_mini_batch_size)
             self.actor.configure_optimizer(a.lr, (a.betas[0], a.betas[1]), a.weight_decay, a.warmup_steps,
@@ -118,7 +123,8 @@ class ActorRolloutRefWorker:
                     apply_liger(ref_model, self.device)
                 ref_engine = TrainingEngine(ref_model, self.device,
                                             self.dtype, trainable=False, group=dist.group,
-                                            remove_padding=self.remove_padding, fused_logprob=self.fused_logprob)
+                                            remove_padding=self.remove_padding, fused_logprob=self.fused_logprob,
+                                        share_prompts=cfg.actor.share_prompts)
                 self.ref = FrozenReference(ref_engine, offload=cfg.ref.offload)
         self.rollout: RolloutEngine | None = None
         self.sharding_manager: ShardingManager | None = None
@@ -300,7 +306,7 @@ class ActorRolloutRefWorker:
         scale = float(self.dist.world_size) if self.actor.fsdp else 1.0
         self.actor.zero_grad()
         micros = micro_batches(mini, a.ppo_micro_batch_size_per_device, self._token_budget, self.dist.group,
-                               self.actor.remove_padding)
+                               self.actor.remove_padding, self.actor.share_prompts)
         for i, (idx, micro) in enumerate(micros):
             loss, m, (lp, ent) = self._micro_batch_loss(micro, num_tokens, num_seqs, own_old=capture is not None)
             if capture is not None:

@@ -32,7 +32,8 @@ import torch.distributed as dist
 from hybrid_rl.algorithms import entropy_from_logits, logprobs_from_logits
 from hybrid_rl.batch import Batch, as_slice
 from hybrid_rl.micro_batching import micro_batches
-from hybrid_rl.workers.packed import logprob_head, pack, split_head_output, unpack, use_varlen_attention
+from hybrid_rl.workers.packed import (logprob_head, pack, pack_shared, split_head_output, unpack,
+                                      use_varlen_attention)
 from hybrid_rl.weights.plan import PushPlan, decoder_layer_classes
 
 
@@ -55,10 +56,12 @@ def _compile_blocks(model: torch.nn.Module) -> int:
 class TrainingEngine:
     def __init__(self, model: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype, trainable: bool,
                  gradient_checkpointing: bool = False, accumulate_unsharded: bool = False, compile_blocks: bool = False,
-                 group=None, remove_padding: bool = False, fused_logprob: bool = False):
+                 group=None, remove_padding: bool = False, fused_logprob: bool = False, share_prompts: bool = False):
         self.device = device
         self.remove_padding = remove_padding
         """Every forward packs its micro-batch into one row without padding (``hybrid_rl.workers.packed``)."""
+        self.share_prompts = share_prompts
+        """Packed rows hold each distinct prompt once, its responses attending to that copy (``pack_shared``)."""
         self.fused_logprob = fused_logprob
         """Log-probs and entropy come from the LM head in row chunks; the [tokens × vocabulary] logits never exist."""
         self.group = group
@@ -239,9 +242,11 @@ class TrainingEngine:
     def _forward_packed(self, t: dict[str, torch.Tensor], temperature: float,
                         with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward`` on the micro-batch packed into one row: only real tokens pass through the model."""
-        p = pack(t)
+        p = pack_shared(t) if self.share_prompts else pack(t)
         kwargs = dict(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False,
                       hybrid_cu_seqlens=p.cu_seqlens, hybrid_max_seqlen=p.max_seqlen)
+        if p.shared is not None:
+            kwargs["hybrid_shared"] = p.shared
         with self._autocast():
             if self.fused_logprob:
                 with logprob_head(self.model, p.targets, temperature):
@@ -262,7 +267,8 @@ class TrainingEngine:
         lps = torch.zeros(n, width, device=self.device)
         ents = torch.zeros(n, width, device=self.device) if with_entropy else None
         try:
-            for idx, micro in micro_batches(batch, micro_batch_size, max_tokens, self.group, self.remove_padding):
+            for idx, micro in micro_batches(batch, micro_batch_size, max_tokens, self.group, self.remove_padding,
+                                            self.share_prompts):
                 lp, ent = self.forward(micro, temperature, with_entropy)
                 rows = as_slice(idx) or torch.as_tensor(idx, device=self.device)
                 lps[rows, :lp.shape[1]] = lp

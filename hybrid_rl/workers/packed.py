@@ -48,6 +48,7 @@ class Packed:
     keep: torch.Tensor  # [n] packed positions whose next token is a response token (the LM head's rows)
     targets: torch.Tensor  # [n] those response tokens
     valid: torch.Tensor  # [b, R] bool: which response slots the n rows fill (row-major)
+    shared: "SharedPrompts | None" = None  # pack_shared's layout (each prompt once); None: one sequence per row
 
 
 def pack(tensors: dict[str, torch.Tensor]) -> Packed:
@@ -77,6 +78,96 @@ def unpack(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@dataclass
+class SharedPrompts:
+    """Where the prompts and the responses of a prompt-shared packed row are (``pack_shared``).
+
+    The row holds each distinct prompt once, followed by its responses. ``prompt_idx`` / ``cu_prompt``: the prompts'
+    positions and boundaries (causal self-attention); ``resp_idx`` / ``cu_resp``: the responses' positions, and
+    ``kv_idx`` / ``cu_kv`` the keys each response attends to (its prompt, then itself); ``inverse`` puts the two
+    calls' outputs, concatenated, back in row order."""
+
+    prompt_idx: torch.Tensor
+    cu_prompt: torch.Tensor
+    max_prompt: int
+    resp_idx: torch.Tensor
+    cu_resp: torch.Tensor
+    max_resp: int
+    kv_idx: torch.Tensor
+    cu_kv: torch.Tensor
+    max_kv: int
+    inverse: torch.Tensor
+    tokens_unshared: int
+    """The tokens the same micro-batch packed without sharing would hold (``perf`` reads the saving)."""
+
+
+def pack_shared(tensors: dict[str, torch.Tensor]) -> Packed:
+    """``pack`` with each distinct prompt's tokens once: the n responses of a GRPO group attend to one copy.
+
+    Exact: a prompt's tokens never see its responses (causal), so every copy of it computes the same hidden states; one
+    copy whose gradient sums what each response sends back is the same computation with the shared part done once.
+    Rows are matched by their prompt tokens (after ``trim_padding``, a group's rows are identical there). The LM-head
+    row that predicts a response's first token is its prompt's last position, shared by the group's responses.
+    """
+    mask = tensors["attention_mask"].bool()  # [b, L]
+    responses = tensors["responses"]  # [b, R]
+    width = responses.shape[1]
+    prompt_width = mask.shape[1] - width
+    ids, pos = tensors["input_ids"], tensors["position_ids"]
+    dev = mask.device
+    prompt_rows = torch.where(mask[:, :prompt_width], ids[:, :prompt_width], -1)  # [b, P] pads marked
+    _, group = torch.unique(prompt_rows, dim=0, return_inverse=True)
+    group_of, p_len = group.tolist(), mask[:, :prompt_width].sum(1).tolist()
+    r_len = mask[:, prompt_width:].sum(1).tolist()
+    members: dict[int, list[int]] = {}
+    for row, g in enumerate(group_of):
+        members.setdefault(g, []).append(row)
+    tok, posn = [], []  # slices of the padded rows, concatenated once
+    prompt_idx: list[int] = []  # packed positions, built as Python ints and moved to the device once each
+    resp_idx: list[int] = []
+    kv_idx: list[int] = []
+    cu_p, cu_r, cu_kv = [0], [0], [0]
+    keep_of: dict[int, list[int]] = {}
+    cursor = 0
+    for g in sorted(members, key=lambda g: members[g][0]):  # groups in the order their first row comes
+        rows = members[g]
+        p = p_len[rows[0]]
+        tok.append(ids[rows[0], prompt_width - p:prompt_width])
+        posn.append(pos[rows[0], prompt_width - p:prompt_width])
+        prompt = range(cursor, cursor + p)
+        prompt_idx.extend(prompt)
+        cu_p.append(cu_p[-1] + p)
+        cursor += p
+        for row in rows:
+            n = r_len[row]
+            if n == 0:
+                continue
+            tok.append(ids[row, prompt_width:prompt_width + n])
+            posn.append(pos[row, prompt_width:prompt_width + n])
+            resp = range(cursor, cursor + n)
+            resp_idx.extend(resp)
+            kv_idx.extend(prompt)
+            kv_idx.extend(resp)
+            cu_r.append(cu_r[-1] + n)
+            cu_kv.append(cu_kv[-1] + p + n)
+            # the prompt's last position predicts the first response token, the response's own the rest
+            keep_of[row] = [prompt[-1], *resp[:-1]]
+            cursor += n
+    keep = [i for row in range(len(group_of)) for i in keep_of.get(row, ())]  # row-major, as responses[valid]
+    valid = mask[:, prompt_width:]  # [b, R]
+    i64, i32 = dict(dtype=torch.long, device=dev), dict(dtype=torch.int32, device=dev)
+    order = torch.tensor(prompt_idx + resp_idx, **i64)
+    shared = SharedPrompts(
+        prompt_idx=torch.tensor(prompt_idx, **i64), cu_prompt=torch.tensor(cu_p, **i32), max_prompt=max(p_len, default=0),
+        resp_idx=torch.tensor(resp_idx, **i64), cu_resp=torch.tensor(cu_r, **i32), max_resp=max(r_len, default=0),
+        kv_idx=torch.tensor(kv_idx, **i64), cu_kv=torch.tensor(cu_kv, **i32),
+        max_kv=max((p_len[r] + r_len[r] for r in range(len(group_of))), default=0),
+        inverse=torch.argsort(order), tokens_unshared=int(mask.sum()))
+    return Packed(input_ids=torch.cat(tok)[None], position_ids=torch.cat(posn)[None], cu_seqlens=shared.cu_prompt,
+                  max_seqlen=shared.max_kv, keep=torch.tensor(keep, **i64), targets=responses[valid], valid=valid,
+                  shared=shared)
+
+
 # --------------------------------------------------------------------------- attention
 def _varlen_kernel():
     """PyTorch's flash-attention varlen entry point and how this torch asks for causality (None: not available)."""
@@ -92,24 +183,11 @@ def _varlen_kernel():
 _KERNEL: tuple | None | bool = False
 
 
-@torch.compiler.disable  # compiled blocks (actor.use_torch_compile) break the graph here: per-sequence slicing and the
-# kernel's lengths are data-dependent, which inductor failed on ("Exponent must be non-negative", torch 2.13)
-def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                     **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers attention function for one packed row: q [1, Hq, T, D], k/v [1, Hkv, T, D] → [1, T, Hq, D].
-
-    Sequences are given by ``hybrid_cu_seqlens`` (passed through the model's forward kwargs); a call without
-    them is a usage error (this implementation is only set on engines whose every forward is packed).
-    """
+def _segments_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                        max_q: int, max_k: int, scaling: float | None) -> torch.Tensor:
+    """Causal attention of query segments over key segments ([T, H, D] rows cut by ``cu_q`` / ``cu_k``), the causal
+    diagonal aligned to the end of each pair (a segment's queries are the last of its keys, flash-attention's rule)."""
     global _KERNEL
-    cu = kwargs.get("hybrid_cu_seqlens")
-    if cu is None:
-        raise RuntimeError(f"attention '{ATTN_NAME}' needs packed inputs (hybrid_cu_seqlens): call the model through "
-                           "hybrid_rl.workers.packed, or set actor.use_remove_padding=false")
-    if query.shape[0] != 1:
-        raise ValueError(f"'{ATTN_NAME}' takes one packed row, got a batch of {query.shape[0]}")
-    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, H, D]
     groups = q.shape[1] // k.shape[1]
     if _KERNEL is False:
         _KERNEL = _varlen_kernel()
@@ -118,20 +196,54 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         if groups > 1 and not has_gqa:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         extra = {"enable_gqa": True} if groups > 1 and has_gqa else {}
-        max_len = int(kwargs["hybrid_max_seqlen"])
-        out = fn(q, k, v, cu, cu, max_len, max_len, scale=scaling, **causal, **extra)  # [T, Hq, D]
-        return out[None], None
+        return fn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, **causal, **extra)  # [T, Hq, D]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    # one causal SDPA per sequence: exact. (One call with a block-diagonal [T, T] mask was 7x slower in backward on CPU.)
+    # one SDPA per segment: exact. (One call with a block-diagonal [T, T] mask was 7x slower in backward on CPU.)
     out = torch.empty_like(q)
-    bounds = cu.tolist()
-    for s, e in zip(bounds[:-1], bounds[1:]):
-        if e > s:
-            out[s:e] = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1),
-                                                      v[s:e].transpose(0, 1), is_causal=True,
-                                                      scale=scaling).transpose(0, 1)
-    return out[None], None
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for qs, qe, ks, ke in zip(bq[:-1], bq[1:], bk[:-1], bk[1:]):
+        if qe == qs:
+            continue
+        lq, lk = qe - qs, ke - ks
+        qq, kk, vv = q[qs:qe].transpose(0, 1), k[ks:ke].transpose(0, 1), v[ks:ke].transpose(0, 1)
+        if lq == lk:
+            o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scaling)
+        else:  # SDPA's is_causal aligns to the start: give the end-aligned mask explicitly
+            mask = torch.arange(lk, device=q.device)[None, :] <= torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scaling)
+        out[qs:qe] = o.transpose(0, 1)
+    return out
+
+
+@torch.compiler.disable  # compiled blocks (actor.use_torch_compile) break the graph here: per-sequence slicing and the
+# kernel's lengths are data-dependent, which inductor failed on ("Exponent must be non-negative", torch 2.13)
+def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention function for one packed row: q [1, Hq, T, D], k/v [1, Hkv, T, D] → [1, T, Hq, D].
+
+    Sequences are given by ``hybrid_cu_seqlens`` (passed through the model's forward kwargs); a call without
+    them is a usage error (this implementation is only set on engines whose every forward is packed). With
+    ``hybrid_shared`` (a ``SharedPrompts`` layout) each prompt attends to itself and each response to its prompt's one
+    copy and to itself: two kernel calls.
+    """
+    cu = kwargs.get("hybrid_cu_seqlens")
+    if cu is None:
+        raise RuntimeError(f"attention '{ATTN_NAME}' needs packed inputs (hybrid_cu_seqlens): call the model through "
+                           "hybrid_rl.workers.packed, or set actor.use_remove_padding=false")
+    if query.shape[0] != 1:
+        raise ValueError(f"'{ATTN_NAME}' takes one packed row, got a batch of {query.shape[0]}")
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, H, D]
+    sh: SharedPrompts | None = kwargs.get("hybrid_shared")
+    if sh is None:
+        max_len = int(kwargs["hybrid_max_seqlen"])
+        return _segments_attention(q, k, v, cu, cu, max_len, max_len, scaling)[None], None
+    out_p = _segments_attention(q[sh.prompt_idx], k[sh.prompt_idx], v[sh.prompt_idx], sh.cu_prompt, sh.cu_prompt,
+                                sh.max_prompt, sh.max_prompt, scaling)
+    out_r = _segments_attention(q[sh.resp_idx], k[sh.kv_idx], v[sh.kv_idx], sh.cu_resp, sh.cu_kv, sh.max_resp,
+                                sh.max_kv, scaling)
+    return torch.cat([out_p, out_r])[sh.inverse][None], None
 
 
 def use_varlen_attention(model: torch.nn.Module) -> None:

@@ -1,0 +1,143 @@
+"""``actor.share_prompts``: each distinct prompt of a packed micro-batch passes through the model once and its
+responses attend to that copy. It must compute exactly what the unshared packed pass computes: log-probs, entropies,
+gradients, the whole update, and the reference's log-probs, on ragged lengths with several samples per prompt."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
+from hybrid_rl.workers.packed import pack, pack_shared, unpack
+
+from helpers import chat_prompts, cpu_dist, generate_batch, make_cfg, score_batch
+
+RAGGED = ("data.max_response_length=10", "rollout.forced_lengths=lognormal:4:0.8", "actor.use_remove_padding=true")
+PROMPTS = ("7", "a longer prompt with several words", "3")
+
+
+def _worker(share: bool, fused: bool = False, *extra: str) -> ActorRolloutRefWorker:
+    torch.manual_seed(0)
+    cfg = make_cfg(f"actor.share_prompts={str(share).lower()}", f"actor.fused_logprob={str(fused).lower()}", *RAGGED,
+                   *extra)
+    return ActorRolloutRefWorker(cfg, cpu_dist())
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rel: float = 1e-5) -> None:
+    assert a.keys() == b.keys() and len(a) > 10
+    for n in a:
+        scale = max(float(a[n].abs().max()), 1e-12)
+        assert float((a[n] - b[n]).abs().max()) <= rel * scale + 1e-9, n
+
+
+def test_layout_holds_each_prompt_once_and_every_sequence_in_its_segments(tiny_model_path):
+    w = _worker(False)
+    batch = generate_batch(w, chat_prompts(w, PROMPTS))  # 3 prompts x rollout.n=4 samples
+    t = batch.tensors
+    p, s = pack(t), pack_shared(t)
+    sh = s.shared
+    mask = t["attention_mask"].bool()
+    prompt_width = t["prompts"].shape[1]
+    p_len, r_len = mask[:, :prompt_width].sum(1), mask[:, prompt_width:].sum(1)
+    assert len(sh.cu_prompt) - 1 == len(PROMPTS)
+    assert s.input_ids.shape[1] == sh.tokens_unshared - int(p_len.sum()) + int(p_len[::4].sum())  # prompts once
+    assert s.input_ids.shape[1] < p.input_ids.shape[1] == sh.tokens_unshared
+    # what each response attends to (its keys) is its row's real tokens, with their positions, in order
+    seen = []
+    bounds = sh.cu_kv.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        idx = sh.kv_idx[a:b]
+        seen.append((s.input_ids[0, idx].tolist(), s.position_ids[0, idx].tolist()))
+    rows = [(t["input_ids"][r][mask[r]].tolist(), t["position_ids"][r][mask[r]].tolist())
+            for r in range(len(batch)) if r_len[r] > 0]
+    assert seen == rows
+    # the LM head rows predict the same targets as the unshared pack's, in the same (row-major) order
+    assert torch.equal(s.targets, p.targets) and torch.equal(s.valid, p.valid) and len(s.keep) == len(p.keep)
+    assert torch.equal(s.input_ids[0, s.keep], p.input_ids[0, p.keep])  # the token each prediction is made from
+    assert torch.equal(s.position_ids[0, s.keep], p.position_ids[0, p.keep])
+    # the two attention calls' outputs go back to row order
+    order = torch.cat([sh.prompt_idx, sh.resp_idx])
+    assert torch.equal(order[sh.inverse], torch.arange(s.input_ids.shape[1]))
+    assert torch.equal(unpack(s.targets.float(), s.valid), (t["responses"] * s.valid).float())
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused_head"])
+def test_shared_forward_and_backward_equal_unshared(tiny_model_path, fused):
+    results = []
+    for share in (False, True):
+        w = _worker(share, fused)
+        if not results:
+            batch = generate_batch(w, chat_prompts(w, PROMPTS))
+        lp, ent = w.actor.forward(batch, 0.7, with_entropy=True)
+        m = batch["response_mask"].float()
+        ((lp * m).sum() + 0.3 * (ent * m).sum()).backward()
+        results.append((lp * m, ent * m, _grads(w.actor.model)))
+    assert len(set(batch["response_mask"].sum(1).tolist())) >= 3  # really ragged
+    (lp_a, ent_a, g_a), (lp_b, ent_b, g_b) = results
+    assert (lp_a - lp_b).abs().max() < 1e-5 and (ent_a - ent_b).abs().max() < 1e-5
+    _close(g_a, g_b)
+
+
+@pytest.mark.parametrize("budget", [[], ["actor.use_dynamic_bsz=true", "actor.max_token_len_per_device=48",
+                                     "data.max_prompt_length=38"]],
+                         ids=["six_per_micro_batch", "token_budget"])
+def test_shared_update_and_reference_equal_unshared(tiny_model_path, budget):
+    """The whole PPO update (pg + entropy + KL terms) and the reference pass, micro-batches cutting groups apart."""
+    out, saved = [], None
+    for share in (False, True):
+        w = _worker(share, True, *budget, "data.train_batch_size=3", "actor.ppo_mini_batch_size=3",
+                    "actor.ppo_micro_batch_size_per_device=6", "actor.log_prob_micro_batch_size_per_device=7",
+                    "ref.log_prob_micro_batch_size_per_device=7", "actor.entropy_coeff=0.01", "actor.use_kl_loss=true",
+                    "actor.kl_loss_type=k1", "actor.kl_loss_coef=0.1")
+        if saved is None:
+            saved = score_batch(w, generate_batch(w, chat_prompts(w, PROMPTS)))
+        batch = w.compute_ref_log_prob(w.compute_log_prob(saved))
+        stats = w.update_actor(batch)
+        out.append((batch, stats, {n: p.detach().clone() for n, p in w.actor.model.named_parameters()}))
+    (b_a, s_a, p_a), (b_b, s_b, p_b) = out
+    m = b_a["response_mask"].bool()
+    for key in ("old_log_probs", "ref_log_prob"):
+        assert (b_a[key] - b_b[key]).abs()[m].max() < 1e-5, key
+    assert abs(s_a["actor/pg_loss"][0] - s_b["actor/pg_loss"][0]) < 1e-5
+    assert s_a["actor/grad_norm"][0] == pytest.approx(s_b["actor/grad_norm"][0], rel=1e-4)
+    for n in p_a:  # 1% of one Adam step (lr 1e-3): rounding-sized gradient differences near zero flip its sign
+        assert (p_a[n] - p_b[n]).abs().max() < 1e-5, n
+
+
+def test_sharing_without_packing_is_refused(tiny_model_path):
+    with pytest.raises(ValueError, match=r"actor\.share_prompts=true .* set actor\.use_remove_padding=true"):
+        ActorRolloutRefWorker(make_cfg("actor.share_prompts=true", "actor.use_remove_padding=false"), cpu_dist())
+
+
+def _plan_batch(uid, p_len, r_len):
+    from hybrid_rl.batch import Batch
+
+    return Batch({"prompts": torch.zeros(len(uid), 1)}, {"uid": np.asarray(uid)}, {}), (np.asarray(p_len),
+                                                                                          np.asarray(r_len))
+
+
+def test_micro_batches_keep_a_prompts_samples_together():
+    from hybrid_rl.micro_batching import plan_micro_batches
+
+    uid = [0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2]  # 3 prompts x 4 samples, interleaved
+    p_len = [10, 11, 12] * 4
+    r_len = [9, 1, 5, 2, 8, 3, 7, 4, 6, 1, 2, 3]
+    batch, lengths = _plan_batch(uid, p_len, r_len)
+    fixed = plan_micro_batches(batch, max_seqs=4, lengths=lengths, packed=True, share_prompts=True)
+    assert len(fixed) == 3 and sorted(int(i) for b in fixed for i in b) == list(range(12))
+    assert all(len({uid[i] for i in b}) == 1 for b in fixed)  # one whole group per micro-batch
+    unshared = plan_micro_batches(batch, max_seqs=4, lengths=lengths, packed=True)
+    assert max(len({uid[i] for i in b}) for b in unshared) > 1  # by length, groups would be cut apart
+    # a budget: units are groups (prompt once + responses); a group over the budget is cut into pieces that fit
+    budget = 40
+    binned = plan_micro_batches(batch, max_seqs=64, max_tokens=budget, lengths=lengths, packed=True, share_prompts=True)
+    assert sorted(int(i) for b in binned for i in b) == list(range(12))
+    for b in binned:
+        shared_cost = sum({uid[i]: p_len[i] for i in b}.values()) + sum(r_len[i] for i in b)
+        assert shared_cost <= budget or len(b) == 1
+    assert len({tuple(sorted({uid[i] for i in b})) for b in binned if 0 in {uid[i] for i in b}}) == 1  # group 0 whole
