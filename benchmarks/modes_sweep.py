@@ -4,8 +4,9 @@
 generation, which grows with the response length. This script runs ``modes.py``'s runs (its ``run_mode``,
 ``summarize`` and ``build_modes``; nothing is copied) at several mean response lengths, each a long-tailed
 lognormal draw capped at ``--cap-factor`` × the mean (``rollout.forced_lengths``, ``data.max_response_length``
-= the cap), in sync, overlap colocated and overlap split with one or more rollout:trainer ratios, and keeps the
-fastest split ratio per length. Per length it reports the sync step, the generation share of the sync step,
+= the cap), in sync, overlap colocated, overlap split with one or more rollout:trainer ratios, and
+``overlap_partial`` (overlap colocated with partial rollouts: the long tail is interrupted at the step boundary
+and carried into the next round, ``trainer.max_staleness=2``), and keeps the fastest split ratio per length. Per length it reports the sync step, the generation share of the sync step,
 each overlap mode's step time and speed-up over sync, and a GPU busy fraction; the plot is speed-up against
 generation share, one line per overlap mode.
 
@@ -21,8 +22,8 @@ a steady-state step. ``--budget`` bounds the whole invocation (one 600 s device 
 ``--run-timeout`` or the budget, is recorded as skipped with the reason. The JSON is rewritten after every run
 and merged with the one already there (same settings), so a sweep can be cut into parts (``--lengths 8192
 --modes overlap_split`` in another call) that land in one file; ``--resume`` runs only what the file lacks, so
-a part cut short can be called again. Left out: more than one step of staleness,
-and a search over anything but the split ratio (micro-batch sizes, engine memory) per point.
+a part cut short can be called again. ``overlap_partial`` runs after the split runs (the budget skips it first).
+Left out: more than one step of staleness beyond partial rollouts' two, and a search over anything but the split ratio (micro-batch sizes, engine memory) per point.
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ NOTES = {
                       + ", ".join(TRAIN_PHASES) + " (timings are the max over ranks)",
     "best_split": "the split ratio with the lowest step_s at that point",
 }
+
+
+PARTIAL_MODE = ("overlap_partial", ["trainer.mode=overlap", "trainer.max_staleness=2", "trainer.partial_rollouts=true"])
+"""Overlap colocated with partial rollouts (``hybrid_rl/partial.py``): carried samples reach staleness 2."""
+MODES = ("sync", "overlap_colocated", "overlap_split", "overlap_partial")
 
 
 def parse_ratios(text: str, gpus: int) -> tuple[bool, list[int]]:
@@ -148,7 +154,7 @@ def merge(old: list[dict], new: list[dict]) -> list[dict]:
 
 
 def _mode_order(name: str) -> tuple:
-    base = ["sync", "overlap_colocated", "overlap_split"]
+    base = ["sync", "overlap_colocated", "overlap_split", "overlap_partial"]
     return (base.index(name) if name in base else len(base), name)
 
 
@@ -165,6 +171,7 @@ def summarize_points(rows: list[dict]) -> list[dict]:
         splits = [r for r in ok if r["mode"].startswith("overlap_split")]
         best = min(splits, key=lambda r: r["step_s"]) if splits else None
         colo = next((r for r in ok if r["mode"] == "overlap_colocated"), None)
+        part = next((r for r in ok if r["mode"] == "overlap_partial"), None)
         points.append({
             "length_mean": mean, "cap": at[0]["cap"], "forced_lengths": at[0]["forced_lengths"],
             "sync_step_s": sync["step_s"] if sync else None,
@@ -172,7 +179,9 @@ def summarize_points(rows: list[dict]) -> list[dict]:
             "response_length_mean": sync["response_length_mean"] if sync else None,
             "step_s": {r["mode"]: r["step_s"] for r in ok},
             "speedup": {"overlap_colocated": colo["speedup_vs_sync"] if colo else None,
-                        "overlap_split": best["speedup_vs_sync"] if best else None},
+                        "overlap_split": best["speedup_vs_sync"] if best else None,
+                        # only where measured: sweeps from before the mode keep their layout
+                        **({"overlap_partial": part["speedup_vs_sync"]} if part else {})},
             "best_split": ({"mode": best["mode"], "ratio": best["ratio"]} if best else None),
             "gpu_busy_fraction": {r["mode"]: r.get("gpu_busy_fraction") for r in ok},
             "gpu_busy_timed": {r["mode"]: r.get("gpu_busy_timed") for r in ok},
@@ -203,9 +212,9 @@ def plot(points: list[dict], title: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for mode, style in (("overlap_colocated", "o-"), ("overlap_split", "s-")):
-        pts = [(p["gen_share"], p["speedup"][mode], p) for p in points
-               if p["gen_share"] is not None and p["speedup"][mode] is not None]
+    for mode, style in (("overlap_colocated", "o-"), ("overlap_split", "s-"), ("overlap_partial", "d-")):
+        pts = [(p["gen_share"], p["speedup"].get(mode), p) for p in points
+               if p["gen_share"] is not None and p["speedup"].get(mode) is not None]
         if not pts:
             continue
         pts.sort(key=lambda x: x[0])
@@ -222,7 +231,7 @@ def plot(points: list[dict], title: str, path: Path) -> None:
     ax1.set_xlim(0, 1)
     ax1.set_title("crossover (labels: mean response length)")
     ax1.legend(fontsize=7)
-    for mode, style in (("sync", "k^-"), ("overlap_colocated", "o-"), ("overlap_split", "s-")):
+    for mode, style in (("sync", "k^-"), ("overlap_colocated", "o-"), ("overlap_split", "s-"), ("overlap_partial", "d-")):
         pts = [(p["length_mean"], min((s for m, s in p["step_s"].items() if m.startswith(mode)), default=None))
                for p in points]
         pts = [(x, y) for x, y in pts if y is not None]
@@ -366,9 +375,9 @@ def check_config(args, overrides: list[str]) -> str | None:
 
 def wanted_modes(args) -> set[str]:
     names = {m.strip() for m in args.modes.split(",") if m.strip()}
-    bad = names - {"sync", "overlap_colocated", "overlap_split"}
+    bad = names - set(MODES)
     if bad:
-        raise SystemExit(f"--modes: unknown {sorted(bad)}; choose from sync,overlap_colocated,overlap_split")
+        raise SystemExit(f"--modes: unknown {sorted(bad)}; choose from {','.join(MODES)}")
     return names
 
 
@@ -390,14 +399,15 @@ def sweep(args, device: str, stem: Path) -> list[dict]:
         for name, ovr in modes.build_modes(args.gpus):
             if name in want - {"overlap_split"}:  # sync first: the split ratio and the estimates come from it
                 rows = _run_and_record(name, ovr, mean, cap, args, budget, rows, device, stem)
-        if "overlap_split" not in want or args.gpus < 2:
-            continue
-        ranks = set(fixed)
-        if auto:
-            sync = next((r for r in rows if r["length_mean"] == mean and r["mode"] == "sync" and "step_s" in r), None)
-            ranks.add(auto_rollout_ranks(sync["gen_share_own"], args.gpus) if sync else args.gpus // 2)
-        for name, ovr in split_runs(args.gpus, sorted(ranks), args.split_overrides):
-            rows = _run_and_record(name, ovr, mean, cap, args, budget, rows, device, stem)
+        if "overlap_split" in want and args.gpus >= 2:
+            ranks = set(fixed)
+            if auto:
+                sync = next((r for r in rows if r["length_mean"] == mean and r["mode"] == "sync" and "step_s" in r), None)
+                ranks.add(auto_rollout_ranks(sync["gen_share_own"], args.gpus) if sync else args.gpus // 2)
+            for name, ovr in split_runs(args.gpus, sorted(ranks), args.split_overrides):
+                rows = _run_and_record(name, ovr, mean, cap, args, budget, rows, device, stem)
+        if PARTIAL_MODE[0] in want:
+            rows = _run_and_record(*PARTIAL_MODE, mean, cap, args, budget, rows, device, stem)
     return rows
 
 
@@ -423,6 +433,8 @@ def dry_run(args) -> int:
         plan = [m for m in modes.build_modes(args.gpus) if m[0] in want - {"overlap_split"}]
         if "overlap_split" in want and args.gpus >= 2:
             plan += split_runs(args.gpus, ranks, args.split_overrides)
+        if PARTIAL_MODE[0] in want:
+            plan.append(PARTIAL_MODE)
         for name, ovr in plan:
             err = check_config(args, point_overrides(mean, cap, args) + ovr)
             bad += err is not None
@@ -458,7 +470,7 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--cap-factor", type=float, default=2.0,
                     help="cap = data.max_response_length = ceil(factor x mean); draws above it are cut to it")
     ap.add_argument("--caps", default="", help="explicit caps, one per --lengths entry (instead of --cap-factor)")
-    ap.add_argument("--modes", default="sync,overlap_colocated,overlap_split")
+    ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--split-ratios", default="auto",
                     help="ROLLOUT:TRAINER GPU counts for overlap_split, e.g. 1:3,2:2; 'auto' picks R = round(GPUs x the "
                          "point's sync generation share) (half the GPUs if sync did not run); both may be given")

@@ -364,7 +364,13 @@ class TrainerConfig:
     mode: Literal["sync", "overlap"] = "sync"
     """``sync``: generate then train. ``overlap``: generate batch k+1 while batch k trains."""
     max_staleness: int = 1
-    """Overlap mode: the most weight versions a trained-on sample may lag (0 = sync semantics)."""
+    """Overlap mode: the most weight versions a trained-on sample may lag (0 = sync semantics); 0 or 1, or >= 2
+    with ``partial_rollouts`` (a carried sample's oldest tokens are used two versions later)."""
+    partial_rollouts: bool = False
+    """Overlap mode, colocated: interrupt the round in flight once this rank has a step's complete GRPO groups
+    and carry the rest (unfinished samples with their partial responses) into the next round, where they continue
+    under the newer weights (AReaL-style). Needs ``max_staleness >= 2``; tokens record their own weight version
+    (``token_weight_version``). Checkpoints let the round finish first, so nothing partial is saved."""
     save_freq: int = 0
     """Checkpoint every N steps (0 = only at the end, -1 = never, e.g. for benchmarks)."""
     keep_last: int = 2
@@ -539,9 +545,11 @@ class Config:
         if self.trainer.save_freq < -1 or self.trainer.keep_last < 0 or self.trainer.max_skipped_updates < 1:
             raise ConfigError("trainer.save_freq must be >= -1 (-1 = never), trainer.keep_last >= 0, "
                               "trainer.max_skipped_updates >= 1")
-        if self.trainer.max_staleness not in (0, 1):
+        if self.trainer.partial_rollouts:
+            self._validate_partial()
+        elif self.trainer.max_staleness not in (0, 1):
             raise ConfigError(f"trainer.max_staleness={self.trainer.max_staleness}: one-step overlap supports 0 or 1 "
-                              "(deeper pipelines are not built yet)")
+                              "(deeper pipelines are not built yet; >= 2 only with trainer.partial_rollouts=true)")
         if self.trainer.mode == "overlap" and (a.param_offload or a.optimizer_offload):
             raise ConfigError("actor.param_offload/actor.optimizer_offload need trainer.mode=sync: in overlap mode the actor "
                               "trains while the engine generates, so there is no idle phase to offload in")
@@ -573,6 +581,27 @@ class Config:
         if d.task != "successor" and d.train_path.startswith("synthetic:"):
             raise ConfigError(f"data.train_path={d.train_path} is a synthetic task but data.task={d.task}; set data.task to the synthetic task's name")
         return self
+
+    def _validate_partial(self) -> None:
+        """``trainer.partial_rollouts``: overlap mode, colocated, a staleness bound that a carried sample fits."""
+        t, r = self.trainer, self.rollout
+        if t.mode != "overlap":
+            raise ConfigError(f"trainer.partial_rollouts=true needs trainer.mode=overlap (got {t.mode}): set "
+                              "trainer.mode=overlap trainer.max_staleness=2, or trainer.partial_rollouts=false")
+        if t.placement != "colocated":
+            raise ConfigError(f"trainer.partial_rollouts=true needs trainer.placement=colocated (got {t.placement}): "
+                              "split placement's rollout ranks generate whole batches; set trainer.partial_rollouts=false")
+        if t.max_staleness < 2:
+            raise ConfigError(f"trainer.partial_rollouts=true needs trainer.max_staleness >= 2 (got {t.max_staleness}): "
+                              "a carried sample's oldest tokens are used two weight versions later; set "
+                              "trainer.max_staleness=2")
+        if self.actor.old_log_prob == "engine":
+            raise ConfigError("trainer.partial_rollouts=true with actor.old_log_prob=engine would make the proximal "
+                              "policy the mixed-version behaviour one (no correction); set actor.old_log_prob=auto")
+        if r.name == "vllm" and r.tensor_parallel_size > 1:
+            raise ConfigError(f"trainer.partial_rollouts=true with rollout.name=vllm needs rollout.tensor_parallel_size"
+                              f"=1 (got {r.tensor_parallel_size}): the ranks of one engine cannot agree on an interrupt "
+                              "yet; set trainer.partial_rollouts=false")
 
     def _validate_critic(self, world_size: int) -> None:
         """The critic's batch sizes divide like the actor's; its knobs are in range."""

@@ -8,8 +8,9 @@ when nothing is in flight (the first step, or ``max_staleness=0``, which makes
 overlap mode behave exactly like sync mode). ``check_staleness`` enforces the
 bound on recorded weight versions. The thread only touches the rollout
 engine, never the actor, and the driver never pushes weights while a
-generation is in flight. Left out: deeper queues (staleness > 1) and partial
-rollouts carried across the step boundary.
+generation is in flight. Partial rollouts carried across the step boundary
+(staleness 2) are ``partial.PartialRolloutPipeline``, a subclass. Left out:
+deeper queues of whole batches (staleness > 1).
 """
 
 from __future__ import annotations

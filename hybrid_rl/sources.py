@@ -6,6 +6,9 @@ then train on it. What differs lives here, each source owning its own state:
 - ``SyncSource`` (``trainer.mode=sync``, colocated): push θ_k, generate batch k, hand it over.
 - ``OverlapSource`` (``trainer.mode=overlap``, colocated): hand over batch k (generated with θ_{k-1} in
   the background), push θ_k and start batch k+1 before the update (``pipeline.RolloutPipeline``).
+- ``PartialOverlapSource`` (``trainer.mode=overlap`` with ``trainer.partial_rollouts``, colocated): as
+  ``OverlapSource``, but the round in flight is interrupted once this rank has a step's complete groups and the
+  rest is carried into the next round (``partial.PartialRolloutPipeline``).
 - ``SplitSource`` (``trainer.placement=split``): the rollout ranks generate and hand batches to the
   trainer ranks, which send θ back over NCCL (``split.py``); on the rollout ranks ``next_batch``
   returns None (they train nothing), in either mode.
@@ -14,7 +17,8 @@ then train on it. What differs lives here, each source owning its own state:
 data-parallel world, which rank logs. Each source also answers the questions the checkpoint and
 validation code used to ask of the trainer: the batch generated ahead (``pending_batch``), the last
 weight transfer (``sync_stats``), and how to run greedy validation on the engine (``validate``).
-Left out: more than one step of staleness and partial rollouts (see ``pipeline.py``).
+Left out: more than one step of staleness except through partial rollouts, and partial rollouts under split
+placement (see ``partial.py``).
 """
 
 from __future__ import annotations
@@ -143,6 +147,26 @@ class OverlapSource(RolloutSource):
         return batch
 
 
+class PartialOverlapSource(OverlapSource):
+    """Overlap with partial rollouts: take this step's groups (interrupting the round), start the next round.
+
+    ``next_is_last()`` says whether the step after this one is the run's last: the round started now is then
+    sized to one step's prompts, so that nothing generated is left untrained.
+    """
+
+    def __init__(self, worker, pipeline, next_prompts: NextPrompts, next_is_last: Callable[[], bool]):
+        super().__init__(worker, pipeline, next_prompts)
+        self.next_is_last = next_is_last
+
+    def next_batch(self, timer: Timer, last: bool) -> Batch:
+        with timer("wait_gen"):
+            batch = self.pipeline.take(self.next_prompts, self.worker.weight_version, final=last)
+        if not last:
+            self.pipeline.start(self.next_prompts, next_is_last=self.next_is_last())
+        timer.times["timing/gen"] = batch.meta["gen_s"]
+        return batch
+
+
 class SplitSource(RolloutSource):
     """Split placement: batches from the rollout ranks, weights back to them (see ``split.py`` for the order)."""
 
@@ -252,8 +276,16 @@ class _NoParams:
 
 
 def make_source(cfg: Config, placement: Placement, worker, next_prompts: NextPrompts, global_dist: DistInfo,
-                pad_token_id: int) -> RolloutSource:
-    """The source for ``trainer.mode`` × ``trainer.placement``: the only place that choice is made."""
+                pad_token_id: int, next_is_last: Callable[[], bool] = lambda: False) -> RolloutSource:
+    """The source for ``trainer.mode`` × ``trainer.placement``: the only place that choice is made.
+    ``next_is_last()``: whether the step after the current one is the run's last (partial rollouts size their
+    last round by it)."""
+    if cfg.trainer.partial_rollouts and placement.layout is None and cfg.trainer.mode == "overlap":
+        from hybrid_rl.partial import PartialRolloutPipeline
+
+        per_step = cfg.data.train_batch_size // placement.sampler_world
+        pipe = PartialRolloutPipeline(worker, cfg.staleness_bound, cfg.trainer.stale_policy, per_step)
+        return PartialOverlapSource(worker, pipe, next_prompts, next_is_last)
     pipeline = RolloutPipeline(worker, cfg.staleness_bound, cfg.trainer.stale_policy,
                                background=placement.layout is None)
     if placement.layout is not None:

@@ -10,9 +10,11 @@ reward → log-probs → (values) → advantage → (critic update) → actor up
 the critic phases run when the estimator needs a critic (gae, ``workers/critic.py``),
 and the first ``critic.warmup_steps`` steps update the critic only. Metrics are reduced across
 ranks (weighted means, maxima) and logged by one rank (under split placement
-the first trainer rank). Left out on purpose: a single controller (there is
-none: torch.distributed is the engine) and partial rollouts carried across
-steps (see ``pipeline.py``).
+the first trainer rank). Partial rollouts (``trainer.partial_rollouts``,
+``partial.py``) add per-token staleness metrics, always recompute π_old, and
+checkpoint nothing partial: saving waits for the round in flight to finish
+uninterrupted. Left out on purpose: a single controller (there is none:
+torch.distributed is the engine).
 """
 
 from __future__ import annotations
@@ -117,7 +119,8 @@ class Trainer:
             self.critic = CriticWorker(cfg, pl.worker_dist, total_training_steps=self.total_steps)
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = alg.make_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon)  # β of KL-in-reward
-        self.source = make_source(cfg, pl, self.worker, self.next_prompts, self.global_dist, tokenizer.pad_token_id)
+        self.source = make_source(cfg, pl, self.worker, self.next_prompts, self.global_dist, tokenizer.pad_token_id,
+                                  next_is_last=lambda: self.current_step + 1 >= self.total_steps)
         self.model_flops = ModelFlops.of(self.worker.actor.model) if self.worker.actor is not None else None
         self.peak_flops = peak_flops(self.dist.device, cfg.trainer.peak_tflops)
         self.skipped_in_a_row = 0
@@ -268,6 +271,8 @@ class Trainer:
         cfg = self.cfg
         if cfg.actor.old_log_prob != "auto":
             return cfg.actor.old_log_prob
+        if cfg.trainer.partial_rollouts:  # π_prox must be θ_k's own pass over tokens of mixed versions: no shortcut
+            return "recompute"
         if cfg.algorithm.use_kl_in_reward or not self._actor_updates():
             return "recompute"
         return "update" if self.worker.num_mini_batches(batch) == 1 else "first_mini"
@@ -452,6 +457,12 @@ class Trainer:
         means.update(parts["reward_stats"])
         means.update(parts["update_stats"])
         means.update({k: (v, 1.0) for k, v in parts["adv_metrics"].items()})
+        if "token_weight_version" in batch.tensors:  # partial rollouts: staleness per token, carry-over counts
+            from hybrid_rl.partial import partial_metrics
+
+            extra_means, extra_max = partial_metrics(batch, batch.meta["trainer_version"])
+            means.update(extra_means)
+            maxima.update(extra_max)
         if self.model_flops is not None:  # this rank's forward FLOPs over its share, summed over ranks below
             t = batch.tensors
             means["perf/forward_flops"] = (self.model_flops.forward(t["attention_mask"].sum(1), float(t["response_mask"].sum())), 1.0)
@@ -469,6 +480,9 @@ class Trainer:
         out["rollout/dropped_batches"] = float(batch.meta.get("dropped_batches", 0))
         # per-step token counts are global sums (count 1 per rank), recover them from the means
         world = self.dist.world_size
+        for key in ("rollout/partial_carried", "rollout/partial_resumed_tokens"):
+            if key in out:  # this rank's count, summed over ranks
+                out[key] *= world
         total_tokens = out.pop("perf/total_tokens") * world
         response_tokens = out.pop("perf/response_tokens") * world
         out["perf/tokens_per_s"] = total_tokens / max(out["timing/step"], 1e-9)

@@ -7,14 +7,21 @@ releases its memory while the trainer works, ``wake_up`` takes it back, and
 the sampled tokens. ``assemble_rollout`` is the one place that builds the
 trainer-facing tensors (``input_ids``, ``attention_mask``, ``position_ids``,
 ``response_mask``) so every backend hands the trainer identical layouts.
+
+``generate_interruptible`` is the optional second way in, for partial rollouts
+(``trainer.partial_rollouts``, ``hybrid_rl/partial.py``): one request per sample
+(a prompt plus the response tokens it already has, and how many more it may
+take), stoppable through a ``threading.Event``; it returns raw ``Segment``s
+(new tokens, their log-probs, finished or not) and leaves the stitching to the
+caller. An engine that lacks it says so naming that key.
 """
 
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -44,6 +51,41 @@ class SamplingParams:
         # (temperature-scaled, before top-k/top-p truncation), which is what the
         # trainer recomputes. Greedy decoding reports the plain T=1 log-probs.
         return 1.0 if self.greedy else self.temperature
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """One sample for ``generate_interruptible``: generate after ``prompt + tokens`` (a fresh sample has no tokens)."""
+
+    prompt: Sequence[int]
+    """The real prompt tokens (no padding)."""
+    tokens: Sequence[int] = ()
+    """Response tokens sampled in earlier rounds: context now, not output."""
+    max_tokens: int = 1
+    """New tokens this sample may still take (what is left of the response budget or of its forced length)."""
+    ignore_eos: bool = False
+    """Forced lengths (benchmarks): EOS is an ordinary token and the sample ends after ``max_tokens``."""
+
+
+@dataclass
+class Segment:
+    """What ``generate_interruptible`` produced for one ``Continuation``."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    """Log-prob of each new token under the weights that sampled it (``SamplingParams.logprob_temperature``)."""
+    finished: bool = False
+    """EOS sampled or no tokens left; False when the interrupt stopped it first."""
+
+
+class Interrupt(Protocol):
+    """What ``generate_interruptible`` polls: a ``threading.Event`` (anything with ``is_set``)."""
+
+    def is_set(self) -> bool: ...
+
+
+OnFinish = Callable[[list[int]], None]
+"""Called (from the generating thread) with the indices of the continuations that just finished."""
 
 
 class RolloutEngine(abc.ABC):
@@ -96,6 +138,14 @@ class RolloutEngine(abc.ABC):
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         """``prompts`` holds left-padded ``input_ids``/``attention_mask`` [B, P]; returns a batch of
         B·n samples (each prompt repeated n times, consecutively) from ``assemble_rollout``."""
+
+    def generate_interruptible(self, requests: Sequence[Continuation], params: SamplingParams,
+                               interrupt: Interrupt | None = None, on_finish: OnFinish | None = None) -> list[Segment]:
+        """Generate each continuation (n=1; ``params`` gives temperature/top-p/top-k, its ``n`` and ``max_tokens``
+        are ignored) until it finishes or ``interrupt`` is set; every request gets a ``Segment`` in order, the
+        unfinished ones holding the tokens sampled so far. ``on_finish`` hears of each request as it finishes."""
+        raise NotImplementedError(f"rollout.name engine {type(self).__name__} cannot interrupt generation, which "
+                                  f"trainer.partial_rollouts=true needs; set trainer.partial_rollouts=false")
 
     @abc.abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -5,20 +5,25 @@ push is real and testable. Decoding is a plain KV-cache loop rather than
 ``model.generate`` for two reasons: the per-step log-prob of each sampled token
 is recorded without keeping [B, R, V] logits alive, and sampling draws from the
 engine's own seeded ``torch.Generator`` so runs repeat regardless of what else
-consumed the global RNG. Left out: continuous batching, paged attention and
-CUDA graphs (that is what the vLLM backend is for).
+consumed the global RNG. ``generate_interruptible`` (partial rollouts) runs the
+same loop over continuations (prompt + earlier response tokens as one left-padded
+context, each row with its own token budget) and polls the interrupt once per
+decoding step. Left out: continuous batching, paged attention and CUDA graphs
+(that is what the vLLM backend is for), and KV reuse across an interrupt (a
+continuation prefills its context again).
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
 from hybrid_rl.batch import Batch
 from hybrid_rl.models import load_causal_lm, resolve_dtype
-from hybrid_rl.rollout.base import RolloutEngine, SamplingParams, assemble_rollout, position_ids_from_mask
+from hybrid_rl.rollout.base import (Continuation, Interrupt, OnFinish, RolloutEngine, SamplingParams, Segment,
+                                    assemble_rollout, position_ids_from_mask)
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -118,26 +123,38 @@ class HFRolloutEngine(RolloutEngine):
 
     def _decode(self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
                 lengths: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        limits = lengths if lengths is not None else torch.full((ids.shape[0],), params.max_tokens, device=self.device)
+        tokens, logprobs, _, _ = self._decode_rows(ids, mask, params, limits, stop_on_eos=lengths is None)
+        return tokens, logprobs
+
+    def _decode_rows(self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams, limits: torch.Tensor,
+                     stop_on_eos: bool | torch.Tensor, interrupt: Interrupt | None = None,
+                     on_finish: OnFinish | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """KV-cache decoding of left-padded contexts, row i for at most ``limits[i]`` tokens (EOS ends a row where
+        ``stop_on_eos``). Returns tokens and log-probs [b, s] (pad / 0 after a row ends), the token count [b] and
+        whether each row finished [b]; ``interrupt`` is polled after every step."""
         b = ids.shape[0]
         pos = position_ids_from_mask(mask)
         next_pos = mask.sum(dim=1)  # [b] position of the first generated token
         eos = torch.tensor(self.eos_token_ids, device=self.device)
         finished = torch.zeros(b, dtype=torch.bool, device=self.device)
+        counts = torch.zeros(b, dtype=torch.long, device=self.device)
         tokens, logprobs = [], []
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
         cache = getattr(out, self._cache_kw)
         logits = out.logits[:, -1, :]
-        max_tokens = params.max_tokens if lengths is None else int(lengths.max())
-        for step in range(max_tokens):
+        for step in range(int(limits.max())):
             tok, lp = self._sample(logits.float(), params)
             tok = torch.where(finished, torch.full_like(tok, self.pad_token_id), tok)
             tokens.append(tok)
             logprobs.append(torch.where(finished, torch.zeros_like(lp), lp))
-            if lengths is None:
-                finished |= torch.isin(tok, eos)
-            else:  # forced lengths (benchmarks): EOS is just another token
-                finished |= lengths <= step + 1
-            if bool(finished.all()):
+            counts += (~finished).long()
+            before = finished
+            # forced lengths (benchmarks): EOS is just another token
+            finished = finished | (torch.isin(tok, eos) & stop_on_eos) | (limits <= step + 1)
+            if on_finish is not None and bool((finished & ~before).any()):
+                on_finish(torch.nonzero(finished & ~before).flatten().tolist())
+            if bool(finished.all()) or (interrupt is not None and interrupt.is_set()):
                 break
             mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=self.device)], dim=1)
             out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
@@ -145,7 +162,44 @@ class HFRolloutEngine(RolloutEngine):
             cache = getattr(out, self._cache_kw)
             logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
-        return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
+        return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), counts, finished
+
+    # -- interruptible generation (partial rollouts) -----------------------------------
+    @torch.no_grad()
+    def generate_interruptible(self, requests: Sequence[Continuation], params: SamplingParams,
+                               interrupt: Interrupt | None = None, on_finish: OnFinish | None = None) -> list[Segment]:
+        """Continuations in chunks of ``max_num_seqs``; once interrupted, the chunks not started yet get empty
+        unfinished segments."""
+        if not self._weights_present:
+            raise RuntimeError("generate on a sleeping engine: wake it up first")
+        short = [i for i, r in enumerate(requests) if r.max_tokens < 1]
+        if short:
+            raise ValueError(f"continuations {short[:8]} have max_tokens < 1: they are finished, leave them out")
+        segments = [Segment() for _ in requests]
+        for start in range(0, len(requests), self.max_num_seqs):
+            if interrupt is not None and interrupt.is_set():
+                break
+            chunk = list(requests[start:start + self.max_num_seqs])
+            report = None if on_finish is None else (lambda rows, s=start: on_finish([s + r for r in rows]))
+            for i, seg in enumerate(self._decode_chunk(chunk, params, interrupt, report)):
+                segments[start + i] = seg
+        return segments
+
+    def _decode_chunk(self, chunk: list[Continuation], params: SamplingParams, interrupt: Interrupt | None,
+                      on_finish: OnFinish | None) -> list[Segment]:
+        contexts = [list(r.prompt) + list(r.tokens) for r in chunk]
+        width = max(len(c) for c in contexts)
+        ids = torch.full((len(chunk), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, c in enumerate(contexts):  # left padding, as the prompts come
+            ids[row, width - len(c):] = torch.as_tensor(c, dtype=torch.long)
+            mask[row, width - len(c):] = 1
+        limits = torch.tensor([r.max_tokens for r in chunk], device=self.device)
+        stop_on_eos = torch.tensor([not r.ignore_eos for r in chunk], device=self.device)
+        toks, lps, counts, finished = self._decode_rows(ids.to(self.device), mask.to(self.device), params, limits,
+                                                        stop_on_eos, interrupt, on_finish)
+        toks, lps, counts, finished = toks.tolist(), lps.tolist(), counts.tolist(), finished.tolist()
+        return [Segment(toks[i][:counts[i]], lps[i][:counts[i]], bool(finished[i])) for i in range(len(chunk))]
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
         logp = torch.log_softmax(logits / params.logprob_temperature, dim=-1)  # [b, V]

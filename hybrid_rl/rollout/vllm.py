@@ -38,9 +38,18 @@ token ids and the layout; anything else falls back to the per-position
 ``collect_outputs``, ``assemble_rollout``) builds each tensor with one call
 over flat data, no per-token Python work beyond vLLM's own.
 
+``generate_interruptible`` (partial rollouts, ``trainer.partial_rollouts``)
+drives ``LLM.llm_engine`` itself: one n=1 request per continuation (prompt +
+earlier response tokens as the prompt, the remaining budget as ``max_tokens``;
+prefix caching shares the group's prompt), ``step()`` until every request is
+done or the interrupt is set, then ``abort_request`` for the unfinished ones,
+keeping the tokens and sampled log-probs of their latest ``CUMULATIVE``
+output. Tensor parallelism is refused there (the ranks of an engine would have
+to agree on the step of the interrupt).
+
 Left out: vLLM's native LoRA (with LoRA the trainer pushes merged, HF-named
 full weights), quantised or multimodal models, pipeline parallelism,
-async/streaming and partial rollouts, per-request seeds, and scoring given
+async/streaming, per-request seeds, and scoring given
 tokens with the engine (log-prob parity is measured by the trainer). With ``top_p < 1`` or
 ``top_k > 0`` vLLM's processed log-probs are those of the *truncated*
 distribution, while the trainer's recomputation (and the hf engine) use the
@@ -62,7 +71,8 @@ import torch
 
 from hybrid_rl.batch import Batch
 from hybrid_rl.models import ModelLoadError, resolve_dtype, resolve_model_path
-from hybrid_rl.rollout.base import RolloutEngine, SamplingParams, assemble_rollout
+from hybrid_rl.rollout.base import (Continuation, Interrupt, OnFinish, RolloutEngine, SamplingParams, Segment,
+                                    assemble_rollout)
 
 VLLM_MISSING = "rollout.name=vllm needs vLLM: pip install -e '.[vllm]' (tested: vllm 0.26), or use rollout.name=hf"
 
@@ -282,6 +292,41 @@ def collect_outputs(request_outputs: Sequence[Any], n: int, pad_token_id: int) -
     return pad_rows(tokens, lps, pad_token_id)
 
 
+def drive_engine(engine: Any, ids: list[str], interrupt: Interrupt | None,
+                 on_finish: OnFinish | None) -> tuple[dict[str, Any], set[str]]:
+    """``LLMEngine.step()`` until the requests ``ids`` are done or ``interrupt`` is set (polled before every step;
+    then the unfinished ones are aborted). Returns each request's latest ``CompletionOutput`` (CUMULATIVE: every
+    token so far, a request aborted before its first token has none) and the ids that finished."""
+    index = {rid: i for i, rid in enumerate(ids)}
+    latest: dict[str, Any] = {}
+    done: set[str] = set()
+    while len(done) < len(ids):
+        if interrupt is not None and interrupt.is_set():
+            engine.abort_request([rid for rid in ids if rid not in done])
+            break
+        ended = []
+        for out in engine.step():
+            if out.request_id not in index:
+                continue
+            latest[out.request_id] = out.outputs[0]
+            if out.finished and out.request_id not in done:
+                done.add(out.request_id)
+                ended.append(index[out.request_id])
+        if ended and on_finish is not None:
+            on_finish(ended)
+        if len(done) < len(ids) and not engine.has_unfinished_requests():
+            raise RuntimeError(f"vLLM has no unfinished requests but {len(ids) - len(done)} continuations never finished")
+    return latest, done
+
+
+def segment_of(output: Any, finished: bool) -> Segment:
+    """A cumulative ``CompletionOutput`` → ``Segment`` (None, aborted before its first token: an empty one)."""
+    if output is None:
+        return Segment(finished=finished)
+    toks = list(output.token_ids)
+    return Segment(toks, [float(x) for x in sampled_logprobs(toks, output.logprobs)], finished)
+
+
 def engine_kwargs(cfg, dist) -> dict[str, Any]:
     """``vllm.LLM`` arguments for this rank from the config tree (pure: no vLLM needed)."""
     r, d = cfg.rollout, cfg.data
@@ -464,6 +509,58 @@ class VLLMRolloutEngine(RolloutEngine):
                                     "num_sequences": float(responses.shape[0])}
         return assemble_rollout(prompts.to(self.device), responses.to(self.device), logprobs.to(self.device),
                                 params.n, self.eos_token_ids, self.pad_token_id, params.response_lengths)
+
+    # -- interruptible generation (partial rollouts) -----------------------------------
+    @torch.no_grad()
+    def generate_interruptible(self, requests: Sequence[Continuation], params: SamplingParams,
+                               interrupt: Interrupt | None = None, on_finish: OnFinish | None = None) -> list[Segment]:
+        """Step vLLM's engine over one request per continuation; on interrupt abort the unfinished ones, keeping
+        what they sampled. ``on_finish`` is called from this thread as requests finish."""
+        self._check_ready()
+        if self.tp_group is not None:
+            raise NotImplementedError("trainer.partial_rollouts=true with rollout.tensor_parallel_size > 1: the ranks of "
+                                      "one vLLM engine would have to agree on the step of the interrupt; use "
+                                      "rollout.tensor_parallel_size=1 or trainer.partial_rollouts=false")
+        short = [i for i, r in enumerate(requests) if r.max_tokens < 1]
+        if short:
+            raise ValueError(f"continuations {short[:8]} have max_tokens < 1: they are finished, leave them out")
+        engine = self.llm.llm_engine
+        start = time.perf_counter()
+        ids = self._add_continuations(engine, requests, params)
+        latest, done = drive_engine(engine, ids, interrupt, on_finish)
+        segments = [segment_of(latest.get(rid), rid in done) for rid in ids]
+        self.last_generate_stats = {"seconds": time.perf_counter() - start,
+                                    "num_tokens": float(sum(len(s.tokens) for s in segments)),
+                                    "num_sequences": float(len(segments))}
+        return segments
+
+    def _add_continuations(self, engine: Any, requests: Sequence[Continuation], params: SamplingParams) -> list[str]:
+        """One n=1 request per continuation, ids unique to this call (``LLM.generate`` numbers its own)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        self._calls = getattr(self, "_calls", 0) + 1
+        # LLM.generate's own rendering (vLLM 0.26: token ids → EngineInput); a raw prompt dict works too (deprecated)
+        render = getattr(self.llm, "_preprocess_cmpl_one", lambda prompt: prompt)
+        made: dict[tuple[int, bool], Any] = {}
+        ids = []
+        for i, r in enumerate(requests):
+            key = (r.max_tokens, r.ignore_eos)
+            if key not in made:  # vLLM clones the params of every request it adds: sharing them is safe
+                one = dataclasses.replace(params, n=1, max_tokens=r.max_tokens, response_lengths=None)
+                made[key] = self.make_sampling_params(**self._sampling_kwargs(one, r.ignore_eos),
+                                                      output_kind=RequestOutputKind.CUMULATIVE)
+            rid = f"partial-{self._calls}-{i}"
+            engine.add_request(rid, render({"prompt_token_ids": list(r.prompt) + list(r.tokens)}), made[key])
+            ids.append(rid)
+        return ids
+
+    def _check_ready(self) -> None:
+        if self._asleep:
+            raise RuntimeError(f"generate on a sleeping engine ({sorted(self._asleep)} released): wake it up first")
+        if not self._weights_real:
+            raise RuntimeError("generate before any weights were pushed (the engine holds dummy or discarded "
+                               "weights): run it inside the sharding manager")
+        self._reset_prefix_cache_if_stale()
 
     def _sampling_kwargs(self, params: SamplingParams, ignore_eos: bool) -> dict[str, Any]:
         return sampling_kwargs(params, self.eos_token_ids, ignore_eos, flat_logprobs=self.flat_logprobs)

@@ -1,0 +1,367 @@
+"""Partial rollouts for overlap mode (``trainer.partial_rollouts``): interrupt the long tail, carry it over.
+
+In one-step overlap the trainer waits at every step for the whole next batch, including the few very long
+responses that decode at low engine occupancy. Here (AReaL-style) a generation *round* holds the GRPO groups
+carried over from the previous round plus this step's new prompts; at the step boundary the trainer waits only
+until this rank has ``B_rank`` complete groups (its prompts per step), then interrupts the engine. It trains on
+the ``B_rank`` oldest complete groups; every other group (finished, or unfinished with its tokens and their
+engine log-probs so far) goes into the next round, where unfinished samples continue from prompt + partial
+response under the weights pushed at that boundary. Groups are never split.
+
+Bookkeeping, in ``CarryOver`` (pure, no threads): the pool of groups, oldest first. To have something to carry,
+a round is topped up to two steps' prompts (``2 B_rank``); the round whose batch is the run's last is topped up
+to one step's only, so every prompt drawn is trained exactly once. Each token records the engine's weight
+version when it was sampled (``token_weight_version`` [B, T]); a sample's ``weight_version`` is its oldest
+token's, so the staleness check keeps its meaning. A carried group is used one step later than its round, so its
+oldest tokens reach staleness 2 (hence ``trainer.max_staleness >= 2``); a group that would exceed the bound at
+its next use is waited for and trained now, never carried. The loss needs nothing new: behaviour = the engine's
+per-token log-probs (stitched from every segment), proximal = the trainer's recomputed ``old_log_probs``.
+
+Checkpoints hold nothing partial: saving (and validation) waits for the round in flight to finish with no
+interrupt, and the pending batch saved is the whole pool, every group complete; a resumed run puts it back and
+goes on as an uninterrupted one would. Left out: split placement (its rollout ranks generate a whole batch per
+step), tensor parallelism with vLLM (the ranks of an engine would have to agree on the interrupt), and KV reuse
+across an interrupt (a continuation prefills its context again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from hybrid_rl.batch import Batch
+from hybrid_rl.pipeline import RolloutPipeline
+from hybrid_rl.rollout.base import Continuation, SamplingParams, Segment, assemble_rollout
+
+
+# --------------------------------------------------------------------------- the pool
+@dataclass
+class Sample:
+    """One response, across however many rounds it took."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """The engine's weight version when each token was sampled."""
+    finished: bool = False
+    forced_length: int | None = None
+    """Benchmarks (``rollout.forced_lengths``): the response is exactly this long, EOS ignored."""
+    resumed_tokens: int = 0
+    """Tokens sampled in a round after the one that started this response."""
+
+    def extend(self, seg: Segment, version: int) -> None:
+        if self.tokens:
+            self.resumed_tokens += len(seg.tokens)
+        self.tokens += seg.tokens
+        self.logprobs += seg.logprobs
+        self.versions += [version] * len(seg.tokens)
+        self.finished = seg.finished
+
+    def request(self, prompt: list[int], max_response_length: int) -> Continuation:
+        budget = (self.forced_length if self.forced_length is not None else max_response_length) - len(self.tokens)
+        return Continuation(prompt, tuple(self.tokens), budget, ignore_eos=self.forced_length is not None)
+
+
+@dataclass
+class Group:
+    """The n samples of one prompt (never split), with the prompt row's non-tensor fields."""
+
+    prompt: list[int]
+    fields: dict[str, Any]
+    samples: list[Sample]
+    seq: int
+    """Draw order: ties in age are broken oldest drawn first."""
+
+    @property
+    def complete(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The version of the oldest token sampled so far (None before any)."""
+        return min((s.versions[0] for s in self.samples if s.versions), default=None)
+
+
+class CarryOver:
+    """The groups being generated on this rank, oldest first; which to train on and which to carry."""
+
+    def __init__(self, per_step: int, n: int, max_staleness: int, max_response_length: int):
+        self.per_step, self.n = per_step, n
+        self.max_staleness = max_staleness
+        self.max_response_length = max_response_length
+        self.groups: list[Group] = []
+        self._seq = 0
+
+    def add_prompts(self, prompts: Batch, forced_lengths: tuple[int, ...] | None = None) -> None:
+        """New groups from a left-padded prompt batch (n empty samples each)."""
+        ids, mask = prompts.tensors["input_ids"].cpu(), prompts.tensors["attention_mask"].cpu().bool()
+        for row in range(len(prompts)):
+            forced = forced_lengths[row * self.n:(row + 1) * self.n] if forced_lengths is not None else [None] * self.n
+            self.groups.append(Group(ids[row][mask[row]].tolist(), {k: v[row] for k, v in prompts.non_tensors.items()},
+                                     [Sample(forced_length=f) for f in forced], self._next_seq()))
+
+    def add_groups(self, groups: list[Group]) -> None:
+        for g in groups:
+            self.groups.append(dataclasses.replace(g, seq=self._next_seq()))
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def pending(self) -> list[tuple[int, int]]:
+        """(group, sample) index of every unfinished sample, in pool order."""
+        return [(gi, si) for gi, g in enumerate(self.groups) for si, s in enumerate(g.samples) if not s.finished]
+
+    def requests(self, pending: list[tuple[int, int]]) -> list[Continuation]:
+        return [self.groups[gi].samples[si].request(self.groups[gi].prompt, self.max_response_length)
+                for gi, si in pending]
+
+    def apply(self, pending: list[tuple[int, int]], segments: list[Segment], version: int) -> None:
+        if len(segments) != len(pending):
+            raise RuntimeError(f"the engine returned {len(segments)} segments for {len(pending)} continuations")
+        for (gi, si), seg in zip(pending, segments):
+            self.groups[gi].samples[si].extend(seg, version)
+
+    def must_take(self, trainer_version: int) -> set[int]:
+        """Groups whose oldest token would exceed ``max_staleness`` if used one step after ``trainer_version``."""
+        return {gi for gi, g in enumerate(self.groups)
+                if g.oldest_version is not None and trainer_version + 1 - g.oldest_version > self.max_staleness}
+
+    def ready(self, trainer_version: int) -> bool:
+        """Enough complete groups to train on, and every group that cannot wait is complete."""
+        done = {gi for gi, g in enumerate(self.groups) if g.complete}
+        return len(done) >= self.per_step and self.must_take(trainer_version) <= done
+
+    def take(self, trainer_version: int) -> list[Group]:
+        """The ``per_step`` oldest complete groups (by oldest token, then draw order), removed from the pool."""
+        must = self.must_take(trainer_version)
+        order = sorted((gi for gi, g in enumerate(self.groups) if g.complete),
+                       key=lambda gi: (self.groups[gi].oldest_version, self.groups[gi].seq))
+        chosen = order[:self.per_step]
+        if len(chosen) < self.per_step or not must <= set(chosen):
+            raise RuntimeError(f"partial rollouts: {len(order)} complete groups for {self.per_step} per step, "
+                               f"{len(must - set(chosen))} at the staleness bound left out (a bookkeeping bug)")
+        taken = [self.groups[gi] for gi in chosen]
+        self.groups = [g for gi, g in enumerate(self.groups) if gi not in set(chosen)]
+        return taken
+
+
+# --------------------------------------------------------------------------- stitching
+def assemble_groups(groups: list[Group], n: int, eos_token_ids: list[int], pad_token_id: int,
+                    device: torch.device, temperature: float) -> Batch:
+    """Complete groups → the batch ``worker.generate`` would hand the trainer, plus ``token_weight_version``.
+
+    The prompts are left-padded again and every response (all its segments, concatenated) goes through
+    ``assemble_rollout``, so masks and position ids are laid out exactly as for an uninterrupted rollout.
+    """
+    from hybrid_rl.rollout.vllm import pad_rows  # pure helper; importing it does not import vLLM
+
+    samples = [s for g in groups for s in g.samples]
+    unfinished = sum(not s.finished for s in samples)
+    if unfinished:
+        raise RuntimeError(f"assemble_groups: {unfinished} samples are unfinished; only complete groups are trained")
+    width = max(len(g.prompt) for g in groups)
+    ids = torch.full((len(groups), width), int(pad_token_id), dtype=torch.long)
+    mask = torch.zeros((len(groups), width), dtype=torch.long)
+    for row, g in enumerate(groups):
+        ids[row, width - len(g.prompt):] = torch.as_tensor(g.prompt, dtype=torch.long)
+        mask[row, width - len(g.prompt):] = 1
+    fields = {k: np.array([g.fields[k] for g in groups], dtype=object) for k in groups[0].fields}
+    if "index" in fields:
+        fields["index"] = fields["index"].astype(np.int64)
+    prompts = Batch({"input_ids": ids, "attention_mask": mask}, fields).to(device)
+    responses, logprobs = pad_rows([s.tokens for s in samples], [s.logprobs for s in samples], pad_token_id)
+    forced = tuple(len(s.tokens) for s in samples) if samples[0].forced_length is not None else None
+    out = assemble_rollout(prompts, responses.to(device), logprobs.to(device), n, eos_token_ids, pad_token_id, forced)
+    oldest = torch.tensor([min(s.versions) for s in samples], dtype=torch.long)
+    versions = oldest[:, None].repeat(1, responses.shape[1])  # past a response: its oldest version
+    for row, s in enumerate(samples):
+        versions[row, :len(s.versions)] = torch.as_tensor(s.versions, dtype=torch.long)
+    resumed = sum(s.resumed_tokens for s in samples)
+    return out.union(tensors=dict(weight_version=oldest.to(device), token_weight_version=versions.to(device)),
+                     weight_version=int(oldest.min()), temperature=temperature, partial_resumed_tokens=resumed,
+                     source_prompts=prompts)  # kept so a stale batch could be regenerated (pipeline.check_staleness)
+
+
+def groups_from_batch(batch: Batch, n: int) -> list[Group]:
+    """The inverse of ``assemble_groups`` for a checkpointed pool (complete groups, in order)."""
+    t = batch.tensors
+    width = t["prompts"].shape[1]
+    keep = [k for k in batch.non_tensors]
+    groups = []
+    for start in range(0, len(batch), n):
+        rows = range(start, start + n)
+        prompt = t["input_ids"][start, :width][t["attention_mask"][start, :width].bool()].tolist()
+        samples = []
+        for r in rows:
+            m = t["response_mask"][r].bool()
+            samples.append(Sample(t["responses"][r][m].tolist(), t["rollout_log_probs"][r][m].tolist(),
+                                  t["token_weight_version"][r][m].tolist(), finished=True,
+                                  forced_length=int(m.sum()) if batch.meta.get("forced") else None))
+        groups.append(Group(prompt, {k: batch.non_tensors[k][start] for k in keep}, samples, 0))
+    return groups
+
+
+def partial_metrics(batch: Batch, trainer_version: int) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
+    """``rollout/token_staleness_*`` over response tokens, and the carry-over counts (per rank, summed later)."""
+    t = batch.tensors
+    mask = t["response_mask"].bool()
+    staleness = (trainer_version - t["token_weight_version"])[mask].float()
+    means = {"rollout/token_staleness_mean": (float(staleness.sum()), float(mask.sum())),
+             "rollout/partial_carried": (float(batch.meta.get("partial_carried", 0)), 1.0),
+             "rollout/partial_resumed_tokens": (float(batch.meta.get("partial_resumed_tokens", 0)), 1.0)}
+    return means, {"rollout/token_staleness_max": float(staleness.max()) if staleness.numel() else 0.0}
+
+
+# --------------------------------------------------------------------------- one round in flight
+class Round:
+    """The continuations of one round and the rule that interrupts it.
+
+    The generating thread reports finished requests (``on_finish``); the trainer ``arm``s the round when it
+    starts waiting. The interrupt is set once both hold: ``per_step`` groups complete and every group in
+    ``must`` complete. Until armed it never fires (the engine keeps going while the trainer trains).
+    """
+
+    def __init__(self, carry: CarryOver, version: int):
+        self.pending = carry.pending()
+        self.requests = carry.requests(self.pending)
+        self.version = version
+        self.interrupt = threading.Event()
+        self.gen_s = 0.0
+        self._lock = threading.Lock()
+        self._left = [0] * len(carry.groups)  # unfinished samples per group
+        for gi, _ in self.pending:
+            self._left[gi] += 1
+        self._need: tuple[int, set[int]] | None = None
+
+    def on_finish(self, indices: list[int]) -> None:
+        with self._lock:
+            for i in indices:
+                self._left[self.pending[i][0]] -= 1
+            self._check()
+
+    def arm(self, per_step: int, must: set[int]) -> None:
+        with self._lock:
+            self._need = (per_step, must)
+            self._check()
+
+    def _check(self) -> None:
+        if self._need is None or self.interrupt.is_set():
+            return
+        per_step, must = self._need
+        done = [gi for gi, left in enumerate(self._left) if left == 0]
+        if len(done) >= per_step and must <= set(done):
+            self.interrupt.set()
+
+
+# --------------------------------------------------------------------------- the pipeline
+class PartialRolloutPipeline(RolloutPipeline):
+    """``RolloutPipeline`` with rounds instead of whole batches: start tops the pool up and generates it in the
+    background; take interrupts it once ``per_step`` groups are complete and hands over the oldest of them."""
+
+    def __init__(self, worker, max_staleness: int, stale_policy: str, per_step: int):
+        super().__init__(worker, max_staleness, stale_policy, background=True)
+        cfg = worker.cfg
+        self.carry = CarryOver(per_step, cfg.rollout.n, max_staleness, cfg.data.max_response_length)
+        self.round: Round | None = None
+        self._last_gen_s = 0.0
+
+    # -- generation ----------------------------------------------------------------
+    def _params(self) -> SamplingParams:
+        return self.worker.sampling_params()
+
+    def _add(self, prompts: Batch) -> None:
+        forced = None
+        if self.worker.cfg.rollout.forced_lengths:  # the worker's own length stream, as worker.generate draws it
+            forced = self.worker._forced_lengths(len(prompts) * self.carry.n)
+        self.carry.add_prompts(prompts, forced)
+
+    def _new_round(self) -> Round | None:
+        version = self.worker.rollout.weights_version
+        rnd = Round(self.carry, -1 if version is None else version)
+        return rnd if rnd.requests else None
+
+    def _run(self, rnd: Round) -> list[Segment]:
+        start = time.perf_counter()
+        segments = self.worker.rollout.generate_interruptible(rnd.requests, self._params(), rnd.interrupt,
+                                                               rnd.on_finish)
+        rnd.gen_s = time.perf_counter() - start
+        return segments
+
+    def _finish_round(self) -> None:
+        """Wait for the round in flight (interrupted or not) and fold its segments into the pool."""
+        if self.pending is None:
+            return
+        segments, rnd = self.pending.result(), self.round
+        self.pending, self.round = None, None
+        self.carry.apply(rnd.pending, segments, rnd.version)
+        self._last_gen_s = rnd.gen_s
+
+    def start(self, next_prompts: Callable[[], Batch], next_is_last: bool = False) -> None:  # type: ignore[override]
+        """Top the pool up (two steps' prompts; one before the last step) and generate it in the background."""
+        if self.pending is not None:
+            raise RuntimeError("a rollout is already in flight; take() it first")
+        target = self.carry.per_step * (1 if next_is_last else 2)
+        while len(self.carry.groups) < target:
+            self._add(next_prompts())
+        self.worker.sharding_manager.sync_weights()  # θ_k, while no generation runs
+        rnd = self._new_round()
+        if rnd is not None:
+            self.round, self.pending = rnd, self.executor.submit(self._run, rnd)
+
+    def take(self, next_prompts: Callable[[], Batch], trainer_version: int = 0,  # type: ignore[override]
+             final: bool = False) -> Batch:
+        """This step's batch: interrupt the round once it holds ``per_step`` complete groups (never on the
+        ``final`` step), or generate in the foreground when nothing is in flight and too little is complete."""
+        carry = self.carry
+        if self.round is not None and not final:
+            self.round.arm(carry.per_step, carry.must_take(trainer_version))
+        self._finish_round()
+        if not carry.ready(trainer_version):  # the first step (or after a restore): in the foreground, to the end
+            while len(carry.groups) < carry.per_step:
+                self._add(next_prompts())
+            with self.worker.rollout_mode():
+                rnd = self._new_round()
+                if rnd is not None:
+                    carry.apply(rnd.pending, self._run(rnd), rnd.version)
+                    self._last_gen_s = rnd.gen_s
+        taken = carry.take(trainer_version)
+        return self._batch(taken, partial_carried=len(carry.groups))
+
+    def _batch(self, groups: list[Group], **meta: Any) -> Batch:
+        w = self.worker
+        batch = assemble_groups(groups, self.carry.n, w.rollout.eos_token_ids, w.tokenizer.pad_token_id, w.device,
+                                self._params().logprob_temperature)
+        return batch.union(gen_s=self._last_gen_s, forced=w.cfg.rollout.forced_lengths is not None, **meta)
+
+    # -- checkpoints, validation ------------------------------------------------------
+    def wait(self) -> None:
+        """Let the round in flight finish with no interrupt (validation, checkpoints): nothing partial remains."""
+        self._finish_round()
+
+    def peek(self) -> Batch | None:
+        """The whole pool, every group complete (after ``wait``), for a checkpoint; None when it is empty."""
+        self._finish_round()
+        if not self.carry.groups:
+            return None
+        return self._batch(list(self.carry.groups))
+
+    def restore(self, batch: Batch) -> None:
+        """Put a checkpointed pool back (complete groups, oldest first)."""
+        self.carry.groups = []
+        self.carry.add_groups(groups_from_batch(batch, self.carry.n))
+
+    def close(self) -> None:
+        self._finish_round()
+        left = len(self.carry.groups)
+        if left:  # a graceful stop (its checkpoint holds them), or a run ended before the step the pool was sized for
+            print(f"warning: partial rollouts: {left} generated group(s) were not trained in this run (a checkpoint "
+                  f"saved after the last step holds them)", file=sys.stderr)
+        super().close()

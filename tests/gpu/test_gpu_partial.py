@@ -1,0 +1,199 @@
+"""GPU test of the vLLM engine's interruptible generation (partial rollouts, ``trainer.partial_rollouts``).
+
+Run on a CUDA machine with vLLM 0.26 installed (its own process: vLLM allows one engine per process):
+    pytest -m gpu tests/gpu/test_gpu_partial.py
+Skips cleanly without CUDA or without vLLM.
+
+The model is the Qwen2.5-0.5B architecture with random weights (no download), trainer (FSDP2, world of one) and
+engine colocated as in ``test_vllm_gpu.py``.
+
+1. interrupt after a few engine steps, continue from prompt + partial tokens with the same weights: greedy
+   tokens agree with an uninterrupted generation (bf16 near-ties aside) and every aborted request kept what it
+   had sampled, with one log-prob per token.
+2. a real optimizer step and a push between the segments: the stitched batch (``partial.assemble_groups``) has
+   the trainer's layout, per-token versions 0 then 1, and the continuation's log-probs match the trainer's
+   recomputation under the new weights (the first segment's match the old weights).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+for _k, _v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0",
+               "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}.items():
+    os.environ.setdefault(_k, _v)
+vllm = pytest.importorskip("vllm")
+
+from hybrid_rl.batch import Batch  # noqa: E402
+from hybrid_rl.models import RANDOM_ARCHS, write_random_model  # noqa: E402
+from hybrid_rl.partial import CarryOver, assemble_groups  # noqa: E402
+from hybrid_rl.rollout import vllm as vr  # noqa: E402
+from hybrid_rl.rollout.base import Continuation, SamplingParams  # noqa: E402
+
+QWEN25_05B = RANDOM_ARCHS["qwen2.5-0.5b-random"]
+EOS, PAD = 151645, 151643
+TOL = 2e-2  # mean |Δ log-prob| between engine and trainer in bf16
+MAX_NEW = 32
+
+
+class AfterPolls:
+    """Reads as set from its (m+1)-th poll on: ``drive_engine`` polls once before every engine step."""
+
+    def __init__(self, m: int):
+        self.m, self.polls = m, 0
+
+    def is_set(self) -> bool:
+        self.polls += 1
+        return self.polls > self.m
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    mask = mask.float()
+    return float((x.float() * mask).sum() / mask.sum().clamp(min=1))
+
+
+def random_prompts(num: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 150000, (int(n),), generator=g).tolist()
+            for n in torch.randint(lo, hi + 1, (num,), generator=g)]
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    from hybrid_rl.config import load_config
+    from hybrid_rl.distributed import init_distributed
+    from hybrid_rl.models import load_causal_lm
+    from hybrid_rl.weights.sharding_manager import ShardingManager
+    from hybrid_rl.workers.fsdp_engine import TrainingEngine
+
+    if "MASTER_ADDR" not in os.environ:  # pytest is not torchrun: a world of one
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist = init_distributed("cuda")
+    path = write_random_model(tmp_path_factory.mktemp("qwen25_05b_arch"), QWEN25_05B, dist.device,
+                              eos_token_id=EOS, pad_token_id=PAD)
+    cfg = load_config(None, [f"model.path={path}", "model.dtype=bfloat16", "trainer.device=cuda", "rollout.name=vllm",
+                             "rollout.gpu_memory_utilization=0.3", "rollout.enforce_eager=true",
+                             "rollout.max_num_seqs=64", "rollout.max_model_len=256", "data.max_prompt_length=64",
+                             f"data.max_response_length={MAX_NEW}"])
+    actor = TrainingEngine(load_causal_lm(str(path), torch.float32), dist.device, torch.bfloat16, trainable=True)
+    actor.configure_optimizer(1e-3, (0.9, 0.999), 0.0, 0, "constant", 100, 0.0)
+    engine = vr.VLLMRolloutEngine.from_config(cfg, dist, SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD))
+    version = [0]
+    # overlap mode: the engine stays awake (free_cache_engine off), as partial rollouts run it
+    sm = ShardingManager(actor, engine, lambda: version[0], dtype=torch.bfloat16, bucket_mb=256,
+                         free_cache_engine=False, sleep_level=1)
+    yield SimpleNamespace(actor=actor, engine=engine, sm=sm, version=version, dist=dist)
+    engine.shutdown()
+
+
+def test_interrupt_and_continue_with_the_same_weights(hybrid):
+    h = hybrid
+    prompts = random_prompts(8, 12, 40, seed=1)
+    greedy = SamplingParams(n=1, temperature=0.0)
+    with h.sm as eng:
+        whole = eng.generate_interruptible([Continuation(p, (), MAX_NEW, True) for p in prompts], greedy)
+        heard: list[int] = []
+        first = eng.generate_interruptible([Continuation(p, (), MAX_NEW, True) for p in prompts], greedy,
+                                           interrupt=AfterPolls(6), on_finish=heard.extend)
+        assert heard == [] and all(not s.finished for s in first)
+        assert all(1 <= len(s.tokens) < MAX_NEW and len(s.logprobs) == len(s.tokens) for s in first)
+        rest = eng.generate_interruptible([Continuation(p, tuple(s.tokens), MAX_NEW - len(s.tokens), True)
+                                           for p, s in zip(prompts, first)], greedy)
+    assert all(s.finished and len(s.tokens) == MAX_NEW for s in whole)
+    agree = total = 0
+    for w, a, b in zip(whole, first, rest):
+        assert b.finished and len(a.tokens) + len(b.tokens) == MAX_NEW
+        assert a.tokens == w.tokens[:len(a.tokens)]  # the same requests up to the interrupt
+        agree += sum(x == y for x, y in zip(a.tokens + b.tokens, w.tokens))
+        total += MAX_NEW
+        lp = torch.tensor(a.logprobs + b.logprobs)
+        same = next((k for k, (x, y) in enumerate(zip(a.tokens + b.tokens, w.tokens)) if x != y), MAX_NEW)
+        assert float((lp[:same] - torch.tensor(w.logprobs[:same])).abs().mean()) <= TOL
+    print(f"interrupt+continue vs whole: greedy token agreement {agree / total:.3f}")
+    assert agree / total >= 0.9
+
+
+def test_stitched_batch_versions_and_logprobs_across_a_weight_update(hybrid):
+    h = hybrid
+    n, prompts = 2, random_prompts(4, 12, 40, seed=2)
+    params = SamplingParams(n=1, temperature=1.0)
+    carry = CarryOver(per_step=4, n=n, max_staleness=2, max_response_length=MAX_NEW)
+    ids = torch.full((len(prompts), 40), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, 40 - len(p):], mask[i, 40 - len(p):] = torch.tensor(p), 1
+    import numpy as np
+
+    carry.add_prompts(Batch({"input_ids": ids, "attention_mask": mask},
+                            {"uid": np.array([f"u{i}" for i in range(len(prompts))], dtype=object)}),
+                      forced_lengths=(MAX_NEW,) * (len(prompts) * n))  # EOS ignored: every sample is interrupted
+    with h.sm as eng:
+        pending = carry.pending()
+        carry.apply(pending, eng.generate_interruptible(carry.requests(pending), params, AfterPolls(5)), 0)
+    assert not any(g.complete for g in carry.groups)
+    old_lp, scored = _stitch_and_score(h, carry, n)  # trainer at θ_0, over the first segments
+    _train_one_step(h, scored)
+    with h.sm as eng:  # pushes θ_1
+        pending = carry.pending()
+        carry.apply(pending, eng.generate_interruptible(carry.requests(pending), params), 1)
+    batch = assemble_groups(carry.groups, n, [EOS], PAD, h.dist.device, params.logprob_temperature)
+    t = batch.tensors
+    assert t["responses"].shape == (len(prompts) * n, MAX_NEW) and int(t["response_mask"].sum()) == t["responses"].numel()
+    assert torch.equal(t["input_ids"][:, -MAX_NEW:], t["responses"])
+    cut = [len(s.tokens) - s.resumed_tokens for g in carry.groups for s in g.samples]
+    for row, c in enumerate(cut):
+        assert t["token_weight_version"][row].tolist() == [0] * c + [1] * (MAX_NEW - c)
+    assert t["weight_version"].tolist() == [0] * len(cut)
+    new_lp, _ = h.actor.compute_log_prob(batch, 16, params.logprob_temperature)
+    second = (t["token_weight_version"] == 1) & t["response_mask"].bool()
+    diff_new = masked_mean((t["rollout_log_probs"] - new_lp).abs(), second)
+    first = (t["token_weight_version"] == 0) & t["response_mask"].bool()
+    diff_old = masked_mean((t["rollout_log_probs"] - old_lp).abs(), first)
+    print(f"continuation vs θ_1: {diff_new:.5f}; first segment vs θ_0: {diff_old:.5f}")
+    assert diff_new <= TOL and diff_old <= TOL
+
+
+def _stitch_and_score(h, carry: CarryOver, n: int) -> tuple[torch.Tensor, Batch]:
+    """The trainer's θ-now log-probs of every token sampled so far, laid out as the final [B, MAX_NEW] batch
+    (and the batch of those first segments)."""
+    import copy
+
+    done = copy.deepcopy(carry.groups)
+    for g in done:
+        for s in g.samples:
+            s.finished = True
+            s.forced_length = len(s.tokens)
+    b = assemble_groups(done, n, [EOS], PAD, h.dist.device, 1.0)
+    lp, _ = h.actor.compute_log_prob(b, 16, 1.0)
+    out = torch.zeros((lp.shape[0], MAX_NEW), device=lp.device)
+    out[:, :lp.shape[1]] = lp
+    return out, b
+
+
+def _train_one_step(h, batch: Batch) -> None:
+    """One real AdamW step that raises the sampled tokens' log-probs, and a version bump (the next push moves
+    the engine), as ``test_vllm_gpu.py``'s staleness canary does."""
+    mask = batch.tensors["response_mask"]
+    h.actor.model.train()
+    h.actor.zero_grad()
+    lp, _ = h.actor.forward(batch, 1.0)
+    (-(lp * mask).sum() / mask.sum()).backward()
+    _, stepped = h.actor.optimizer_step(grad_clip=1.0)
+    assert stepped
+    h.version[0] += 1

@@ -1,0 +1,220 @@
+"""Partial rollouts' bookkeeping (``hybrid_rl/partial.py``) without a model: stitching segments gives the trainer's
+layout, the pool hands over the oldest complete groups, the staleness bound forces completion, and every prompt
+drawn is trained exactly once. A scripted engine decodes in lock-step (one token per unfinished request per step,
+EOS at random) and the pipeline's background future runs lazily when the trainer takes it, so interrupts land
+at a deterministic point."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from hybrid_rl.batch import Batch
+from hybrid_rl.partial import CarryOver, Group, PartialRolloutPipeline, Sample, assemble_groups, groups_from_batch
+from hybrid_rl.rollout.base import SamplingParams, Segment, assemble_rollout
+
+EOS, PAD = 2, 0
+
+
+def prompts_batch(rows: list[list[int]], start_index: int = 0) -> Batch:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    index = np.arange(start_index, start_index + len(rows))
+    uid = np.array([f"0-{i}" for i in index], dtype=object)
+    return Batch({"input_ids": ids, "attention_mask": mask}, {"index": index, "uid": uid,
+                                                            "ground_truth": np.array(["x"] * len(rows), dtype=object)})
+
+
+# --------------------------------------------------------------------------- stitching
+def test_stitched_segments_match_an_uninterrupted_rollout():
+    """Two segments per sample, concatenated, give the tensors ``assemble_rollout`` builds from whole responses."""
+    prompts = prompts_batch([[5, 6, 7], [8, 9]])
+    whole = [[11, 12, 13, EOS], [14, EOS], [15, 16, 17, 18, 19], [20, 21, EOS]]  # n=2, the third hit the budget
+    lps = [[-0.1 * (i + 1) - j for j in range(len(t))] for i, t in enumerate(whole)]
+    cuts = [1, 0, 3, 2]  # tokens sampled before the interrupt
+    carry = CarryOver(per_step=2, n=2, max_staleness=2, max_response_length=5)
+    carry.add_prompts(prompts)
+    samples = [s for g in carry.groups for s in g.samples]
+    for s, toks, lp, cut in zip(samples, whole, lps, cuts):
+        s.extend(Segment(toks[:cut], lp[:cut], False), version=3)
+        s.extend(Segment(toks[cut:], lp[cut:], True), version=4)
+    got = assemble_groups(carry.groups, 2, [EOS], PAD, torch.device("cpu"), temperature=1.0)
+
+    width = max(map(len, whole))
+    responses = torch.tensor([t + [PAD] * (width - len(t)) for t in whole])
+    logprobs = torch.tensor([lp + [0.0] * (width - len(lp)) for lp in lps])
+    want = assemble_rollout(prompts, responses, logprobs, 2, [EOS], PAD)
+    for key in ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids"):
+        assert torch.equal(got[key], want[key]), key
+    assert torch.allclose(got["rollout_log_probs"], want["rollout_log_probs"])
+    assert list(got["uid"]) == list(want["uid"]) == ["0-0", "0-0", "0-1", "0-1"]
+    tv = got["token_weight_version"]
+    for row, cut in enumerate(cuts):  # versions per token, the oldest as the sample's version
+        n = len(whole[row])
+        assert tv[row, :n].tolist() == [3] * cut + [4] * (n - cut)
+    assert got["weight_version"].tolist() == [3, 4, 3, 3]  # the second sample was all sampled in round 4
+    assert got.meta["partial_resumed_tokens"] == sum(len(t) - c for t, c in zip(whole, cuts) if c)
+    # a checkpointed pool comes back token for token
+    back = groups_from_batch(got, 2)
+    assert [[(s.tokens, s.versions) for s in g.samples] for g in back] == \
+        [[(s.tokens, s.versions) for s in g.samples] for g in carry.groups]
+
+
+def test_take_is_oldest_first_and_respects_the_bound():
+    carry = CarryOver(per_step=2, n=1, max_staleness=2, max_response_length=4)
+    carry.add_prompts(prompts_batch([[5], [6], [7], [8]]))
+    g = carry.groups
+    for grp, version, done in ((g[0], 5, True), (g[1], 4, False), (g[2], 5, True), (g[3], 5, True)):
+        grp.samples[0].extend(Segment([9], [-1.0], done), version)
+    # trainer at version 6: group 1 (oldest token 4) would be at staleness 3 next step, so it must be taken now
+    assert carry.must_take(6) == {1}
+    assert not carry.ready(6)  # two complete groups, but the one at the bound is not complete
+    g[1].samples[0].extend(Segment([EOS], [-1.0], True), 6)
+    assert carry.ready(6)
+    taken = carry.take(6)
+    assert [x.prompt for x in taken] == [[6], [5]]  # oldest token first, then draw order
+    assert [x.prompt for x in carry.groups] == [[7], [8]]
+
+
+# --------------------------------------------------------------------------- the pipeline, scripted
+class LazyFuture:
+    """The round runs when the trainer takes it (after arming the interrupt): a deterministic interleaving."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args, self.done = fn, args, None
+
+    def result(self):
+        if self.done is None:
+            self.done = (self.fn(*self.args),)
+        return self.done[0]
+
+
+class ScriptedEngine:
+    """Lock-step decoding: each step every unfinished request gets one token; EOS with probability p."""
+
+    def __init__(self, seed: int, p_eos: float):
+        self.rng, self.p = random.Random(seed), p_eos
+        self.weights_version = 0
+        self.eos_token_ids = [EOS]
+        self.calls: list[int] = []
+
+    def generate_interruptible(self, requests, params, interrupt=None, on_finish=None):
+        self.calls.append(len(requests))
+        segs = [Segment() for _ in requests]
+        live = list(range(len(requests)))
+        while live:
+            ended = []
+            for i in live:
+                tok = EOS if (self.rng.random() < self.p and not requests[i].ignore_eos) else self.rng.randint(3, 50)
+                segs[i].tokens.append(tok)
+                segs[i].logprobs.append(-1.0)
+                if tok == EOS or len(segs[i].tokens) >= requests[i].max_tokens:
+                    segs[i].finished = True
+                    ended.append(i)
+            live = [i for i in live if i not in ended]
+            if ended and on_finish:
+                on_finish(ended)
+            if interrupt is not None and interrupt.is_set():
+                break
+        return segs
+
+
+def scripted_pipeline(per_step: int, n: int, max_len: int, seed: int, p_eos: float, forced: str | None = None):
+    engine = ScriptedEngine(seed, p_eos)
+    cfg = SimpleNamespace(rollout=SimpleNamespace(n=n, forced_lengths=forced),
+                          data=SimpleNamespace(max_response_length=max_len))
+    worker = SimpleNamespace(cfg=cfg, rollout=engine, device=torch.device("cpu"), weight_version=0,
+                             tokenizer=SimpleNamespace(pad_token_id=PAD),
+                             sampling_params=lambda validate=False: SamplingParams(n=n, max_tokens=max_len))
+    lengths = random.Random(seed + 1)
+    worker._forced_lengths = lambda count: tuple(lengths.randint(1, max_len) for _ in range(count))
+
+    def push():
+        engine.weights_version = worker.weight_version
+
+    worker.sharding_manager = SimpleNamespace(sync_weights=push)
+    worker.rollout_mode = lambda: contextlib.nullcontext(push())
+    pipe = PartialRolloutPipeline(worker, max_staleness=2, stale_policy="error", per_step=per_step)
+    pipe.executor = SimpleNamespace(submit=LazyFuture, shutdown=lambda wait=True: None)
+    drawn: list[int] = []
+    counter = iter(range(10**6))
+
+    def next_prompts() -> Batch:
+        idx = [next(counter) for _ in range(per_step)]
+        drawn.extend(idx)
+        return prompts_batch([[3 + i % 40, 4, 5 + i % 7] for i in idx], start_index=idx[0])
+
+    return pipe, worker, next_prompts, drawn
+
+
+def run_steps(pipe, worker, next_prompts, steps: int) -> list[Batch]:
+    """The source's order of calls: take (interrupt), start the next round, train (version + 1)."""
+    batches = []
+    for step in range(1, steps + 1):
+        last = step == steps
+        batch = pipe.take(next_prompts, worker.weight_version, final=last)
+        batch = pipe.check_staleness(batch, worker.weight_version)
+        batches.append(batch)
+        if not last:
+            pipe.start(next_prompts, next_is_last=step + 1 == steps)
+        worker.weight_version += 1
+    return batches
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_prompt_is_trained_exactly_once_within_the_bound(seed):
+    per_step, n, steps = 3, 4, 10
+    pipe, worker, next_prompts, drawn = scripted_pipeline(per_step, n, max_len=12, seed=seed, p_eos=0.12)
+    batches = run_steps(pipe, worker, next_prompts, steps)
+    trained = [int(i) for b in batches for i in b["index"][::n]]
+    assert sorted(trained) == sorted(drawn) and len(trained) == len(set(trained)) == per_step * steps
+    for step, b in enumerate(batches):
+        trainer_version = step  # the version the batch was trained at
+        assert len(b) == per_step * n and b.meta["trainer_version"] == trainer_version
+        mask = b["response_mask"].bool()
+        staleness = trainer_version - b["token_weight_version"]
+        assert int(staleness[mask].max()) <= 2 and int(staleness[mask].min()) >= 0
+        assert torch.equal(b["weight_version"], b["token_weight_version"].min(dim=1).values)
+        for start in range(0, len(b), n):  # GRPO groups stay whole and in one batch
+            assert len(set(b["uid"][start:start + n])) == 1
+    assert any(b.meta["partial_carried"] for b in batches[1:-1])
+    assert sum(b.meta["partial_resumed_tokens"] for b in batches) > 0  # some samples did continue
+    assert batches[-1].meta["partial_carried"] == 0 and not pipe.carry.groups  # nothing left over
+    assert max(int((s - b["token_weight_version"])[b["response_mask"].bool()].max())
+               for s, b in enumerate(batches)) == 2  # carried tokens do reach the bound
+
+
+def test_forced_lengths_continue_to_their_length():
+    per_step, n = 2, 2
+    pipe, worker, next_prompts, _ = scripted_pipeline(per_step, n, max_len=9, seed=3, p_eos=0.0, forced="fixed:1")
+    batches = run_steps(pipe, worker, next_prompts, 6)
+    for b in batches:
+        lengths = b["response_mask"].sum(1)
+        assert int(lengths.min()) >= 1 and int(lengths.max()) <= 9
+    assert sum(b.meta["partial_resumed_tokens"] for b in batches) > 0
+
+
+def test_waiting_for_the_round_leaves_a_complete_pool_that_restores():
+    """Checkpoint rule: ``wait`` lets the round finish with no interrupt; the saved pool restores as it was."""
+    per_step, n = 2, 3
+    pipe, worker, next_prompts, _ = scripted_pipeline(per_step, n, max_len=10, seed=5, p_eos=0.1)
+    run_steps(pipe, worker, next_prompts, 3)  # ends with a final take: start one more round by hand
+    pipe.start(next_prompts, next_is_last=False)
+    pipe.wait()
+    assert pipe.carry.groups and all(g.complete for g in pipe.carry.groups)
+    saved = Batch.from_state_dict(pipe.peek().state_dict())
+    again, *_ = scripted_pipeline(per_step, n, max_len=10, seed=5, p_eos=0.1)
+    again.restore(saved)
+    mine = [(g.prompt, [(s.tokens, s.logprobs, s.versions) for s in g.samples]) for g in pipe.carry.groups]
+    theirs = [(g.prompt, [(s.tokens, s.logprobs, s.versions) for s in g.samples]) for g in again.carry.groups]
+    assert mine == theirs
+    assert [g.fields["uid"] for g in pipe.carry.groups] == [g.fields["uid"] for g in again.carry.groups]
