@@ -183,6 +183,30 @@ def _varlen_kernel():
 _KERNEL: tuple | None | bool = False
 
 
+_END_ALIGNED: bool | None = None
+
+
+def _check_end_aligned(device: torch.device, dtype: torch.dtype) -> None:
+    """Once per process: the varlen kernel's causal diagonal for fewer queries than keys must be end-aligned
+    (flash-attention's rule; the prompt-shared responses rely on it). Compared with an explicit mask on 3 queries over
+    5 keys; a kernel that aligns to the start (as SDPA's ``is_causal`` does) stops the run rather than train wrongly."""
+    global _END_ALIGNED
+    if _END_ALIGNED is None:
+        fn, causal, _ = _KERNEL
+        g = torch.Generator(device="cpu").manual_seed(0)
+        q, k, v = (torch.randn(n, 1, 64, generator=g).to(device, dtype) for n in (3, 5, 5))
+        cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32, device=device) for n in (3, 5))
+        out = fn(q, k, v, cu_q, cu_k, 3, 5, **causal)
+        mask = torch.arange(5, device=device)[None, :] <= torch.arange(3, device=device)[:, None] + 2
+        ref = F.scaled_dot_product_attention(q.transpose(0, 1).float(), k.transpose(0, 1).float(),
+                                             v.transpose(0, 1).float(), attn_mask=mask).transpose(0, 1)
+        _END_ALIGNED = bool((out.float() - ref).abs().max() < 0.05)
+    if not _END_ALIGNED:
+        raise RuntimeError("actor.share_prompts: this torch's varlen attention aligns the causal diagonal to the start "
+                           "when there are fewer queries than keys, so responses cannot attend to a shared prompt; set "
+                           "actor.share_prompts=false")
+
+
 def _segments_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                         max_q: int, max_k: int, scaling: float | None) -> torch.Tensor:
     """Causal attention of query segments over key segments ([T, H, D] rows cut by ``cu_q`` / ``cu_k``), the causal
@@ -193,6 +217,8 @@ def _segments_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q:
         _KERNEL = _varlen_kernel()
     if q.is_cuda and _KERNEL is not None and q.dtype in (torch.float16, torch.bfloat16):
         fn, causal, has_gqa = _KERNEL
+        if cu_q is not cu_k:
+            _check_end_aligned(q.device, q.dtype)
         if groups > 1 and not has_gqa:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         extra = {"enable_gqa": True} if groups > 1 and has_gqa else {}

@@ -141,3 +141,28 @@ def test_micro_batches_keep_a_prompts_samples_together():
         shared_cost = sum({uid[i]: p_len[i] for i in b}.values()) + sum(r_len[i] for i in b)
         assert shared_cost <= budget or len(b) == 1
     assert len({tuple(sorted({uid[i] for i in b})) for b in binned if 0 in {uid[i] for i in b}}) == 1  # group 0 whole
+
+
+@pytest.mark.parametrize("end_aligned", [True, False])
+def test_kernel_alignment_is_checked_before_sharing(monkeypatch, end_aligned):
+    """On CUDA the responses' call has fewer queries than keys: a varlen kernel whose causal diagonal is aligned to the
+    start would hide each response from itself, so the first such call checks the kernel and stops the run if so."""
+    import torch.nn.functional as F
+
+    from hybrid_rl.workers import packed
+
+    def fake_kernel(q, k, v, cu_q, cu_k, max_q, max_k, **_):  # [T, H, D], one segment
+        lq, lk = q.shape[0], k.shape[0]
+        shift = lk - lq if end_aligned else 0
+        mask = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + shift
+        return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                              attn_mask=mask).transpose(0, 1)
+
+    monkeypatch.setattr(packed, "_KERNEL", (fake_kernel, {}, True))
+    monkeypatch.setattr(packed, "_END_ALIGNED", None)
+    if end_aligned:
+        packed._check_end_aligned(torch.device("cpu"), torch.float32)
+        assert packed._END_ALIGNED is True
+    else:
+        with pytest.raises(RuntimeError, match="set actor.share_prompts=false"):
+            packed._check_end_aligned(torch.device("cpu"), torch.float32)
