@@ -1,0 +1,133 @@
+"""The vLLM engine's interruptible generation without vLLM: ``VLLMRolloutEngine.generate_interruptible`` driving a
+scripted stand-in for vLLM 0.26's ``LLMEngine`` (``add_request`` / ``step`` / ``abort_request`` /
+``has_unfinished_requests``, CUMULATIVE ``RequestOutput``s with the classic per-position log-prob dicts).
+What it checks is our side of the contract: one request per continuation with the right context and budget,
+aborts on interrupt keeping the partial tokens, segments in request order, ``on_finish`` as requests end. The
+real engine is exercised by ``tests/gpu/test_gpu_partial.py``."""
+
+from __future__ import annotations
+
+import enum
+import sys
+import threading
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hybrid_rl.rollout import vllm as vr
+from hybrid_rl.rollout.base import Continuation, SamplingParams
+
+EOS = 2
+
+
+class Kind(enum.Enum):
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+class FakeLLMEngine:
+    """Each step every live request gets one token: its context length + step (EOS where ``eos_at`` says)."""
+
+    def __init__(self, eos_at: dict[int, int]):
+        self.live: dict[str, dict] = {}
+        self.added: list[tuple[str, list[int], dict]] = []
+        self.aborted: list[str] = []
+        self.eos_at = eos_at  # request index → the step at which it samples EOS
+
+    def add_request(self, rid, prompt, params):
+        assert params["output_kind"] is Kind.CUMULATIVE and params["n"] == 1
+        self.added.append((rid, list(prompt["prompt_token_ids"]), params))
+        self.live[rid] = dict(ctx=list(prompt["prompt_token_ids"]), toks=[], lps=[], params=params,
+                              index=len(self.added) - 1)
+
+    def has_unfinished_requests(self):
+        return bool(self.live)
+
+    def abort_request(self, ids, internal=False):
+        self.aborted += ids
+        for rid in ids:
+            self.live.pop(rid, None)
+
+    def step(self):
+        outs = []
+        for rid, r in list(self.live.items()):
+            step = len(r["toks"])
+            eos = self.eos_at.get(r["index"]) == step and not r["params"]["ignore_eos"]
+            tok = EOS if eos else 100 + len(r["ctx"]) + step
+            r["toks"].append(tok)
+            r["lps"].append({tok: SimpleNamespace(logprob=-0.01 * tok)})
+            finished = eos or len(r["toks"]) >= r["params"]["max_tokens"]
+            comp = SimpleNamespace(token_ids=r["toks"], logprobs=r["lps"], index=0,
+                                   finish_reason="stop" if finished else None)
+            outs.append(SimpleNamespace(request_id=rid, outputs=[comp], finished=finished))
+            if finished:
+                del self.live[rid]
+        return outs
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    fake_mod = types.ModuleType("vllm.sampling_params")
+    fake_mod.RequestOutputKind = Kind
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", fake_mod)
+
+    def make(eos_at=None):
+        llm = SimpleNamespace(llm_engine=FakeLLMEngine(eos_at or {}))
+        eng = vr.VLLMRolloutEngine(llm, [EOS], 0, torch.device("cpu"), make_sampling_params=lambda **kw: kw,
+                                   flat_logprobs=False)
+        eng._weights_real = True
+        return eng
+
+    return make
+
+
+class AfterPolls:
+    def __init__(self, m: int):
+        self.m, self.polls = m, 0
+
+    def is_set(self) -> bool:
+        self.polls += 1
+        return self.polls > self.m
+
+
+def test_requests_continue_from_their_partial_tokens(engine):
+    eng = engine({1: 1})
+    reqs = [Continuation([5, 6], (), 4), Continuation([7], (), 4), Continuation([8, 9], (40, 41), 2, ignore_eos=True)]
+    heard: list[int] = []
+    segs = eng.generate_interruptible(reqs, SamplingParams(temperature=0.7), on_finish=heard.extend)
+    added = eng.llm.llm_engine.added
+    assert [a[1] for a in added] == [[5, 6], [7], [8, 9, 40, 41]]  # context = prompt + partial tokens
+    assert [a[2]["max_tokens"] for a in added] == [4, 4, 2] and [a[2]["ignore_eos"] for a in added] == [False] * 2 + [True]
+    assert added[0][2]["temperature"] == 0.7 and added[0][2]["logprobs"] == 0
+    assert segs[1].tokens == [100 + 1, EOS] and segs[1].finished  # EOS at its second step
+    assert segs[0].tokens == [102, 103, 104, 105] and segs[2].tokens == [104, 105]
+    assert all(s.finished for s in segs) and sorted(heard) == [0, 1, 2] and heard[0] == 1
+    assert segs[0].logprobs == pytest.approx([-1.02, -1.03, -1.04, -1.05])
+
+
+def test_interrupt_aborts_the_unfinished_and_keeps_their_tokens(engine):
+    eng = engine({0: 0})
+    reqs = [Continuation([5], (), 8), Continuation([6], (), 8), Continuation([7], (), 8)]
+    segs = eng.generate_interruptible(reqs, SamplingParams(), interrupt=AfterPolls(3))
+    assert segs[0].finished and segs[0].tokens == [EOS]
+    assert [len(s.tokens) for s in segs[1:]] == [3, 3] and not any(s.finished for s in segs[1:])
+    assert all(len(s.logprobs) == len(s.tokens) for s in segs)
+    assert sorted(eng.llm.llm_engine.aborted) == sorted(r for r, *_ in eng.llm.llm_engine.added[1:])
+    assert not eng.llm.llm_engine.live
+    stop = threading.Event()
+    stop.set()  # set before the first step: nothing sampled, nothing invented
+    segs = eng.generate_interruptible(reqs, SamplingParams(), interrupt=stop)
+    assert all(s.tokens == [] and not s.finished for s in segs)
+
+
+def test_refusals(engine):
+    eng = engine()
+    with pytest.raises(ValueError, match="max_tokens < 1"):
+        eng.generate_interruptible([Continuation([5], (), 0)], SamplingParams())
+    eng.tp_group = object()
+    with pytest.raises(NotImplementedError, match="rollout.tensor_parallel_size"):
+        eng.generate_interruptible([Continuation([5], (), 1)], SamplingParams())
