@@ -70,11 +70,11 @@ SWEEP="--gpus 4 --model builtin:$MODEL4 --prompts 24 --n 8 --sigma 0.8 --cap-fac
   --token-budget 16384 --split-ratios auto --split-override rollout.gpu_memory_utilization=0.6 --resume \
   --out $SWEEP_RES data.train_path=.devdata/train.jsonl rollout.name=vllm model.enable_gradient_checkpointing=true \
   actor.ppo_mini_batch_size=12 actor.ppo_micro_batch_size_per_device=8 trainer.stall_dump_s=300"
-sweep_part() {  # $1: --lengths, $2: --modes
+sweep_part() {  # $1: --lengths, $2: --modes, $3: more modes_sweep.py arguments (they override $SWEEP's)
   ls "$SWEEP_RES"/modes_sweep_*.json >/dev/null 2>&1 || cp benchmarks/results/modes_sweep_*x4_"$MODEL4".json "$SWEEP_RES"/ 2>/dev/null
   local budget=$(( 555 - ($(date +%s) - CALL0) ))
   stamp "sweep x4 ($MODEL4): lengths $1, modes $2, budget ${budget}s"
-  timeout $(( budget + 30 )) python benchmarks/modes_sweep.py $SWEEP --budget "$budget" --lengths "$1" --modes "$2" \
+  timeout $(( budget + 30 )) python benchmarks/modes_sweep.py $SWEEP ${3:-} --budget "$budget" --lengths "$1" --modes "$2" \
     || echo "sweep x4 $1 $2 failed"
   cp "$SWEEP_RES"/modes_sweep_*.json "$SWEEP_RES"/modes_sweep_*.png "$OUT/" 2>/dev/null
 }
@@ -326,7 +326,14 @@ sweep4c)  # part 3: mean 8k, sync alone (~300 s; its generation share picks part
 sweep4d)  # part 4: mean 8k, both overlap modes (~510 s)
   sweep_part 8192 overlap_colocated,overlap_split
   ;;
-*) echo "unknown part $PART (colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | sweep4a..d | ...)"; exit 2 ;;
+sweep4e)  # part 5 (after 4b on the same machine): mean 4k with partial rollouts (overlap colocated, max_staleness 2).
+  # Its pool of carried groups fills over the first steps, so 2 warm-up + 2 measured steps (~400 s)
+  sweep_part 4096 overlap_partial "--warmup 2 --measure 2"
+  ;;
+sweep4f)  # part 6 (after 4d): mean 8k with partial rollouts, 2 warm-up + 1 measured step (~500 s)
+  sweep_part 8192 overlap_partial "--warmup 2 --measure 1"
+  ;;
+*) echo "unknown part $PART (colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | sweep4a..f | ...)"; exit 2 ;;
 esac
 stamp "done"
 kill $PACKER  # else the open output pipe keeps the device call waiting until its limit
