@@ -90,3 +90,73 @@ def run_checked(cmd: list[str], timeout: int = 300, **env: str) -> subprocess.Co
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+# --------------------------------------------------------------------------- gradients, and one actor pass on a GPU
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient, detached (float32)."""
+    return {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_close_grads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rel: float = 1e-5) -> None:
+    """The same parameters, each gradient within ``rel`` of its largest entry."""
+    assert a.keys() == b.keys() and len(a) > 10
+    for n in a:
+        scale = max(float(a[n].abs().max()), 1e-12)
+        assert float((a[n] - b[n]).abs().max()) <= rel * scale + 1e-9, n
+
+
+GPU_PROMPTS = ("7", "a longer prompt with several words", "3", "12+5=?")
+
+
+def gpu_actor_pass(*overrides: str, batch: Batch | None = None):
+    """(worker, batch, masked log-probs, gradients) of one bf16 actor forward + backward on cuda:0, on ``batch`` or a
+    fresh ragged rollout of ``GPU_PROMPTS`` (the GPU parity tests compare two configurations on one batch)."""
+    from hybrid_rl.distributed import DistInfo
+    from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
+
+    torch.manual_seed(0)
+    cfg = make_cfg("trainer.device=cuda", "model.dtype=bfloat16", "data.max_response_length=24",
+                   "rollout.forced_lengths=lognormal:12:0.8", *overrides)
+    w = ActorRolloutRefWorker(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0)))
+    if batch is None:
+        batch = generate_batch(w, chat_prompts(w, GPU_PROMPTS))
+    lp, ent = w.actor.forward(batch, 1.0, with_entropy=True)
+    m = batch["response_mask"].to(lp.device).float()
+    ((lp * m).sum() + 0.1 * (ent * m).sum()).backward()
+    return w, batch, lp * m, grads(w.actor.model)
+
+
+def assert_bf16_parity(batch: Batch, lp_a: torch.Tensor, lp_b: torch.Tensor, g_a: dict, g_b: dict) -> None:
+    """Two bf16 passes agree: log-probs within bf16 noise, every gradient pointing the same way."""
+    m = batch["response_mask"].bool().to(lp_a.device)
+    diff = (lp_a - lp_b).abs()[m]
+    assert diff.mean() < 0.02 and diff.max() < 0.2, (float(diff.mean()), float(diff.max()))
+    assert set(g_a) == set(g_b)
+    cos = [torch.nn.functional.cosine_similarity(g_a[n].flatten(), g_b[n].flatten(), dim=0) for n in g_a]
+    assert min(float(c) for c in cos) > 0.98
+
+
+class AfterPolls:
+    """An interrupt flag that reads as set from its (m+1)-th poll on (the engines poll once per decoding step)."""
+
+    def __init__(self, m: int):
+        self.m, self.polls = m, 0
+
+    def is_set(self) -> bool:
+        self.polls += 1
+        return self.polls > self.m
+
+
+def cuda_world_of_one():
+    """torch.distributed on cuda:0 as a world of one when pytest is not under torchrun (a free port found here)."""
+    import socket
+
+    from hybrid_rl.distributed import init_distributed
+
+    if "MASTER_ADDR" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return init_distributed("cuda")

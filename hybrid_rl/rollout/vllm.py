@@ -479,12 +479,7 @@ class VLLMRolloutEngine(RolloutEngine):
     # -- generation -------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
-        if self._asleep:
-            raise RuntimeError(f"generate on a sleeping engine ({sorted(self._asleep)} released): wake it up first")
-        if not self._weights_real:
-            raise RuntimeError("generate before any weights were pushed (the engine holds dummy or discarded "
-                               "weights): run it inside the sharding manager")
-        self._reset_prefix_cache_if_stale()
+        self._check_ready()
         own = unpad_prompts(prompts.tensors["input_ids"], prompts.tensors["attention_mask"])
         if params.response_lengths is not None:
             # Forced lengths (benchmarks): one request per sample with its own

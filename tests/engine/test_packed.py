@@ -10,7 +10,7 @@ from hybrid_rl.algorithms import LOSS_AGG_MODES, entropy_from_logits, logprobs_f
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 from hybrid_rl.workers.packed import fused_logprob_entropy, pack, unpack
 
-from helpers import chat_prompts, cpu_dist, generate_batch, make_cfg, score_batch
+from helpers import assert_close_grads, chat_prompts, cpu_dist, generate_batch, grads, make_cfg, score_batch
 
 RAGGED = ("data.max_response_length=10", "rollout.forced_lengths=lognormal:4:0.8")
 PATHS = [(False, False), (True, False), (False, True), (True, True)]  # (use_remove_padding, fused_logprob)
@@ -20,17 +20,6 @@ def _worker(remove_padding: bool, fused: bool, *extra: str) -> ActorRolloutRefWo
     torch.manual_seed(0)
     cfg = make_cfg(f"actor.use_remove_padding={remove_padding}", f"actor.fused_logprob={fused}", *RAGGED, *extra)
     return ActorRolloutRefWorker(cfg, cpu_dist())
-
-
-def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _assert_close_grads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rel: float = 1e-5) -> None:
-    assert a.keys() == b.keys() and len(a) > 10
-    for n in a:
-        scale = max(float(a[n].abs().max()), 1e-12)
-        assert float((a[n] - b[n]).abs().max()) <= rel * scale + 1e-9, n
 
 
 def test_pack_keeps_real_tokens_and_predictor_positions(tiny_model_path):
@@ -64,11 +53,11 @@ def test_packed_and_fused_forward_equal_padded(tiny_model_path, remove_padding, 
         lp, ent = w.actor.forward(batch, 0.7, with_entropy=True)
         m = batch["response_mask"].float()
         ((lp * m).sum() + 0.3 * (ent * m).sum()).backward()
-        results.append((lp * m, ent * m, _grads(w.actor.model)))
+        results.append((lp * m, ent * m, grads(w.actor.model)))
     assert len(set(lengths.tolist())) >= 3  # really ragged
     (lp_a, ent_a, g_a), (lp_b, ent_b, g_b) = results
     assert (lp_a - lp_b).abs().max() < 1e-5 and (ent_a - ent_b).abs().max() < 1e-5
-    _assert_close_grads(g_a, g_b)
+    assert_close_grads(g_a, g_b)
 
 
 def test_fused_logprob_matches_reference_forward_and_backward():
@@ -104,7 +93,7 @@ def _update_grads(remove_padding: bool, fused: bool, mode: str, micro: int, save
         saved = w.compute_ref_log_prob(score_batch(w, generate_batch(w, chat_prompts(w, ("7", "a longer prompt here")))))
     batch = w.compute_ref_log_prob(w.compute_log_prob(saved))
     stats = w.update_actor(batch)
-    return _grads(w.actor.model), batch, saved, stats
+    return grads(w.actor.model), batch, saved, stats
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
@@ -117,8 +106,8 @@ def test_packed_update_equals_padded_and_is_micro_batch_invariant(tiny_model_pat
     assert (b_pad["old_log_probs"] - b_pk["old_log_probs"]).abs()[m].max() < 1e-5
     assert (b_pad["ref_log_prob"] - b_pk["ref_log_prob"]).abs()[m].max() < 1e-5
     assert abs(s_pad["actor/pg_loss"][0] - s_pk["actor/pg_loss"][0]) < 1e-5
-    _assert_close_grads(g_pad, g_pk, rel=1e-4)
-    _assert_close_grads(g_pk, g_pk1, rel=1e-4)
+    assert_close_grads(g_pad, g_pk, rel=1e-4)
+    assert_close_grads(g_pk, g_pk1, rel=1e-4)
 
 
 def test_packed_token_budget_counts_real_tokens(tiny_model_path):

@@ -11,7 +11,7 @@ import torch
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 from hybrid_rl.workers.packed import pack, pack_shared, unpack
 
-from helpers import chat_prompts, cpu_dist, generate_batch, make_cfg, score_batch
+from helpers import assert_close_grads, chat_prompts, cpu_dist, generate_batch, grads, make_cfg, score_batch
 
 RAGGED = ("data.max_response_length=10", "rollout.forced_lengths=lognormal:4:0.8", "actor.use_remove_padding=true")
 PROMPTS = ("7", "a longer prompt with several words", "3")
@@ -22,17 +22,6 @@ def _worker(share: bool, fused: bool = False, *extra: str) -> ActorRolloutRefWor
     cfg = make_cfg(f"actor.share_prompts={str(share).lower()}", f"actor.fused_logprob={str(fused).lower()}", *RAGGED,
                    *extra)
     return ActorRolloutRefWorker(cfg, cpu_dist())
-
-
-def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rel: float = 1e-5) -> None:
-    assert a.keys() == b.keys() and len(a) > 10
-    for n in a:
-        scale = max(float(a[n].abs().max()), 1e-12)
-        assert float((a[n] - b[n]).abs().max()) <= rel * scale + 1e-9, n
 
 
 def test_layout_holds_each_prompt_once_and_every_sequence_in_its_segments(tiny_model_path):
@@ -76,11 +65,11 @@ def test_shared_forward_and_backward_equal_unshared(tiny_model_path, fused):
         lp, ent = w.actor.forward(batch, 0.7, with_entropy=True)
         m = batch["response_mask"].float()
         ((lp * m).sum() + 0.3 * (ent * m).sum()).backward()
-        results.append((lp * m, ent * m, _grads(w.actor.model)))
+        results.append((lp * m, ent * m, grads(w.actor.model)))
     assert len(set(batch["response_mask"].sum(1).tolist())) >= 3  # really ragged
     (lp_a, ent_a, g_a), (lp_b, ent_b, g_b) = results
     assert (lp_a - lp_b).abs().max() < 1e-5 and (ent_a - ent_b).abs().max() < 1e-5
-    _close(g_a, g_b)
+    assert_close_grads(g_a, g_b)
 
 
 @pytest.mark.parametrize("budget", [[], ["actor.use_dynamic_bsz=true", "actor.max_token_len_per_device=48",

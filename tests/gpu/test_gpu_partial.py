@@ -18,7 +18,6 @@ engine colocated as in ``test_vllm_gpu.py``.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,6 +37,7 @@ for _k, _v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPL
 vllm = pytest.importorskip("vllm")
 
 from hybrid_rl.batch import Batch  # noqa: E402
+from helpers import AfterPolls, cuda_world_of_one  # noqa: E402
 from hybrid_rl.models import RANDOM_ARCHS, write_random_model  # noqa: E402
 from hybrid_rl.partial import CarryOver, assemble_groups  # noqa: E402
 from hybrid_rl.rollout import vllm as vr  # noqa: E402
@@ -47,17 +47,6 @@ QWEN25_05B = RANDOM_ARCHS["qwen2.5-0.5b-random"]
 EOS, PAD = 151645, 151643
 TOL = 2e-2  # mean |Δ log-prob| between engine and trainer in bf16
 MAX_NEW = 32
-
-
-class AfterPolls:
-    """Reads as set from its (m+1)-th poll on: ``drive_engine`` polls once before every engine step."""
-
-    def __init__(self, m: int):
-        self.m, self.polls = m, 0
-
-    def is_set(self) -> bool:
-        self.polls += 1
-        return self.polls > self.m
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -74,17 +63,11 @@ def random_prompts(num: int, lo: int, hi: int, seed: int) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
     from hybrid_rl.config import load_config
-    from hybrid_rl.distributed import init_distributed
     from hybrid_rl.models import load_causal_lm
     from hybrid_rl.weights.sharding_manager import ShardingManager
     from hybrid_rl.workers.fsdp_engine import TrainingEngine
 
-    if "MASTER_ADDR" not in os.environ:  # pytest is not torchrun: a world of one
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist = init_distributed("cuda")
+    dist = cuda_world_of_one()
     path = write_random_model(tmp_path_factory.mktemp("qwen25_05b_arch"), QWEN25_05B, dist.device,
                               eos_token_id=EOS, pad_token_id=PAD)
     cfg = load_config(None, [f"model.path={path}", "model.dtype=bfloat16", "trainer.device=cuda", "rollout.name=vllm",

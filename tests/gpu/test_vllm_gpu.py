@@ -20,7 +20,6 @@ allows one engine per process), so the tests run in file order and share the tra
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -40,6 +39,7 @@ for _k, _v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPL
 vllm = pytest.importorskip("vllm")
 
 from hybrid_rl.batch import Batch  # noqa: E402
+from helpers import cuda_world_of_one  # noqa: E402
 from hybrid_rl.models import RANDOM_ARCHS, write_random_model  # noqa: E402
 from hybrid_rl.rollout import vllm as vr  # noqa: E402
 from hybrid_rl.rollout.base import SamplingParams  # noqa: E402
@@ -72,17 +72,11 @@ def hybrid(tmp_path_factory):
     """trainer (FSDP2, world of one) + vLLM engine + sharding manager, as the worker builds them."""
 
     from hybrid_rl.config import load_config
-    from hybrid_rl.distributed import init_distributed
     from hybrid_rl.models import load_causal_lm
     from hybrid_rl.weights.sharding_manager import ShardingManager
     from hybrid_rl.workers.fsdp_engine import TrainingEngine
 
-    if "MASTER_ADDR" not in os.environ:  # pytest is not torchrun: a world of one
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist = init_distributed("cuda")
+    dist = cuda_world_of_one()
 
     path = write_random_model(tmp_path_factory.mktemp("qwen25_05b_arch"), QWEN25_05B, dist.device,
                               eos_token_id=EOS, pad_token_id=PAD)

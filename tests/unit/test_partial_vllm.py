@@ -19,6 +19,8 @@ import torch
 from hybrid_rl.rollout import vllm as vr
 from hybrid_rl.rollout.base import Continuation, SamplingParams
 
+from helpers import AfterPolls
+
 EOS = 2
 
 
@@ -83,15 +85,6 @@ def engine(monkeypatch):
         return eng
 
     return make
-
-
-class AfterPolls:
-    def __init__(self, m: int):
-        self.m, self.polls = m, 0
-
-    def is_set(self) -> bool:
-        self.polls += 1
-        return self.polls > self.m
 
 
 def test_requests_continue_from_their_partial_tokens(engine):
