@@ -82,21 +82,18 @@ def unpack(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 class SharedPrompts:
     """Where the prompts and the responses of a prompt-shared packed row are (``pack_shared``).
 
-    The row holds each distinct prompt once, followed by its responses. ``prompt_idx`` / ``cu_prompt``: the prompts'
-    positions and boundaries (causal self-attention); ``resp_idx`` / ``cu_resp``: the responses' positions, and
-    ``kv_idx`` / ``cu_kv`` the keys each response attends to (its prompt, then itself); ``inverse`` puts the two
-    calls' outputs, concatenated, back in row order."""
+    The row holds every distinct prompt once, first (``prompt_tokens`` of them, cut by ``cu_prompt``: causal
+    self-attention), then every response (cut by ``cu_resp``); ``kv_idx`` / ``cu_kv`` are the keys each response
+    attends to: its prompt, then itself."""
 
-    prompt_idx: torch.Tensor
+    prompt_tokens: int
     cu_prompt: torch.Tensor
     max_prompt: int
-    resp_idx: torch.Tensor
     cu_resp: torch.Tensor
     max_resp: int
     kv_idx: torch.Tensor
     cu_kv: torch.Tensor
     max_kv: int
-    inverse: torch.Tensor
     tokens_unshared: int
     """The tokens the same micro-batch packed without sharing would hold (``perf`` reads the saving)."""
 
@@ -106,13 +103,13 @@ def pack_shared(tensors: dict[str, torch.Tensor]) -> Packed:
 
     Exact: a prompt's tokens never see its responses (causal), so every copy of it computes the same hidden states; one
     copy whose gradient sums what each response sends back is the same computation with the shared part done once.
-    Rows are matched by their prompt tokens (after ``trim_padding``, a group's rows are identical there). The LM-head
+    Rows are matched by their prompt tokens (after ``trim_padding``, a group's rows are identical there). The prompts
+    come first in the row and the responses after them, so each attention call reads a contiguous slice. The LM-head
     row that predicts a response's first token is its prompt's last position, shared by the group's responses.
     """
     mask = tensors["attention_mask"].bool()  # [b, L]
     responses = tensors["responses"]  # [b, R]
-    width = responses.shape[1]
-    prompt_width = mask.shape[1] - width
+    prompt_width = mask.shape[1] - responses.shape[1]
     ids, pos = tensors["input_ids"], tensors["position_ids"]
     dev = mask.device
     prompt_rows = torch.where(mask[:, :prompt_width], ids[:, :prompt_width], -1)  # [b, P] pads marked
@@ -122,47 +119,40 @@ def pack_shared(tensors: dict[str, torch.Tensor]) -> Packed:
     members: dict[int, list[int]] = {}
     for row, g in enumerate(group_of):
         members.setdefault(g, []).append(row)
-    tok, posn = [], []  # slices of the padded rows, concatenated once
-    prompt_idx: list[int] = []  # packed positions, built as Python ints and moved to the device once each
-    resp_idx: list[int] = []
-    kv_idx: list[int] = []
-    cu_p, cu_r, cu_kv = [0], [0], [0]
-    keep_of: dict[int, list[int]] = {}
-    cursor = 0
-    for g in sorted(members, key=lambda g: members[g][0]):  # groups in the order their first row comes
-        rows = members[g]
+    groups = sorted(members.values(), key=lambda rows: rows[0])  # in the order their first row comes
+    prompt_at: dict[int, range] = {}  # row -> its prompt's positions in the packed row
+    tok, posn, cu_p = [], [], [0]
+    for rows in groups:
         p = p_len[rows[0]]
         tok.append(ids[rows[0], prompt_width - p:prompt_width])
         posn.append(pos[rows[0], prompt_width - p:prompt_width])
-        prompt = range(cursor, cursor + p)
-        prompt_idx.extend(prompt)
-        cu_p.append(cu_p[-1] + p)
-        cursor += p
         for row in rows:
-            n = r_len[row]
-            if n == 0:
-                continue
-            tok.append(ids[row, prompt_width:prompt_width + n])
-            posn.append(pos[row, prompt_width:prompt_width + n])
-            resp = range(cursor, cursor + n)
-            resp_idx.extend(resp)
-            kv_idx.extend(prompt)
-            kv_idx.extend(resp)
-            cu_r.append(cu_r[-1] + n)
-            cu_kv.append(cu_kv[-1] + p + n)
-            # the prompt's last position predicts the first response token, the response's own the rest
-            keep_of[row] = [prompt[-1], *resp[:-1]]
-            cursor += n
+            prompt_at[row] = range(cu_p[-1], cu_p[-1] + p)
+        cu_p.append(cu_p[-1] + p)
+    kv_idx: list[int] = []  # packed positions, built as Python ints and moved to the device once
+    keep_of: dict[int, list[int]] = {}
+    cu_r, cu_kv, cursor = [0], [0], cu_p[-1]
+    for row in (r for rows in groups for r in rows):
+        n = r_len[row]
+        if n == 0:
+            continue
+        tok.append(ids[row, prompt_width:prompt_width + n])
+        posn.append(pos[row, prompt_width:prompt_width + n])
+        resp, prompt = range(cursor, cursor + n), prompt_at[row]
+        kv_idx.extend(prompt)
+        kv_idx.extend(resp)
+        cu_r.append(cu_r[-1] + n)
+        cu_kv.append(cu_kv[-1] + len(prompt) + n)
+        keep_of[row] = [prompt[-1], *resp[:-1]]  # the prompt's last position predicts the first response token
+        cursor += n
     keep = [i for row in range(len(group_of)) for i in keep_of.get(row, ())]  # row-major, as responses[valid]
-    valid = mask[:, prompt_width:]  # [b, R]
     i64, i32 = dict(dtype=torch.long, device=dev), dict(dtype=torch.int32, device=dev)
-    order = torch.tensor(prompt_idx + resp_idx, **i64)
     shared = SharedPrompts(
-        prompt_idx=torch.tensor(prompt_idx, **i64), cu_prompt=torch.tensor(cu_p, **i32), max_prompt=max(p_len, default=0),
-        resp_idx=torch.tensor(resp_idx, **i64), cu_resp=torch.tensor(cu_r, **i32), max_resp=max(r_len, default=0),
-        kv_idx=torch.tensor(kv_idx, **i64), cu_kv=torch.tensor(cu_kv, **i32),
-        max_kv=max((p_len[r] + r_len[r] for r in range(len(group_of))), default=0),
-        inverse=torch.argsort(order), tokens_unshared=int(mask.sum()))
+        prompt_tokens=cu_p[-1], cu_prompt=torch.tensor(cu_p, **i32), max_prompt=max(p_len, default=0),
+        cu_resp=torch.tensor(cu_r, **i32), max_resp=max(r_len, default=0), kv_idx=torch.tensor(kv_idx, **i64),
+        cu_kv=torch.tensor(cu_kv, **i32), max_kv=max((p_len[r] + r_len[r] for r in range(len(group_of))), default=0),
+        tokens_unshared=int(mask.sum()))
+    valid = mask[:, prompt_width:]  # [b, R]
     return Packed(input_ids=torch.cat(tok)[None], position_ids=torch.cat(posn)[None], cu_seqlens=shared.cu_prompt,
                   max_seqlen=shared.max_kv, keep=torch.tensor(keep, **i64), targets=responses[valid], valid=valid,
                   shared=shared)
@@ -265,11 +255,12 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if sh is None:
         max_len = int(kwargs["hybrid_max_seqlen"])
         return _segments_attention(q, k, v, cu, cu, max_len, max_len, scaling)[None], None
-    out_p = _segments_attention(q[sh.prompt_idx], k[sh.prompt_idx], v[sh.prompt_idx], sh.cu_prompt, sh.cu_prompt,
-                                sh.max_prompt, sh.max_prompt, scaling)
-    out_r = _segments_attention(q[sh.resp_idx], k[sh.kv_idx], v[sh.kv_idx], sh.cu_resp, sh.cu_kv, sh.max_resp,
-                                sh.max_kv, scaling)
-    return torch.cat([out_p, out_r])[sh.inverse][None], None
+    tp = sh.prompt_tokens  # the prompts are the row's first tp tokens, the responses the rest
+    out_p = _segments_attention(q[:tp], k[:tp], v[:tp], sh.cu_prompt, sh.cu_prompt, sh.max_prompt, sh.max_prompt,
+                                scaling)
+    out_r = _segments_attention(q[tp:], k[sh.kv_idx], v[sh.kv_idx], sh.cu_resp, sh.cu_kv, sh.max_resp, sh.max_kv,
+                                scaling)
+    return torch.cat([out_p, out_r])[None], None
 
 
 def use_varlen_attention(model: torch.nn.Module) -> None:

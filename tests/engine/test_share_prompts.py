@@ -49,9 +49,9 @@ def test_layout_holds_each_prompt_once_and_every_sequence_in_its_segments(tiny_m
     assert torch.equal(s.targets, p.targets) and torch.equal(s.valid, p.valid) and len(s.keep) == len(p.keep)
     assert torch.equal(s.input_ids[0, s.keep], p.input_ids[0, p.keep])  # the token each prediction is made from
     assert torch.equal(s.position_ids[0, s.keep], p.position_ids[0, p.keep])
-    # the two attention calls' outputs go back to row order
-    order = torch.cat([sh.prompt_idx, sh.resp_idx])
-    assert torch.equal(order[sh.inverse], torch.arange(s.input_ids.shape[1]))
+    # the prompts first (each once), then the responses: each attention call reads a contiguous slice
+    assert sh.prompt_tokens == int(sh.cu_prompt[-1]) == int(p_len[::4].sum())
+    assert int(sh.cu_resp[-1]) == s.input_ids.shape[1] - sh.prompt_tokens == int(r_len.sum())
     assert torch.equal(unpack(s.targets.float(), s.valid), (t["responses"] * s.valid).float())
 
 
