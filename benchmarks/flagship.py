@@ -62,7 +62,10 @@ def summarise(run_dir: Path, flops: ModelFlops, peak: float, gpus: int, skip: in
     fwd = flops.forward(lengths, resp_mean * seqs)  # equal lengths: attention slightly under the long-tailed truth
     out.update(tokens_per_step=total, sequences=seqs, response_length_mean=resp_mean, prompt_length_mean=prompt_mean,
                forward_flops=fwd)
-    for name, phase, passes in (("mfu_update", "update", 3), ("mfu_log_prob", "old_log_prob", 1), ("mfu_ref", "ref", 1)):
+    # the old-log-prob pass leaves out the update's first mini-batch under actor.old_log_prob=auto (older commits: 0)
+    lp_share = 1.0 - (mean("actor/old_log_prob_skipped") if any("actor/old_log_prob_skipped" in r for r in rows) else 0.0)
+    for name, phase, passes in (("mfu_update", "update", 3), ("mfu_log_prob", "old_log_prob", lp_share),
+                                ("mfu_ref", "ref", 1)):
         t = out["phases_s"].get(phase)
         if t:
             out[name] = passes * fwd / (t * gpus * peak)

@@ -76,8 +76,11 @@ PASSES = (("perf/mfu_update", "timing/update", 3.0), ("perf/mfu_log_prob", "timi
 
 
 def pass_mfu(times: dict[str, float], forward_flops: float, peak: float | None, gpus: int,
-             ppo_epochs: int = 1) -> dict[str, float]:
-    """MFU of each timed training pass of a step, from the batch's forward FLOPs summed over ``gpus`` ranks."""
+             ppo_epochs: int = 1, log_prob_share: float = 1.0) -> dict[str, float]:
+    """MFU of each timed training pass of a step, from the batch's forward FLOPs summed over ``gpus`` ranks.
+
+    ``log_prob_share``: the share of the batch the old-log-prob pass ran on (``actor.old_log_prob=auto`` leaves the
+    update's first mini-batch out of it: 1 - ``actor/old_log_prob_skipped``)."""
     if not peak:
         return {}
     out = {}
@@ -85,5 +88,6 @@ def pass_mfu(times: dict[str, float], forward_flops: float, peak: float | None, 
         seconds = times.get(timer, 0.0)
         if seconds > 0:
             epochs = ppo_epochs if metric == "perf/mfu_update" else 1
-            out[metric] = passes * epochs * forward_flops / (seconds * gpus * peak)
+            share = log_prob_share if metric == "perf/mfu_log_prob" else 1.0
+            out[metric] = passes * epochs * share * forward_flops / (seconds * gpus * peak)
     return out

@@ -490,7 +490,7 @@ class Trainer:
         out["perf/throughput_per_gpu"] = out["perf/tokens_per_s"] / self.global_dist.world_size
         if "perf/forward_flops" in out:
             out.update(pass_mfu(out, out.pop("perf/forward_flops") * world, self.peak_flops, world,
-                                self.cfg.actor.ppo_epochs))
+                                self.cfg.actor.ppo_epochs, 1.0 - out.get("actor/old_log_prob_skipped", 0.0)))
         if self.dist.device.type == "cuda":
             out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(self.dist.device) / 2**30
             out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(self.dist.device) / 2**30
