@@ -69,6 +69,10 @@ def summarise(run_dir: Path, flops: ModelFlops, peak: float, gpus: int, skip: in
         t = out["phases_s"].get(phase)
         if t:
             out[name] = passes * fwd / (t * gpus * peak)
+    if "mfu_update" in out and any("perf/update_token_share" in r for r in rows):
+        # actor.share_prompts: the update ran fewer tokens than the batch holds; MFU above counts the batch's (effective)
+        out["update_token_share"] = mean("perf/update_token_share")
+        out["mfu_update_hardware"] = out["mfu_update"] * out["update_token_share"]
     out["peak_memory_allocated_gb"] = max(r.get("perf/max_memory_allocated_gb", 0.0) for r in rows)
     return out
 

@@ -277,6 +277,7 @@ class ActorRolloutRefWorker:
             ents = batch.tensors["old_entropy"].clone() if "old_entropy" in batch.tensors else torch.zeros_like(lps)
             batch = batch.union(tensors=dict(old_log_probs=lps, old_entropy=ents))
         planned = batch.meta.get("update_order")  # drawn by compute_log_prob_but_first_mini_batch
+        self.actor.packed_tokens = [0, 0]
         self.actor.model.train()
         for epoch in range(a.ppo_epochs):
             if epoch == 0 and planned is not None:
@@ -289,6 +290,9 @@ class ActorRolloutRefWorker:
                 self._update_mini_batch(batch.index(rows), stats, (rows, lps, ents) if capture else None)
         self.weight_version += 1
         stats.add("actor/lr", self.actor.lr)
+        ran, of = self.actor.packed_tokens
+        if self.actor.share_prompts and of:  # the tokens the update computed per token of the batch (hardware MFU =
+            stats.add("perf/update_token_share", ran / of, of)  # perf/mfu_update × this; token-weighted over ranks)
         return stats.pairs(), lps, ents
 
     def _update_mini_batch(self, mini: Batch, stats: _Stats,

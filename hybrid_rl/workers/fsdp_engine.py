@@ -62,6 +62,9 @@ class TrainingEngine:
         """Every forward packs its micro-batch into one row without padding (``hybrid_rl.workers.packed``)."""
         self.share_prompts = share_prompts
         """Packed rows hold each distinct prompt once, its responses attending to that copy (``pack_shared``)."""
+        self.packed_tokens = [0, 0]
+        """(tokens the packed forwards ran, tokens of their micro-batches): with ``share_prompts`` the first is less;
+        the update reports the ratio, which turns the batch-based (effective) MFU into the hardware's."""
         self.fused_logprob = fused_logprob
         """Log-probs and entropy come from the LM head in row chunks; the [tokens × vocabulary] logits never exist."""
         self.group = group
@@ -243,6 +246,8 @@ class TrainingEngine:
                         with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward`` on the micro-batch packed into one row: only real tokens pass through the model."""
         p = pack_shared(t) if self.share_prompts else pack(t)
+        self.packed_tokens[0] += p.input_ids.shape[1]
+        self.packed_tokens[1] += p.shared.tokens_unshared if p.shared is not None else p.input_ids.shape[1]
         kwargs = dict(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False,
                       hybrid_cu_seqlens=p.cu_seqlens, hybrid_max_seqlen=p.max_seqlen)
         if p.shared is not None:

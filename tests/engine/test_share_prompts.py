@@ -94,6 +94,8 @@ def test_shared_update_and_reference_equal_unshared(tiny_model_path, budget):
         assert (b_a[key] - b_b[key]).abs()[m].max() < 1e-5, key
     assert abs(s_a["actor/pg_loss"][0] - s_b["actor/pg_loss"][0]) < 1e-5
     assert s_a["actor/grad_norm"][0] == pytest.approx(s_b["actor/grad_norm"][0], rel=1e-4)
+    share = s_b["perf/update_token_share"][0] / s_b["perf/update_token_share"][1]  # tokens run per token of the batch
+    assert 0.3 < share < 1.0 and "perf/update_token_share" not in s_a
     for n in p_a:  # 1% of one Adam step (lr 1e-3): rounding-sized gradient differences near zero flip its sign
         assert (p_a[n] - p_b[n]).abs().max() < 1e-5, n
 
