@@ -56,11 +56,12 @@ CONFIGS = {
     "packed+fused+no_ckpt+budget16k+unsharded": ["model.enable_gradient_checkpointing=false", "actor.use_dynamic_bsz=true",
                                                  "actor.max_token_len_per_device=16384", "actor.accumulate_unsharded=true"],
     # each prompt once per micro-batch, its n responses attending to it (actor.share_prompts)
-    "packed+fused+shared": ["actor.share_prompts=true"],
+    "packed+fused+shared": ["actor.use_remove_padding=true", "actor.fused_logprob=true", "actor.share_prompts=true"],
     "packed+fused+no_ckpt+budget16k+unsharded+shared": ["model.enable_gradient_checkpointing=false",
                                                         "actor.use_dynamic_bsz=true",
                                                         "actor.max_token_len_per_device=16384",
-                                                        "actor.accumulate_unsharded=true", "actor.share_prompts=true"],
+                                                        "actor.accumulate_unsharded=true", "actor.use_remove_padding=true",
+                                                        "actor.share_prompts=true"],
     # Liger's fused RMSNorm / SwiGLU / rotary kernels (model.use_liger; needs liger-kernel on the GPU machine)
     "packed+fused+liger": ["model.use_liger=true"],
     "packed+fused+no_ckpt+budget16k+unsharded+liger": ["model.enable_gradient_checkpointing=false",
