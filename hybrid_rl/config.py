@@ -220,9 +220,10 @@ class ActorConfig:
     from its own forward, detached (the weights have not moved yet: ratio 1, the same gradient), and the pass runs on
     the other mini-batches only: none with one mini-batch per epoch (``ppo_mini_batch_size = data.train_batch_size``),
     1/M less with M; later epochs read what that forward left. Exact, so it is the default; it falls back to the whole
-    pass when π_old is read before the update (KL-in-reward), the actor does not update this step, or partial rollouts
-    are on. ``engine``: never run the pass, use the rollout engine's log-probs (an approximation: engine and trainer
-    numerics differ; in overlap mode proximal = behaviour). Metric ``actor/old_log_prob_skipped``: the share skipped."""
+    pass when π_old is read before the update (KL-in-reward) or the actor does not update this step. With stale
+    samples (overlap mode, partial rollouts) that forward is θ_k's, the proximal policy, as the pass's would be.
+    ``engine``: never run the pass, use the rollout engine's log-probs (an approximation: engine and trainer numerics
+    differ; in overlap mode proximal = behaviour). Metric ``actor/old_log_prob_skipped``: the share skipped."""
 
 
 @dataclass

@@ -271,8 +271,6 @@ class Trainer:
         cfg = self.cfg
         if cfg.actor.old_log_prob != "auto":
             return cfg.actor.old_log_prob
-        if cfg.trainer.partial_rollouts:  # π_prox must be θ_k's own pass over tokens of mixed versions: no shortcut
-            return "recompute"
         if cfg.algorithm.use_kl_in_reward or not self._actor_updates():
             return "recompute"
         return "update" if self.worker.num_mini_batches(batch) == 1 else "first_mini"

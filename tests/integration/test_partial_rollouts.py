@@ -2,7 +2,8 @@
 
 1. In-process, with the round run lazily when the trainer takes it (so the interrupt lands as soon as a step's
    groups are complete) and long-tailed forced lengths: groups are carried and continued, every token is within
-   ``trainer.max_staleness``, π_old is recomputed, and every prompt drawn is trained exactly once.
+   ``trainer.max_staleness``, π_old is θ_k's (the update's own first forward), and every prompt drawn is trained
+   exactly once.
 2. Two gloo ranks under torchrun with the real background thread, a checkpoint and a resume: it completes, logs
    the new metrics, and the resumed run goes on.
 3. The invalid combinations are one-line config errors naming the key and the fix.
@@ -75,7 +76,8 @@ def test_carry_over_through_the_trainer(tmp_path, monkeypatch, tiny_model_path):
     for r in rows:
         assert all(k in r for k in NEW_METRICS), sorted(r)
         assert r["rollout/token_staleness_max"] <= 2 and r["rollout/staleness_max"] <= 2
-        assert r["actor/old_log_prob_skipped"] == 0.0  # π_prox is always the recomputed θ_k pass
+        # one mini-batch: π_prox (θ_k) is the update's own first forward, over tokens of every version
+        assert r["actor/old_log_prob_skipped"] == 1.0
     assert all(r["rollout/partial_carried"] > 0 for r in rows[1:-1]) and rows[-1]["rollout/partial_carried"] == 0
     assert sum(r["rollout/partial_resumed_tokens"] for r in rows) > 0  # unfinished samples did continue
     assert max(r["rollout/token_staleness_max"] for r in rows) == 2
