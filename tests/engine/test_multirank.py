@@ -94,6 +94,14 @@ def test_packed_passes_match_padded_on_two_ranks(runs):
         _same_step(rank["packed"][False], rank["packed"][True])
 
 
+def test_shared_prompts_match_unshared_on_two_ranks(runs):
+    """FSDP2 on 2 ranks: each prompt once per packed row gives the unshared packed pass's log-probs and update."""
+    for rank in runs["ranks"]:
+        _same_step(rank["shared"][False], rank["shared"][True])
+        ran, of = rank["shared"][True]["token_share"]
+        assert 0 < ran / of < 1 and rank["shared"][False]["token_share"] is None
+
+
 def test_update_with_own_old_log_probs_matches_pass_then_update_on_two_ranks(runs):
     """actor.old_log_prob=auto's skip under FSDP2: π_old from the update's own forward is the pass's, and the step is
     the same up to rounding (the pass and the update cut different micro-batches)."""

@@ -218,6 +218,20 @@ def run_packed(d: DistInfo, res: dict) -> None:
     res["packed"] = results
 
 
+def run_shared_prompts(d: DistInfo, res: dict) -> None:
+    """The same log-probs and update with prompt-shared packing (actor.share_prompts) as packed without, on FSDP2."""
+    results = {}
+    for flag in (False, True):
+        keys = ["actor.use_remove_padding=true", "actor.fused_logprob=true", f"actor.share_prompts={str(flag).lower()}"]
+        w = ActorRolloutRefWorker(load_config(None, BASE + keys).validate(d.world_size), d)
+        batch = make_batch(w, seed=0)
+        lp = w.compute_log_prob(batch)["old_log_probs"] * batch["response_mask"]
+        stats = w.update_actor(local_share(batch, d))
+        results[flag] = dict(log_probs=lp, params=actor_full_params(w), grad_norm=stats["actor/grad_norm"][0],
+                             token_share=stats.get("perf/update_token_share"))
+    res["shared"] = results
+
+
 def run_own_old(d: DistInfo, res: dict) -> None:
     """``actor.old_log_prob=auto`` on FSDP2: the update with its first mini-batch's π_old from its own forward gives
     the pass's log-probs and lands where the pass followed by the update lands, with one mini-batch (no pass) and
@@ -414,7 +428,7 @@ def main() -> None:
     d = init_distributed(DEVICE)
     assert torch.distributed.is_initialized() and d.world_size > 1, "run me under torchrun with 2+ ranks"
     res: dict = {"world_size": d.world_size}
-    which = os.environ.get("MULTIRANK_CHECKS", "full,offload,lora,unsharded,uneven,packed,own_old").split(",")  # also: replay
+    which = os.environ.get("MULTIRANK_CHECKS", "full,offload,lora,unsharded,uneven,packed,shared,own_old").split(",")  # also: replay
     if "full" in which:
         run_full_finetune(d, res)
     if "offload" in which:
@@ -429,6 +443,8 @@ def main() -> None:
         run_uneven_shards(d, res)
     if "packed" in which:
         run_packed(d, res)
+    if "shared" in which:
+        run_shared_prompts(d, res)
     if "own_old" in which:
         run_own_old(d, res)
     if "replay" in which:
