@@ -372,6 +372,12 @@ class TrainerConfig:
     and carry the rest (unfinished samples with their partial responses) into the next round, where they continue
     under the newer weights (AReaL-style). Needs ``max_staleness >= 2``; tokens record their own weight version
     (``token_weight_version``). Checkpoints let the round finish first, so nothing partial is saved."""
+    partial_rollout_ahead: float = 0.25
+    """Partial rollouts: how much is generated beyond the step's own groups, as a fraction of a step. A round
+    holds the pool's oldest ``(1 + ahead) × per-step`` groups (the newer ones wait unstarted), and the trainer takes
+    the first per-step groups to complete: the default leaves the slowest fifth of a round's groups, the long tail, to
+    the next round (about a quarter of the trained samples then have oldest-token staleness 2, the rest 1). 1.0 starts
+    every group drawn at once: more slack for the tail, but nearly every sample is carried once (staleness 2)."""
     save_freq: int = 0
     """Checkpoint every N steps (0 = only at the end, -1 = never, e.g. for benchmarks)."""
     keep_last: int = 2
@@ -586,6 +592,9 @@ class Config:
     def _validate_partial(self) -> None:
         """``trainer.partial_rollouts``: overlap mode, colocated, a staleness bound that a carried sample fits."""
         t, r = self.trainer, self.rollout
+        if not 0.0 < t.partial_rollout_ahead <= 1.0:
+            raise ConfigError(f"trainer.partial_rollout_ahead={t.partial_rollout_ahead} must be in (0, 1] (a fraction of "
+                              "a step's groups generated ahead); 1.0 starts every group drawn at once")
         if t.mode != "overlap":
             raise ConfigError(f"trainer.partial_rollouts=true needs trainer.mode=overlap (got {t.mode}): set "
                               "trainer.mode=overlap trainer.max_staleness=2, or trainer.partial_rollouts=false")

@@ -1,32 +1,34 @@
 """Partial rollouts for overlap mode (``trainer.partial_rollouts``): interrupt the long tail, carry it over.
 
-In one-step overlap the trainer waits at every step for the whole next batch, including the few very long
-responses that decode at low engine occupancy. Here (AReaL-style) a generation *round* holds the GRPO groups
-carried over from the previous round plus this step's new prompts; at the step boundary the trainer waits only
-until this rank has ``B_rank`` complete groups (its prompts per step), then interrupts the engine. It trains on
-the ``B_rank`` oldest complete groups; every other group (finished, or unfinished with its tokens and their
-engine log-probs so far) goes into the next round, where unfinished samples continue from prompt + partial
-response under the weights pushed at that boundary. Groups are never split.
+In one-step overlap the trainer waits at every step for the whole next batch, including the few very long responses
+that decode at low engine occupancy. Here (AReaL-style) a generation *round* holds the GRPO groups carried over from
+the previous round plus this step's new prompts; at the step boundary the trainer waits only until this rank has
+``B_rank`` complete groups (its prompts per step), then interrupts the engine. It trains on the ``B_rank`` oldest
+complete groups; every other group (finished, or unfinished with its tokens and their engine log-probs so far) goes
+into the next round, where unfinished samples continue from prompt + partial response under the weights pushed at
+that boundary. Groups are never split.
 
-Bookkeeping, in ``CarryOver`` (pure, no threads): the pool of groups, oldest first. To have something to carry,
-a round is topped up to two steps' prompts (``2 B_rank``); the round whose batch is the run's last is topped up
-to one step's only, so every prompt drawn is trained exactly once. Each token records the engine's weight
-version when it was sampled (``token_weight_version`` [B, T]); a sample's ``weight_version`` is its oldest
-token's, so the staleness check keeps its meaning. A carried group is used one step later than its round, so its
-oldest tokens reach staleness 2 (hence ``trainer.max_staleness >= 2``); a group that would exceed the bound at
-its next use is waited for and trained now, never carried. The loss needs nothing new: behaviour = the engine's
-per-token log-probs (stitched from every segment), proximal = the trainer's recomputed ``old_log_probs``.
+Bookkeeping, in ``CarryOver`` (pure, no threads): the pool of groups, oldest first. The pool is topped up to two
+steps' prompts (``2 B_rank``; before the run's last step to one step's only, so every prompt drawn is trained
+exactly once), and a background round generates its oldest ``(1 + trainer.partial_rollout_ahead) × B_rank`` groups:
+the others wait unstarted, so only the slowest of a round's groups are carried, not a whole step. Each token records
+the engine's weight version when it was sampled (``token_weight_version`` [B, T]); a sample's ``weight_version`` is
+its oldest token's, so the staleness check keeps its meaning. A carried group is used one step later than its round,
+so its oldest tokens reach staleness 2 (hence ``trainer.max_staleness >= 2``); a group that would exceed the bound
+at its next use is waited for and trained now, never carried. The loss needs nothing new: behaviour = the engine's
+per-token log-probs (stitched from every segment), proximal = θ_k's ``old_log_probs`` (the pass, or the update's own
+first forward under ``actor.old_log_prob=auto``).
 
-Checkpoints hold nothing partial: saving (and validation) waits for the round in flight to finish with no
-interrupt, and the pending batch saved is the whole pool, every group complete; a resumed run puts it back and
-goes on as an uninterrupted one would. Left out: split placement (its rollout ranks generate a whole batch per
-step), tensor parallelism with vLLM (the ranks of an engine would have to agree on the interrupt), and KV reuse
-across an interrupt (a continuation prefills its context again).
-"""
+Checkpoints hold nothing partial: saving (and validation) waits for the round in flight to finish with no interrupt,
+groups waiting outside the window are generated to the end, and the pending batch saved is the whole pool, every
+group complete; a resumed run puts it back and goes on as an uninterrupted one would. Left out: split placement (its
+rollout ranks generate a whole batch per step), tensor parallelism with vLLM (the ranks of an engine would have to
+agree on the interrupt), and KV reuse across an interrupt (a continuation prefills its context again)."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import threading
 import time
@@ -115,9 +117,11 @@ class CarryOver:
         self._seq += 1
         return self._seq
 
-    def pending(self) -> list[tuple[int, int]]:
-        """(group, sample) index of every unfinished sample, in pool order."""
-        return [(gi, si) for gi, g in enumerate(self.groups) for si, s in enumerate(g.samples) if not s.finished]
+    def pending(self, window: int | None = None) -> list[tuple[int, int]]:
+        """(group, sample) index of every unfinished sample of the pool's first ``window`` groups (all: None), in
+        pool order (oldest first)."""
+        return [(gi, si) for gi, g in enumerate(self.groups[:window]) for si, s in enumerate(g.samples)
+                if not s.finished]
 
     def requests(self, pending: list[tuple[int, int]]) -> list[Continuation]:
         return [self.groups[gi].samples[si].request(self.groups[gi].prompt, self.max_response_length)
@@ -229,8 +233,8 @@ class Round:
     ``must`` complete. Until armed it never fires (the engine keeps going while the trainer trains).
     """
 
-    def __init__(self, carry: CarryOver, version: int):
-        self.pending = carry.pending()
+    def __init__(self, carry: CarryOver, version: int, window: int | None = None):
+        self.pending = carry.pending(window)
         self.requests = carry.requests(self.pending)
         self.version = version
         self.interrupt = threading.Event()
@@ -266,10 +270,12 @@ class PartialRolloutPipeline(RolloutPipeline):
     """``RolloutPipeline`` with rounds instead of whole batches: start tops the pool up and generates it in the
     background; take interrupts it once ``per_step`` groups are complete and hands over the oldest of them."""
 
-    def __init__(self, worker, max_staleness: int, stale_policy: str, per_step: int):
+    def __init__(self, worker, max_staleness: int, stale_policy: str, per_step: int, ahead: float = 0.25):
         super().__init__(worker, max_staleness, stale_policy, background=True)
         cfg = worker.cfg
         self.carry = CarryOver(per_step, cfg.rollout.n, max_staleness, cfg.data.max_response_length)
+        self.window = per_step + math.ceil(ahead * per_step)
+        """Groups a background round generates (``trainer.partial_rollout_ahead``): the pool's oldest; the rest wait."""
         self.round: Round | None = None
         self._last_gen_s = 0.0
 
@@ -283,9 +289,9 @@ class PartialRolloutPipeline(RolloutPipeline):
             forced = self.worker._forced_lengths(len(prompts) * self.carry.n)
         self.carry.add_prompts(prompts, forced)
 
-    def _new_round(self) -> Round | None:
+    def _new_round(self, window: int | None = None) -> Round | None:
         version = self.worker.rollout.weights_version
-        rnd = Round(self.carry, -1 if version is None else version)
+        rnd = Round(self.carry, -1 if version is None else version, window)
         return rnd if rnd.requests else None
 
     def _run(self, rnd: Round) -> list[Segment]:
@@ -312,7 +318,7 @@ class PartialRolloutPipeline(RolloutPipeline):
         while len(self.carry.groups) < target:
             self._add(next_prompts())
         self.worker.sharding_manager.sync_weights()  # θ_k, while no generation runs
-        rnd = self._new_round()
+        rnd = self._new_round(self.window)
         if rnd is not None:
             self.round, self.pending = rnd, self.executor.submit(self._run, rnd)
 
@@ -347,10 +353,17 @@ class PartialRolloutPipeline(RolloutPipeline):
         self._finish_round()
 
     def peek(self) -> Batch | None:
-        """The whole pool, every group complete (after ``wait``), for a checkpoint; None when it is empty."""
+        """The whole pool, every group complete, for a checkpoint (None when it is empty): the round in flight
+        finishes, and groups still waiting outside the window are generated now, to the end, under the current
+        weights."""
         self._finish_round()
         if not self.carry.groups:
             return None
+        if any(not g.complete for g in self.carry.groups):
+            with self.worker.rollout_mode():
+                rnd = self._new_round()
+                if rnd is not None:
+                    self.carry.apply(rnd.pending, self._run(rnd), rnd.version)
         return self._batch(list(self.carry.groups))
 
     def restore(self, batch: Batch) -> None:

@@ -284,7 +284,8 @@ def make_source(cfg: Config, placement: Placement, worker, next_prompts: NextPro
         from hybrid_rl.partial import PartialRolloutPipeline
 
         per_step = cfg.data.train_batch_size // placement.sampler_world
-        pipe = PartialRolloutPipeline(worker, cfg.staleness_bound, cfg.trainer.stale_policy, per_step)
+        pipe = PartialRolloutPipeline(worker, cfg.staleness_bound, cfg.trainer.stale_policy, per_step,
+                                      cfg.trainer.partial_rollout_ahead)
         return PartialOverlapSource(worker, pipe, next_prompts, next_is_last)
     pipeline = RolloutPipeline(worker, cfg.staleness_bound, cfg.trainer.stale_policy,
                                background=placement.layout is None)

@@ -128,7 +128,8 @@ class ScriptedEngine:
         return segs
 
 
-def scripted_pipeline(per_step: int, n: int, max_len: int, seed: int, p_eos: float, forced: str | None = None):
+def scripted_pipeline(per_step: int, n: int, max_len: int, seed: int, p_eos: float, forced: str | None = None,
+                      ahead: float = 1.0):  # the bookkeeping tests below start every group at once
     engine = ScriptedEngine(seed, p_eos)
     cfg = SimpleNamespace(rollout=SimpleNamespace(n=n, forced_lengths=forced),
                           data=SimpleNamespace(max_response_length=max_len))
@@ -143,7 +144,7 @@ def scripted_pipeline(per_step: int, n: int, max_len: int, seed: int, p_eos: flo
 
     worker.sharding_manager = SimpleNamespace(sync_weights=push)
     worker.rollout_mode = lambda: contextlib.nullcontext(push())
-    pipe = PartialRolloutPipeline(worker, max_staleness=2, stale_policy="error", per_step=per_step)
+    pipe = PartialRolloutPipeline(worker, max_staleness=2, stale_policy="error", per_step=per_step, ahead=ahead)
     pipe.executor = SimpleNamespace(submit=LazyFuture, shutdown=lambda wait=True: None)
     drawn: list[int] = []
     counter = iter(range(10**6))
@@ -191,6 +192,37 @@ def test_every_prompt_is_trained_exactly_once_within_the_bound(seed):
     assert batches[-1].meta["partial_carried"] == 0 and not pipe.carry.groups  # nothing left over
     assert max(int((s - b["token_weight_version"])[b["response_mask"].bool()].max())
                for s, b in enumerate(batches)) == 2  # carried tokens do reach the bound
+
+
+def test_a_smaller_window_carries_only_the_tail():
+    """``trainer.partial_rollout_ahead=0.25``: a round generates the pool's oldest 1.25 steps of groups, the rest wait
+    unstarted; far fewer samples are carried (staleness 2) than with every group started at once, and still every
+    prompt drawn is trained exactly once within the bound."""
+    per_step, n, steps = 8, 4, 12
+    stale2 = {}
+    for ahead in (1.0, 0.25):
+        pipe, worker, next_prompts, drawn = scripted_pipeline(per_step, n, max_len=12, seed=5, p_eos=0.12, ahead=ahead)
+        assert pipe.window == per_step + (8 if ahead == 1.0 else 2)
+        batches = run_steps(pipe, worker, next_prompts, steps)
+        trained = [int(i) for b in batches for i in b["index"][::n]]
+        assert sorted(trained) == sorted(drawn) and len(trained) == len(set(trained)) == per_step * steps
+        staleness = [(s - b["weight_version"]) for s, b in enumerate(batches)]
+        assert max(int(x.max()) for x in staleness) <= 2
+        stale2[ahead] = sum(int((x == 2).sum()) for x in staleness[2:-1]) / sum(len(x) for x in staleness[2:-1])
+        if ahead < 1.0:  # at most the window's extra groups were ever started and left behind
+            assert max(engine_calls for engine_calls in worker.rollout.calls) <= pipe.window * n
+    print("share of samples at staleness 2:", stale2)
+    assert stale2[1.0] > 0.8 and stale2[0.25] < 0.5, stale2
+
+
+def test_checkpoint_completes_groups_waiting_outside_the_window():
+    per_step, n = 4, 2
+    pipe, worker, next_prompts, _ = scripted_pipeline(per_step, n, max_len=9, seed=7, p_eos=0.2, ahead=0.25)
+    run_steps(pipe, worker, next_prompts, 1)  # the foreground first step
+    pipe.start(next_prompts)  # two steps' prompts drawn, a window of 5 groups started
+    assert any(not g.samples[0].tokens for g in pipe.carry.groups)  # some wait unstarted
+    pool = pipe.peek()
+    assert len(pool) == len(pipe.carry.groups) * n and all(g.complete for g in pipe.carry.groups)
 
 
 def test_forced_lengths_continue_to_their_length():
