@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hybrid_rl.batch import Batch
-from hybrid_rl.partial import CarryOver, Group, PartialRolloutPipeline, Sample, assemble_groups, groups_from_batch
+from hybrid_rl.partial import CarryOver, PartialRolloutPipeline, assemble_groups, groups_from_batch
 from hybrid_rl.rollout.base import SamplingParams, Segment, assemble_rollout
 
 EOS, PAD = 2, 0
