@@ -160,3 +160,31 @@ def cuda_world_of_one():
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     return init_distributed("cuda")
+
+
+def vllm_hybrid(tmp_path_factory, overrides: list[str], free_cache_engine: bool, sleep_level: int):
+    """trainer (FSDP2, a world of one on cuda:0) + vLLM engine + sharding manager, as the worker builds them, on a random
+    model of Qwen2.5-0.5B's shape (EOS 151645, pad 151643) for the vLLM GPU tests; ``overrides`` go to the config
+    after the shared ones. Returns (actor, engine, sm, version, dist, cfg); the caller shuts the engine down."""
+    from types import SimpleNamespace
+
+    from hybrid_rl.config import load_config
+    from hybrid_rl.models import RANDOM_ARCHS, load_causal_lm, write_random_model
+    from hybrid_rl.rollout import vllm as vr
+    from hybrid_rl.weights.sharding_manager import ShardingManager
+    from hybrid_rl.workers.fsdp_engine import TrainingEngine
+
+    eos, pad = 151645, 151643
+    dist = cuda_world_of_one()
+    path = write_random_model(tmp_path_factory.mktemp("qwen25_05b_arch"), RANDOM_ARCHS["qwen2.5-0.5b-random"],
+                              dist.device, eos_token_id=eos, pad_token_id=pad)
+    cfg = load_config(None, [f"model.path={path}", "model.dtype=bfloat16", "trainer.device=cuda", "rollout.name=vllm",
+                             "rollout.enforce_eager=true", "rollout.max_num_seqs=64", "rollout.max_model_len=256",
+                             "data.max_prompt_length=64", *overrides])
+    actor = TrainingEngine(load_causal_lm(str(path), torch.float32), dist.device, torch.bfloat16, trainable=True)
+    actor.configure_optimizer(1e-3, (0.9, 0.999), 0.0, 0, "constant", 100, 0.0)
+    engine = vr.VLLMRolloutEngine.from_config(cfg, dist, SimpleNamespace(eos_token_id=eos, pad_token_id=pad))
+    version = [0]
+    sm = ShardingManager(actor, engine, lambda: version[0], dtype=torch.bfloat16, bucket_mb=256,
+                         free_cache_engine=free_cache_engine, sleep_level=sleep_level)
+    return SimpleNamespace(actor=actor, engine=engine, sm=sm, version=version, dist=dist, cfg=cfg)

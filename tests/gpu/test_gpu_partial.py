@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -37,13 +36,10 @@ for _k, _v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPL
 vllm = pytest.importorskip("vllm")
 
 from hybrid_rl.batch import Batch  # noqa: E402
-from helpers import AfterPolls, cuda_world_of_one  # noqa: E402
-from hybrid_rl.models import RANDOM_ARCHS, write_random_model  # noqa: E402
+from helpers import AfterPolls, vllm_hybrid  # noqa: E402
 from hybrid_rl.partial import CarryOver, assemble_groups  # noqa: E402
-from hybrid_rl.rollout import vllm as vr  # noqa: E402
 from hybrid_rl.rollout.base import Continuation, SamplingParams  # noqa: E402
 
-QWEN25_05B = RANDOM_ARCHS["qwen2.5-0.5b-random"]
 EOS, PAD = 151645, 151643
 TOL = 2e-2  # mean |Δ log-prob| between engine and trainer in bf16
 MAX_NEW = 32
@@ -62,27 +58,11 @@ def random_prompts(num: int, lo: int, hi: int, seed: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-    from hybrid_rl.config import load_config
-    from hybrid_rl.models import load_causal_lm
-    from hybrid_rl.weights.sharding_manager import ShardingManager
-    from hybrid_rl.workers.fsdp_engine import TrainingEngine
-
-    dist = cuda_world_of_one()
-    path = write_random_model(tmp_path_factory.mktemp("qwen25_05b_arch"), QWEN25_05B, dist.device,
-                              eos_token_id=EOS, pad_token_id=PAD)
-    cfg = load_config(None, [f"model.path={path}", "model.dtype=bfloat16", "trainer.device=cuda", "rollout.name=vllm",
-                             "rollout.gpu_memory_utilization=0.3", "rollout.enforce_eager=true",
-                             "rollout.max_num_seqs=64", "rollout.max_model_len=256", "data.max_prompt_length=64",
-                             f"data.max_response_length={MAX_NEW}"])
-    actor = TrainingEngine(load_causal_lm(str(path), torch.float32), dist.device, torch.bfloat16, trainable=True)
-    actor.configure_optimizer(1e-3, (0.9, 0.999), 0.0, 0, "constant", 100, 0.0)
-    engine = vr.VLLMRolloutEngine.from_config(cfg, dist, SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD))
-    version = [0]
     # overlap mode: the engine stays awake (free_cache_engine off), as partial rollouts run it
-    sm = ShardingManager(actor, engine, lambda: version[0], dtype=torch.bfloat16, bucket_mb=256,
-                         free_cache_engine=False, sleep_level=1)
-    yield SimpleNamespace(actor=actor, engine=engine, sm=sm, version=version, dist=dist)
-    engine.shutdown()
+    h = vllm_hybrid(tmp_path_factory, ["rollout.gpu_memory_utilization=0.3", f"data.max_response_length={MAX_NEW}"],
+                    free_cache_engine=False, sleep_level=1)
+    yield h
+    h.engine.shutdown()
 
 
 def test_interrupt_and_continue_with_the_same_weights(hybrid):

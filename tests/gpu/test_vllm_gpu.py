@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -39,12 +38,10 @@ for _k, _v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPL
 vllm = pytest.importorskip("vllm")
 
 from hybrid_rl.batch import Batch  # noqa: E402
-from helpers import cuda_world_of_one  # noqa: E402
-from hybrid_rl.models import RANDOM_ARCHS, write_random_model  # noqa: E402
+from helpers import vllm_hybrid  # noqa: E402
 from hybrid_rl.rollout import vllm as vr  # noqa: E402
 from hybrid_rl.rollout.base import SamplingParams  # noqa: E402
 
-QWEN25_05B = RANDOM_ARCHS["qwen2.5-0.5b-random"]  # the published Qwen2.5-0.5B shape
 EOS, PAD = 151645, 151643  # Qwen2.5's <|im_end|> and <|endoftext|>
 TOL = 2e-2  # mean |Δ log-prob| allowed between engine and trainer in bf16
 GPU_UTIL = 0.3
@@ -70,29 +67,10 @@ def random_prompts(num: int, lo: int, hi: int, seed: int) -> Batch:
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
     """trainer (FSDP2, world of one) + vLLM engine + sharding manager, as the worker builds them."""
-
-    from hybrid_rl.config import load_config
-    from hybrid_rl.models import load_causal_lm
-    from hybrid_rl.weights.sharding_manager import ShardingManager
-    from hybrid_rl.workers.fsdp_engine import TrainingEngine
-
-    dist = cuda_world_of_one()
-
-    path = write_random_model(tmp_path_factory.mktemp("qwen25_05b_arch"), QWEN25_05B, dist.device,
-                              eos_token_id=EOS, pad_token_id=PAD)
-
-    cfg = load_config(None, [f"model.path={path}", "model.dtype=bfloat16", "trainer.device=cuda", "rollout.name=vllm",
-                             f"rollout.gpu_memory_utilization={GPU_UTIL}", "rollout.enforce_eager=true",
-                             "rollout.max_num_seqs=64", "rollout.sleep_level=2", "rollout.max_model_len=256",
-                             "data.max_prompt_length=64", "data.max_response_length=64"])
-    actor = TrainingEngine(load_causal_lm(str(path), torch.float32), dist.device, torch.bfloat16, trainable=True)
-    actor.configure_optimizer(1e-3, (0.9, 0.999), 0.0, 0, "constant", 100, 0.0)
-    engine = vr.VLLMRolloutEngine.from_config(cfg, dist, SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD))
-    version = [0]
-    sm = ShardingManager(actor, engine, lambda: version[0], dtype=torch.bfloat16, bucket_mb=256,
-                         free_cache_engine=True, sleep_level=2)
-    yield SimpleNamespace(actor=actor, engine=engine, sm=sm, version=version, dist=dist, cfg=cfg)
-    engine.shutdown()
+    h = vllm_hybrid(tmp_path_factory, [f"rollout.gpu_memory_utilization={GPU_UTIL}", "rollout.sleep_level=2",
+                                       "data.max_response_length=64"], free_cache_engine=True, sleep_level=2)
+    yield h
+    h.engine.shutdown()
 
 
 def trainer_logprobs(h, batch: Batch, temperature: float) -> torch.Tensor:
