@@ -188,3 +188,29 @@ def vllm_hybrid(tmp_path_factory, overrides: list[str], free_cache_engine: bool,
     sm = ShardingManager(actor, engine, lambda: version[0], dtype=torch.bfloat16, bucket_mb=256,
                          free_cache_engine=free_cache_engine, sleep_level=sleep_level)
     return SimpleNamespace(actor=actor, engine=engine, sm=sm, version=version, dist=dist, cfg=cfg)
+
+
+def require_vllm_gpu():
+    """At the top of a vLLM GPU test module: skip it without CUDA or vllm, set vLLM's in-process, offline
+    environment (unless already set), and return the vllm module."""
+    import pytest
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU", allow_module_level=True)
+    for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0",
+                       "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}.items():
+        os.environ.setdefault(key, value)
+    return pytest.importorskip("vllm")
+
+
+def raise_sampled_log_probs(h, batch: Batch) -> None:
+    """One real AdamW step of ``vllm_hybrid``'s actor that raises the sampled tokens' log-probs, and a version bump
+    (the next push moves the engine)."""
+    mask = batch.tensors["response_mask"]
+    h.actor.model.train()
+    h.actor.zero_grad()
+    lp, _ = h.actor.forward(batch, 1.0)
+    (-(lp * mask).sum() / mask.sum()).backward()
+    _, stepped = h.actor.optimizer_step(grad_clip=1.0)
+    assert stepped
+    h.version[0] += 1

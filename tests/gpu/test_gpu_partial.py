@@ -17,7 +17,6 @@ engine colocated as in ``test_vllm_gpu.py``.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -28,15 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-for _k, _v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0",
-               "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}.items():
-    os.environ.setdefault(_k, _v)
-vllm = pytest.importorskip("vllm")
+from helpers import require_vllm_gpu  # noqa: E402
+
+vllm = require_vllm_gpu()
 
 from hybrid_rl.batch import Batch  # noqa: E402
-from helpers import AfterPolls, vllm_hybrid  # noqa: E402
+from helpers import AfterPolls, raise_sampled_log_probs, vllm_hybrid  # noqa: E402
 from hybrid_rl.partial import CarryOver, assemble_groups  # noqa: E402
 from hybrid_rl.rollout.base import Continuation, SamplingParams  # noqa: E402
 
@@ -111,7 +107,7 @@ def test_stitched_batch_versions_and_logprobs_across_a_weight_update(hybrid):
         carry.apply(pending, eng.generate_interruptible(carry.requests(pending), params, AfterPolls(5)), 0)
     assert not any(g.complete for g in carry.groups)
     old_lp, scored = _stitch_and_score(h, carry, n)  # trainer at θ_0, over the first segments
-    _train_one_step(h, scored)
+    raise_sampled_log_probs(h, scored)
     with h.sm as eng:  # pushes θ_1
         pending = carry.pending()
         carry.apply(pending, eng.generate_interruptible(carry.requests(pending), params), 1)
@@ -147,16 +143,3 @@ def _stitch_and_score(h, carry: CarryOver, n: int) -> tuple[torch.Tensor, Batch]
     out = torch.zeros((lp.shape[0], MAX_NEW), device=lp.device)
     out[:, :lp.shape[1]] = lp
     return out, b
-
-
-def _train_one_step(h, batch: Batch) -> None:
-    """One real AdamW step that raises the sampled tokens' log-probs, and a version bump (the next push moves
-    the engine), as ``test_vllm_gpu.py``'s staleness canary does."""
-    mask = batch.tensors["response_mask"]
-    h.actor.model.train()
-    h.actor.zero_grad()
-    lp, _ = h.actor.forward(batch, 1.0)
-    (-(lp * mask).sum() / mask.sum()).backward()
-    _, stepped = h.actor.optimizer_step(grad_clip=1.0)
-    assert stepped
-    h.version[0] += 1

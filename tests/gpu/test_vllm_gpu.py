@@ -19,7 +19,6 @@ allows one engine per process), so the tests run in file order and share the tra
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -30,15 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-for _k, _v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0",
-               "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}.items():
-    os.environ.setdefault(_k, _v)
-vllm = pytest.importorskip("vllm")
+from helpers import require_vllm_gpu  # noqa: E402
+
+vllm = require_vllm_gpu()
 
 from hybrid_rl.batch import Batch  # noqa: E402
-from helpers import vllm_hybrid  # noqa: E402
+from helpers import raise_sampled_log_probs, vllm_hybrid  # noqa: E402
 from hybrid_rl.rollout import vllm as vr  # noqa: E402
 from hybrid_rl.rollout.base import SamplingParams  # noqa: E402
 
@@ -180,14 +176,7 @@ def test_staleness_canary_real_optimizer_step(hybrid):
     mask = batch.tensors["response_mask"]
     trainer_before = trainer_logprobs(h, batch, 1.0)
     assert masked_mean((engine_before - trainer_before).abs(), mask) <= TOL
-    # one real AdamW step that raises the sampled tokens' log-probs
-    h.actor.model.train()
-    h.actor.zero_grad()
-    lp, _ = h.actor.forward(batch, 1.0)
-    (-(lp * mask).sum() / mask.sum()).backward()
-    _, stepped = h.actor.optimizer_step(grad_clip=1.0)
-    assert stepped
-    h.version[0] += 1
+    raise_sampled_log_probs(h, batch)  # one real AdamW step, and the version bump
     trainer_after = trainer_logprobs(h, batch, 1.0)
     with h.sm as eng:
         assert h.sm.last_sync_bytes > 0  # the new version was pushed
