@@ -40,8 +40,14 @@ def combine(res: Path) -> dict:
                     ratios[f"hybrid_rl_vs_{peer}_trained_tokens_per_s"] = (base["trained_tokens_per_s"]
                                                                           / ok[peer]["trained_tokens_per_s"])
     leases = {k: v.get("lease") for k, v in ok.items()}
+    workloads = {json.dumps(v["workload"], sort_keys=True) for v in ok.values() if v.get("workload")}
+    if len(workloads) > 1:
+        raise SystemExit(f"the results in {res} ran different workloads (PEERS_PROMPTS?): "
+                         + "; ".join(f"{k}: {v.get('workload', {}).get('prompts_per_step')} prompts" for k, v in ok.items())
+                         + ". Rerun them with one PEERS_PROMPTS")
+    workload = json.loads(workloads.pop()) if workloads else WORKLOAD
     same = len(set(leases.values())) <= 1 and None not in leases.values()
-    return {"device": device, "model": WORKLOAD["model"], "workload": WORKLOAD, "pinned_versions": VERSIONS,
+    return {"device": device, "model": workload["model"], "workload": workload, "pinned_versions": VERSIONS,
             "hybrid_rl_commit": (runs.get("hybrid_rl") or {}).get("commit"), "ratios": ratios,
             "leases": leases, "same_lease": same,
             "lease_note": None if same else "the ratios compare runs from different leases (machines) of the same "

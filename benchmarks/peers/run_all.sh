@@ -10,6 +10,8 @@ set -u
 PART=${1:?usage: run_all.sh hybrid_rl|trl|verl|verl_bg|verl_wait|report [GPUS]}
 GPUS=${2:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 OUT=${OUT:-/tmp/peers_out}
+# the same work per GPU on any lease: 16 prompts per GPU per step (64 on 4 GPUs), the mini-batch half of it
+export PEERS_PROMPTS=${PEERS_PROMPTS:-$((16 * GPUS))}
 RES=/tmp/peers_res
 MODEL_DIR=/tmp/peers_model
 DATA=/tmp/peers_data/train.jsonl

@@ -7,8 +7,9 @@ One GRPO workload, expressed in each framework's own config:
   data    GSM8K train prompts from ``.devdata/train.jsonl`` (``../shared/data/gsm8k``), the prompt
           ``question + "\\n" + "Let's think step by step and output the final answer after \\"####\\"."`` as one user turn
           (hybrid_rl's and verl's gsm8k format), prompts capped at 512 tokens (none is longer)
-  batch   64 prompts x 8 samples per step; PPO mini-batch 32 prompts (2 optimizer steps per step), 1 PPO epoch,
-          micro-batch 8 sequences per GPU, log-prob micro-batch 16
+  batch   64 prompts x 8 samples per step on 4 GPUs (16 prompts per GPU: ``PEERS_PROMPTS``, set by run_all.sh to
+          16 x GPUs, so a 2-GPU lease runs 32 prompts with the same work per GPU); PPO mini-batch half the step
+          (2 optimizer steps per step), 1 PPO epoch, micro-batch 8 sequences per GPU, log-prob micro-batch 16
   lengths every response exactly 256 tokens: a random model never stops, and each framework is told to ignore EOS
           (hybrid_rl ``rollout.forced_lengths=fixed:256``, verl ``rollout.ignore_eos=True``, TRL
           ``generation_kwargs={"ignore_eos": True, "min_tokens": 256}``) with max response length 256
@@ -60,6 +61,23 @@ WORKLOAD = {
     "max_num_seqs": 256,
     "seed": 0,
 }
+
+
+def scale_batch(workload: dict, prompts: str | None) -> dict:
+    """The step's prompts from ``PEERS_PROMPTS`` (run_all.sh: 16 per GPU), the PPO mini-batch half of it (2 optimizer
+    steps per step). One clear error for a value the three frameworks cannot all split."""
+    if not prompts:
+        return workload
+    try:
+        n = int(prompts)
+    except ValueError:
+        raise SystemExit(f"PEERS_PROMPTS={prompts!r} is not an integer: set it to prompts per step, e.g. 32") from None
+    if n < 2 or n % 2:
+        raise SystemExit(f"PEERS_PROMPTS={n}: needs an even number >= 2 (the mini-batch is half the step)")
+    return {**workload, "prompts_per_step": n, "mini_batch_prompts": n // 2}
+
+
+WORKLOAD = scale_batch(WORKLOAD, os.environ.get("PEERS_PROMPTS"))
 GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
 
 # Pinned peer versions (issue 15): the staged wheels in benchmarks/peers/*.sha256 are these.
@@ -197,6 +215,7 @@ def lease_id() -> str:
 
 def write_result(doc: dict, out: Path) -> None:
     doc.setdefault("lease", lease_id())
+    doc.setdefault("workload", WORKLOAD)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2))
     print(json.dumps({k: v for k, v in doc.items() if k not in ("settings", "step_s_all", "log_tail")}), flush=True)

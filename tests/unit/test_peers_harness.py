@@ -51,3 +51,37 @@ def test_port_site_gives_each_process_its_own_vllm_port(tmp_path):
     if pid_a % 2000 != pid_b % 2000:
         assert abs(a - b) >= 16
     assert [p for _, p in _vllm_port(site, "31000")] == [31000, 31000]  # the user's own VLLM_PORT is kept
+
+
+def test_peers_prompts_scale_the_step_and_mini_batch():
+    from workload import WORKLOAD, scale_batch
+
+    assert scale_batch(WORKLOAD, None) is WORKLOAD
+    two_gpus = scale_batch(WORKLOAD, "32")
+    assert (two_gpus["prompts_per_step"], two_gpus["mini_batch_prompts"]) == (32, 16)
+    assert {k: v for k, v in two_gpus.items() if "prompts" not in k} == {k: v for k, v in WORKLOAD.items()
+                                                                        if "prompts" not in k}
+    import pytest
+
+    for bad in ("x", "7", "0"):
+        with pytest.raises(SystemExit, match="PEERS_PROMPTS"):
+            scale_batch(WORKLOAD, bad)
+
+
+def test_report_refuses_results_of_different_workloads(tmp_path):
+    import json
+
+    import plot
+    from workload import WORKLOAD, scale_batch
+
+    for name, w in (("hybrid_rl", WORKLOAD), ("verl", scale_batch(WORKLOAD, "32"))):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"framework": name, "step_s": 1.0, "workload": w,
+                                                           "device": "H200x2", "lease": "a"}))
+    import pytest
+
+    with pytest.raises(SystemExit, match="different workloads"):
+        plot.combine(tmp_path)
+    (tmp_path / "verl.json").write_text(json.dumps({"framework": "verl", "step_s": 2.0, "workload": WORKLOAD,
+                                                    "device": "H200x2", "lease": "a"}))
+    doc = plot.combine(tmp_path)
+    assert doc["ratios"]["hybrid_rl_vs_verl_step_time"] == 2.0 and doc["same_lease"]
