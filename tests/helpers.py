@@ -94,8 +94,13 @@ def run_checked(cmd: list[str], timeout: int = 300, **env: str) -> subprocess.Co
 
 # --------------------------------------------------------------------------- gradients, and one actor pass on a GPU
 def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient, detached (float32)."""
-    return {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    """Every parameter's gradient, detached (float32), whole (an FSDP2 shard is gathered)."""
+    out = {}
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad.detach()
+            out[n] = (g.full_tensor() if hasattr(g, "full_tensor") else g).float().clone()
+    return out
 
 
 def assert_close_grads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rel: float = 1e-5) -> None:
@@ -115,6 +120,7 @@ def gpu_actor_pass(*overrides: str, batch: Batch | None = None):
     from hybrid_rl.distributed import DistInfo
     from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 
+    cuda_world_of_one()  # FSDP2 over a world of one, as torchrun runs it: bf16 activations, the varlen kernel
     torch.manual_seed(0)
     cfg = make_cfg("trainer.device=cuda", "model.dtype=bfloat16", "data.max_response_length=24",
                    "rollout.forced_lengths=lognormal:12:0.8", *overrides)

@@ -205,6 +205,11 @@ def _segments_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q:
     groups = q.shape[1] // k.shape[1]
     if _KERNEL is False:
         _KERNEL = _varlen_kernel()
+    if q.is_cuda and q.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
+        # without FSDP (a plain ``python -m hybrid_rl`` run) the residual stream is float32 under autocast and RoPE
+        # returns float32 queries and keys: run the kernel in the autocast dtype, as transformers' flash path does
+        dtype = torch.get_autocast_dtype("cuda")
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if q.is_cuda and _KERNEL is not None and q.dtype in (torch.float16, torch.bfloat16):
         fn, causal, has_gqa = _KERNEL
         if cu_q is not cu_k:

@@ -4,6 +4,8 @@ gradients agree with the padded pass's, and prompt-shared packing with the unsha
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -19,12 +21,34 @@ def _packed(flag: bool) -> tuple[str, str]:
     return f"actor.use_remove_padding={str(flag).lower()}", f"actor.fused_logprob={str(flag).lower()}"
 
 
-def test_varlen_kernel_and_bf16_parity(tiny_model_path):
+@contextmanager
+def counted_kernel():
+    """Count the calls that reach torch's flash varlen kernel (an importable kernel is not proof that it ran: with
+    float32 queries the packed path falls back to one SDPA per sequence)."""
     from hybrid_rl.workers import packed
 
+    if packed._KERNEL is False:
+        packed._KERNEL = packed._varlen_kernel()
+    assert packed._KERNEL is not None, "torch.nn.attention.varlen is missing: packed passes fall back to a loop"
+    fn, causal, gqa = packed._KERNEL
+    calls: list[tuple[int, int]] = []
+
+    def counting(q, k, *args, **kwargs):
+        calls.append((q.shape[0], k.shape[0]))
+        return fn(q, k, *args, **kwargs)
+
+    packed._KERNEL = (counting, causal, gqa)
+    try:
+        yield calls
+    finally:
+        packed._KERNEL = (fn, causal, gqa)
+
+
+def test_varlen_kernel_and_bf16_parity(tiny_model_path):
     _, batch, lp_pad, g_pad = gpu_actor_pass(*_packed(False))
-    _, _, lp_packed, g_packed = gpu_actor_pass(*_packed(True), batch=batch)
-    assert packed._KERNEL not in (None, False), "torch.nn.attention.varlen is missing: packed passes fall back to a loop"
+    with counted_kernel() as calls:
+        _, _, lp_packed, g_packed = gpu_actor_pass(*_packed(True), batch=batch)
+    assert calls, "the packed pass never reached the varlen kernel"
     assert_bf16_parity(batch, lp_pad, lp_packed, g_pad, g_packed)
 
 
@@ -34,6 +58,29 @@ def test_shared_prompts_bf16_parity_through_the_varlen_kernel(tiny_model_path):
     from hybrid_rl.workers import packed
 
     _, batch, lp_a, g_a = gpu_actor_pass(*_packed(True), "actor.share_prompts=false")
-    _, _, lp_b, g_b = gpu_actor_pass(*_packed(True), "actor.share_prompts=true", batch=batch)
-    assert packed._KERNEL not in (None, False) and packed._END_ALIGNED is True
+    with counted_kernel() as calls:
+        _, _, lp_b, g_b = gpu_actor_pass(*_packed(True), "actor.share_prompts=true", batch=batch)
+    assert any(nq < nk for nq, nk in calls), "no responses' call (fewer queries than keys) reached the kernel"
+    assert packed._END_ALIGNED is True
     assert_bf16_parity(batch, lp_a, lp_b, g_a, g_b)
+
+
+def test_float32_queries_under_autocast_reach_the_kernel():
+    """Without FSDP (a plain ``python -m hybrid_rl`` run) the model computes under autocast and RoPE hands the
+    attention float32 queries: they are cast to the autocast dtype and still take the kernel, with SDPA's result."""
+    import torch.nn.functional as F
+
+    from hybrid_rl.workers import packed
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    lens = [5, 9, 3]
+    cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(17, 4, 64, generator=g).cuda() for _ in range(3))
+    with counted_kernel() as calls, torch.autocast("cuda", dtype=torch.bfloat16):
+        out = packed._segments_attention(q, k, v, cu, cu, max(lens), max(lens), None)
+    assert calls and out.dtype == torch.bfloat16
+    start = 0
+    for n in lens:
+        ref = F.scaled_dot_product_attention(*(x[start:start + n].transpose(0, 1) for x in (q, k, v)), is_causal=True)
+        assert (out[start:start + n].float() - ref.transpose(0, 1)).abs().max() < 3e-2
+        start += n
