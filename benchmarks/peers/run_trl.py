@@ -6,9 +6,9 @@ shape. The worker is plain TRL: a GRPOConfig, a GSM8K reward function and one Tr
 optimizer step (CUDA-synchronised) and reads the peak memory; generation and weight-sync times come from timing
 TRL's own ``vllm_generation.generate`` / ``sync_weights`` calls (wrapped on the instance, behaviour unchanged).
 
-One hybrid_rl/verl step (64 prompts x 8, two mini-batches of 32 prompts) is two TRL optimizer steps over one
-generation batch: generation_batch_size=512 completions, per_device_train_batch_size=8,
-gradient_accumulation_steps=256/(8 x GPUs); so 12 steps = max_steps 24.
+One hybrid_rl/verl step (P prompts x 8, two mini-batches of P/2 prompts; P = 64 on 4 GPUs, 16 per GPU) is two TRL
+optimizer steps over one generation batch: generation_batch_size=8P completions, per_device_train_batch_size=8,
+gradient_accumulation_steps=4P/(8 x GPUs); so 12 steps = max_steps 24.
 
     python benchmarks/peers/run_trl.py --gpus 2 --model-dir /tmp/peers_model --out /tmp/peers_res
     python benchmarks/peers/run_trl.py --cpu-smoke     # tiny model on CPU, transformers generate, 1 process
@@ -267,7 +267,8 @@ def main() -> None:
                         startup_s=(w.first_step_at - rows[0]["step_s"]) if w.first_step_at else None,
                         wall_s=w.done_at or time.perf_counter() - t0,
                         settings={"strategy": args.strategy, **{k: cfg_doc.get(k) for k in keep}},
-                        notes=["one step = 2 TRL optimizer steps over one generation batch of 512 completions",
+                        notes=[f"one step = 2 TRL optimizer steps over one generation batch of "
+                               f"{W['prompts_per_step'] * W['n']} completions",
                                "lengths forced with generation_kwargs ignore_eos=True, min_tokens=256",
                                "TRL computes old log-probs (vLLM importance-sampling correction, its default)",
                                "TRL fixes vLLM max_num_batched_tokens=4096 (hybrid_rl and verl: 8192)",
