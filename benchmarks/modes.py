@@ -239,6 +239,12 @@ def plot(results: list[dict], title: str, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+STREAM_MODE = ("overlap_stream", ["trainer.mode=overlap", "trainer.max_staleness=1", "rollout.cuda_stream=high"])
+"""Overlap colocated with generation on a CUDA stream of its own at high priority (``rollout.cuda_stream``): with the
+default ``shared`` the engine's kernels queue on the trainer's stream and the two sides never run at once. Run only
+when named in ``--modes``."""
+
+
 def build_modes(world: int, rollout_ranks: str = "") -> list[tuple[str, list[str]]]:
     """(name, overrides) of each mode on ``world`` ranks; ``rollout_ranks`` ("1,3") adds split ratios."""
     overlap = ["trainer.mode=overlap", "trainer.max_staleness=1"]
@@ -267,7 +273,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU: checks the plumbing only")
-    ap.add_argument("--modes", default="", help="comma-separated subset of sync,overlap_colocated,overlap_split")
+    ap.add_argument("--modes", default="", help="comma-separated subset of sync,overlap_colocated,overlap_split (default: those), "
+                         "overlap_stream (only when named)")
     ap.add_argument("--mode-timeout", type=float, default=None, help="seconds before one mode's run is abandoned")
     ap.add_argument("--device", default="", help="with --from-runs: the device name the runs were made on (e.g. H200x1)")
     ap.add_argument("--from-runs", action="store_true",
@@ -290,7 +297,7 @@ def main() -> None:
     modes = build_modes(2 if args.cpu_smoke else args.gpus, args.rollout_ranks)
     if args.modes:
         wanted = args.modes.split(",")
-        modes = [m for m in modes if m[0] in wanted]
+        modes = [m for m in [*modes, STREAM_MODE] if m[0] in wanted]
     if args.from_runs:
         device = args.device or device
     stem = out_dir / f"modes_{device}_{model_tag}{args.tag}"

@@ -6,7 +6,8 @@ generation, which grows with the response length. This script runs ``modes.py``'
 lognormal draw capped at ``--cap-factor`` × the mean (``rollout.forced_lengths``, ``data.max_response_length``
 = the cap), in sync, overlap colocated, overlap split with one or more rollout:trainer ratios, and
 ``overlap_partial`` (overlap colocated with partial rollouts: the long tail is interrupted at the step boundary
-and carried into the next round, ``trainer.max_staleness=2``), and keeps the fastest split ratio per length. Per length it reports the sync step, the generation share of the sync step,
+and carried into the next round, ``trainer.max_staleness=2``), ``overlap_stream`` (overlap colocated with generation
+on its own high-priority CUDA stream, ``rollout.cuda_stream=high``), and keeps the fastest split ratio per length. Per length it reports the sync step, the generation share of the sync step,
 each overlap mode's step time and speed-up over sync, and a GPU busy fraction; the plot is speed-up against
 generation share, one line per overlap mode.
 
@@ -22,7 +23,7 @@ a steady-state step. ``--budget`` bounds the whole invocation (one 600 s device 
 ``--run-timeout`` or the budget, is recorded as skipped with the reason. The JSON is rewritten after every run
 and merged with the one already there (same settings), so a sweep can be cut into parts (``--lengths 8192
 --modes overlap_split`` in another call) that land in one file; ``--resume`` runs only what the file lacks, so
-a part cut short can be called again. ``overlap_partial`` runs after the split runs (the budget skips it first).
+a part cut short can be called again. ``overlap_stream`` and ``overlap_partial`` run after the split runs (the budget skips them first).
 Left out: more than one step of staleness beyond partial rollouts' two, and a search over anything but the split ratio (micro-batch sizes, engine memory) per point.
 """
 
@@ -64,7 +65,9 @@ NOTES = {
 
 PARTIAL_MODE = ("overlap_partial", ["trainer.mode=overlap", "trainer.max_staleness=2", "trainer.partial_rollouts=true"])
 """Overlap colocated with partial rollouts (``hybrid_rl/partial.py``): carried samples reach staleness 2."""
-MODES = ("sync", "overlap_colocated", "overlap_split", "overlap_partial")
+EXTRA_MODES = (modes.STREAM_MODE, PARTIAL_MODE)
+"""Colocated variants run after the split runs at each point (the budget skips them first)."""
+MODES = ("sync", "overlap_colocated", "overlap_split", "overlap_stream", "overlap_partial")
 
 
 def parse_ratios(text: str, gpus: int) -> tuple[bool, list[int]]:
@@ -154,7 +157,7 @@ def merge(old: list[dict], new: list[dict]) -> list[dict]:
 
 
 def _mode_order(name: str) -> tuple:
-    base = ["sync", "overlap_colocated", "overlap_split", "overlap_partial"]
+    base = list(MODES)
     return (base.index(name) if name in base else len(base), name)
 
 
@@ -171,7 +174,7 @@ def summarize_points(rows: list[dict]) -> list[dict]:
         splits = [r for r in ok if r["mode"].startswith("overlap_split")]
         best = min(splits, key=lambda r: r["step_s"]) if splits else None
         colo = next((r for r in ok if r["mode"] == "overlap_colocated"), None)
-        part = next((r for r in ok if r["mode"] == "overlap_partial"), None)
+        extra = {m: next((r["speedup_vs_sync"] for r in ok if r["mode"] == m), None) for m, _ in EXTRA_MODES}
         points.append({
             "length_mean": mean, "cap": at[0]["cap"], "forced_lengths": at[0]["forced_lengths"],
             "sync_step_s": sync["step_s"] if sync else None,
@@ -180,8 +183,8 @@ def summarize_points(rows: list[dict]) -> list[dict]:
             "step_s": {r["mode"]: r["step_s"] for r in ok},
             "speedup": {"overlap_colocated": colo["speedup_vs_sync"] if colo else None,
                         "overlap_split": best["speedup_vs_sync"] if best else None,
-                        # only where measured: sweeps from before the mode keep their layout
-                        **({"overlap_partial": part["speedup_vs_sync"]} if part else {})},
+                        # only where measured: sweeps from before these modes keep their layout
+                        **{m: v for m, v in extra.items() if v is not None}},
             "best_split": ({"mode": best["mode"], "ratio": best["ratio"]} if best else None),
             "gpu_busy_fraction": {r["mode"]: r.get("gpu_busy_fraction") for r in ok},
             "gpu_busy_timed": {r["mode"]: r.get("gpu_busy_timed") for r in ok},
@@ -212,7 +215,8 @@ def plot(points: list[dict], title: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for mode, style in (("overlap_colocated", "o-"), ("overlap_split", "s-"), ("overlap_partial", "d-")):
+    for mode, style in (("overlap_colocated", "o-"), ("overlap_split", "s-"), ("overlap_stream", "v-"),
+                        ("overlap_partial", "d-")):
         pts = [(p["gen_share"], p["speedup"].get(mode), p) for p in points
                if p["gen_share"] is not None and p["speedup"].get(mode) is not None]
         if not pts:
@@ -231,7 +235,8 @@ def plot(points: list[dict], title: str, path: Path) -> None:
     ax1.set_xlim(0, 1)
     ax1.set_title("crossover (labels: mean response length)")
     ax1.legend(fontsize=7)
-    for mode, style in (("sync", "k^-"), ("overlap_colocated", "o-"), ("overlap_split", "s-"), ("overlap_partial", "d-")):
+    for mode, style in (("sync", "k^-"), ("overlap_colocated", "o-"), ("overlap_split", "s-"), ("overlap_stream", "v-"),
+                        ("overlap_partial", "d-")):
         pts = [(p["length_mean"], min((s for m, s in p["step_s"].items() if m.startswith(mode)), default=None))
                for p in points]
         pts = [(x, y) for x, y in pts if y is not None]
@@ -406,8 +411,9 @@ def sweep(args, device: str, stem: Path) -> list[dict]:
                 ranks.add(auto_rollout_ranks(sync["gen_share_own"], args.gpus) if sync else args.gpus // 2)
             for name, ovr in split_runs(args.gpus, sorted(ranks), args.split_overrides):
                 rows = _run_and_record(name, ovr, mean, cap, args, budget, rows, device, stem)
-        if PARTIAL_MODE[0] in want:
-            rows = _run_and_record(*PARTIAL_MODE, mean, cap, args, budget, rows, device, stem)
+        for extra in EXTRA_MODES:
+            if extra[0] in want:
+                rows = _run_and_record(*extra, mean, cap, args, budget, rows, device, stem)
     return rows
 
 
@@ -433,8 +439,7 @@ def dry_run(args) -> int:
         plan = [m for m in modes.build_modes(args.gpus) if m[0] in want - {"overlap_split"}]
         if "overlap_split" in want and args.gpus >= 2:
             plan += split_runs(args.gpus, ranks, args.split_overrides)
-        if PARTIAL_MODE[0] in want:
-            plan.append(PARTIAL_MODE)
+        plan += [extra for extra in EXTRA_MODES if extra[0] in want]
         for name, ovr in plan:
             err = check_config(args, point_overrides(mean, cap, args) + ovr)
             bad += err is not None

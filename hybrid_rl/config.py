@@ -138,6 +138,11 @@ class RolloutConfig:
     """vLLM: skip CUDA graphs (faster start, slower decode)."""
     enable_prefix_caching: bool = True
     """vLLM: reuse KV for shared prompt prefixes (the n samples of a prompt)."""
+    cuda_stream: Literal["shared", "own", "high"] = "shared"
+    """Which CUDA stream generation runs on (``hybrid_rl.rollout.base.GenerationStream``): ``shared``, the calling
+    thread's, which in overlap mode colocated is the trainer's too, so the two never run kernels at the same time;
+    ``own``, a stream of the engine's own; ``high``, that at the highest priority. Matters in overlap mode with
+    colocated placement; ``shared`` until a GPU measurement says otherwise (``benchmarks/modes_sweep.py``)."""
 
 
 @dataclass
@@ -731,7 +736,7 @@ RESUME_HARMLESS = frozenset({
     "critic.param_offload", "critic.optimizer_offload",
     "rollout.max_num_seqs", "rollout.weight_sync_bucket_mb", "rollout.weight_load_replay", "rollout.free_cache_engine",
     "rollout.sleep_level", "rollout.gpu_memory_utilization", "rollout.max_num_batched_tokens", "rollout.max_model_len",
-    "rollout.enforce_eager", "rollout.enable_prefix_caching",
+    "rollout.enforce_eager", "rollout.enable_prefix_caching", "rollout.cuda_stream",
 })
 """Keys that may differ between a checkpoint's run and the run resuming it (each difference is warned about).
 Every other key changes what is trained or the data order/shapes (model, data, algorithm, optimiser, sampling,

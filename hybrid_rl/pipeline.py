@@ -24,6 +24,16 @@ import torch
 from hybrid_rl.batch import Batch
 
 
+def used_here(batch: Batch) -> Batch:
+    """A batch generated in the rollout thread is read on this thread's CUDA stream: tell the caching allocator, so
+    that its memory is not handed to the generation stream (``rollout.cuda_stream``) while this stream still reads
+    it (``Tensor.record_stream``; nothing to do on CPU or when both share one stream)."""
+    for t in batch.tensors.values():
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+    return batch
+
+
 class StalenessError(RuntimeError):
     """A batch older than ``trainer.max_staleness`` reached the trainer with ``trainer.stale_policy=error``."""
 
@@ -81,7 +91,7 @@ class RolloutPipeline:
         """The next batch to train on: the one in flight, or one generated now."""
         if self.pending is not None:
             batch, self.pending = self.pending.result(), None
-            return batch
+            return used_here(batch)
         prompts = getattr(self, "_queued", None) or next_prompts()
         self._queued = None
         with self.worker.rollout_mode():

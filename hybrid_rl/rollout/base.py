@@ -19,9 +19,11 @@ caller. An engine that lacks it says so naming that key.
 from __future__ import annotations
 
 import abc
+import functools
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -88,6 +90,64 @@ OnFinish = Callable[[list[int]], None]
 """Called (from the generating thread) with the indices of the continuations that just finished."""
 
 
+STREAM_MODES = ("shared", "own", "high")
+
+
+class GenerationStream:
+    """``rollout.cuda_stream``: which CUDA stream the engine's kernels run on.
+
+    ``shared`` (no stream here): the calling thread's current stream. In overlap mode that is the trainer's stream too
+    (vLLM 0.26's model runner caches the stream of its first call as ``main_stream`` and sets it as current after
+    every output copy), so generation and training kernels queue on one stream and never run at the same time: the
+    overlap then hides only host work. ``own``: a stream of the engine's own, so the GPU can run both; ``high``: the
+    same at the highest priority, so decoding kernels (small, latency-bound) are scheduled before training's when
+    both wait. Either way every generate call waits for the caller's stream and for the last push or wake (recorded
+    where it ran: the push may come from another thread), and ends synchronised, so its outputs are complete for
+    whichever thread reads them. On CPU every mode is ``shared``.
+    """
+
+    def __init__(self, device: torch.device, mode: str = "shared"):
+        if mode not in STREAM_MODES:
+            raise ValueError(f"rollout.cuda_stream={mode!r}: expected one of {', '.join(STREAM_MODES)}")
+        self.mode = mode
+        self.stream = None
+        if mode != "shared" and device.type == "cuda":
+            # torch maps a priority beyond the device's range to the nearest end: -100 is the highest there is
+            self.stream = torch.cuda.Stream(device, priority=-100 if mode == "high" else 0)
+        self._ready: Any = None
+
+    def mark_ready(self) -> None:
+        """After a push or a wake-up, in the thread that did it: generation waits for this point of its stream."""
+        if self.stream is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.stream.device))
+            self._ready = event
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Run the body's kernels on the engine's stream (a no-op for ``shared``)."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        if self._ready is not None:
+            self.stream.wait_event(self._ready)
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            self.stream.synchronize()
+
+
+def on_generation_stream(method: Callable) -> Callable:
+    """Run an engine method inside ``self.gen_stream.active()`` (generate, generate_interruptible)."""
+    @functools.wraps(method)
+    def wrapped(self, *args: Any, **kwargs: Any) -> Any:
+        with self.gen_stream.active():
+            return method(self, *args, **kwargs)
+    return wrapped
+
+
 class RolloutEngine(abc.ABC):
     """Narrow interface: generate, load_weights, sleep, wake_up.
 
@@ -99,6 +159,8 @@ class RolloutEngine(abc.ABC):
     """
 
     _weights_version: int | None = None
+    gen_stream: GenerationStream = GenerationStream(torch.device("cpu"))
+    """Where generation runs (``rollout.cuda_stream``); engines set their own in ``from_config``."""
     last_generate_stats: Mapping[str, float] = MappingProxyType({})
     """Figures of the latest ``generate`` call (seconds, num_tokens, num_sequences) where the backend reports them."""
 
@@ -115,6 +177,7 @@ class RolloutEngine(abc.ABC):
     def finish_weight_update(self, version: int) -> None:
         """Every tensor of version ``version`` was loaded."""
         self._weights_version = version
+        self.gen_stream.mark_ready()
 
     def rng_state(self) -> dict[str, Any] | None:
         """The sampling RNG's state for a checkpoint (``{"kind": "torch", "state": tensor}``, as

@@ -22,8 +22,8 @@ import torch
 
 from hybrid_rl.batch import Batch
 from hybrid_rl.models import load_causal_lm, resolve_dtype
-from hybrid_rl.rollout.base import (Continuation, Interrupt, OnFinish, RolloutEngine, SamplingParams, Segment,
-                                    assemble_rollout, position_ids_from_mask)
+from hybrid_rl.rollout.base import (Continuation, GenerationStream, Interrupt, OnFinish, RolloutEngine, SamplingParams,
+                                    Segment, assemble_rollout, on_generation_stream, position_ids_from_mask)
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -50,8 +50,10 @@ class HFRolloutEngine(RolloutEngine):
         # The engine starts from the checkpoint too (like vLLM's load on init); the
         # sharding manager overwrites it with the actor's weights before first use.
         model = load_causal_lm(cfg.model.path, resolve_dtype(cfg.rollout_dtype, dist.device), cfg.model.trust_remote_code)
-        return cls(model, [tokenizer.eos_token_id], tokenizer.pad_token_id, dist.device,
-                   max_num_seqs=cfg.rollout.max_num_seqs, seed=cfg.trainer.seed + 1000 * dist.rank)
+        engine = cls(model, [tokenizer.eos_token_id], tokenizer.pad_token_id, dist.device,
+                     max_num_seqs=cfg.rollout.max_num_seqs, seed=cfg.trainer.seed + 1000 * dist.rank)
+        engine.gen_stream = GenerationStream(dist.device, cfg.rollout.cuda_stream)
+        return engine
 
     # -- weights / memory --------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -96,8 +98,10 @@ class HFRolloutEngine(RolloutEngine):
                 self._weights_present = True
             elif self.device.type == "cuda":
                 self.model.to(self.device)
+        self.gen_stream.mark_ready()
 
     # -- generation -------------------------------------------------------------------
+    @on_generation_stream
     @torch.no_grad()
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         if not self._weights_present:
@@ -165,6 +169,7 @@ class HFRolloutEngine(RolloutEngine):
         return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), counts, finished
 
     # -- interruptible generation (partial rollouts) -----------------------------------
+    @on_generation_stream
     @torch.no_grad()
     def generate_interruptible(self, requests: Sequence[Continuation], params: SamplingParams,
                                interrupt: Interrupt | None = None, on_finish: OnFinish | None = None) -> list[Segment]:

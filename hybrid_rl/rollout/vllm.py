@@ -59,6 +59,7 @@ untruncated one: they then differ by log(kept mass) per token.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import itertools
 import os
@@ -71,8 +72,8 @@ import torch
 
 from hybrid_rl.batch import Batch
 from hybrid_rl.models import ModelLoadError, resolve_dtype, resolve_model_path
-from hybrid_rl.rollout.base import (Continuation, Interrupt, OnFinish, RolloutEngine, SamplingParams, Segment,
-                                    assemble_rollout)
+from hybrid_rl.rollout.base import (Continuation, GenerationStream, Interrupt, OnFinish, RolloutEngine, SamplingParams,
+                                    Segment, assemble_rollout, on_generation_stream)
 
 VLLM_MISSING = "rollout.name=vllm needs vLLM: pip install -e '.[vllm]' (tested: vllm 0.26), or use rollout.name=hf"
 
@@ -117,18 +118,39 @@ def engine_model(worker: Any) -> torch.nn.Module:
     releases, so when it moves again, this is the function to change (and
     ``tests/gpu/test_vllm_gpu.py::test_adapter_and_pushed_weights`` says so).
     """
-    runner = getattr(worker, "model_runner", None)
-    if runner is None and getattr(worker, "worker", None) is not None:
-        runner = getattr(worker.worker, "model_runner", None)
-    if runner is None:
-        raise RuntimeError(f"vLLM worker {type(worker).__name__} has no model_runner; "
-                           "hybrid_rl.rollout.vllm.engine_model needs updating for this vLLM version")
+    runner = model_runner(worker)
     get_model = getattr(runner, "get_model", None)
     model = get_model() if callable(get_model) else getattr(runner, "model", None)
     if not isinstance(model, torch.nn.Module):
         raise RuntimeError(f"vLLM model runner {type(runner).__name__} holds no torch model; "
                            "hybrid_rl.rollout.vllm.engine_model needs updating for this vLLM version")
     return model
+
+
+def model_runner(worker: Any) -> Any:
+    """The worker's model runner (see ``engine_model``)."""
+    runner = getattr(worker, "model_runner", None)
+    if runner is None and getattr(worker, "worker", None) is not None:
+        runner = getattr(worker.worker, "model_runner", None)
+    if runner is None:
+        raise RuntimeError(f"vLLM worker {type(worker).__name__} has no model_runner; "
+                           "hybrid_rl.rollout.vllm.engine_model needs updating for this vLLM version")
+    return runner
+
+
+def _rpc_pin_main_stream(worker: Any, stream: Any) -> bool:
+    """Runs on each vLLM worker: make ``stream`` the model runner's ``main_stream`` (None: vLLM's own again). vLLM 0.26's V2 runner caches the
+    stream of its first call there (a ``functools.cached_property``), waits on it before copying outputs to the host
+    and sets it as current after every step; left alone, generation on ``rollout.cuda_stream`` would hand its outputs
+    over from the wrong stream. The V1 runner reads the current stream on every call: nothing to pin (False)."""
+    runner = model_runner(worker)
+    if not isinstance(getattr(type(runner), "main_stream", None), functools.cached_property):
+        return False
+    if stream is None:  # back to vLLM's own: the next call caches its caller's stream again
+        vars(runner).pop("main_stream", None)
+    else:
+        vars(runner)["main_stream"] = stream  # shadows the cached_property's cached value
+    return True
 
 
 def _rpc_load_weights(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> int:
@@ -398,6 +420,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._weights_real = False  # False while the engine holds dummy or discarded weights
         self._prefix_cache_stale = False
         self.last_generate_stats: dict[str, float] = {}
+        self.runner_stream_pinned = False  # vLLM's runner generates on gen_stream's stream (use_stream)
 
     @classmethod
     def from_config(cls, cfg, dist, tokenizer, **llm_overrides: Any) -> "VLLMRolloutEngine":
@@ -418,8 +441,16 @@ class VLLMRolloutEngine(RolloutEngine):
                 group = tdist.new_group(list(range(start, start + tp)), backend="gloo")
                 if start <= dist.rank < start + tp:
                     tp_group = group
-        return cls(llm, [tokenizer.eos_token_id], tokenizer.pad_token_id, dist.device, vllm.SamplingParams, tp_group,
-                   flat_logprobs=supports_flat_logprobs(vllm.SamplingParams))
+        engine = cls(llm, [tokenizer.eos_token_id], tokenizer.pad_token_id, dist.device, vllm.SamplingParams, tp_group,
+                     flat_logprobs=supports_flat_logprobs(vllm.SamplingParams))
+        engine.use_stream(GenerationStream(dist.device, cfg.rollout.cuda_stream))
+        return engine
+
+    def use_stream(self, gen_stream: GenerationStream) -> None:
+        """Generate on ``gen_stream`` (``rollout.cuda_stream``), with vLLM's runner pinned to it."""
+        if gen_stream.stream is not None or self.gen_stream.stream is not None:
+            self.runner_stream_pinned = any(self.llm.collective_rpc(_rpc_pin_main_stream, args=(gen_stream.stream,)))
+        self.gen_stream = gen_stream
 
     # -- weights / memory --------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -467,6 +498,7 @@ class VLLMRolloutEngine(RolloutEngine):
             torch.cuda.empty_cache()  # hand the trainer's cached blocks back before vLLM maps its pools
         self.llm.wake_up(tags=todo)
         self._asleep -= set(todo)
+        self.gen_stream.mark_ready()
         if "kv_cache" in todo:
             self._reset_prefix_cache_if_stale()
 
@@ -477,6 +509,7 @@ class VLLMRolloutEngine(RolloutEngine):
             self._prefix_cache_stale = False
 
     # -- generation -------------------------------------------------------------------
+    @on_generation_stream
     @torch.no_grad()
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         self._check_ready()
@@ -506,6 +539,7 @@ class VLLMRolloutEngine(RolloutEngine):
                                 params.n, self.eos_token_ids, self.pad_token_id, params.response_lengths)
 
     # -- interruptible generation (partial rollouts) -----------------------------------
+    @on_generation_stream
     @torch.no_grad()
     def generate_interruptible(self, requests: Sequence[Continuation], params: SamplingParams,
                                interrupt: Interrupt | None = None, on_finish: OnFinish | None = None) -> list[Segment]:

@@ -16,6 +16,8 @@ sequences × 512 tokens) for the reference and the current code.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 import random
@@ -37,7 +39,7 @@ from hybrid_rl.config import ConfigError, load_config  # noqa: E402
 from hybrid_rl.distributed import DistInfo  # noqa: E402
 from hybrid_rl.models import ModelLoadError  # noqa: E402
 from hybrid_rl.rollout import vllm as vr  # noqa: E402
-from hybrid_rl.rollout.base import SamplingParams, assemble_rollout  # noqa: E402
+from hybrid_rl.rollout.base import GenerationStream, SamplingParams, assemble_rollout  # noqa: E402
 from hybrid_rl.weights.sharding_manager import ShardingManager  # noqa: E402
 
 EOS, PAD = 7, 0
@@ -940,3 +942,73 @@ def test_vllm_engine_dtype_follows_the_model_except_float32():
     hf = load_config(None, ["rollout.name=hf", "model.dtype=float32"]).validate()
     assert hf.rollout_dtype == "float32"
     assert load_config(None, ["rollout.name=hf", "model.dtype=float32", "rollout.dtype=bfloat16"]).validate().rollout_dtype == "bfloat16"
+
+
+# --------------------------------------------------------------------------- rollout.cuda_stream
+class V2Runner:
+    """vLLM 0.26's V2 model runner as far as streams go: ``main_stream`` cached from its first call."""
+
+    calls = 0
+
+    @functools.cached_property
+    def main_stream(self):
+        V2Runner.calls += 1
+        return f"caller's stream {V2Runner.calls}"
+
+
+def test_runner_main_stream_is_pinned_and_given_back():
+    runner = V2Runner()
+    worker = SimpleNamespace(worker=SimpleNamespace(model_runner=runner))
+    assert runner.main_stream == "caller's stream 1"  # vLLM's first call cached its caller's stream
+    assert vr._rpc_pin_main_stream(worker, "engine stream") is True
+    assert runner.main_stream == "engine stream"
+    assert vr._rpc_pin_main_stream(worker, None) is True
+    assert runner.main_stream == "caller's stream 2"  # vLLM's own again: cached anew on the next call
+    # the V1 runner reads the current stream on every call: nothing to pin
+    assert vr._rpc_pin_main_stream(SimpleNamespace(model_runner=SimpleNamespace(get_model=None)), "s") is False
+
+
+def test_use_stream_pins_only_when_a_stream_is_involved():
+    llm = FakeLLM()
+    eng = make_engine(llm)
+    eng.use_stream(GenerationStream(torch.device("cpu"), "high"))  # CPU: no stream, nothing pinned
+    assert not eng.runner_stream_pinned and not any(c[1] == "_rpc_pin_main_stream" for c in llm.calls
+                                                    if isinstance(c, tuple) and len(c) > 1)
+    assert eng.gen_stream.mode == "high" and eng.gen_stream.stream is None
+
+
+def test_generation_stream_modes_on_cpu_and_a_bad_mode():
+    for mode in ("shared", "own", "high"):
+        gs = GenerationStream(torch.device("cpu"), mode)
+        assert gs.stream is None
+        gs.mark_ready()
+        with gs.active():
+            pass
+    with pytest.raises(ValueError, match="rollout.cuda_stream='fast'"):
+        GenerationStream(torch.device("cpu"), "fast")
+    with pytest.raises(ConfigError, match="rollout.cuda_stream"):
+        load_config(None, ["rollout.cuda_stream=fast"])
+    assert load_config(None, ["rollout.cuda_stream=high"]).rollout.cuda_stream == "high"
+
+
+def test_generate_runs_inside_the_generation_stream():
+    """Both engines' generate and generate_interruptible enter gen_stream.active() (the GPU test checks the stream
+    itself)."""
+    from hybrid_rl.rollout.hf import HFRolloutEngine
+
+    entered = []
+
+    class Spy(GenerationStream):
+        @contextlib.contextmanager
+        def active(self):
+            entered.append(True)
+            yield
+
+    for cls in (vr.VLLMRolloutEngine, HFRolloutEngine):
+        for name in ("generate", "generate_interruptible"):
+            method = getattr(cls, name)
+            obj = SimpleNamespace(gen_stream=Spy(torch.device("cpu")))
+            entered.clear()
+            with pytest.raises(Exception):  # the spy object has no engine state: the body fails after entering
+                method(obj, None, None)
+            assert entered == [True], (cls.__name__, name)

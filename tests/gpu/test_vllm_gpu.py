@@ -244,3 +244,47 @@ def test_sleep_frees_memory_and_50_cycles_do_not_grow(hybrid):
     diff = masked_mean((batch.tensors["rollout_log_probs"] - trainer_logprobs(h, batch, 1.0)).abs(),
                        batch.tensors["response_mask"])
     assert diff <= TOL
+
+
+# --------------------------------------------------------------------------- 5. rollout.cuda_stream
+def _main_stream_of(worker):
+    """Runs on the vLLM worker: the model runner's cached ``main_stream`` (None before it was cached)."""
+    return vars(vr.model_runner(worker)).get("main_stream")
+
+
+def test_generation_on_its_own_stream_beside_training_work(hybrid):
+    """``rollout.cuda_stream=high``: generate from a background thread, as overlap mode does, on the engine's own
+    stream while the main thread keeps its stream busy. vLLM's runner hands its outputs over from that stream, and
+    the sampled log-probs still match the trainer's (a race between the streams would not). Before, in the default
+    ``shared`` mode, it prints which stream vLLM cached and whether it is the trainer thread's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hybrid_rl.rollout.base import GenerationStream
+
+    h = hybrid
+    prompts = random_prompts(8, 12, 40, seed=6)
+    params = SamplingParams(n=4, temperature=0.7, max_tokens=48)
+    with h.sm as eng, ThreadPoolExecutor(1) as pool:
+        pool.submit(eng.generate, prompts, params).result()
+        main = torch.cuda.current_stream()
+    cached = h.engine.llm.collective_rpc(_main_stream_of)[0]
+    print(f"shared: vLLM's main_stream {cached}, the trainer thread's {main}: one stream = {cached == main}")
+    h.engine.use_stream(GenerationStream(h.dist.device, "high"))
+    try:
+        assert h.engine.runner_stream_pinned
+        a = torch.randn(4096, 4096, device=h.dist.device)
+        with h.sm as eng, ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(eng.generate, prompts, params)
+            for _ in range(100):  # the trainer's stream stays busy while the engine generates
+                a = torch.tanh(a @ a)
+            batch = pending.result()
+            torch.cuda.synchronize()
+        assert h.engine.llm.collective_rpc(_main_stream_of)[0] is h.engine.gen_stream.stream
+        t = batch.tensors
+        assert t["responses"].shape == (32, 48)
+        diff = masked_mean((t["rollout_log_probs"] - trainer_logprobs(h, batch, 0.7)).abs(), t["response_mask"])
+        print(f"own stream (high priority) beside training work: parity mean|Δ|={diff:.5f}")
+        assert diff <= TOL
+    finally:
+        h.engine.use_stream(GenerationStream(h.dist.device, "shared"))
+    assert h.engine.llm.collective_rpc(_main_stream_of)[0] is None  # vLLM's own again

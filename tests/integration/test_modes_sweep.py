@@ -61,12 +61,15 @@ def test_merge_keeps_measurements_over_skips_and_derives_speedups():
         return {**r, "gen_share_own": gen / step} if mode == "sync" else r
 
     old = [row(256, "sync", 4.0, 1.0), row(256, "overlap_split_r1", 5.0, ratio="1:3")]
-    new = [row(256, "sync"), row(256, "overlap_colocated", 3.2), row(256, "overlap_split", 3.0, ratio="2:2")]
+    new = [row(256, "sync"), row(256, "overlap_colocated", 3.2), row(256, "overlap_split", 3.0, ratio="2:2"),
+           row(256, "overlap_stream", 2.5)]
     rows = ms.merge(old, new)
-    assert [r["mode"] for r in rows] == ["sync", "overlap_colocated", "overlap_split", "overlap_split_r1"]
+    assert [r["mode"] for r in rows] == ["sync", "overlap_colocated", "overlap_split", "overlap_stream",
+                                         "overlap_split_r1"]
     assert rows[0]["step_s"] == 4.0  # the skip did not replace the measured sync run
     (p,) = ms.summarize_points(rows)
-    assert p["gen_share"] == 0.25 and p["speedup"] == {"overlap_colocated": 1.25, "overlap_split": 4.0 / 3.0}
+    assert p["gen_share"] == 0.25 and p["speedup"] == {"overlap_colocated": 1.25, "overlap_split": 4.0 / 3.0,
+                                                       "overlap_stream": 1.6}
     assert p["best_split"] == {"mode": "overlap_split", "ratio": "2:2"}
     assert all(r["speedup_vs_sync"] == pytest.approx(4.0 / r["step_s"]) for r in rows)
 
