@@ -140,7 +140,8 @@ class RolloutConfig:
     """vLLM: reuse KV for shared prompt prefixes (the n samples of a prompt)."""
     cuda_stream: Literal["shared", "own", "high"] = "shared"
     """Which CUDA stream generation runs on (``hybrid_rl.rollout.base.GenerationStream``): ``shared``, the calling
-    thread's, which in overlap mode colocated is the trainer's too, so the two never run kernels at the same time;
+    thread's, which in overlap mode colocated is the trainer's too (vLLM 0.26's runner caches one stream), so the two
+    never run kernels at the same time;
     ``own``, a stream of the engine's own; ``high``, that at the highest priority. Matters in overlap mode with
     colocated placement; ``shared`` until a GPU measurement says otherwise (``benchmarks/modes_sweep.py``)."""
 

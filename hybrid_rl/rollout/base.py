@@ -97,8 +97,8 @@ class GenerationStream:
     """``rollout.cuda_stream``: which CUDA stream the engine's kernels run on.
 
     ``shared`` (no stream here): the calling thread's current stream. In overlap mode that is the trainer's stream too
-    (vLLM 0.26's model runner caches the stream of its first call as ``main_stream`` and sets it as current after
-    every output copy), so generation and training kernels queue on one stream and never run at the same time: the
+    (read from vLLM 0.26's code: its V2 model runner caches the stream of its first call as ``main_stream`` and sets
+    it as current after every output copy; ``tests/gpu/test_vllm_gpu.py`` prints which stream), so generation and training kernels queue on one stream and never run at the same time: the
     overlap then hides only host work. ``own``: a stream of the engine's own, so the GPU can run both; ``high``: the
     same at the highest priority, so decoding kernels (small, latency-bound) are scheduled before training's when
     both wait. Either way every generate call waits for the caller's stream and for the last push or wake (recorded
