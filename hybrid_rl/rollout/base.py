@@ -100,10 +100,11 @@ class GenerationStream:
     (read from vLLM 0.26's code: its V2 model runner caches the stream of its first call as ``main_stream`` and sets
     it as current after every output copy; ``tests/gpu/test_vllm_gpu.py`` prints which stream), so generation and
     training kernels queue on one stream and never run at the same time: the overlap then hides only host work.
-    ``own``: a stream of the engine's own, so the GPU can run both; ``high``: the same at the highest priority, so decoding kernels (small, latency-bound) are scheduled before training's when
-    both wait. Either way every generate call waits for the caller's stream and for the last push or wake (recorded
-    where it ran: the push may come from another thread), and ends synchronised, so its outputs are complete for
-    whichever thread reads them. On CPU every mode is ``shared``.
+    ``own``: a stream of the engine's own, so the GPU can run both; ``high``: the same at the highest priority, so
+    decoding kernels (small, latency-bound) are scheduled before training's when both wait. Either way every generate
+    call waits for the caller's stream and for the last push or wake (recorded where it ran: the push may come from
+    another thread), and ends synchronised, so its outputs are complete for whichever thread reads them. On CPU every
+    mode is ``shared``.
     """
 
     def __init__(self, device: torch.device, mode: str = "shared"):
