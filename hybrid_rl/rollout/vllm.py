@@ -141,9 +141,10 @@ def model_runner(worker: Any) -> Any:
 def _rpc_pin_main_stream(worker: Any, stream: Any) -> bool:
     """Runs on each vLLM worker: make ``stream`` the model runner's ``main_stream`` (None: vLLM's own again).
 
-    vLLM 0.26's V2 runner caches the stream of its first call there (a ``functools.cached_property``), waits on it before copying outputs to the host
-    and sets it as current after every step; left alone, generation on ``rollout.cuda_stream`` would hand its outputs
-    over from the wrong stream. The V1 runner reads the current stream on every call: nothing to pin (False)."""
+    vLLM 0.26's V2 runner caches the stream of its first call there (a ``functools.cached_property``), waits on it
+    before copying outputs to the host and sets it as current after every step; left alone, generation on
+    ``rollout.cuda_stream`` would hand its outputs over from the wrong stream. The V1 runner reads the current stream
+    on every call: nothing to pin (False)."""
     runner = model_runner(worker)
     if not isinstance(getattr(type(runner), "main_stream", None), functools.cached_property):
         return False
