@@ -39,7 +39,7 @@ from hybrid_rl.config import ConfigError, load_config  # noqa: E402
 from hybrid_rl.distributed import DistInfo  # noqa: E402
 from hybrid_rl.models import ModelLoadError  # noqa: E402
 from hybrid_rl.rollout import vllm as vr  # noqa: E402
-from hybrid_rl.rollout.base import GenerationStream, SamplingParams, assemble_rollout  # noqa: E402
+from hybrid_rl.rollout.base import Continuation, GenerationStream, SamplingParams, assemble_rollout  # noqa: E402
 from hybrid_rl.weights.sharding_manager import ShardingManager  # noqa: E402
 
 EOS, PAD = 7, 0
@@ -991,24 +991,49 @@ def test_generation_stream_modes_on_cpu_and_a_bad_mode():
     assert load_config(None, ["rollout.cuda_stream=high"]).rollout.cuda_stream == "high"
 
 
-def test_generate_runs_inside_the_generation_stream():
-    """Both engines' generate and generate_interruptible enter gen_stream.active() (the GPU test checks the stream
-    itself)."""
+class SpyStream(GenerationStream):
+    """Records what happens to the generation stream: pushes/wakes that mark it ready, and generate calls inside it."""
+
+    def __init__(self, log: list):
+        super().__init__(torch.device("cpu"))
+        self.log = log
+
+    def mark_ready(self) -> None:
+        self.log.append("ready")
+
+    @contextlib.contextmanager
+    def active(self):
+        self.log.append("enter")
+        yield
+        self.log.append("exit")
+
+
+def test_both_engines_generate_inside_the_generation_stream(tiny_model_path):
+    """generate runs inside gen_stream.active(), and a push (or a wake-up) marks the stream ready first: the GPU test
+    checks the stream itself, this the wiring of both engines."""
     from hybrid_rl.rollout.hf import HFRolloutEngine
+    from hybrid_rl.models import load_causal_lm
 
-    entered = []
+    log: list[str] = []
+    eng = make_engine(FakeLLM(length=3))
+    eng.gen_stream = SpyStream(log)
+    eng.load_weights([("w", torch.zeros(2))])
+    eng.finish_weight_update(1)
+    inside = []
+    real = eng.llm.generate
+    eng.llm.generate = lambda *a, **k: inside.append(log[-1]) or real(*a, **k)
+    eng.generate(prompts_batch(), SamplingParams(n=2, max_tokens=3))
+    assert log == ["ready", "enter", "exit"] and inside == ["enter"]
+    log.clear()
+    eng.sleep(1)
+    eng.wake_up()
+    assert log == ["ready"]
 
-    class Spy(GenerationStream):
-        @contextlib.contextmanager
-        def active(self):
-            entered.append(True)
-            yield
-
-    for cls in (vr.VLLMRolloutEngine, HFRolloutEngine):
-        for name in ("generate", "generate_interruptible"):
-            method = getattr(cls, name)
-            obj = SimpleNamespace(gen_stream=Spy(torch.device("cpu")))
-            entered.clear()
-            with pytest.raises(Exception):  # the spy object has no engine state: the body fails after entering
-                method(obj, None, None)
-            assert entered == [True], (cls.__name__, name)
+    hf = HFRolloutEngine(load_causal_lm(tiny_model_path, torch.float32), [EOS], PAD, torch.device("cpu"))
+    hf.gen_stream = SpyStream(log)
+    log.clear()
+    hf.finish_weight_update(1)
+    out = hf.generate(prompts_batch(), SamplingParams(n=1, max_tokens=2))
+    segs = hf.generate_interruptible([Continuation([3, 4], (), 2, True)], SamplingParams(n=1))
+    assert log == ["ready", "enter", "exit", "enter", "exit"]
+    assert out.tensors["responses"].shape == (2, 2) and len(segs[0].tokens) == 2

@@ -124,3 +124,26 @@ def test_refusals(engine):
     eng.tp_group = object()
     with pytest.raises(NotImplementedError, match="rollout.tensor_parallel_size"):
         eng.generate_interruptible([Continuation([5], (), 1)], SamplingParams())
+
+
+def test_interruptible_generation_runs_inside_the_generation_stream(engine):
+    """generate_interruptible enters gen_stream.active() around all its engine steps (``rollout.cuda_stream``)."""
+    import contextlib
+
+    from hybrid_rl.rollout.base import GenerationStream
+
+    log: list[str] = []
+
+    class Spy(GenerationStream):
+        @contextlib.contextmanager
+        def active(self):
+            log.append("enter")
+            yield
+            log.append("exit")
+
+    eng = engine()
+    eng.gen_stream = Spy(torch.device("cpu"))
+    step = eng.llm.llm_engine.step
+    eng.llm.llm_engine.step = lambda: log.append("step") or step()
+    eng.generate_interruptible([Continuation([5], (), 2)], SamplingParams())
+    assert log[0] == "enter" and log[-1] == "exit" and set(log[1:-1]) == {"step"} and len(log) >= 3
