@@ -273,8 +273,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU: checks the plumbing only")
-    ap.add_argument("--modes", default="", help="comma-separated subset of sync,overlap_colocated,overlap_split (default: those), "
-                         "overlap_stream (only when named)")
+    ap.add_argument("--modes", default="", help="comma-separated subset of sync,overlap_colocated,overlap_split "
+                    "(default: those), overlap_stream (only when named)")
     ap.add_argument("--mode-timeout", type=float, default=None, help="seconds before one mode's run is abandoned")
     ap.add_argument("--device", default="", help="with --from-runs: the device name the runs were made on (e.g. H200x1)")
     ap.add_argument("--from-runs", action="store_true",

@@ -968,13 +968,19 @@ def test_runner_main_stream_is_pinned_and_given_back():
     assert vr._rpc_pin_main_stream(SimpleNamespace(model_runner=SimpleNamespace(get_model=None)), "s") is False
 
 
-def test_use_stream_pins_only_when_a_stream_is_involved():
+def test_use_stream_pins_the_runner_and_gives_it_back():
     llm = FakeLLM()
+    runner = V2Runner()
+    llm.collective_rpc = lambda fn, args=(): [fn(SimpleNamespace(model_runner=runner), *args)]
     eng = make_engine(llm)
-    eng.use_stream(GenerationStream(torch.device("cpu"), "high"))  # CPU: no stream, nothing pinned
-    assert not eng.runner_stream_pinned and not any(c[1] == "_rpc_pin_main_stream" for c in llm.calls
-                                                    if isinstance(c, tuple) and len(c) > 1)
-    assert eng.gen_stream.mode == "high" and eng.gen_stream.stream is None
+    eng.use_stream(GenerationStream(torch.device("cpu"), "high"))  # CPU: no stream, so nothing is pinned
+    assert not eng.runner_stream_pinned and "main_stream" not in vars(runner)
+    own = GenerationStream(torch.device("cpu"), "own")
+    own.stream = "engine stream"  # what a CUDA device would create
+    eng.use_stream(own)
+    assert eng.runner_stream_pinned and runner.main_stream == "engine stream" and eng.gen_stream is own
+    eng.use_stream(GenerationStream(torch.device("cpu"), "shared"))  # back: the runner caches its caller's again
+    assert runner.main_stream.startswith("caller's stream")
 
 
 def test_generation_stream_modes_on_cpu_and_a_bad_mode():
