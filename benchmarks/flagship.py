@@ -86,22 +86,28 @@ def plot(doc: dict, path: Path) -> None:
         print("matplotlib not installed: no plot", file=sys.stderr)
         return
     runs = [(k, v) for k, v in doc["runs"].items() if "step_s" in v]
-    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.6 * len(runs)))
+    fig, ax = plt.subplots(figsize=(9, 1.8 + 0.6 * len(runs)))
+    labelled, right = set(), 0.0
     for i, (name, r) in enumerate(runs):
-        left = 0.0
+        left = 0.0  # phases are per-rank maxima: their sum can exceed the step (the label gives the step)
         for p in PHASES + ["untimed"]:
             w = r["untimed_s"] if p == "untimed" else r["phases_s"].get(p, 0.0)
             if w <= 0:
                 continue
             ax.barh(i, w, left=left, color=plt.cm.tab10(PHASES.index(p) if p in PHASES else 9),
-                    label=p if i == 0 else None)
+                    label=None if p in labelled else p)
+            labelled.add(p)
             left += w
         mfu = f", update MFU {r['mfu_update']:.0%}" if "mfu_update" in r else ""
-        ax.text(left, i, f" {r['step_s']:.1f} s{mfu}", va="center")
+        if "mfu_update_hardware" in r:
+            mfu += f" ({r['mfu_update_hardware']:.0%} on the tokens run)"
+        ax.text(left, i, f" {r['step_s']:.1f} s{mfu}", va="center", fontsize=8)
+        right = max(right, left)
+    ax.set_xlim(0, right * 1.6)
     ax.set_yticks(range(len(runs)), [k for k, _ in runs])
-    ax.set_xlabel("seconds per step (mean after the first)")
+    ax.set_xlabel("seconds per step (mean after the first; bars: per-phase maxima over ranks)")
     ax.set_title(f"flagship recipe on {doc['device']}: {doc['model']}")
-    ax.legend(loc="lower right", fontsize=7, ncol=4)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), fontsize=7, ncol=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

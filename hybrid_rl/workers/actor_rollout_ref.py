@@ -86,7 +86,8 @@ class ActorRolloutRefWorker:
         on_gpu = self.device.type == "cuda"  # null = the device's default (see ActorConfig)
         self.remove_padding = on_gpu if cfg.actor.use_remove_padding is None else cfg.actor.use_remove_padding
         self.fused_logprob = on_gpu if cfg.actor.fused_logprob is None else cfg.actor.fused_logprob
-        if cfg.actor.share_prompts and not self.remove_padding:
+        self.share_prompts = (on_gpu and self.remove_padding) if cfg.actor.share_prompts is None else cfg.actor.share_prompts
+        if self.share_prompts and not self.remove_padding:
             raise ValueError("actor.share_prompts=true shares prompts inside a packed row, but this run does not pack "
                              f"(actor.use_remove_padding={cfg.actor.use_remove_padding} on {self.device.type}): set "
                              "actor.use_remove_padding=true, or actor.share_prompts=false")
@@ -107,7 +108,7 @@ class ActorRolloutRefWorker:
                                         accumulate_unsharded=cfg.actor.accumulate_unsharded,
                                         compile_blocks=cfg.actor.use_torch_compile, group=dist.group,
                                         remove_padding=self.remove_padding, fused_logprob=self.fused_logprob,
-                                        share_prompts=cfg.actor.share_prompts)
+                                        share_prompts=self.share_prompts)
             a = cfg.actor
             updates_per_step = a.ppo_epochs * (cfg.data.train_batch_size // a.ppo_mini_batch_size)
             self.actor.configure_optimizer(a.lr, (a.betas[0], a.betas[1]), a.weight_decay, a.warmup_steps,
@@ -124,7 +125,7 @@ class ActorRolloutRefWorker:
                 ref_engine = TrainingEngine(ref_model, self.device,
                                             self.dtype, trainable=False, group=dist.group,
                                             remove_padding=self.remove_padding, fused_logprob=self.fused_logprob,
-                                        share_prompts=cfg.actor.share_prompts)
+                                        share_prompts=self.share_prompts)
                 self.ref = FrozenReference(ref_engine, offload=cfg.ref.offload)
         self.rollout: RolloutEngine | None = None
         self.sharding_manager: ShardingManager | None = None

@@ -105,6 +105,13 @@ def test_sharing_without_packing_is_refused(tiny_model_path):
         ActorRolloutRefWorker(make_cfg("actor.share_prompts=true", "actor.use_remove_padding=false"), cpu_dist())
 
 
+def test_default_shares_only_where_the_run_packs_on_cuda(tiny_model_path):
+    packed_cpu = ActorRolloutRefWorker(make_cfg("actor.use_remove_padding=true"), cpu_dist())
+    assert packed_cpu.remove_padding and not packed_cpu.share_prompts  # CPU: off unless asked
+    assert ActorRolloutRefWorker(make_cfg("actor.use_remove_padding=true", "actor.share_prompts=true"),
+                                 cpu_dist()).share_prompts
+
+
 def _plan_batch(uid, p_len, r_len):
     from hybrid_rl.batch import Batch
 
