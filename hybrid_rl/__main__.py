@@ -55,7 +55,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from hybrid_rl.distributed import destroy, init_distributed
     from hybrid_rl.trainer import Trainer
 
-    dist = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s)
+    dist = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s, cfg.trainer.expandable_segments)
     try:
         Trainer(cfg, dist).fit()
     except RuntimeError as e:

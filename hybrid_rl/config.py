@@ -404,6 +404,12 @@ class TrainerConfig:
     stall_dump_s: float = 0.0
     """A step running longer than this many seconds dumps every thread's Python stack to stderr (0 = off): the
     first thing to look at when a multi-rank run hangs."""
+    expandable_segments: bool = False
+    """CUDA: PyTorch's expandable segments for the trainer's allocations (``PYTORCH_CUDA_ALLOC_CONF``; vLLM turns
+    them off around its own pools). Packed micro-batches change size every call, and the caching allocator fragments:
+    on 4xH200 the flagship with 16k-token micro-batches peaked at ~135 GB reserved per GPU for ~68 GB allocated
+    (``perf/max_memory_*`` less vLLM's sleeping 70 GB pool, which they count) and made 718 ``cudaFree`` calls in one
+    profiled step. Off by default until a GPU measures it (``gpu_session.sh flagship4c``)."""
     collective_timeout_s: int = 1800
     """How long a rank waits in a collective for the others before it fails the run (a hung or dead rank then ends the
     run with an error instead of waiting forever); raise it if a phase is legitimately that uneven across ranks."""
@@ -724,7 +730,7 @@ RESUME_HARMLESS = frozenset({
     # how long, how often, where to log and what to diagnose
     "trainer.total_steps", "trainer.total_epochs", "trainer.test_freq", "trainer.val_before_train", "trainer.logger",
     "trainer.save_freq", "trainer.keep_last", "trainer.max_skipped_updates", "trainer.stale_policy",
-    "trainer.profile_steps", "trainer.stall_dump_s", "trainer.peak_tflops", "trainer.collective_timeout_s", "trainer.device", "reward.on_error",
+    "trainer.profile_steps", "trainer.stall_dump_s", "trainer.peak_tflops", "trainer.collective_timeout_s", "trainer.expandable_segments", "trainer.device", "reward.on_error",
     "reward.timeout_s", "reward.num_workers",
     # validation only
     "data.val_path", "data.val_split", "data.max_val_samples", "data.val_batch_size", "rollout.val_temperature",

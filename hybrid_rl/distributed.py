@@ -35,12 +35,16 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_distributed(device_pref: str = "auto", timeout_s: float | None = None) -> DistInfo:
+def init_distributed(device_pref: str = "auto", timeout_s: float | None = None,
+                     expandable_segments: bool = False) -> DistInfo:
     """Join torchrun's process group when launched by it; otherwise a world of one. ``timeout_s``: how long a
-    collective waits for the other ranks before it raises (torch's default when None)."""
+    collective waits for the other ranks before it raises (torch's default when None). ``expandable_segments``: see
+    ``use_expandable_segments`` (CUDA only)."""
     use_cuda = torch.cuda.is_available() if device_pref == "auto" else device_pref == "cuda"
     if device_pref == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("trainer.device=cuda but no CUDA device is visible; set trainer.device=cpu or auto")
+    if use_cuda and expandable_segments:
+        use_expandable_segments()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -53,6 +57,24 @@ def init_distributed(device_pref: str = "auto", timeout_s: float | None = None) 
         kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
         dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=device if use_cuda else None, **kwargs)
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def use_expandable_segments() -> bool:
+    """PyTorch's expandable segments for this process's CUDA allocations (``trainer.expandable_segments``): segments
+    grow and shrink in place instead of one cached block per size, against the fragmentation of packed micro-batches
+    whose sizes change every call. Set in ``PYTORCH_CUDA_ALLOC_CONF`` as well, where vLLM looks for it to turn it off
+    around its sleep-mode pools (the two are incompatible: pytorch#147851). An explicit ``expandable_segments`` in
+    the user's ``PYTORCH_CUDA_ALLOC_CONF`` wins. Returns whether it is on."""
+    conf = os.environ.get(ALLOC_CONF, "")
+    if "expandable_segments" in conf:
+        return "expandable_segments:True" in conf
+    os.environ[ALLOC_CONF] = ",".join(filter(None, [conf, "expandable_segments:True"]))
+    if torch.cuda.is_initialized():  # the allocator read the variable already: tell it directly
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    return True
 
 
 Group = "dist.ProcessGroup | None"
