@@ -74,6 +74,8 @@ def summarise(run_dir: Path, flops: ModelFlops, peak: float, gpus: int, skip: in
         out["update_token_share"] = mean("perf/update_token_share")
         out["mfu_update_hardware"] = out["mfu_update"] * out["update_token_share"]
     out["peak_memory_allocated_gb"] = max(r.get("perf/max_memory_allocated_gb", 0.0) for r in rows)
+    if any("perf/engine_pool_gb" in r for r in rows):  # the figure above counts vLLM's sleeping pool too
+        out["peak_memory_outside_engine_gb"] = max(r["perf/max_memory_allocated_outside_engine_gb"] for r in rows)
     return out
 
 

@@ -492,6 +492,10 @@ class Trainer:
         if self.dist.device.type == "cuda":
             out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(self.dist.device) / 2**30
             out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(self.dist.device) / 2**30
+            # both count the engine's pool (allocated once, constant) even while it sleeps: the rest's own peak
+            pool = (self.worker.rollout.pool_bytes() if self.worker.rollout is not None else 0) / 2**30
+            out["perf/engine_pool_gb"] = pool
+            out["perf/max_memory_allocated_outside_engine_gb"] = out["perf/max_memory_allocated_gb"] - pool
             torch.cuda.reset_peak_memory_stats(self.dist.device)
         return out
 

@@ -219,6 +219,11 @@ class RolloutEngine(abc.ABC):
     def sleep(self, level: int = 1) -> None:
         """Release memory: level 1 keeps the weights (offloaded), level 2 discards them."""
 
+    def pool_bytes(self) -> int:
+        """Bytes of the engine's own CUDA pool in this process that torch's allocator statistics count whether it is
+        awake or asleep (vLLM's sleep-mode pool); 0 for an engine without one."""
+        return 0
+
     @abc.abstractmethod
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Re-acquire memory for ``tags`` (``weights``, ``kv_cache``; None = both)."""

@@ -488,6 +488,13 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def pool_bytes(self) -> int:
+        # in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0): its weights and KV cache live in the sleep-mode pool,
+        # which torch's max_memory_allocated/reserved keep counting while it sleeps (unmapped, not freed)
+        from vllm.device_allocator.cumem import CuMemAllocator
+
+        return CuMemAllocator.get_instance().get_current_usage()
+
     def wake_up(self, tags: list[str] | None = None) -> None:
         wanted = {"weights", "kv_cache"} if tags is None else set(tags)
         unknown = wanted - {"weights", "kv_cache"}

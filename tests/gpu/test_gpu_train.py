@@ -46,4 +46,9 @@ def test_default_recipe_with_vllm_trains_in_float32(tmp_path):
     for r in steps:
         assert math.isfinite(r["actor/pg_loss"]) and math.isfinite(r["actor/grad_norm"])
         assert r["rollout/logprob_diff"] < 0.05, r["rollout/logprob_diff"]  # bf16 engine vs fp32 trainer
+        # vLLM's sleep-mode pool (weights + KV cache, within gpu_memory_utilization=0.3 of the card) is counted by
+        # torch's peak statistics, asleep or not; the trainer's own peak is what is left
+        total = torch.cuda.get_device_properties(0).total_memory / 2**30
+        assert 0.05 * total < r["perf/engine_pool_gb"] <= 0.3 * total, (r["perf/engine_pool_gb"], total)
+        assert 0 < r["perf/max_memory_allocated_outside_engine_gb"] < r["perf/max_memory_allocated_gb"]
     assert any("val/reward_mean" in r for r in rows)
