@@ -146,7 +146,7 @@ update4)  # issue 16, no vLLM needed: the training passes alone at the flagship'
   stamp "update_step x4 (flagship shapes)"
   timeout 560 torchrun --standalone --nproc_per_node=4 benchmarks/update_step.py --model builtin:$MODEL4 \
     --recipe gsm8k_grpo --prompts 256 --mini 64 --resp-mean 250 --resp-cap 1024 --out "$RES" \
-    --configs ${UPDATE4_CONFIGS:-padded,packed+fused,packed+fused+shared,packed+fused+liger,packed+fused+no_ckpt,packed+fused+no_ckpt+budget16k+unsharded,packed+fused+no_ckpt+budget16k+unsharded+shared,packed+fused+no_ckpt+budget16k+unsharded+liger} \
+    --configs ${UPDATE4_CONFIGS:-padded,packed+fused,packed+fused+shared,packed+fused+no_ckpt,packed+fused+no_ckpt+budget16k+unsharded,packed+fused+no_ckpt+budget16k+unsharded+shared,packed+fused+no_ckpt+budget32k+unsharded+shared,packed+fused+liger,packed+fused+no_ckpt+budget16k+unsharded+shared+liger} \
     || echo "update_step x4 failed"
   cp "$RES"/update_step_* "$OUT/" 2>/dev/null
   ;;

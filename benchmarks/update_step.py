@@ -36,7 +36,18 @@ from hybrid_rl.perf import ModelFlops, peak_flops  # noqa: E402
 from hybrid_rl.rollout.base import assemble_rollout  # noqa: E402
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker  # noqa: E402
 
-PADDED = ["actor.use_remove_padding=false", "actor.fused_logprob=false"]  # the passes before padding removal
+# issue 16's levers, each row explicit about every one of them (the recipe gsm8k_grpo now ships several switched on):
+# the passes as they were before the levers, then each lever added
+BEFORE = ["model.enable_gradient_checkpointing=true", "actor.use_dynamic_bsz=false", "actor.accumulate_unsharded=false",
+          "actor.share_prompts=false", "model.use_liger=false", "actor.use_remove_padding=true", "actor.fused_logprob=true"]
+NO_CKPT_BUDGET_UNSHARDED = ["model.enable_gradient_checkpointing=false", "actor.use_dynamic_bsz=true",
+                            "actor.max_token_len_per_device=16384", "actor.accumulate_unsharded=true"]
+
+
+def _levers(*extra: str) -> list[str]:
+    return BEFORE + list(extra)
+
+
 CONFIGS = {
     "default": ["actor.accumulate_unsharded=false"],  # explicit: recipes/bench_modes.yaml turns it on
     "accumulate_unsharded": ["actor.accumulate_unsharded=true"],
@@ -45,28 +56,26 @@ CONFIGS = {
                                          "actor.max_token_len_per_device=24576"],
     "accumulate_unsharded+dynamic_bsz+compile": ["actor.accumulate_unsharded=true", "actor.use_dynamic_bsz=true",
                                                  "actor.max_token_len_per_device=24576", "actor.use_torch_compile=true"],
-    # the padding-removal levers (issue 16), each on top of the one before
-    "padded": PADDED,
-    "packed": ["actor.use_remove_padding=true", "actor.fused_logprob=false"],
-    "packed+fused": ["actor.use_remove_padding=true", "actor.fused_logprob=true"],
-    "packed+fused+no_ckpt": ["model.enable_gradient_checkpointing=false"],
-    "packed+fused+no_ckpt+budget16k": ["model.enable_gradient_checkpointing=false", "actor.use_dynamic_bsz=true",
-                                       "actor.max_token_len_per_device=16384"],
-    "packed+fused+budget32k": ["actor.use_dynamic_bsz=true", "actor.max_token_len_per_device=32768"],
-    "packed+fused+no_ckpt+budget16k+unsharded": ["model.enable_gradient_checkpointing=false", "actor.use_dynamic_bsz=true",
-                                                 "actor.max_token_len_per_device=16384", "actor.accumulate_unsharded=true"],
+    "padded": _levers("actor.use_remove_padding=false", "actor.fused_logprob=false"),
+    "packed": _levers("actor.fused_logprob=false"),
+    "packed+fused": _levers(),
+    "packed+fused+no_ckpt": _levers("model.enable_gradient_checkpointing=false"),
+    "packed+fused+no_ckpt+budget16k": _levers("model.enable_gradient_checkpointing=false", "actor.use_dynamic_bsz=true",
+                                              "actor.max_token_len_per_device=16384"),
+    "packed+fused+budget32k": _levers("actor.use_dynamic_bsz=true", "actor.max_token_len_per_device=32768"),
+    "packed+fused+no_ckpt+budget16k+unsharded": _levers(*NO_CKPT_BUDGET_UNSHARDED),
     # each prompt once per micro-batch, its n responses attending to it (actor.share_prompts)
-    "packed+fused+shared": ["actor.use_remove_padding=true", "actor.fused_logprob=true", "actor.share_prompts=true"],
-    "packed+fused+no_ckpt+budget16k+unsharded+shared": ["model.enable_gradient_checkpointing=false",
-                                                        "actor.use_dynamic_bsz=true",
-                                                        "actor.max_token_len_per_device=16384",
-                                                        "actor.accumulate_unsharded=true", "actor.use_remove_padding=true",
-                                                        "actor.share_prompts=true"],
-    # Liger's fused RMSNorm / SwiGLU / rotary kernels (model.use_liger; needs liger-kernel on the GPU machine)
-    "packed+fused+liger": ["model.use_liger=true"],
-    "packed+fused+no_ckpt+budget16k+unsharded+liger": ["model.enable_gradient_checkpointing=false",
-                                                       "actor.use_dynamic_bsz=true", "actor.max_token_len_per_device=16384",
-                                                       "actor.accumulate_unsharded=true", "model.use_liger=true"],
+    "packed+fused+shared": _levers("actor.share_prompts=true"),
+    # the levers gsm8k_grpo ships (share_prompts is on by default on CUDA)
+    "packed+fused+no_ckpt+budget16k+unsharded+shared": _levers(*NO_CKPT_BUDGET_UNSHARDED, "actor.share_prompts=true"),
+    "packed+fused+no_ckpt+budget32k+unsharded+shared": _levers(*NO_CKPT_BUDGET_UNSHARDED, "actor.share_prompts=true",
+                                                               "actor.max_token_len_per_device=32768"),
+    # Liger's fused RMSNorm / SwiGLU / rotary kernels (model.use_liger; needs liger-kernel on the GPU machine); they
+    # patch transformers for the whole process, so these run last (see main)
+    "packed+fused+liger": _levers("model.use_liger=true"),
+    "packed+fused+no_ckpt+budget16k+unsharded+liger": _levers(*NO_CKPT_BUDGET_UNSHARDED, "model.use_liger=true"),
+    "packed+fused+no_ckpt+budget16k+unsharded+shared+liger": _levers(*NO_CKPT_BUDGET_UNSHARDED,
+                                                                     "actor.share_prompts=true", "model.use_liger=true"),
 }
 
 
@@ -96,6 +105,15 @@ def make_batch(worker: ActorRolloutRefWorker, prompts: int, n: int, resp_mean: f
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _liger(name: str) -> bool:
+    return "model.use_liger=true" in CONFIGS[name]
+
+
+def liger_last(names: list[str]) -> list[str]:
+    """``names`` with the Liger configurations moved to the end, each group in its given order."""
+    return [n for n in names if not _liger(n)] + [n for n in names if _liger(n)]
 
 
 def run_config(name: str, overrides: list[str], args, d) -> dict:
@@ -147,16 +165,19 @@ def plot(doc: dict, path: Path) -> None:
         print("matplotlib not installed: no plot", file=sys.stderr)
         return
     rows = [r for r in doc["configs"] if "error" not in r]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = max((len(r["config"]) for r in rows), default=10)
+    fig, ax = plt.subplots(figsize=(6 + 0.09 * width, 1.2 + 0.4 * len(rows)))
     names = [r["config"] for r in rows]
     ax.barh(names, [r["log_prob_s"] for r in rows], label="old log-prob")
     ax.barh(names, [r["update_s"] for r in rows], left=[r["log_prob_s"] for r in rows], label="update")
     for i, r in enumerate(rows):
         mfu = f", MFU {r['mfu_update']:.0%}" if "mfu_update" in r else ""
-        ax.text(r["log_prob_s"] + r["update_s"], i, f" {r['trained_tokens_per_s'] / 1e3:.1f}k tok/s{mfu}", va="center")
+        ax.text(r["log_prob_s"] + r["update_s"], i, f" {r['trained_tokens_per_s'] / 1e3:.1f}k tok/s{mfu}", va="center",
+                fontsize=8)
+    ax.set_xlim(0, 1.45 * max(r["log_prob_s"] + r["update_s"] for r in rows))
     ax.set_xlabel("seconds per batch")
     ax.set_title(f"{doc['model']} on {doc['device']}: {doc['sequences']} sequences, {doc['tokens'] / 1e3:.0f}k tokens")
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -201,8 +222,17 @@ def main() -> None:
     d = init_distributed(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     device = (f"{gpu_short_name(torch.cuda.get_device_name(d.device))}x{d.world_size}" if d.device.type == "cuda"
               else f"cpux{d.world_size}")
-    rows = []
-    for name in args.configs.split(","):
+    # Liger patches transformers' modeling module (rotary function, RMSNorm and MLP classes) for the whole process,
+    # so every model built after a Liger configuration has its kernels: those configurations run last, and a plain
+    # one after them is refused (the 1e7776c lease's rows after its first Liger row all ran with Liger)
+    names = liger_last(args.configs.split(","))
+    rows, patched = [], False
+    for name in names:
+        if patched and not _liger(name):
+            rows.append({"config": name, "overrides": CONFIGS[name],
+                         "error": "a Liger configuration ran earlier in this process: run it in its own process"})
+            continue
+        patched = patched or _liger(name)
         try:
             rows.append(run_config(name, CONFIGS[name], args, d))
         except torch.OutOfMemoryError as e:  # a configuration that does not fit is a result too; the next one runs

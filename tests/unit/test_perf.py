@@ -45,3 +45,21 @@ def test_peak_tflops_must_be_positive():
     with pytest.raises(ConfigError, match="trainer.peak_tflops"):
         load_config(None, ["trainer.peak_tflops=0"]).validate()
     assert load_config(None, ["trainer.peak_tflops=989"]).validate().trainer.peak_tflops == 989
+
+
+def test_update_step_runs_liger_configurations_last():
+    """Liger patches transformers' classes for the whole process: a plain configuration after it would measure Liger."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    import update_step
+
+    names = ["packed+fused+liger", "padded", "packed+fused+no_ckpt+budget16k+unsharded+shared+liger", "packed+fused"]
+    assert update_step.liger_last(names) == ["padded", "packed+fused", "packed+fused+liger",
+                                             "packed+fused+no_ckpt+budget16k+unsharded+shared+liger"]
+    # every issue-16 row names every lever, so none depends on what the recipe ships
+    for name, overrides in update_step.CONFIGS.items():
+        if name.startswith(("padded", "packed")):
+            keys = {o.split("=")[0] for o in overrides}
+            assert {"model.enable_gradient_checkpointing", "actor.share_prompts", "model.use_liger"} <= keys, name
