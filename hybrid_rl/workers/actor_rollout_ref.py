@@ -335,7 +335,8 @@ class ActorRolloutRefWorker:
         a = self.cfg.actor
         t = micro.to(self.device).tensors
         mask = t["response_mask"].float()  # [b, R]
-        log_prob, entropy = self.actor.forward(micro, micro.meta["temperature"], with_entropy=True)
+        log_prob, entropy = self.actor.forward(micro, micro.meta["temperature"], with_entropy=True,
+                                               entropy_grad=bool(a.entropy_coeff))
         if own_old:
             t = {**t, "old_log_probs": log_prob.detach()}
         # A fixed norm_length: each micro-batch is trimmed to its own longest response, so the tensor's

@@ -198,11 +198,13 @@ class TrainingEngine:
             return torch.autocast("cuda", dtype=self.compute_dtype)
         return nullcontext()
 
-    def forward(self, micro: Batch, temperature: float, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (and entropy) of the response tokens of ``micro`` at ``temperature``: [b, R], float32."""
+    def forward(self, micro: Batch, temperature: float, with_entropy: bool = False,
+                entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropy) of the response tokens of ``micro`` at ``temperature``: [b, R], float32.
+        ``entropy_grad=False``: the entropy is for metrics only, and the fused head's backward skips it."""
         t = micro.to(self.device).tensors
         if self.remove_padding:
-            return self._forward_packed(t, temperature, with_entropy)
+            return self._forward_packed(t, temperature, with_entropy, entropy_grad)
         responses = t["responses"]
         resp_len = responses.shape[1]
         kwargs = dict(input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"],
@@ -211,7 +213,8 @@ class TrainingEngine:
             # the R positions ending one before the last predict the response tokens
             width = t["input_ids"].shape[1]
             keep = torch.arange(width - resp_len - 1, width - 1, device=self.device)
-            with self._autocast(), logprob_head(self.model, responses.reshape(-1), temperature):
+            with self._autocast(), logprob_head(self.model, responses.reshape(-1), temperature, with_entropy,
+                                                entropy_grad):
                 out = self._call(kwargs, keep)
             lp, ent = split_head_output(out.logits)
             return lp.view_as(responses), ent.view_as(responses) if with_entropy else None
@@ -242,8 +245,8 @@ class TrainingEngine:
             raise ValueError(f"{type(self.model).__name__} has no logits_to_keep argument (a remote-code model?): set "
                              "actor.use_remove_padding=false and actor.fused_logprob=false for it") from e
 
-    def _forward_packed(self, t: dict[str, torch.Tensor], temperature: float,
-                        with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward_packed(self, t: dict[str, torch.Tensor], temperature: float, with_entropy: bool,
+                        entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward`` on the micro-batch packed into one row: only real tokens pass through the model."""
         p = pack_shared(t) if self.share_prompts else pack(t)
         self.packed_tokens[0] += p.input_ids.shape[1]
@@ -254,7 +257,7 @@ class TrainingEngine:
             kwargs["hybrid_shared"] = p.shared
         with self._autocast():
             if self.fused_logprob:
-                with logprob_head(self.model, p.targets, temperature):
+                with logprob_head(self.model, p.targets, temperature, with_entropy, entropy_grad):
                     lp, ent = split_head_output(self._call(kwargs, p.keep).logits)
             else:
                 logits = self._call(kwargs, p.keep).logits  # [1, n, V]

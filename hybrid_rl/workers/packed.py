@@ -291,26 +291,41 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float
     return z / temperature if temperature != 1.0 else z
 
 
+def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Σ_k a[i, k] b[i, k] per row, as one batched product: no [C, V] temporary."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
 class FusedLogProb(torch.autograd.Function):
-    """(log softmax(h Wᵀ / T)[target], entropy) per row, chunked; backward recomputes each chunk's logits."""
+    """(log softmax(h Wᵀ / T)[target], entropy) per row, chunked; backward recomputes each chunk's logits.
+
+    Each chunk's [C, V] float32 logits are turned into log-probabilities in place; the entropy -Σ p log p and its
+    gradient reuse that buffer and p, and the temperature is folded into the per-row gradients, so a chunk costs
+    few passes over [C, V] (on GPUs those passes, not the head's matmuls, bound this layer). Unused outputs get no
+    gradient (``set_materialize_grads(False)``): without an entropy gradient the backward skips its part. Logits
+    are assumed finite (a linear layer's are)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                chunk: int):  # [n, H], [V, H], [n] -> [n], [n]
+                chunk: int, with_entropy: bool = True):  # [n, H], [V, H], [n] -> [n], [n] (zeros without entropy)
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32,
                            device=hidden.device)
-        ent = torch.empty_like(logp)
+        ent = torch.zeros_like(logp)
         lse = torch.empty_like(logp)
         for s in range(0, n, chunk):
             z = _chunk_logits(hidden[s:s + chunk], weight, temperature)
             lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
-            p = torch.exp(z - lse[s:s + chunk, None])
-            logp[s:s + chunk] = z.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
-            ent[s:s + chunk] = lse[s:s + chunk] - torch.where(p > 0, p * z, 0.0).sum(-1)
+            z.sub_(lse[s:s + chunk, None])  # log p
+            logp[s:s + chunk] = z.gather(-1, targets[s:s + chunk, None]).squeeze(-1)
+            if with_entropy:
+                ent[s:s + chunk] = -_row_dot(torch.exp(z), z)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.mark_non_differentiable(targets)
+        ctx.set_materialize_grads(False)
+        if not with_entropy:
+            ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
@@ -322,33 +337,35 @@ class FusedLogProb(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s:s + chunk]
-            z = _chunk_logits(h, weight, t)  # [C, V]
-            p = torch.exp(z - lse[s:s + chunk, None])
-            g = torch.zeros_like(z)
-            if grad_logp is not None:  # d log p_y / dz = onehot(y) - p
-                gl = grad_logp[s:s + chunk, None].to(z.dtype)
-                g -= gl * p
+            logp_all = _chunk_logits(h, weight, t).sub_(lse[s:s + chunk, None])  # [C, V] log p
+            p = torch.exp(logp_all)
+            # the logits are z/T: every row's gradient carries 1/T
+            gl = grad_logp[s:s + chunk, None].to(p.dtype) / t if grad_logp is not None else None
+            if grad_ent is not None:  # dH/dz_k = -p_k (log p_k - E_p[log p])
+                ge = grad_ent[s:s + chunk, None].to(p.dtype) / t
+                g = logp_all.sub_(_row_dot(p, logp_all)[:, None]).mul_(p).mul_(-ge)
+                if gl is not None:
+                    g.sub_(p.mul_(gl))
+            else:  # d log p_y / dz = onehot(y) - p
+                g = p.mul_(-gl)
+            if gl is not None:
                 g.scatter_add_(-1, targets[s:s + chunk, None], gl)
-            if grad_ent is not None:  # dH / dz_k = -p_k (z_k - E_p[z])
-                mean_z = torch.where(p > 0, p * z, 0.0).sum(-1, keepdim=True)
-                g -= grad_ent[s:s + chunk, None].to(z.dtype) * p * torch.where(p > 0, z - mean_z, 0.0)
-            if t != 1.0:
-                g /= t
             g = g.to(hidden.dtype)
             if grad_h is not None:
                 grad_h[s:s + chunk] = g @ weight.to(hidden.dtype)
             if grad_w is not None:
                 grad_w += (g.t() @ h).to(acc)
-        return grad_h, grad_w.to(weight.dtype) if grad_w is not None else None, None, None, None
+        return grad_h, grad_w.to(weight.dtype) if grad_w is not None else None, None, None, None, None
 
 
 def fused_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                          chunk: int = LOGIT_CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropies [n] (float32) of ``targets`` under softmax(hidden @ weightᵀ / temperature)."""
+                          chunk: int = LOGIT_CHUNK_ROWS, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies [n] (float32) of ``targets`` under softmax(hidden @ weightᵀ / temperature); without
+    ``with_entropy`` the entropies are zeros and carry no gradient (the pass skips computing them)."""
     if hidden.dtype != weight.dtype:  # autocast (one GPU without FSDP): the head's matmul runs in the autocast dtype
         dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else hidden.dtype
         hidden, weight = hidden.to(dtype), weight.to(dtype)
-    return FusedLogProb.apply(hidden, weight, targets.long(), float(temperature), chunk)
+    return FusedLogProb.apply(hidden, weight, targets.long(), float(temperature), chunk, with_entropy)
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Module:
@@ -360,14 +377,18 @@ def output_head(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @contextmanager
-def logprob_head(model: torch.nn.Module, targets: torch.Tensor, temperature: float):
+def logprob_head(model: torch.nn.Module, targets: torch.Tensor, temperature: float, with_entropy: bool = True,
+                 entropy_grad: bool = True):
     """Inside: the model's LM head returns [1, n, 2] = (log-prob of ``targets``, entropy) for its n input rows
-    instead of logits (read them with ``split_head_output``)."""
+    instead of logits (read them with ``split_head_output``). Without ``with_entropy`` the entropies are zeros;
+    without ``entropy_grad`` they are detached, so backward does no entropy work (a loss without an entropy term)."""
     head = output_head(model)
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])  # [n, H]
-        logp, ent = fused_logprob_entropy(flat, head.weight, targets, temperature)
+        logp, ent = fused_logprob_entropy(flat, head.weight, targets, temperature, with_entropy=with_entropy)
+        if not entropy_grad:
+            ent = ent.detach()
         # stacked straight into [1, n, 2]: a view here (``[None]``) is what FSDP2 warns about for a root output
         return torch.stack([logp[None], ent[None]], dim=-1)
 

@@ -83,6 +83,38 @@ def test_fused_logprob_matches_reference_forward_and_backward():
     probs = torch.softmax(hidden.detach() @ weight.detach().t(), -1)
     expected = (torch.nn.functional.one_hot(targets, v) - probs) @ weight.detach()
     assert torch.allclose(hidden.grad, expected, atol=1e-10)
+    # without the entropy: zeros that carry no gradient, the same log-probs and log-prob gradient
+    hidden.grad = None
+    lp_only, ent_off = fused_logprob_entropy(hidden, weight, targets, 1.0, with_entropy=False)
+    assert not ent_off.requires_grad and not ent_off.any() and torch.equal(lp_only, lp)
+    lp_only.sum().backward()
+    assert torch.allclose(hidden.grad, expected, atol=1e-10)
+    # only the entropy used, at a temperature
+    hidden.grad, weight.grad, ref_h.grad, ref_w.grad = None, None, None, None
+    (entropy_from_logits((ref_h @ ref_w.t())[None], 0.6)[0] * ge).sum().backward()
+    (fused_logprob_entropy(hidden, weight, targets, 0.6, chunk=8)[1] * ge).sum().backward()
+    assert torch.allclose(hidden.grad, ref_h.grad, atol=1e-10) and torch.allclose(weight.grad, ref_w.grad, atol=1e-10)
+
+
+def test_fused_head_detaches_an_entropy_that_takes_no_gradient():
+    from hybrid_rl.workers.packed import logprob_head, split_head_output
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6, bias=False))
+    model.get_output_embeddings = lambda: model[0]
+    targets = torch.randint(0, 6, (5,))
+    x = torch.randn(5, 4)
+
+    def grad_of(entropy_grad: bool, use_entropy: bool) -> torch.Tensor:
+        model.zero_grad()
+        with logprob_head(model, targets, 1.0, entropy_grad=entropy_grad):
+            lp, ent = split_head_output(model(x)[None])
+        assert ent.any()  # still computed, for the metrics
+        (lp.sum() + (ent.sum() if use_entropy else 0)).backward()
+        return model[0].weight.grad.clone()
+
+    assert torch.equal(grad_of(False, True), grad_of(True, False))  # detached: the entropy adds nothing
+    assert not torch.allclose(grad_of(True, True), grad_of(True, False))
 
 
 def _update_grads(remove_padding: bool, fused: bool, mode: str, micro: int, saved=None):
