@@ -6,7 +6,7 @@
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean && git rev-parse HEAD > .clean/COMMIT \
 #     && cp -r .devdata .clean/ && { [ -d .stage_liger ] && cp -r .stage_liger .clean/; }  # (bash benchmarks/stage_liger.sh first)
 #   then, on the lender (carry .clean): cd .clean && bash benchmarks/gpu_session.sh PART
-#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | compile1 | ppo | sweep4a..sweep4g | stream1 | stream2 | gputests | flagship4a..c ; writes $OUT/PART.tgz and $OUT/PART.log
+#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | compile1 | ppo | sweep4a..sweep4g | stream1 | stream2 | gputests | flagship4a..d ; writes $OUT/PART.tgz and $OUT/PART.log
 # Each part fits one 600 s device call; every piece has its own timeout and results are packed after each piece,
 # so a part cut short still returns what finished.
 set -u
@@ -236,9 +236,10 @@ soak1)  # issue 20: host RSS and GPU memory per step over 200 vLLM steps on 1 GP
   CUDA_VISIBLE_DEVICES=0 timeout 560 torchrun --standalone --nproc_per_node=1 benchmarks/soak.py \
     --recipe recipes/bench_modes.yaml --steps 200 --out "$RES" --run-dir /tmp/soak_run $BENCH || echo "soak x1 failed"
   ;;
-flagship4a|flagship4b|flagship4c)  # issue 16, the yardstick on 4 GPUs: 4a = cba16b7 (.clean_old, its own model cache)
-  # then this commit as shipped; 4b = this commit with more levers (LEVERS_B, LEVERS_C), step 3 profiled; 4c = this
-  # commit with trainer.expandable_segments off, then on (~4 min each; look at timing/switch and perf/max_memory_*).
+flagship4a|flagship4b|flagship4c|flagship4d)  # issue 16, the yardstick on 4 GPUs: 4a = cba16b7 (.clean_old, its own model cache)
+  # then this commit as shipped; 4b = this commit with more levers (LEVERS_B, LEVERS_C), step 3 profiled; 4c = the
+  # old export then this commit; 4d = this commit with trainer.expandable_segments (~3.5 min a run; timing/switch,
+  # perf/*memory*).
   # 4 steps each, the first dropped by flagship.py; each run ~60 s to start + 4 x ~30 s (17 s with the levers).
   # Same machine for all parts: the summary merges every run of the lease.
   F4="model.path=builtin:qwen2.5-1.5b-random data.train_path=$PWD/.devdata/train.jsonl \
@@ -251,8 +252,15 @@ flagship4a|flagship4b|flagship4c)  # issue 16, the yardstick on 4 GPUs: 4a = cba
     (cd "$dir" && PYTHONPATH=/tmp/site:$PWD timeout 260 torchrun --standalone --nproc_per_node=4 -m hybrid_rl train \
       recipes/gsm8k_grpo.yaml $F4 trainer.output_dir=$R4/$name "$@" 2>&1 | grep -vE "it/s|s/it" | tail -4)
   }
-  if [ "$PART" = flagship4c ]; then  # trainer.expandable_segments off then on, this commit as shipped
-    for es in false true; do run4 "alloc_es_$es" . trainer.expandable_segments=$es; done
+  if [ "$PART" = flagship4c ]; then  # .clean_old as shipped (export 1e7776c there: the levers before the fused head's
+    # fewer passes), then this commit as shipped
+    OLD=$(cut -c1-7 .clean_old/COMMIT)
+    (cd .clean_old && HYBRID_RL_CACHE=/tmp/hrc_old PYTHONPATH=/tmp/site:$PWD python -c \
+      "from hybrid_rl.models import resolve_model_path as r; r('builtin:qwen2.5-1.5b-random')")
+    HYBRID_RL_CACHE=/tmp/hrc_old run4 "$OLD" .clean_old
+    run4 "$(cut -c1-7 COMMIT 2>/dev/null || echo new)" .
+  elif [ "$PART" = flagship4d ]; then  # after 4c on the same machine: this commit with trainer.expandable_segments
+    run4 "$(cut -c1-7 COMMIT 2>/dev/null || echo new)+expandable" . trainer.expandable_segments=true
   elif [ "$PART" = flagship4a ]; then
     OLD=$(cut -c1-7 .clean_old/COMMIT)
     (cd .clean_old && HYBRID_RL_CACHE=/tmp/hrc_old PYTHONPATH=/tmp/site:$PWD python -c \

@@ -292,7 +292,10 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float
 
 
 def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Σ_k a[i, k] b[i, k] per row, as one batched product: no [C, V] temporary."""
+    """Σ_k a[i, k] b[i, k] per row, as one batched product (no [C, V] temporary), except where float32 matmuls may
+    run in TF32 (``torch.backends.cuda.matmul.allow_tf32``): its 10-bit mantissa is too coarse for an entropy."""
+    if a.is_cuda and a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return (a * b).sum(-1)
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
 
