@@ -196,8 +196,9 @@ class ActorConfig:
     """FSDP2: keep the parameters gathered and the gradients unreduced across the micro-batches of a pass, so a
     mini-batch costs one all-gather and one reduce-scatter per block instead of two all-gathers and one
     reduce-scatter per micro-batch (``reshard_after_forward=False``; gradient sync and resharding on the last
-    micro-batch only). Costs a full compute-dtype copy of the parameters and full fp32 gradients per GPU during a
-    pass: right for small models and many micro-batches, wrong where sharding is what makes the model fit."""
+    micro-batch only). The reference policy's pass keeps its blocks gathered likewise. Costs a full compute-dtype
+    copy of the parameters and full fp32 gradients per GPU during a pass: right for small models and many
+    micro-batches, wrong where sharding is what makes the model fit."""
     clip_ratio_low: float = 0.2
     """PPO clip ε below 1."""
     clip_ratio_high: float = 0.2

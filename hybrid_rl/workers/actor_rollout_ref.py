@@ -122,8 +122,10 @@ class ActorRolloutRefWorker:
                 ref_model = load_causal_lm(mcfg.path, self.dtype, mcfg.trust_remote_code)
                 if mcfg.use_liger:
                     apply_liger(ref_model, self.device)
+                # accumulate_unsharded: the reference's pass gathers each block once, not once per micro-batch
                 ref_engine = TrainingEngine(ref_model, self.device,
                                             self.dtype, trainable=False, group=dist.group,
+                                            accumulate_unsharded=cfg.actor.accumulate_unsharded,
                                             remove_padding=self.remove_padding, fused_logprob=self.fused_logprob,
                                         share_prompts=self.share_prompts)
                 self.ref = FrozenReference(ref_engine, offload=cfg.ref.offload)

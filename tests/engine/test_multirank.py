@@ -75,9 +75,14 @@ def test_accumulate_unsharded_gathers_once_per_pass_and_matches(runs):
         assert once["update_counts"] == {"all_gather": groups, "reduce_scatter": groups}
         assert base["update_counts"]["reduce_scatter"] > groups and base["update_counts"]["all_gather"] > 2 * groups
         assert torch.equal(once["log_probs"], base["log_probs"])
+        # the reference's pass likewise: its blocks gathered once, the same log-probs
+        assert once["ref_counts"] == {"all_gather": groups, "reduce_scatter": 0}
+        assert base["ref_counts"]["all_gather"] > groups
+        assert torch.equal(once["ref_log_probs"], base["ref_log_probs"])
         for name, want in base["params"].items():
             assert ((once["params"][name] - want).norm() / want.norm()).item() < 1e-6, name
         assert once["unsharded_after"] == [] and base["unsharded_after"] == []
+        assert once["ref_unsharded_after"] == []  # (without it FSDP2 leaves the reference's root gathered, as before)
 
 
 def _same_step(ref: dict, other: dict) -> None:

@@ -197,11 +197,16 @@ def run_accumulate_unsharded(d: DistInfo, res: dict) -> None:
     for flag, w, batch in _off_and_on(d, "actor.accumulate_unsharded"):
         with _CountCollectives() as c_lp:
             lp = w.compute_log_prob(batch)["old_log_probs"]
+        with _CountCollectives() as c_ref:
+            ref_lp = w.compute_ref_log_prob(batch)["ref_log_prob"]
         with _CountCollectives() as c_up:
             w.update_actor(local_share(batch, d))
         results[flag] = dict(log_probs=lp, params=actor_full_params(w), log_prob_counts=c_lp.counts,
+                             ref_log_probs=ref_lp, ref_counts=c_ref.counts,
                              update_counts=c_up.counts, unsharded_after=[
-                                 n for n, p in w.actor.model.named_parameters() if type(p).__name__ != "DTensor"])
+                                 n for n, p in w.actor.model.named_parameters() if type(p).__name__ != "DTensor"],
+                             ref_unsharded_after=[
+                                 n for n, p in w.ref.model.named_parameters() if type(p).__name__ != "DTensor"])
     res["unsharded"] = results
 
 
