@@ -86,7 +86,8 @@ class ActorRolloutRefWorker:
         on_gpu = self.device.type == "cuda"  # null = the device's default (see ActorConfig)
         self.remove_padding = on_gpu if cfg.actor.use_remove_padding is None else cfg.actor.use_remove_padding
         self.fused_logprob = on_gpu if cfg.actor.fused_logprob is None else cfg.actor.fused_logprob
-        self.share_prompts = (on_gpu and self.remove_padding) if cfg.actor.share_prompts is None else cfg.actor.share_prompts
+        share = cfg.actor.share_prompts
+        self.share_prompts = (on_gpu and self.remove_padding) if share is None else share
         if self.share_prompts and not self.remove_padding:
             raise ValueError("actor.share_prompts=true shares prompts inside a packed row, but this run does not pack "
                              f"(actor.use_remove_padding={cfg.actor.use_remove_padding} on {self.device.type}): set "
@@ -123,11 +124,10 @@ class ActorRolloutRefWorker:
                 if mcfg.use_liger:
                     apply_liger(ref_model, self.device)
                 # accumulate_unsharded: the reference's pass gathers each block once, not once per micro-batch
-                ref_engine = TrainingEngine(ref_model, self.device,
-                                            self.dtype, trainable=False, group=dist.group,
+                ref_engine = TrainingEngine(ref_model, self.device, self.dtype, trainable=False, group=dist.group,
                                             accumulate_unsharded=cfg.actor.accumulate_unsharded,
                                             remove_padding=self.remove_padding, fused_logprob=self.fused_logprob,
-                                        share_prompts=self.share_prompts)
+                                            share_prompts=self.share_prompts)
                 self.ref = FrozenReference(ref_engine, offload=cfg.ref.offload)
         self.rollout: RolloutEngine | None = None
         self.sharding_manager: ShardingManager | None = None
