@@ -238,7 +238,7 @@ soak1)  # issue 20: host RSS and GPU memory per step over 200 vLLM steps on 1 GP
   ;;
 flagship4a|flagship4b|flagship4c|flagship4d)  # issue 16, the yardstick on 4 GPUs: 4a = cba16b7 (.clean_old, its own model cache)
   # then this commit as shipped; 4b = this commit with more levers (LEVERS_B, LEVERS_C), step 3 profiled; 4c = the
-  # old export then this commit; 4d = this commit with trainer.expandable_segments (~3.5 min a run; timing/switch,
+  # old export then this commit; 4d = this commit, then with trainer.expandable_segments (~3 min a run; timing/switch,
   # perf/*memory*).
   # 4 steps each, the first dropped by flagship.py; each run ~60 s to start + 4 x ~30 s (17 s with the levers).
   # Same machine for all parts: the summary merges every run of the lease.
@@ -259,7 +259,8 @@ flagship4a|flagship4b|flagship4c|flagship4d)  # issue 16, the yardstick on 4 GPU
       "from hybrid_rl.models import resolve_model_path as r; r('builtin:qwen2.5-1.5b-random')")
     HYBRID_RL_CACHE=/tmp/hrc_old run4 "$OLD" .clean_old
     run4 "$(cut -c1-7 COMMIT 2>/dev/null || echo new)" .
-  elif [ "$PART" = flagship4d ]; then  # after 4c on the same machine: this commit with trainer.expandable_segments
+  elif [ "$PART" = flagship4d ]; then  # after 4c on the same machine: this commit, then with trainer.expandable_segments
+    run4 "$(cut -c1-7 COMMIT 2>/dev/null || echo new)" .
     run4 "$(cut -c1-7 COMMIT 2>/dev/null || echo new)+expandable" . trainer.expandable_segments=true
   elif [ "$PART" = flagship4a ]; then
     OLD=$(cut -c1-7 .clean_old/COMMIT)
