@@ -252,8 +252,8 @@ flagship4a|flagship4b|flagship4c|flagship4d)  # issue 16, the yardstick on 4 GPU
     (cd "$dir" && PYTHONPATH=/tmp/site:$PWD timeout 260 torchrun --standalone --nproc_per_node=4 -m hybrid_rl train \
       recipes/gsm8k_grpo.yaml $F4 trainer.output_dir=$R4/$name "$@" 2>&1 | grep -vE "it/s|s/it" | tail -4)
   }
-  if [ "$PART" = flagship4c ]; then  # .clean_old as shipped (export 1e7776c there: the levers before the fused head's
-    # fewer passes), then this commit as shipped
+  if [ "$PART" = flagship4c ]; then  # .clean_old as shipped (an export of cba16b7, the issue's baseline, or of any
+    # commit to compare), then this commit as shipped
     OLD=$(cut -c1-7 .clean_old/COMMIT)
     (cd .clean_old && HYBRID_RL_CACHE=/tmp/hrc_old PYTHONPATH=/tmp/site:$PWD python -c \
       "from hybrid_rl.models import resolve_model_path as r; r('builtin:qwen2.5-1.5b-random')")
