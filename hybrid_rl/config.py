@@ -165,9 +165,10 @@ class ActorConfig:
     ppo_mini_batch_size: int = 16
     """Prompts per optimizer step, across all ranks (each brings ``rollout.n`` samples)."""
     ppo_micro_batch_size_per_device: int = 8
-    """Sequences per forward/backward on one device (gradient accumulation fills the mini-batch)."""
+    """Sequences per forward/backward on one device (gradient accumulation fills the mini-batch); unused with
+    ``use_dynamic_bsz``, whose token budget cuts the micro-batches instead."""
     log_prob_micro_batch_size_per_device: int = 16
-    """Sequences per forward when computing log-probs."""
+    """Sequences per forward when computing log-probs (likewise unused with ``use_dynamic_bsz``)."""
     use_dynamic_bsz: bool = False
     """Cut micro-batches by padded tokens (``max_token_len_per_device``) instead of a sequence count, in every pass."""
     max_token_len_per_device: int = 16384
@@ -527,7 +528,7 @@ class Config:
             raise ConfigError(f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} must be divisible by the {world_size} ranks; "
                               f"set it to a multiple of {world_size}")
         seqs_per_rank = a.ppo_mini_batch_size // world_size * r.n
-        if seqs_per_rank % a.ppo_micro_batch_size_per_device:
+        if not a.use_dynamic_bsz and seqs_per_rank % a.ppo_micro_batch_size_per_device:  # a token budget cuts otherwise
             raise ConfigError(f"a mini-batch holds {seqs_per_rank} sequences per device (actor.ppo_mini_batch_size / ranks × rollout.n), "
                               f"not divisible by actor.ppo_micro_batch_size_per_device={a.ppo_micro_batch_size_per_device}; use a divisor of {seqs_per_rank}")
         if est.needs_critic:
@@ -640,7 +641,7 @@ class Config:
             raise ConfigError(f"critic.ppo_mini_batch_size={c.ppo_mini_batch_size} must be divisible by the {world_size} "
                               f"ranks; set it to a multiple of {world_size}")
         seqs = c.ppo_mini_batch_size // world_size * n
-        if seqs % c.ppo_micro_batch_size_per_device:
+        if not c.use_dynamic_bsz and seqs % c.ppo_micro_batch_size_per_device:
             raise ConfigError(f"a critic mini-batch holds {seqs} sequences per device (critic.ppo_mini_batch_size / ranks × "
                               f"rollout.n), not divisible by critic.ppo_micro_batch_size_per_device="
                               f"{c.ppo_micro_batch_size_per_device}; use a divisor of {seqs}")

@@ -66,6 +66,17 @@ def test_inconsistent_sizes_are_errors(overrides, message):
         load_config(None, overrides).validate()
 
 
+def test_a_token_budget_leaves_the_micro_batch_size_unchecked():
+    """With use_dynamic_bsz the micro-batches are cut by tokens: a sequence count that does not divide the
+    mini-batch is unused, not an error (it still is without the budget, above)."""
+    for section in ("actor", "critic"):
+        base = ["algorithm.adv_estimator=gae"] if section == "critic" else []
+        load_config(None, base + [f"{section}.use_dynamic_bsz=true",
+                                  f"{section}.ppo_micro_batch_size_per_device=7"]).validate()
+        with pytest.raises(ConfigError, match=f"{section}.ppo_micro_batch_size_per_device=7"):
+            load_config(None, base + [f"{section}.ppo_micro_batch_size_per_device=7"]).validate()
+
+
 def test_world_size_divisibility():
     with pytest.raises(ConfigError, match="divisible by the 3 ranks"):
         load_config(None, ["data.train_batch_size=32"]).validate(world_size=3)
