@@ -87,8 +87,8 @@ def test_float32_queries_under_autocast_reach_the_kernel():
 
 
 def test_fused_head_on_the_gpu_matches_the_reference_forward_and_backward():
-    """The fused head's CUDA branch (the entropy's row dot as multiply-and-sum, not the CPU's batched product), in
-    float64 against the full-logits reference, with log-prob and entropy gradients at a temperature."""
+    """The fused head on CUDA (the entropy's row dot as multiply-and-sum, the path the flagship ran), in float64
+    against the full-logits reference, with log-prob and entropy gradients at a temperature."""
     from hybrid_rl.workers.packed import fused_logprob_entropy
     from hybrid_rl.algorithms import entropy_from_logits, logprobs_from_logits
 
