@@ -56,8 +56,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from hybrid_rl.trainer import Trainer
 
     dist = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s, cfg.trainer.expandable_segments)
+    finished = False
     try:
         Trainer(cfg, dist).fit()
+        finished = True
     except RuntimeError as e:
         if not _is_collective_timeout(e):
             raise
@@ -68,7 +70,7 @@ def cmd_train(args: argparse.Namespace) -> int:
               f"phase is legitimately that uneven across ranks", file=sys.stderr, flush=True)
         return 1
     finally:
-        destroy()
+        destroy(finished)
     return 0
 
 

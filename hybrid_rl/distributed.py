@@ -129,6 +129,20 @@ def barrier(group: Group = None) -> None:
         dist.barrier(group=group)
 
 
-def destroy() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def destroy(finished: bool = False) -> None:
+    """Tear the process groups down while the interpreter is fully alive.
+
+    ``finished``: every rank got here normally. They then meet at a barrier first, so no rank closes its
+    connections while another still talks on them, and the trainer's reference cycles (FSDP modules, pending
+    collective handles holding tensors) are collected before the groups go. A gloo rank that left them to
+    interpreter finalization aborted once after a finished run ("terminate called without an active exception",
+    CI, 2-rank LoRA + offload). After a failure no barrier: the other ranks may be gone.
+    """
+    import gc
+
+    if not dist.is_initialized():
+        return
+    if finished:
+        dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
