@@ -24,6 +24,9 @@ from hybrid_rl.distributed import all_reduce_max
 
 PROMPT_KEYS = ("prompts",)
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
+HOST_META = "packing_host"
+"""``Batch.meta`` key of a packed micro-batch's host copies (``attention_mask``; ``input_ids`` with shared prompts),
+cut from one device-to-host read per batch (``workers.packed.pack`` lays the micro-batch out from them)."""
 
 
 def trim_padding(batch: Batch, lengths: tuple[np.ndarray, np.ndarray] | None = None) -> Batch:
@@ -205,5 +208,29 @@ def micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = None,
     GPU queue between micro-batches.
     """
     p_len, r_len = _lengths(batch)
-    return [(idx, trim_padding(batch.index(idx), (p_len[idx], r_len[idx])))
-            for idx in plan_micro_batches(batch, max_seqs, max_tokens, (p_len, r_len), group, packed, share_prompts)]
+    host = _host_layout(batch, share_prompts) if packed else None
+    out = []
+    for idx in plan_micro_batches(batch, max_seqs, max_tokens, (p_len, r_len), group, packed, share_prompts):
+        micro = trim_padding(batch.index(idx), (p_len[idx], r_len[idx]))
+        if host is not None:
+            micro.meta[HOST_META] = _host_rows(host, idx, batch, micro)
+        out.append((idx, micro))
+    return out
+
+
+def _host_layout(batch: Batch, with_ids: bool) -> dict[str, torch.Tensor]:
+    """The batch's attention mask (and ids, which ``pack_shared`` matches prompts by) on the host, read once: packing
+    then lays out every micro-batch without waiting for the GPU (``workers.packed.pack``)."""
+    t = batch.tensors
+    host = {"attention_mask": t["attention_mask"].bool().cpu()}
+    if with_ids:
+        host["input_ids"] = t["input_ids"].cpu()
+    return host
+
+
+def _host_rows(host: dict[str, torch.Tensor], idx: np.ndarray, batch: Batch, micro: Batch) -> dict[str, torch.Tensor]:
+    """``host``'s rows ``idx``, cut to the columns ``trim_padding`` kept for ``micro``."""
+    p_width = batch.tensors["prompts"].shape[1]
+    keep_p, keep_r = micro.tensors["prompts"].shape[1], micro.tensors["responses"].shape[1]
+    rows = torch.from_numpy(np.asarray(idx, dtype=np.int64))
+    return {k: v[rows][:, p_width - keep_p:p_width + keep_r] for k, v in host.items()}

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from hybrid_rl.algorithms import entropy_from_logits, logprobs_from_logits
 from hybrid_rl.batch import Batch, as_slice
-from hybrid_rl.micro_batching import micro_batches
+from hybrid_rl.micro_batching import HOST_META, micro_batches
 from hybrid_rl.workers.packed import (logprob_head, pack, pack_shared, split_head_output, unpack,
                                       use_varlen_attention)
 from hybrid_rl.weights.plan import PushPlan, decoder_layer_classes
@@ -204,7 +204,7 @@ class TrainingEngine:
         ``entropy_grad=False``: the entropy is for metrics only, and the fused head's backward skips it."""
         t = micro.to(self.device).tensors
         if self.remove_padding:
-            return self._forward_packed(t, temperature, with_entropy, entropy_grad)
+            return self._forward_packed(t, temperature, with_entropy, entropy_grad, micro.meta.get(HOST_META))
         responses = t["responses"]
         resp_len = responses.shape[1]
         kwargs = dict(input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"],
@@ -246,9 +246,11 @@ class TrainingEngine:
                              "actor.use_remove_padding=false and actor.fused_logprob=false for it") from e
 
     def _forward_packed(self, t: dict[str, torch.Tensor], temperature: float, with_entropy: bool,
-                        entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``forward`` on the micro-batch packed into one row: only real tokens pass through the model."""
-        p = pack_shared(t) if self.share_prompts else pack(t)
+                        entropy_grad: bool = True, host: dict[str, torch.Tensor] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward`` on the micro-batch packed into one row: only real tokens pass through the model (``host``: the
+        micro-batch's mask and ids already on the host, see ``micro_batching.HOST_META``)."""
+        p = pack_shared(t, host) if self.share_prompts else pack(t, host)
         self.packed_tokens[0] += p.input_ids.shape[1]
         self.packed_tokens[1] += p.shared.tokens_unshared if p.shared is not None else p.input_ids.shape[1]
         kwargs = dict(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False,
@@ -263,7 +265,7 @@ class TrainingEngine:
                 logits = self._call(kwargs, p.keep).logits  # [1, n, V]
                 lp = logprobs_from_logits(logits, p.targets[None], temperature)[0]
                 ent = entropy_from_logits(logits, temperature)[0] if with_entropy else None
-        return unpack(lp, p.valid), unpack(ent, p.valid) if with_entropy else None
+        return unpack(lp, p), unpack(ent, p) if with_entropy else None
 
     @torch.no_grad()
     def compute_log_prob(self, batch: Batch, micro_batch_size: int, temperature: float, with_entropy: bool = False,

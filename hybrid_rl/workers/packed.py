@@ -27,8 +27,11 @@ import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from hybrid_rl.batch import to_device
 
 ATTN_NAME = "hybrid_rl_varlen"
 LOGIT_CHUNK_ROWS = 1024
@@ -47,35 +50,68 @@ class Packed:
     max_seqlen: int
     keep: torch.Tensor  # [n] packed positions whose next token is a response token (the LM head's rows)
     targets: torch.Tensor  # [n] those response tokens
-    valid: torch.Tensor  # [b, R] bool: which response slots the n rows fill (row-major)
+    valid: torch.Tensor  # [b, R] bool, on the host: which response slots the n rows fill (row-major)
+    slots: torch.Tensor  # [n] the same slots as flat indices into [b * R], on the device (``unpack``)
     shared: "SharedPrompts | None" = None  # pack_shared's layout (each prompt once); None: one sequence per row
 
 
-def pack(tensors: dict[str, torch.Tensor]) -> Packed:
+def _host(tensors: dict[str, torch.Tensor], host: dict[str, torch.Tensor] | None, key: str) -> torch.Tensor:
+    """``tensors[key]`` on the host: from ``host`` when given, else read here (one device sync)."""
+    if host is not None and key in host:
+        return host[key]
+    return tensors[key].cpu()
+
+
+def _to_device(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host int64 index tensors on ``device`` in one pinned, non-blocking copy (views of it)."""
+    flat = to_device(torch.cat(parts), device)
+    return list(flat.split([len(x) for x in parts]))
+
+
+def _gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[b, L] -> [1, T]: the flat positions ``index`` of ``t`` (an integer gather: no device sync)."""
+    return t.reshape(-1).index_select(0, index)[None]
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(s, s + n) for s, n in zip(starts, lengths)])`` without the Python loop."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    offsets = np.cumsum(lengths) - lengths  # where each range starts in the output
+    return np.repeat(np.asarray(starts, dtype=np.int64) - offsets, lengths) + np.arange(int(lengths.sum()))
+
+
+def pack(tensors: dict[str, torch.Tensor], host: dict[str, torch.Tensor] | None = None) -> Packed:
     """One row holding the real tokens of a padded micro-batch (``input_ids``/``attention_mask``/``position_ids``
-    [b, P + R], ``responses`` [b, R]), and where its response tokens are predicted."""
-    mask = tensors["attention_mask"].bool()  # [b, L]
+    [b, P + R], ``responses`` [b, R]), and where its response tokens are predicted.
+
+    The layout is worked out on the host (from ``host``'s copy of the mask when the caller read it once for the whole
+    batch) and reaches the device as integer indices in one queued copy, so packing never waits for the GPU: boolean
+    indexing on the device (a ``nonzero``) drained the GPU's queue several times per micro-batch."""
     responses = tensors["responses"]  # [b, R]
-    width = responses.shape[1]
+    mask = _host(tensors, host, "attention_mask").bool()  # [b, L]
+    b, width = responses.shape
     prompt_width = mask.shape[1] - width
     lengths = mask.sum(dim=1)  # [b]
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=mask.device)
+    cu = torch.zeros(b + 1, dtype=torch.long)
     cu[1:] = torch.cumsum(lengths, 0)
+    flat = mask.reshape(-1)
+    tokens = flat.nonzero().squeeze(1)  # where the real tokens are in the flattened [b, L]
     # packed index of every real token, in padded coordinates
-    index = torch.cumsum(mask.flatten().long(), 0).reshape(mask.shape) - 1  # [b, L]
+    index = (torch.cumsum(flat.long(), 0) - 1).reshape(mask.shape)  # [b, L]
     # response token j is predicted at padded column P + j - 1; it counts where the token itself is real
     valid = mask[:, prompt_width:]  # [b, R]
     keep = index[:, prompt_width - 1:prompt_width - 1 + width][valid]  # [n]
-    return Packed(input_ids=tensors["input_ids"][mask][None], position_ids=tensors["position_ids"][mask][None],
-                  cu_seqlens=cu, max_seqlen=int(lengths.max()) if len(lengths) else 0, keep=keep,
-                  targets=responses[valid], valid=valid)
+    slots = valid.reshape(-1).nonzero().squeeze(1)
+    tokens, keep, slots, cu = _to_device([tokens, keep, slots, cu], responses.device)
+    return Packed(input_ids=_gather(tensors["input_ids"], tokens), position_ids=_gather(tensors["position_ids"], tokens),
+                  cu_seqlens=cu.to(torch.int32), max_seqlen=int(lengths.max()) if b else 0, keep=keep,
+                  targets=responses.reshape(-1).index_select(0, slots), valid=valid, slots=slots)
 
 
-def unpack(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def unpack(values: torch.Tensor, packed: Packed) -> torch.Tensor:
     """[n] per-response-token values back to [b, R], 0 in the padding slots."""
-    out = values.new_zeros(valid.shape)
-    out[valid] = values
-    return out
+    b, width = packed.valid.shape
+    return values.new_zeros(b * width).index_copy(0, packed.slots, values).view(b, width)
 
 
 @dataclass
@@ -98,7 +134,7 @@ class SharedPrompts:
     """The tokens the same micro-batch packed without sharing would hold (``perf`` reads the saving)."""
 
 
-def pack_shared(tensors: dict[str, torch.Tensor]) -> Packed:
+def pack_shared(tensors: dict[str, torch.Tensor], host: dict[str, torch.Tensor] | None = None) -> Packed:
     """``pack`` with each distinct prompt's tokens once: the n responses of a GRPO group attend to one copy.
 
     Exact: a prompt's tokens never see its responses (causal), so every copy of it computes the same hidden states; one
@@ -106,56 +142,52 @@ def pack_shared(tensors: dict[str, torch.Tensor]) -> Packed:
     Rows are matched by their prompt tokens (after ``trim_padding``, a group's rows are identical there). The prompts
     come first in the row and the responses after them, so each attention call reads a contiguous slice. The LM-head
     row that predicts a response's first token is its prompt's last position, shared by the group's responses.
+    Like ``pack``, the layout is built on the host (``host``: the mask and ids read once per batch) and sent as indices.
     """
-    mask = tensors["attention_mask"].bool()  # [b, L]
     responses = tensors["responses"]  # [b, R]
-    prompt_width = mask.shape[1] - responses.shape[1]
-    ids, pos = tensors["input_ids"], tensors["position_ids"]
-    dev = mask.device
+    mask = _host(tensors, host, "attention_mask").bool()  # [b, L]
+    width = mask.shape[1]
+    prompt_width = width - responses.shape[1]
+    ids = _host(tensors, host, "input_ids")
     prompt_rows = torch.where(mask[:, :prompt_width], ids[:, :prompt_width], -1)  # [b, P] pads marked
     _, group = torch.unique(prompt_rows, dim=0, return_inverse=True)
-    group_of, p_len = group.tolist(), mask[:, :prompt_width].sum(1).tolist()
-    r_len = mask[:, prompt_width:].sum(1).tolist()
-    members: dict[int, list[int]] = {}
-    for row, g in enumerate(group_of):
-        members.setdefault(g, []).append(row)
-    groups = sorted(members.values(), key=lambda rows: rows[0])  # in the order their first row comes
-    prompt_at: dict[int, range] = {}  # row -> its prompt's positions in the packed row
-    tok, posn, cu_p = [], [], [0]
-    for rows in groups:
-        p = p_len[rows[0]]
-        tok.append(ids[rows[0], prompt_width - p:prompt_width])
-        posn.append(pos[rows[0], prompt_width - p:prompt_width])
-        for row in rows:
-            prompt_at[row] = range(cu_p[-1], cu_p[-1] + p)
-        cu_p.append(cu_p[-1] + p)
-    kv_idx: list[int] = []  # packed positions, built as Python ints and moved to the device once
-    keep_of: dict[int, list[int]] = {}
-    cu_r, cu_kv, cursor = [0], [0], cu_p[-1]
-    for row in (r for rows in groups for r in rows):
-        n = r_len[row]
-        if n == 0:
-            continue
-        tok.append(ids[row, prompt_width:prompt_width + n])
-        posn.append(pos[row, prompt_width:prompt_width + n])
-        resp, prompt = range(cursor, cursor + n), prompt_at[row]
-        kv_idx.extend(prompt)
-        kv_idx.extend(resp)
-        cu_r.append(cu_r[-1] + n)
-        cu_kv.append(cu_kv[-1] + len(prompt) + n)
-        keep_of[row] = [prompt[-1], *resp[:-1]]  # the prompt's last position predicts the first response token
-        cursor += n
-    keep = [i for row in range(len(group_of)) for i in keep_of.get(row, ())]  # row-major, as responses[valid]
-    i64, i32 = dict(dtype=torch.long, device=dev), dict(dtype=torch.int32, device=dev)
-    shared = SharedPrompts(
-        prompt_tokens=cu_p[-1], cu_prompt=torch.tensor(cu_p, **i32), max_prompt=max(p_len, default=0),
-        cu_resp=torch.tensor(cu_r, **i32), max_resp=max(r_len, default=0), kv_idx=torch.tensor(kv_idx, **i64),
-        cu_kv=torch.tensor(cu_kv, **i32), max_kv=max((p_len[r] + r_len[r] for r in range(len(group_of))), default=0),
-        tokens_unshared=int(mask.sum()))
+    group = group.numpy()
+    p_len, r_len = mask[:, :prompt_width].sum(1).numpy(), mask[:, prompt_width:].sum(1).numpy()
+    # groups in the order their first row comes; rows grouped, ascending within a group
+    ids_, first = np.unique(group, return_index=True)
+    rank = np.empty(len(ids_), dtype=np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(len(ids_))
+    rank_of = rank[np.searchsorted(ids_, group)]  # [b] each row's group, numbered in that order
+    heads = np.sort(first)  # each group's first row, in group order
+    cu_p = np.concatenate([[0], np.cumsum(p_len[heads])])
+    order = np.argsort(rank_of, kind="stable")
+    order = order[r_len[order] > 0]  # the rows with a response, as they follow each other in the packed row
+    n, p = r_len[order], p_len[order]
+    resp_start = cu_p[-1] + np.cumsum(n) - n
+    prompt_start = cu_p[rank_of[order]]
+    # flat [b, L] positions of the packed row's tokens: each group's prompt (from its first row), then the responses
+    take = np.concatenate([_ranges(heads * width + prompt_width - p_len[heads], p_len[heads]),
+                           _ranges(order * width + prompt_width, n)])
+    # each response's keys: its prompt's copy, then itself
+    kv_idx = _ranges(np.stack([prompt_start, resp_start], 1).ravel(), np.stack([p, n], 1).ravel())
+    cu_r, cu_kv = (np.concatenate([[0], np.cumsum(x)]) for x in (n, p + n))
+    # LM-head rows in row-major order (as responses[valid]): the prompt's last position predicts the first response
+    # token, then each response position predicts the next
+    by_row = np.argsort(order, kind="stable")
+    keep = _ranges(resp_start[by_row] - 1, n[by_row])
+    keep[np.cumsum(n[by_row]) - n[by_row]] = (prompt_start + p - 1)[by_row]
     valid = mask[:, prompt_width:]  # [b, R]
-    return Packed(input_ids=torch.cat(tok)[None], position_ids=torch.cat(posn)[None], cu_seqlens=shared.cu_prompt,
-                  max_seqlen=shared.max_kv, keep=torch.tensor(keep, **i64), targets=responses[valid], valid=valid,
-                  shared=shared)
+    slots = valid.reshape(-1).nonzero().squeeze(1)
+    take_d, keep_d, kv_d, slots_d, cu_p_d, cu_r_d, cu_kv_d = _to_device(
+        [torch.from_numpy(np.asarray(x, dtype=np.int64)) for x in (take, keep, kv_idx)] + [slots]
+        + [torch.from_numpy(np.asarray(x, dtype=np.int64)) for x in (cu_p, cu_r, cu_kv)], responses.device)
+    shared = SharedPrompts(
+        prompt_tokens=int(cu_p[-1]), cu_prompt=cu_p_d.to(torch.int32), max_prompt=int(p_len.max(initial=0)),
+        cu_resp=cu_r_d.to(torch.int32), max_resp=int(r_len.max(initial=0)), kv_idx=kv_d, cu_kv=cu_kv_d.to(torch.int32),
+        max_kv=int((p_len + r_len).max(initial=0)), tokens_unshared=int(mask.sum()))
+    return Packed(input_ids=_gather(tensors["input_ids"], take_d), position_ids=_gather(tensors["position_ids"], take_d),
+                  cu_seqlens=shared.cu_prompt, max_seqlen=shared.max_kv, keep=keep_d,
+                  targets=responses.reshape(-1).index_select(0, slots_d), valid=valid, slots=slots_d, shared=shared)
 
 
 # --------------------------------------------------------------------------- attention

@@ -37,7 +37,7 @@ def test_pack_keeps_real_tokens_and_predictor_positions(tiny_model_path):
         assert int(p.position_ids[0, s]) == int(t["position_ids"][row][t["attention_mask"][row].bool()][0])
     flat_targets = p.input_ids[0, p.keep + 1]
     assert torch.equal(flat_targets, p.targets)
-    assert torch.equal(unpack(p.targets.float(), p.valid), (t["responses"] * p.valid).float())
+    assert torch.equal(unpack(p.targets.float(), p), (t["responses"] * p.valid).float())
     assert prompt_width > 0
 
 
@@ -162,3 +162,26 @@ def test_varlen_attention_refuses_unpacked_calls(tiny_model_path):
     with pytest.raises(RuntimeError, match="use_remove_padding"):
         t = batch.tensors
         w.actor.model(input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"])
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["pack", "pack_shared"])
+def test_micro_batches_host_copies_give_the_device_read_layout(tiny_model_path, share):
+    """``micro_batches`` reads the mask (and ids) to the host once per batch and cuts each micro-batch's rows and
+    trimmed columns from it; packing from those copies must lay out exactly what reading the micro-batch gives."""
+    from hybrid_rl.micro_batching import HOST_META, micro_batches
+    from hybrid_rl.workers.packed import pack_shared
+
+    w = _worker(True, True, "rollout.n=4")
+    batch = generate_batch(w, chat_prompts(w, ("7", "a longer prompt with several words", "3")))
+    fn = pack_shared if share else pack
+    micros = micro_batches(batch, 64, max_tokens=int(batch["attention_mask"].sum(1).max()) * 2, packed=True,
+                           share_prompts=share)
+    assert len(micros) >= 2  # several micro-batches, each trimmed to its own widths
+    for _, micro in micros:
+        host = micro.meta[HOST_META]
+        assert set(host) == ({"attention_mask", "input_ids"} if share else {"attention_mask"})
+        a, b = fn(micro.tensors, host), fn(micro.tensors)
+        for field in ("input_ids", "position_ids", "cu_seqlens", "keep", "targets", "valid", "slots"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), field
+        assert a.max_seqlen == b.max_seqlen
+    assert HOST_META not in micro_batches(batch, 64)[0][1].meta  # the padded path reads nothing

@@ -52,7 +52,7 @@ def test_layout_holds_each_prompt_once_and_every_sequence_in_its_segments(tiny_m
     # the prompts first (each once), then the responses: each attention call reads a contiguous slice
     assert sh.prompt_tokens == int(sh.cu_prompt[-1]) == int(p_len[::4].sum())
     assert int(sh.cu_resp[-1]) == s.input_ids.shape[1] - sh.prompt_tokens == int(r_len.sum())
-    assert torch.equal(unpack(s.targets.float(), s.valid), (t["responses"] * s.valid).float())
+    assert torch.equal(unpack(s.targets.float(), s), (t["responses"] * s.valid).float())
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused_head"])
@@ -164,3 +164,30 @@ def test_kernel_alignment_is_checked_before_sharing(monkeypatch, end_aligned):
     else:
         with pytest.raises(RuntimeError, match="set actor.share_prompts=false"):
             packed._check_end_aligned(torch.device("cpu"), torch.float32)
+
+
+def test_layout_on_hand_built_rows_with_empty_responses():
+    """Groups out of order, a row with no response token, a group with none at all: every response still attends to
+    its own prompt then itself, and the LM-head rows predict what ``pack`` predicts, in the same order."""
+    P, R = 4, 3
+    prompts = {0: [5, 6, 7], 1: [8, 9], 2: [3, 4, 5, 6]}
+    rows = [(1, [11, 12]), (0, [13]), (1, []), (2, []), (0, [14, 15, 16]), (1, [17, 18, 19])]  # (prompt, response)
+    b = len(rows)
+    ids, mask = torch.zeros(b, P + R, dtype=torch.long), torch.zeros(b, P + R, dtype=torch.long)
+    for i, (g, resp) in enumerate(rows):
+        pr = prompts[g]
+        ids[i, P - len(pr):P], mask[i, P - len(pr):P] = torch.tensor(pr), 1
+        if resp:
+            ids[i, P:P + len(resp)], mask[i, P:P + len(resp)] = torch.tensor(resp), 1
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    t = dict(input_ids=ids, attention_mask=mask, position_ids=pos, responses=ids[:, P:])
+    p, s = pack(t), pack_shared(t)
+    sh = s.shared
+    assert s.input_ids[0, :sh.prompt_tokens].tolist() == [8, 9, 5, 6, 7, 3, 4, 5, 6]  # by first row: 1, 0, 2
+    bounds = sh.cu_kv.tolist()
+    seen = [s.input_ids[0, sh.kv_idx[a:e]].tolist() for a, e in zip(bounds[:-1], bounds[1:])]
+    assert seen == [prompts[1] + [11, 12], prompts[1] + [17, 18, 19], prompts[0] + [13], prompts[0] + [14, 15, 16]]
+    assert torch.equal(s.targets, p.targets) and torch.equal(s.input_ids[0, s.keep], p.input_ids[0, p.keep])
+    assert torch.equal(s.position_ids[0, s.keep], p.position_ids[0, p.keep])
+    assert torch.equal(unpack(s.targets.float(), s), (t["responses"] * s.valid).float())
+    assert sh.tokens_unshared == int(mask.sum()) and sh.max_kv == 6 and sh.max_prompt == 4
