@@ -142,6 +142,13 @@ def as_slice(idx: np.ndarray) -> slice | None:
     return None
 
 
+def row_index(idx: np.ndarray, device: torch.device) -> slice | torch.Tensor:
+    """Host row indices as something to index a device tensor with: a slice when they are a run, else a tensor
+    copied without a sync (``torch.as_tensor(idx, device=...)`` copies from pageable memory and waits for the GPU)."""
+    idx = np.asarray(idx, dtype=np.int64)
+    return as_slice(idx) or to_device(torch.from_numpy(idx), torch.device(device))
+
+
 def _as_object_array(values: Any) -> np.ndarray:
     arr = np.empty(len(values), dtype=object)
     arr[:] = list(values)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from hybrid_rl import algorithms as alg
-from hybrid_rl.batch import Batch
+from hybrid_rl.batch import Batch, row_index
 from hybrid_rl.config import Config, parse_forced_lengths
 from hybrid_rl.micro_batching import micro_batches
 from hybrid_rl.distributed import DistInfo, all_reduce_sum
@@ -217,7 +217,7 @@ class ActorRolloutRefWorker:
             part_lp, part_ent = self.actor.compute_log_prob(batch.index(rest), a.log_prob_micro_batch_size_per_device,
                                                             batch.meta["temperature"], with_entropy=True,
                                                             max_tokens=self._token_budget)
-            where = torch.as_tensor(rest, device=self.device)
+            where = row_index(rest, self.device)
             lp[where, :part_lp.shape[1]] = part_lp
             ent[where, :part_ent.shape[1]] = part_ent
         return batch.union(tensors=dict(old_log_probs=lp, old_entropy=ent), update_order=order)
@@ -318,7 +318,7 @@ class ActorRolloutRefWorker:
             loss, m, (lp, ent) = self._micro_batch_loss(micro, num_tokens, num_seqs, own_old=capture is not None)
             if capture is not None:
                 rows, lps, ents = capture
-                where = torch.as_tensor(rows[idx], device=self.device)
+                where = row_index(rows[idx], self.device)
                 lps[where, :lp.shape[1]] = lp
                 ents[where, :ent.shape[1]] = ent
             self.actor.micro_batch_step(last=i == len(micros) - 1)

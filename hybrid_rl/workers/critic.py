@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from hybrid_rl import algorithms as alg
-from hybrid_rl.batch import Batch, as_slice
+from hybrid_rl.batch import Batch, row_index
 from hybrid_rl.config import Config
 from hybrid_rl.distributed import DistInfo, all_reduce_sum
 from hybrid_rl.micro_batching import micro_batches
@@ -148,7 +148,7 @@ class CriticWorker:
                 for idx, micro in micro_batches(batch, c.forward_micro_batch_size_per_device, self._token_budget,
                                                 self.dist.group):
                     v = self._values(micro)  # [b, R'] (trimmed to the micro-batch's longest response)
-                    rows = as_slice(idx) or torch.as_tensor(idx, device=self.device)
+                    rows = row_index(idx, self.device)
                     values[rows, :v.shape[1]] = v
             finally:
                 self.engine.reshard()

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_rl.algorithms import entropy_from_logits, logprobs_from_logits
-from hybrid_rl.batch import Batch, as_slice
+from hybrid_rl.batch import Batch, row_index
 from hybrid_rl.micro_batching import HOST_META, micro_batches
 from hybrid_rl.workers.packed import (logprob_head, pack, pack_shared, split_head_output, unpack,
                                       use_varlen_attention)
@@ -280,7 +280,7 @@ class TrainingEngine:
             for idx, micro in micro_batches(batch, micro_batch_size, max_tokens, self.group, self.remove_padding,
                                             self.share_prompts):
                 lp, ent = self.forward(micro, temperature, with_entropy)
-                rows = as_slice(idx) or torch.as_tensor(idx, device=self.device)
+                rows = row_index(idx, self.device)
                 lps[rows, :lp.shape[1]] = lp
                 if ents is not None and ent is not None:
                     ents[rows, :ent.shape[1]] = ent

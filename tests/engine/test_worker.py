@@ -308,3 +308,14 @@ def test_fixed_size_micro_batches_group_rows_by_length():
     padded = sum(trim_padding(batch.index(idx))["input_ids"].numel() for idx in plan)
     consecutive = sum(trim_padding(batch.index(slice(s, s + 8)))["input_ids"].numel() for s in range(0, n, 8))
     assert padded < 0.75 * consecutive
+
+
+def test_row_index_is_a_slice_for_runs_and_writes_the_same_rows():
+    from hybrid_rl.batch import row_index
+
+    assert row_index(np.array([3, 4, 5]), torch.device("cpu")) == slice(3, 6)
+    scattered = row_index(np.array([5, 0, 2]), torch.device("cpu"))
+    assert isinstance(scattered, torch.Tensor) and scattered.dtype == torch.long
+    out = torch.zeros(6, 2)
+    out[scattered, :1] = torch.tensor([[1.0], [2.0], [3.0]])
+    assert out[:, 0].tolist() == [2.0, 0.0, 3.0, 0.0, 0.0, 1.0]
