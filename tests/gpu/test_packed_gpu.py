@@ -107,3 +107,38 @@ def test_fused_head_on_the_gpu_matches_the_reference_forward_and_backward():
     ((lp * gl).sum() + (ent * ge).sum()).backward()
     for got, want in ((lp, lp_ref), (ent, ent_ref), (hidden.grad, ref_h.grad), (weight.grad, ref_w.grad)):
         torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["pack", "pack_shared"])
+def test_packing_from_host_copies_never_waits_for_the_gpu(share):
+    """With the host copies ``micro_batches`` hands over, laying out a micro-batch and scattering its results back
+    queue work without one device sync (torch's sync debug mode turns any into an error). Before, boolean indexing,
+    ``unique`` and ``.tolist()`` on the device drained the queue several times per micro-batch."""
+    from hybrid_rl.micro_batching import _host_layout, _host_rows
+    from hybrid_rl.batch import Batch
+    from hybrid_rl.workers.packed import pack, pack_shared, unpack
+
+    g = torch.Generator().manual_seed(0)
+    b, n, P, R = 16, 4, 12, 20
+    p_len = torch.randint(3, P + 1, (b // n,), generator=g).repeat_interleave(n)
+    r_len = torch.randint(1, R + 1, (b,), generator=g)
+    ids = torch.randint(5, 1000, (b, P + R), generator=g)
+    mask = torch.zeros(b, P + R, dtype=torch.long)
+    for i in range(b):
+        mask[i, P - p_len[i]:P], mask[i, P:P + r_len[i]] = 1, 1
+        ids[i, :P] = ids[i - i % n, :P]
+    t = dict(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+             responses=ids[:, P:], prompts=ids[:, :P])
+    batch = Batch({k: v.cuda() for k, v in t.items()})
+    host = _host_rows(_host_layout(batch, share), torch.arange(b).numpy(), batch, batch)
+    fn = pack_shared if share else pack
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        p = fn(batch.tensors, host)
+        back = unpack(p.targets.float(), p)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    reference = fn({k: v for k, v in t.items()})  # the same layout built on the CPU
+    assert torch.equal(p.input_ids.cpu(), reference.input_ids) and torch.equal(p.keep.cpu(), reference.keep)
+    assert torch.equal(back.cpu(), (t["responses"] * reference.valid).float())
