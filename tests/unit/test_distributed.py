@@ -39,3 +39,28 @@ def test_off_by_default_and_never_on_cpu(monkeypatch, calls):
     assert load_config(str(Path(__file__).parents[2] / "recipes/gsm8k_grpo.yaml"), []).trainer.expandable_segments is False
     distributed.init_distributed("cpu", expandable_segments=True)
     assert ALLOC_CONF not in distributed.os.environ and calls == []
+
+
+@pytest.mark.parametrize("code,rank,left", [(0, "1", "_exit 0"), (1, "1", "exit 1"), (0, None, "exit 0")])
+def test_a_finished_rank_skips_interpreter_finalization(monkeypatch, code, rank, left):
+    """A torchrun rank that finished leaves through os._exit (a gloo rank aborted once in finalization after a
+    finished run); a failed rank, and a process outside torchrun, exit normally with their code."""
+    import hybrid_rl.__main__ as entry
+
+    class Left(Exception):
+        pass
+
+    def fake(kind):
+        def leave(c):
+            raise Left(f"{kind} {c}")
+        return leave
+
+    monkeypatch.setattr(entry.os, "_exit", fake("_exit"))
+    monkeypatch.setattr(entry.logging, "shutdown", lambda: None)  # pytest's own handlers stay open
+    monkeypatch.setattr(entry.sys, "exit", fake("exit"))
+    if rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", rank)
+    with pytest.raises(Left, match=f"^{left}$"):
+        entry._leave(code)
