@@ -245,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
 def _leave(code: int) -> None:
     """Exit with ``code``. A torchrun rank that finished (its checkpoint and metrics written, its process groups
     destroyed by ``cmd_train``) skips interpreter finalization: a gloo rank aborted there once after a finished run
-    ("terminate called without an active exception", CI, 2 ranks), turning a good run into a failed one. Nothing is
-    left to run at that point: the reward workers, the tracker and the engine were closed by the trainer."""
+    ("terminate called without an active exception", CI, 2 ranks), turning a good run into a failed one. The trainer
+    has closed the reward workers and the tracker by then; the engine and the CUDA context go with the process."""
     if code == 0 and "LOCAL_RANK" in os.environ:
         logging.shutdown()
         sys.stdout.flush()
