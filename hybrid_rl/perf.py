@@ -91,3 +91,17 @@ def pass_mfu(times: dict[str, float], forward_flops: float, peak: float | None, 
             share = log_prob_share if metric == "perf/mfu_log_prob" else 1.0
             out[metric] = passes * epochs * share * forward_flops / (seconds * gpus * peak)
     return out
+
+
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::nonzero",
+              "aten::_local_scalar_dense")
+"""Profiler rows where the host waits for the GPU: explicit syncs, and the ops that read a device value back
+(boolean indexing's ``nonzero``, ``.item()`` / ``int()``). Each one drains the queue and leaves the GPU idle while the
+host prepares the next kernels."""
+
+
+def host_wait_summary(averages) -> str:
+    """One line for a profile table (``prof.key_averages()``): count and host time of every ``HOST_WAITS`` row."""
+    rows = {e.key: e for e in averages if e.key in HOST_WAITS}
+    parts = [f"{k} {rows[k].count} calls {rows[k].cpu_time_total / 1e3:.0f} ms" for k in HOST_WAITS if k in rows]
+    return "host waits for the device: " + ("; ".join(parts) if parts else "none recorded")

@@ -38,7 +38,7 @@ from hybrid_rl.data import PromptDataset, PromptSampler, collate_prompts, load_r
 from hybrid_rl.distributed import DistInfo, all_reduce_sum, reduce_max, reduce_weighted_means
 from hybrid_rl.interrupt import GracefulStop, RunInterrupted
 from hybrid_rl.metrics import batch_metrics
-from hybrid_rl.perf import ModelFlops, pass_mfu, peak_flops
+from hybrid_rl.perf import ModelFlops, host_wait_summary, pass_mfu, peak_flops
 from hybrid_rl.rewards import RewardScorer
 from hybrid_rl.runlock import take_run_lock
 from hybrid_rl.scoring import compute_scores
@@ -431,7 +431,7 @@ class Trainer:
         out = Path(self.cfg.trainer.output_dir) / "profile" / f"step_{step}_rank{self.global_dist.rank}.txt"
         out.parent.mkdir(parents=True, exist_ok=True)
         table = prof.key_averages()
-        parts = [f"step {step}, rank {self.global_dist.rank}"]
+        parts = [f"step {step}, rank {self.global_dist.rank}", host_wait_summary(table)]
         if self.dist.device.type == "cuda":
             parts.append(table.table(sort_by="cuda_time_total", row_limit=30))
         parts.append(table.table(sort_by="cpu_time_total", row_limit=30))

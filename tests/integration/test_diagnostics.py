@@ -20,6 +20,7 @@ def test_profile_table_and_stall_dump(tiny_model_path, tmp_path):
     table = (tmp_path / "profile" / "step_2_rank0.txt").read_text()
     for phase in ("phase/gen", "phase/old_log_prob", "phase/update"):
         assert phase in table
+    assert table.split("\n\n")[1].startswith("host waits for the device: ")  # the sync counts head the table
     assert not (tmp_path / "profile" / "step_1_rank0.txt").exists()
     # a step longer than 0.05 s dumped the stacks, including the driver's own frame
     assert "Thread 0x" in proc.stderr and "trainer.py" in proc.stderr

@@ -63,3 +63,15 @@ def test_update_step_runs_liger_configurations_last():
         if name.startswith(("padded", "packed")):
             keys = {o.split("=")[0] for o in overrides}
             assert {"model.enable_gradient_checkpointing", "actor.share_prompts", "model.use_liger"} <= keys, name
+
+
+def test_host_wait_summary_counts_the_rows_where_the_host_waits():
+    from types import SimpleNamespace as Row
+
+    from hybrid_rl.perf import host_wait_summary
+
+    rows = [Row(key="cudaStreamSynchronize", count=932, cpu_time_total=2.464e6), Row(key="aten::mm", count=10,
+            cpu_time_total=5e5), Row(key="aten::nonzero", count=605, cpu_time_total=2.01e6)]
+    assert host_wait_summary(rows) == ("host waits for the device: cudaStreamSynchronize 932 calls 2464 ms; "
+                                       "aten::nonzero 605 calls 2010 ms")
+    assert host_wait_summary(rows[1:2]) == "host waits for the device: none recorded"
