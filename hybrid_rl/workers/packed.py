@@ -73,6 +73,13 @@ def _gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).index_select(0, index)[None]
 
 
+def _response_slots(mask: torch.Tensor, prompt_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[b, R] which response slots hold a real token (host), and the same as flat indices into [b * R]. Response token j
+    is predicted at padded column P + j - 1; it counts where the token itself is real."""
+    valid = mask[:, prompt_width:]
+    return valid, valid.reshape(-1).nonzero().squeeze(1)
+
+
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """``concatenate([arange(s, s + n) for s, n in zip(starts, lengths)])`` without the Python loop."""
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -98,10 +105,8 @@ def pack(tensors: dict[str, torch.Tensor], host: dict[str, torch.Tensor] | None 
     tokens = flat.nonzero().squeeze(1)  # where the real tokens are in the flattened [b, L]
     # packed index of every real token, in padded coordinates
     index = (torch.cumsum(flat.long(), 0) - 1).reshape(mask.shape)  # [b, L]
-    # response token j is predicted at padded column P + j - 1; it counts where the token itself is real
-    valid = mask[:, prompt_width:]  # [b, R]
+    valid, slots = _response_slots(mask, prompt_width)
     keep = index[:, prompt_width - 1:prompt_width - 1 + width][valid]  # [n]
-    slots = valid.reshape(-1).nonzero().squeeze(1)
     tokens, keep, slots, cu = _to_device([tokens, keep, slots, cu], responses.device)
     return Packed(input_ids=_gather(tensors["input_ids"], tokens), position_ids=_gather(tensors["position_ids"], tokens),
                   cu_seqlens=cu.to(torch.int32), max_seqlen=int(lengths.max()) if b else 0, keep=keep,
@@ -154,10 +159,10 @@ def pack_shared(tensors: dict[str, torch.Tensor], host: dict[str, torch.Tensor] 
     group = group.numpy()
     p_len, r_len = mask[:, :prompt_width].sum(1).numpy(), mask[:, prompt_width:].sum(1).numpy()
     # groups in the order their first row comes; rows grouped, ascending within a group
-    ids_, first = np.unique(group, return_index=True)
-    rank = np.empty(len(ids_), dtype=np.int64)
-    rank[np.argsort(first, kind="stable")] = np.arange(len(ids_))
-    rank_of = rank[np.searchsorted(ids_, group)]  # [b] each row's group, numbered in that order
+    _, first = np.unique(group, return_index=True)  # the inverse ids are 0..G-1: first[g] is group g's first row
+    rank = np.empty(len(first), dtype=np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(len(first))
+    rank_of = rank[group]  # [b] each row's group, numbered in that order
     heads = np.sort(first)  # each group's first row, in group order
     cu_p = np.concatenate([[0], np.cumsum(p_len[heads])])
     order = np.argsort(rank_of, kind="stable")
@@ -176,8 +181,7 @@ def pack_shared(tensors: dict[str, torch.Tensor], host: dict[str, torch.Tensor] 
     by_row = np.argsort(order, kind="stable")
     keep = _ranges(resp_start[by_row] - 1, n[by_row])
     keep[np.cumsum(n[by_row]) - n[by_row]] = (prompt_start + p - 1)[by_row]
-    valid = mask[:, prompt_width:]  # [b, R]
-    slots = valid.reshape(-1).nonzero().squeeze(1)
+    valid, slots = _response_slots(mask, prompt_width)
     take_d, keep_d, kv_d, slots_d, cu_p_d, cu_r_d, cu_kv_d = _to_device(
         [torch.from_numpy(np.asarray(x, dtype=np.int64)) for x in (take, keep, kv_idx)] + [slots]
         + [torch.from_numpy(np.asarray(x, dtype=np.int64)) for x in (cu_p, cu_r, cu_kv)], responses.device)
