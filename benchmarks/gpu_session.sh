@@ -18,7 +18,7 @@ OUT=${OUT:-/tmp/gpu_out}
 RES=/tmp/res/$PART
 MODES_RES=/tmp/res/modes2  # colo2 and split2 write one modes JSON (merged by mode) when they run on one warm machine
 SWEEP_RES=/tmp/res/sweep4  # sweep4a..d write one modes_sweep JSON (merged by length and mode), likewise
-mkdir -p "$OUT" "$RES" "$MODES_RES" "$SWEEP_RES" /tmp/res/smolruns
+mkdir -p "$OUT" "$RES" "$MODES_RES" "$SWEEP_RES" /tmp/res/smolruns /tmp/res/flagship4
 exec > >(tee "$OUT/$PART.log") 2>&1
 if [ -d /tmp/vs ] && [ ! -d /tmp/site/vllm ]; then
   bash /tmp/vs/install_remote.sh /tmp/vs /tmp/site --with-datasets >/dev/null || echo "vllm install failed"
@@ -36,7 +36,7 @@ python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__
 # cold4 measures the ranks' own build on a cold cache: no pre-build there
 case $PART in cold4|smol*) ;; *) python -c "from hybrid_rl.models import resolve_model_path as r; r('builtin:qwen2.5-0.5b-random'); r('builtin:qwen2.5-1.5b-random')" ;; esac
 T0=$(date +%s)
-pack() { tar czf "$OUT/$PART.tgz.tmp" --exclude=checkpoints --exclude=tensorboard -C /tmp/res "$PART" modes2 sweep4 smolruns 2>/dev/null;
+pack() { tar czf "$OUT/$PART.tgz.tmp" --exclude=checkpoints --exclude=tensorboard -C /tmp/res "$PART" modes2 sweep4 smolruns flagship4 2>/dev/null;
         mv "$OUT/$PART.tgz.tmp" "$OUT/$PART.tgz"; }
 stamp() { echo "== $1 at +$(( $(date +%s) - T0 ))s"; pack; }
 # and every 20 s, so a call killed at its limit still returns what was written
