@@ -301,7 +301,7 @@ smol|smolb|smolc)  # issue 17: SmolLM2-135M-Instruct learns GSM8K, one single-GP
     local dir=$SR/$1 t=$(date +%s); mkdir -p $dir
     local left=$(( STOP_AT - t ))
     [ $left -gt 60 ] || { echo "$1: no time left in this call"; return; }
-    CUDA_VISIBLE_DEVICES=$4 timeout -k 25 $left python -m hybrid_rl train recipes/gsm8k_grpo_smollm2.yaml $SM \
+    CUDA_VISIBLE_DEVICES=$4 TQDM_DISABLE=1 timeout -k 25 $left python -m hybrid_rl train recipes/gsm8k_grpo_smollm2.yaml $SM \
       trainer.mode=$2 actor.lr=$3 trainer.output_dir=$dir >> $dir/train.log 2>&1
     echo "$1 (GPU $4): exit $? after $(( $(date +%s) - t )) s; $(grep -c timing/step $dir/metrics.jsonl 2>/dev/null) steps logged"
     echo $(( $(date +%s) - t )) >> $dir/wall_s.txt
