@@ -25,7 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_common import ROOT, git_commit  # noqa: E402
 
 CURVES = ["reward/mean", "rollout/response_length_mean", "rollout/response_clip_ratio", "rollout/logprob_diff",
-          "rollout/logprob_diff_max", "timing/step", "timing/gen", "timing/update"]
+          "rollout/logprob_diff_max", "timing/step", "timing/gen", "timing/update", "reward/format_strict",
+          "reward/answer_found"]
+VAL_EXTRA = ["val/response_clip_ratio", "val/format_strict", "val/answer_found"]  # (absent from older runs)
 
 
 def read_rows(run: Path) -> list[dict]:
@@ -69,7 +71,8 @@ def accuracy(p: float, n: int) -> dict:
 def summarise(label: str, run: Path, n_val: int | None) -> dict:
     rows = read_rows(run)
     n = val_count(run, n_val)
-    val = [(r["step"], r["val/reward_mean"], r.get("val/response_length_mean")) for r in rows if "val/reward_mean" in r]
+    val = [(r["step"], r["val/reward_mean"], r.get("val/response_length_mean"), {k: r[k] for k in VAL_EXTRA if k in r})
+           for r in rows if "val/reward_mean" in r]
     train = [r for r in rows if "timing/step" in r]
     out: dict = {"label": label, "run_dir": str(run), "steps": train[-1]["step"] if train else 0, "val_n": n}
     if val:
@@ -78,8 +81,8 @@ def summarise(label: str, run: Path, n_val: int | None) -> dict:
         diff = after["accuracy"] - before["accuracy"]
         out.update(before=before, after=after, gain=diff,
                    gain_stderr=math.sqrt(before["stderr"] ** 2 + after["stderr"] ** 2))
-    out["val_curve"] = [{"step": s, "accuracy": a, "stderr": accuracy(a, n)["stderr"], "response_length_mean": L}
-                        for s, a, L in val]
+    out["val_curve"] = [{"step": s, "accuracy": a, "stderr": accuracy(a, n)["stderr"], "response_length_mean": L,
+                         **{k.split("/", 1)[1]: v for k, v in extra.items()}} for s, a, L, extra in val]
     out["train_curve"] = {k: [[r["step"], r[k]] for r in train if k in r] for k in CURVES}
     step_s = [r["timing/step"] for r in train]
     out["train_time_s"] = sum(step_s)
@@ -106,14 +109,23 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     panels = [("val", "greedy test accuracy (± s.e.)"), ("reward/mean", "train reward"),
               ("rollout/response_length_mean", "response length (tokens)"),
               ("rollout/response_clip_ratio", "clip ratio (at length cap)"),
-              ("rollout/logprob_diff", "|engine - trainer| log-prob (mean)"), ("time", "wall-clock (s, training)")]
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+              ("rollout/logprob_diff", "|engine - trainer| log-prob (mean)"), ("time", "wall-clock (s, training)"),
+              ("shape", "answer shape (train): '####' line (solid), any answer (dashed)"),
+              ("val_clip", "greedy test responses at the length cap")]
+    fig, axes = plt.subplots(2, 4, figsize=(20, 8))
     for ax, (key, name) in zip(axes.flat, panels):
         for res in results:
             if key == "val":
                 c = res["val_curve"]
                 ax.errorbar([p["step"] for p in c], [p["accuracy"] for p in c], yerr=[p["stderr"] for p in c],
                             marker="o", capsize=3, label=res["label"])
+            elif key == "shape":
+                for k, style in (("reward/format_strict", "-"), ("reward/answer_found", "--")):
+                    pts = res["train_curve"].get(k, [])
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{res['label']} {k[7:]}", alpha=0.8)
+            elif key == "val_clip":
+                c = [p for p in res["val_curve"] if "response_clip_ratio" in p]
+                ax.plot([p["step"] for p in c], [p["response_clip_ratio"] for p in c], marker="o", label=res["label"])
             elif key == "time":
                 pts = res["train_curve"]["timing/step"]
                 total, xs, ys = 0.0, [], []

@@ -15,6 +15,7 @@ import torch
 
 from hybrid_rl.phases.advantage import sparse_scores
 from hybrid_rl.batch import Batch
+from hybrid_rl.data.tasks import Task
 from hybrid_rl.rewards import RewardScorer, score_responses
 
 
@@ -25,8 +26,10 @@ def decode_responses(batch: Batch, tokenizer) -> list[str]:
 
 
 def compute_scores(batch: Batch, tokenizer, fn: RewardScorer | Callable[[str, str], float],
-                   on_error: str) -> tuple[Batch, dict[str, tuple[float, float]]]:
-    """``fn``: the run's ``RewardScorer``, or a bare reward function (scored in this process)."""
+                   on_error: str, task: Task | None = None,
+                   prefix: str = "reward") -> tuple[Batch, dict[str, tuple[float, float]]]:
+    """``fn``: the run's ``RewardScorer``, or a bare reward function (scored in this process). The stats are
+    ``(sum, count)`` pairs: the failed samples, and the ``task``'s answer shape counts as ``<prefix>/<name>``."""
     texts = decode_responses(batch, tokenizer)
     truths = list(batch.non_tensors["ground_truth"])
     if isinstance(fn, RewardScorer):
@@ -35,5 +38,7 @@ def compute_scores(batch: Batch, tokenizer, fn: RewardScorer | Callable[[str, st
         scores, num_errors = score_responses(fn, texts, truths, on_error)
     score_t = torch.tensor(scores, dtype=torch.float32)
     token_scores = sparse_scores(score_t, batch.tensors["response_mask"])
-    stats = {"reward/errors": (float(num_errors), 1.0)}
+    stats = {f"{prefix}/errors": (float(num_errors), 1.0)}
+    if task is not None:
+        stats.update({f"{prefix}/{k}": (v, float(len(texts))) for k, v in task.answer_stats(texts).items()})
     return batch.union(tensors=dict(token_level_scores=token_scores, scores=score_t.to(token_scores.device))), stats

@@ -34,7 +34,7 @@ from hybrid_rl.checkpoint import (CHECKPOINT_SUBDIR, CheckpointError, CorruptChe
                                   find_resumable, is_complete, load_checkpoint, read_checkpoint_config, restore_rng,
                                   save_checkpoint, verify_checkpoint)
 from hybrid_rl.config import Config, ConfigError, resume_config_diff, save_config
-from hybrid_rl.data import PromptDataset, PromptSampler, collate_prompts, load_rows
+from hybrid_rl.data import TASKS, PromptDataset, PromptSampler, collate_prompts, load_rows
 from hybrid_rl.distributed import DistInfo, all_reduce_sum, reduce_max, reduce_weighted_means
 from hybrid_rl.interrupt import GracefulStop, RunInterrupted
 from hybrid_rl.metrics import batch_metrics
@@ -108,6 +108,7 @@ class Trainer:
                 val_rows = val_rows[: d.max_val_samples]
             self.val_set = PromptDataset(val_rows, d.task, tokenizer, d.max_prompt_length, d.truncation, d.system_prompt)
         self.reward_fn = RewardScorer.from_config(cfg.reward, d.task)  # user functions score in worker processes
+        self.task = TASKS.get(d.task)  # its answer-shape counts are logged beside the reward (None: an unknown task)
         t = cfg.trainer
         self.total_steps = t.total_steps or t.total_epochs * self.sampler.steps_per_epoch
         self.worker = ActorRolloutRefWorker(cfg, pl.worker_dist, role=pl.role, total_training_steps=self.total_steps,
@@ -221,7 +222,7 @@ class Trainer:
         w, cfg, critic = self.worker, self.cfg, self.critic
         batch = self.source.check_staleness(batch, w.weight_version)
         with timer("reward"):
-            batch, reward_stats = compute_scores(batch, self.tokenizer, self.reward_fn, cfg.reward.on_error)
+            batch, reward_stats = compute_scores(batch, self.tokenizer, self.reward_fn, cfg.reward.on_error, self.task)
         old_source = self._old_log_prob_source(batch)
         if old_source == "recompute":
             with timer("old_log_prob"):
@@ -508,13 +509,22 @@ class Trainer:
         assert self.val_set is not None
         idx = list(range(rank, len(self.val_set), world))
         chunk = self.cfg.data.val_batch_size or self.cfg.data.train_batch_size
-        total, count, length = 0.0, 0.0, 0.0
+        # the same keys on every rank (one all-reduce), also on a rank with no validation prompts
+        names = ["reward_mean", "response_length_mean", "response_clip_ratio"]
+        names += list(self.task.answer_stats([])) if self.task is not None else []
+        sums = {f"val/{k}": 0.0 for k in names}
+        count = 0.0
         for s in range(0, len(idx), chunk):
             prompts = collate_prompts([self.val_set[i] for i in idx[s:s + chunk]], self.tokenizer.pad_token_id)
             out = self.worker.generate(prompts, validate=True)
-            out, _ = compute_scores(out, self.tokenizer, self.reward_fn, self.cfg.reward.on_error)
-            total += float(out.tensors["scores"].sum())
-            length += float(out.tensors["response_mask"].sum())
+            out, stats = compute_scores(out, self.tokenizer, self.reward_fn, self.cfg.reward.on_error, self.task,
+                                        prefix="val")
+            stats.pop("val/errors")
+            stats["val/reward_mean"] = (float(out.tensors["scores"].sum()), len(out))
+            stats["val/response_length_mean"] = (float(out.tensors["response_mask"].sum()), len(out))
+            lengths = out.tensors["response_mask"].sum(-1)
+            stats["val/response_clip_ratio"] = (float((lengths >= self.cfg.data.max_response_length).sum()), len(out))
+            for k, (v, _) in stats.items():
+                sums[k] += v
             count += len(out)
-        return reduce_weighted_means({"val/reward_mean": (total, count), "val/response_length_mean": (length, count)},
-                                     self.dist.device, self.dist.group)
+        return reduce_weighted_means({k: (v, count) for k, v in sums.items()}, self.dist.device, self.dist.group)

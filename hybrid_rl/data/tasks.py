@@ -36,6 +36,11 @@ class Task:
         """``{"messages": [...], "ground_truth": str, "data_source": name}`` for one row."""
         raise NotImplementedError
 
+    def answer_stats(self, responses: list[str]) -> dict[str, float]:
+        """Per-batch counts that say how responses are shaped, apart from their score (logged as
+        ``reward/<name>`` and ``val/<name>``, fractions of the responses); none by default."""
+        return {}
+
     def generate(self, num: int, seed: int) -> list[dict[str, Any]]:
         """Deterministic synthetic rows; only synthetic tasks have them."""
         raise DataError(f"data.train_path: task {self.name!r} is not synthetic, so 'synthetic:{self.name}' has no rows; "
@@ -55,6 +60,14 @@ class Gsm8kTask(Task):
 
     name = "gsm8k"
     default_reward = "gsm8k"
+
+    def answer_stats(self, responses: list[str]) -> dict[str, float]:
+        """``format_strict``: responses with the ``#### <number>`` line the prompt asks for; ``answer_found``: responses
+        the flexible reward can read any answer from (so a wrong answer is told apart from no answer at all)."""
+        from hybrid_rl.rewards.gsm8k import extract_answer
+
+        return {"format_strict": float(sum(extract_answer(r, "strict") is not None for r in responses)),
+                "answer_found": float(sum(extract_answer(r, "flexible") is not None for r in responses))}
 
     def format_row(self, row: dict[str, Any], row_id: int) -> dict[str, Any]:
         question = self._field(row, "question", row_id)

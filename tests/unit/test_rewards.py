@@ -7,6 +7,7 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
@@ -193,3 +194,33 @@ def test_score_responses_zero_counts():
         score_responses(_raising, ["nan"], ["1"], on_error="raise")
     with pytest.raises(RewardError, match="reward.on_error"):
         score_responses(_raising, ["ok"], ["1"], on_error="skip")
+
+
+def test_gsm8k_answer_stats_tell_format_from_any_answer_and_reach_the_metrics():
+    """reward/format_strict and reward/answer_found: the fractions of responses with the '####' line the prompt asks
+    for and with any answer the flexible reward reads (a 135M instruct model writes 'The answer is 5' and loops to
+    the length cap: these say which way a run moves apart from the reward)."""
+    import torch
+
+    from hybrid_rl.batch import Batch
+    from hybrid_rl.data.tasks import TASKS
+    from hybrid_rl.models import build_tiny_tokenizer
+    from hybrid_rl.scoring import compute_scores
+
+    texts = ["6 + 12 = 18.\n#### 18", "The answer is 5.", "no digits here", "so we get 7 apples"]
+    assert TASKS["gsm8k"].answer_stats(texts) == {"format_strict": 1.0, "answer_found": 3.0}
+    assert TASKS["successor"].answer_stats(texts) == {}
+    tok = build_tiny_tokenizer()
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    width = max(map(len, ids))
+    responses = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in ids])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in ids])
+    batch = Batch(tensors=dict(responses=responses, response_mask=mask),
+                  non_tensors=dict(ground_truth=np.array(["18", "5", "3", "8"], dtype=object)))
+    out, stats = compute_scores(batch, tok, gsm8k.compute_score, "raise", TASKS["gsm8k"])
+    assert out.tensors["scores"].tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert stats["reward/format_strict"] == (1.0, 4.0) and stats["reward/answer_found"] == (3.0, 4.0)
+    _, val_stats = compute_scores(batch, tok, gsm8k.compute_score, "raise", TASKS["gsm8k"], prefix="val")
+    assert set(val_stats) == {"val/errors", "val/format_strict", "val/answer_found"}
+    _, plain = compute_scores(batch, tok, gsm8k.compute_score, "raise")
+    assert set(plain) == {"reward/errors"}

@@ -39,6 +39,34 @@ def test_validation_generates_in_val_batch_size_chunks(tmp_path, monkeypatch, ex
         trainer.close() if hasattr(trainer, "close") else None
     assert seen == calls
     assert 0.0 <= out["val/reward_mean"] <= 1.0
+    # successor has no answer-shape counts
+    assert set(out) == {"val/reward_mean", "val/response_length_mean", "val/response_clip_ratio"}
+    assert 0.0 <= out["val/response_clip_ratio"] <= 1.0
+
+
+def test_gsm8k_validation_logs_the_answer_shape_on_every_rank_layout(tmp_path):
+    """With the gsm8k task, validation also logs val/format_strict and val/answer_found (fractions in [0, 1]); the
+    keys are fixed before any prompt is scored, so a rank with no validation prompts all-reduces the same ones."""
+    import json
+
+    from hybrid_rl.trainer import Trainer
+
+    rows = [{"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(6)]
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(RECIPE, [*SMALL, "data.task=gsm8k", "reward.function=auto", f"data.train_path={data}",
+                               f"data.val_path={data}", "data.max_prompt_length=160",
+                               f"trainer.output_dir={tmp_path / 'run'}"]).validate()
+    trainer = Trainer(cfg, cpu_dist())
+    try:
+        out = trainer.validate()
+        assert set(out) == {"val/reward_mean", "val/response_length_mean", "val/response_clip_ratio",
+                            "val/format_strict", "val/answer_found"}
+        assert all(0.0 <= out[k] <= 1.0 for k in out if k != "val/response_length_mean")
+        empty = trainer._validate_on_engine(rank=7, world=8)  # a rank past the 6 prompts: same keys, no samples
+        assert set(empty) == set(out) and not any(empty.values())
+    finally:
+        trainer.close() if hasattr(trainer, "close") else None
 
 
 def test_val_batch_size_must_be_positive():
