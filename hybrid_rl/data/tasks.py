@@ -38,7 +38,8 @@ class Task:
 
     def answer_stats(self, responses: list[str]) -> dict[str, float]:
         """Per-batch counts that say how responses are shaped, apart from their score (logged as
-        ``reward/<name>`` and ``val/<name>``, fractions of the responses); none by default."""
+        ``reward/<name>`` and ``val/<name>``, fractions of the responses); none by default. The keys must not depend
+        on the responses (an empty list included): every rank all-reduces the same ones."""
         return {}
 
     def generate(self, num: int, seed: int) -> list[dict[str, Any]]:
