@@ -298,12 +298,13 @@ smol|smolb|smolc)  # issue 17: SmolLM2-135M-Instruct learns GSM8K, one single-GP
   [ -n "${SMOL_STEPS:-}" ] && SM="$SM trainer.total_steps=$SMOL_STEPS"  # else the recipe's 100; give every part the same
   SR=/tmp/res/smolruns  # the run directories (less checkpoints and tensorboard) travel back in every pack
   STOP_AT=$(( CALL0 + ${SMOL_CALL_S:-565} ))  # SIGTERM then; a step (~5 s) and its checkpoint finish before the call ends
-  arm() {  # label mode lr gpu: train (or resume) until STOP_AT; appends the seconds of this call to wall_s.txt
+  arm() {  # label mode lr gpu [overrides, comma-separated]: train (or resume) until STOP_AT; appends the seconds of
+    # this call to wall_s.txt
     local dir=$SR/$1 t=$(date +%s); mkdir -p $dir
     local left=$(( STOP_AT - t ))
     [ $left -gt 60 ] || { echo "$1: no time left in this call"; return; }
     CUDA_VISIBLE_DEVICES=$4 TQDM_DISABLE=1 timeout -k 25 $left python -m hybrid_rl train recipes/gsm8k_grpo_smollm2.yaml $SM \
-      trainer.mode=$2 actor.lr=$3 trainer.output_dir=$dir >> $dir/train.log 2>&1
+      trainer.mode=$2 actor.lr=$3 trainer.output_dir=$dir ${5//,/ } >> $dir/train.log 2>&1
     echo "$1 (GPU $4): exit $? after $(( $(date +%s) - t )) s; $(grep -c timing/step $dir/metrics.jsonl 2>/dev/null) steps logged"
     echo $(( $(date +%s) - t )) >> $dir/wall_s.txt
   }
@@ -317,16 +318,18 @@ smol|smolb|smolc)  # issue 17: SmolLM2-135M-Instruct learns GSM8K, one single-GP
     echo "== packed passes on the GPU (parity, the varlen kernel, no device sync while packing)"
     timeout 90 python -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_packed_gpu.py 2>&1 | tail -4
   }
-  ARMS=(sync_lr3e-6:sync:3e-6 overlap_lr3e-6:overlap:3e-6 sync_lr1e-5:sync:1e-5 overlap_lr1e-5:overlap:1e-5)
+  # SMOL_ARMS (space-separated label:mode:lr[:key=value,key=value]) replaces the default arms; keep it the same for
+  # every part of a lease
+  read -r -a ARMS <<< "${SMOL_ARMS:-sync_lr3e-6:sync:3e-6 overlap_lr3e-6:overlap:3e-6 sync_lr1e-5:sync:1e-5 overlap_lr1e-5:overlap:1e-5}"
   NG=$(nvidia-smi -L | wc -l); [ $NG -lt ${#ARMS[@]} ] && ARMS=("${ARMS[@]:0:$NG}")
   stamp "smollm2: ${#ARMS[@]} run(s) on $NG GPU(s) until +$(( STOP_AT - T0 ))s"
   PIDS=""
   for g in "${!ARMS[@]}"; do
-    IFS=: read -r label mode lr <<< "${ARMS[$g]}"
+    IFS=: read -r label mode lr extra <<< "${ARMS[$g]}"
     if [ "$PART" = smol ] && [ $g -eq $(( ${#ARMS[@]} - 1 )) ]; then
-      ( CUDA_VISIBLE_DEVICES=$g smol_checks; arm $label $mode $lr $g ) &
+      ( CUDA_VISIBLE_DEVICES=$g smol_checks; arm $label $mode $lr $g "$extra" ) &
     else
-      arm $label $mode $lr $g &
+      arm $label $mode $lr $g "$extra" &
     fi
     PIDS="$PIDS $!"
   done
