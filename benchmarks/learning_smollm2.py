@@ -5,8 +5,10 @@ Reads the ``metrics.jsonl`` of one or two finished runs (sync and overlap mode),
 with its standard error sqrt(p(1-p)/n) (n = validation questions), the validation curve, and per step the training
 reward, response length, clip ratio (responses at the length cap), engine-vs-trainer log-prob gap and time. Wall-clock
 time is the sum of ``timing/step`` (training only), plus the whole run's time where the run directory holds a
-``wall_s.txt`` (seconds of each call of the run, one per line, appended by the command that ran it). Prints one JSON
-line per run. It trains nothing itself: run the recipe first, e.g. on one GPU
+``wall_s.txt`` (seconds of each call of the run, one per line, appended by the command that ran it). Where the run
+saved its validation samples (the recipe's ``trainer.validation_data_dir``), the gain is also paired per question: the
+questions gained and lost between the first and the last validation, and the standard error of the per-question
+differences. Prints one JSON line per run. It trains nothing itself: run the recipe first, e.g. on one GPU
 
     s=$(date +%s); hybrid-rl train recipes/gsm8k_grpo_smollm2.yaml trainer.output_dir=runs/smol_sync ...; \
         echo $(( $(date +%s) - s )) >> runs/smol_sync/wall_s.txt
@@ -68,6 +70,26 @@ def accuracy(p: float, n: int) -> dict:
     return {"accuracy": p, "stderr": math.sqrt(max(p * (1 - p), 0.0) / n), "n": n}
 
 
+def val_scores(run: Path, step: int) -> dict[int, float] | None:
+    """The per-question greedy scores of one validation (``trainer.validation_data_dir: validation``), or None."""
+    files = sorted((run / "validation").glob(f"step_{step:08d}_rank*.jsonl"))
+    if not files:
+        return None
+    return {int(r["index"]): float(r["score"]) for f in files for r in map(json.loads, f.read_text().splitlines())}
+
+
+def paired(before: dict[int, float], after: dict[int, float]) -> dict:
+    """Before vs after on the same questions: the questions gained and lost, and the standard error of the gain from
+    the per-question differences (tighter than the two accuracies' unpaired errors when most answers stay put)."""
+    common = sorted(set(before) & set(after))
+    n = len(common)
+    gained = sum(1 for i in common if after[i] > before[i])
+    lost = sum(1 for i in common if after[i] < before[i])
+    var = (gained + lost - (gained - lost) ** 2 / n) / n if n else 0.0
+    return {"n": n, "gained": gained, "lost": lost, "gain": (gained - lost) / n if n else 0.0,
+            "stderr": math.sqrt(max(var, 0.0) / n) if n else 0.0}
+
+
 def summarise(label: str, run: Path, n_val: int | None) -> dict:
     rows = read_rows(run)
     n = val_count(run, n_val)
@@ -81,6 +103,9 @@ def summarise(label: str, run: Path, n_val: int | None) -> dict:
         diff = after["accuracy"] - before["accuracy"]
         out.update(before=before, after=after, gain=diff,
                    gain_stderr=math.sqrt(before["stderr"] ** 2 + after["stderr"] ** 2))
+        first, last = val_scores(run, val[0][0]), val_scores(run, val[-1][0])
+        if first is not None and last is not None:
+            out["paired"] = paired(first, last)
     out["val_curve"] = [{"step": s, "accuracy": a, "stderr": accuracy(a, n)["stderr"], "response_length_mean": L,
                          **{k.split("/", 1)[1]: v for k, v in extra.items()}} for s, a, L, extra in val]
     out["train_curve"] = {k: [[r["step"], r[k]] for r in train if k in r] for k in CURVES}
@@ -186,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
     plot(results, stem.with_suffix(".png"), f"SmolLM2-135M-Instruct GRPO on GSM8K, {device}, {git_commit()}")
     for res in results:
-        line = {k: res.get(k) for k in ("label", "steps", "before", "after", "gain", "gain_stderr", "train_time_s",
+        line = {k: res.get(k) for k in ("label", "steps", "before", "after", "gain", "gain_stderr", "paired", "train_time_s",
                                          "wall_s", "step_time_s_median")}
         print(json.dumps({"device": device, "commit": doc["commit"], **line}))
     print(f"wrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')}", file=sys.stderr)

@@ -398,6 +398,10 @@ class TrainerConfig:
     """Stop after this many consecutive steps whose update was skipped for a non-finite loss/grad norm."""
     stale_policy: Literal["drop", "error"] = "drop"
     """A batch beyond ``max_staleness`` is regenerated under the current weights (drop) or stops the run (error)."""
+    validation_data_dir: str = ""
+    """Write every validation's samples (dataset index, prompt, response, ground truth, score) as JSON lines to
+    ``<dir>/step_<N>_rank<R>.jsonl`` ("" = off, as verl's key of the same name; a relative path is inside
+    ``output_dir``). For reading what the model writes, and for a paired before/after comparison per question."""
     profile_steps: list[int] = field(default_factory=list)
     """Steps to run under ``torch.profiler``; each rank writes its top ops by CUDA and CPU time to
     ``<output_dir>/profile/step_<N>_rank<R>.txt`` (e.g. ``trainer.profile_steps=[5]``)."""
@@ -733,7 +737,7 @@ RESUME_HARMLESS = frozenset({
     # how long, how often, where to log and what to diagnose
     "trainer.total_steps", "trainer.total_epochs", "trainer.test_freq", "trainer.val_before_train", "trainer.logger",
     "trainer.save_freq", "trainer.keep_last", "trainer.max_skipped_updates", "trainer.stale_policy",
-    "trainer.profile_steps", "trainer.stall_dump_s", "trainer.peak_tflops", "trainer.collective_timeout_s", "trainer.expandable_segments", "trainer.device", "reward.on_error",
+    "trainer.profile_steps", "trainer.validation_data_dir", "trainer.stall_dump_s", "trainer.peak_tflops", "trainer.collective_timeout_s", "trainer.expandable_segments", "trainer.device", "reward.on_error",
     "reward.timeout_s", "reward.num_workers",
     # validation only
     "data.val_path", "data.val_split", "data.max_val_samples", "data.val_batch_size", "rollout.val_temperature",

@@ -19,6 +19,7 @@ torch.distributed is the engine).
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from contextlib import contextmanager, nullcontext
@@ -41,7 +42,7 @@ from hybrid_rl.metrics import batch_metrics
 from hybrid_rl.perf import ModelFlops, host_wait_summary, pass_mfu, peak_flops
 from hybrid_rl.rewards import RewardScorer
 from hybrid_rl.runlock import take_run_lock
-from hybrid_rl.scoring import compute_scores
+from hybrid_rl.scoring import compute_scores, sample_records
 from hybrid_rl.sources import make_placement, make_source
 from hybrid_rl.tracking import Timer, Tracker, run_summary
 from hybrid_rl.watchdog import StallWatchdog
@@ -446,6 +447,19 @@ class Trainer:
         uid = np.array([f"{self.sampler.epoch}-{it['index']}" for it in items], dtype=object)
         return batch.union(non_tensors=dict(uid=uid))
 
+    def _write_validation_records(self, records: list[dict], rank: int) -> None:
+        """``trainer.validation_data_dir``: this rank's validation samples of the current step, one JSON per line."""
+        path = Path(self.cfg.trainer.output_dir) / self.cfg.trainer.validation_data_dir
+        path /= f"step_{self.current_step:08d}_rank{rank}.jsonl"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+            tmp.replace(path)
+        except OSError as e:
+            raise OSError(f"trainer.validation_data_dir: cannot write {path} ({e.strerror or e}); point it at a "
+                          f"writable directory, or set it to '' to stop writing validation samples") from e
+
     @staticmethod
     def _due(step: int, freq: int) -> bool:
         return freq > 0 and step % freq == 0
@@ -514,6 +528,7 @@ class Trainer:
         names += list(self.task.answer_stats([])) if self.task is not None else []
         sums = {f"val/{k}": 0.0 for k in names}
         count = 0.0
+        records: list[dict] | None = [] if self.cfg.trainer.validation_data_dir else None
         for s in range(0, len(idx), chunk):
             prompts = collate_prompts([self.val_set[i] for i in idx[s:s + chunk]], self.tokenizer.pad_token_id)
             out = self.worker.generate(prompts, validate=True)
@@ -527,4 +542,8 @@ class Trainer:
             for k, (v, _) in stats.items():
                 sums[k] += v
             count += len(out)
+            if records is not None:
+                records += sample_records(out, self.tokenizer)
+        if records is not None:
+            self._write_validation_records(records, rank)
         return reduce_weighted_means({k: (v, count) for k, v in sums.items()}, self.dist.device, self.dist.group)

@@ -72,3 +72,29 @@ def test_gsm8k_validation_logs_the_answer_shape_on_every_rank_layout(tmp_path):
 def test_val_batch_size_must_be_positive():
     with pytest.raises(ConfigError, match=r"data.val_batch_size=0 must be a positive number of prompts"):
         load_config(RECIPE, ["data.val_batch_size=0"]).validate()
+
+
+def test_validation_data_dir_writes_every_sample_per_step(tmp_path):
+    """trainer.validation_data_dir: each validation writes one record per validation prompt (its dataset index, the
+    prompt and response text, the ground truth and the score that val/reward_mean averages) under the run directory."""
+    import json
+
+    from hybrid_rl.trainer import Trainer
+
+    cfg = load_config(RECIPE, [*SMALL, "trainer.validation_data_dir=val_samples",
+                               f"trainer.output_dir={tmp_path / 'run'}"]).validate()
+    trainer = Trainer(cfg, cpu_dist())
+    try:
+        out = trainer.validate()
+        trainer.current_step = 3
+        trainer.validate()
+    finally:
+        trainer.close() if hasattr(trainer, "close") else None
+    files = sorted(p.name for p in (tmp_path / "run" / "val_samples").iterdir())
+    assert files == ["step_00000000_rank0.jsonl", "step_00000003_rank0.jsonl"]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "val_samples" / files[0]).read_text().splitlines()]
+    assert sorted(r["index"] for r in rows) == list(range(10))  # data.max_val_samples=10, each once
+    assert sum(r["score"] for r in rows) / len(rows) == pytest.approx(out["val/reward_mean"])
+    assert all(r["prompt"] and set(r) == {"index", "prompt", "response", "ground_truth", "score"} for r in rows)
+    # the prompt as the chat template wrote it ("user\n4\nassistant\n"), and the successor task's truth for its digit
+    assert all(r["ground_truth"] == str((int(r["prompt"].split("\n")[1]) + 1) % 10) for r in rows)
