@@ -36,7 +36,7 @@ python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__
 # cold4 measures the ranks' own build on a cold cache: no pre-build there
 case $PART in cold4|smol*) ;; *) python -c "from hybrid_rl.models import resolve_model_path as r; r('builtin:qwen2.5-0.5b-random'); r('builtin:qwen2.5-1.5b-random')" ;; esac
 T0=$(date +%s)
-pack() { tar czf "$OUT/$PART.tgz.tmp" --exclude=checkpoints --exclude=tensorboard -C /tmp/res "$PART" modes2 sweep4 smolruns flagship4 2>/dev/null;
+pack() { tar czf "$OUT/$PART.tgz.tmp" --exclude=checkpoints --exclude=tensorboard --exclude=validation -C /tmp/res "$PART" modes2 sweep4 smolruns flagship4 2>/dev/null;
         mv "$OUT/$PART.tgz.tmp" "$OUT/$PART.tgz"; }
 stamp() { echo "== $1 at +$(( $(date +%s) - T0 ))s"; pack; }
 # and every 20 s, so a call killed at its limit still returns what was written
@@ -341,6 +341,8 @@ print(g(torch.cuda.get_device_name()))")
     --host "${#ARMS[@]} runs at once, one per GPU of a ${DEV}x$NG host" || echo "learning summary failed"
   for r in $SR/*; do echo "-- $r"; grep -E "Error|error" $r/train.log | tail -3; tail -c 400 $r/train.log; echo; done
   cp "$RES"/learning_smollm2_* "$RES"/logprob_parity_smollm2_* "$OUT/" 2>/dev/null
+  # the validation samples (~1.8 MB per validation and run, left out of the packs): each run's first and latest
+  (cd $SR && for r in */; do ls ${r}validation/step_*.jsonl 2>/dev/null | sed -n '1p;$p'; done | sort -u     | tar czf "$OUT/smol_validation.tgz" -T -) || echo "no validation samples"
   ;;
 ppo)  # issue 19: PPO with the critic through vLLM, 4 steps each on 1 GPU (critic resident / offloaded) and on 4 GPUs
   stamp "ppo: pytest -m gpu tests/gpu/test_gpu_ppo.py"
