@@ -287,7 +287,7 @@ from bench_common import gpu_short_name as g; print(g(torch.cuda.get_device_name
 smol|smolb|smolc)  # issue 17: SmolLM2-135M-Instruct learns GSM8K, one single-GPU run per card, all at once on one
   # host (same time, so the wall-clock times compare). The arms, in GPU order (the first as many as there are GPUs):
   # sync and overlap at the recipe's lr 3e-6, then sync and overlap at lr 1e-5; same seed. Each call trains until
-  # ~35 s before its end, then SIGTERM stops every run cleanly (the step finishes and is checkpointed every 10 steps);
+  # 60 s before its end, then SIGTERM stops every run cleanly (the step finishes and is checkpointed every 10 steps);
   # the next part resumes them (100 steps took ~850 s over two calls on 4xH200). `smol` first runs, on the last GPU,
   # the recorded-greedy test, the engine-vs-trainer log-prob parity script and the packed GPU tests, so that arm
   # starts ~4 min later. Before `smol`, two calls copy the model's carries:
@@ -297,7 +297,7 @@ smol|smolb|smolc)  # issue 17: SmolLM2-135M-Instruct learns GSM8K, one single-GP
   SM="data.train_path=$PWD/.devdata/train.jsonl data.val_path=$PWD/.devdata/test.jsonl trainer.save_freq=10"
   [ -n "${SMOL_STEPS:-}" ] && SM="$SM trainer.total_steps=$SMOL_STEPS"  # else the recipe's 100; give every part the same
   SR=/tmp/res/smolruns  # the run directories (less checkpoints and tensorboard) travel back in every pack
-  STOP_AT=$(( CALL0 + ${SMOL_CALL_S:-565} ))  # SIGTERM then; a step (~5 s) and its checkpoint finish before the call ends
+  STOP_AT=$(( CALL0 + ${SMOL_CALL_S:-540} ))  # SIGTERM then: the runs took ~20 s to finish their step and checkpoint on 4xH200, the summary ~10 s
   arm() {  # label mode lr gpu [overrides, comma-separated]: train (or resume) until STOP_AT; appends the seconds of
     # this call to wall_s.txt
     local dir=$SR/$1 t=$(date +%s); mkdir -p $dir
