@@ -286,9 +286,10 @@ from bench_common import gpu_short_name as g; print(g(torch.cuda.get_device_name
   ;;
 smol|smolb|smolc)  # issue 17: SmolLM2-135M-Instruct learns GSM8K, one single-GPU run per card, all at once on one
   # host (same time, so the wall-clock times compare). The arms, in GPU order (the first as many as there are GPUs):
-  # sync and overlap at the recipe's lr 3e-6, then sync and overlap at lr 1e-5; same seed. Each call trains until
-  # 60 s before its end, then SIGTERM stops every run cleanly (the step finishes and is checkpointed every 10 steps);
-  # the next part resumes them (100 steps took ~850 s over two calls on 4xH200). `smol` first runs, on the last GPU,
+  # sync and overlap at the recipe's lr 3e-6, then sync and overlap at lr 1e-5 (SMOL_ARMS replaces them); same seed.
+  # Each call trains until 60 s before its end, then SIGTERM stops every run cleanly (the step finishes and is
+  # checkpointed; every 10 steps too, should a run be killed); the next part resumes them (100 steps took ~850 s over
+  # two calls on 4xH200; SMOL_STEPS sets the steps). `smol` first runs, on the last GPU,
   # the recorded-greedy test, the engine-vs-trainer log-prob parity script and the packed GPU tests, so that arm
   # starts ~4 min later. Before `smol`, two calls copy the model's carries:
   #   `mkdir -p /tmp/smol && cp -r .stage_smol/w1/. /tmp/smol/`, then the same with w2 (and the six vLLM carries).
