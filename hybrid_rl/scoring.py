@@ -25,10 +25,9 @@ def decode_responses(batch: Batch, tokenizer) -> list[str]:
     return tokenizer.batch_decode([r[m].tolist() for r, m in zip(responses, mask)], skip_special_tokens=True)
 
 
-def sample_records(batch: Batch, tokenizer, texts: list[str] | None = None) -> list[dict]:
-    """One JSON-ready record per scored sample: its dataset index, prompt and response text, ground truth and score
-    (``texts``: the responses already decoded, else decoded here)."""
-    texts = decode_responses(batch, tokenizer) if texts is None else texts
+def sample_records(batch: Batch, tokenizer) -> list[dict]:
+    """One JSON-ready record per scored sample: its dataset index, prompt and response text, ground truth and score."""
+    texts = decode_responses(batch, tokenizer)
     ids, mask = batch.tensors["input_ids"].cpu(), batch.tensors["attention_mask"].cpu().bool()
     width = batch.tensors["responses"].shape[1]
     prompts = tokenizer.batch_decode([r[:-width][m[:-width]].tolist() for r, m in zip(ids, mask)],
