@@ -13,6 +13,7 @@ already does that).
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -138,8 +139,6 @@ def destroy(finished: bool = False) -> None:
     interpreter finalization aborted once after a finished run ("terminate called without an active exception",
     CI, 2-rank LoRA + offload). After a failure no barrier: the other ranks may be gone.
     """
-    import gc
-
     if not dist.is_initialized():
         return
     if finished:

@@ -50,6 +50,7 @@ def preflight(cfg: Config, nproc: int = 1) -> None:
     check_devices(cfg, nproc)
     check_model(cfg)
     check_data(cfg)
+    check_outputs(cfg)
 
 
 # --------------------------------------------------------------------------- engine, devices
@@ -133,6 +134,24 @@ def _check_data_path(path: str, key: str) -> None:
                              f"is unreachable ({why}); point {key} at a local .jsonl/.parquet file, use "
                              f"{key}=synthetic:successor with data.task=successor, or run once with network access "
                              f"so that the datasets library caches it")
+
+
+# --------------------------------------------------------------------------- outputs
+def check_outputs(cfg: Config) -> None:
+    """``trainer.validation_data_dir`` can be created (a file in its way, or an unwritable parent, fails here rather
+    than at the first validation, after minutes of start-up); nothing is created."""
+    d = cfg.trainer.validation_data_dir
+    if not d or not validation_on(cfg):
+        return
+    path = Path(cfg.trainer.output_dir).expanduser() / d
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    problem = ("is a file" if not existing.is_dir() else
+               "is not writable" if not os.access(existing, os.W_OK | os.X_OK) else None)
+    if problem:
+        raise PreflightError(f"trainer.validation_data_dir={d!r}: cannot create {path} ({existing} {problem}); point "
+                             f"it at a writable directory, or set it to '' to stop writing validation samples")
 
 
 # --------------------------------------------------------------------------- the hub and its caches

@@ -119,3 +119,18 @@ def test_nproc_argument():
     assert _nproc("3", load_config(RECIPE)) == 3
     with pytest.raises(pf.PreflightError, match="--nproc 'two'"):
         _nproc("two", load_config(RECIPE))
+
+
+def test_validation_data_dir_that_cannot_be_created_is_named(tmp_path, no_network):
+    """A file where trainer.validation_data_dir would go fails before any rank starts, naming the key; nothing is
+    created by the check, and a creatable directory (or validation off) passes."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "blocked").write_text("a file, not a directory")
+    args = [f"trainer.output_dir={run}", "trainer.val_before_train=true"]
+    with pytest.raises(pf.PreflightError, match=r"trainer.validation_data_dir='blocked/val': cannot create .*is a file"):
+        pf.preflight(load_config(RECIPE, [*args, "trainer.validation_data_dir=blocked/val"]))
+    pf.preflight(load_config(RECIPE, [*args, "trainer.validation_data_dir=samples/val"]))
+    pf.preflight(load_config(RECIPE, [f"trainer.output_dir={run}", "trainer.test_freq=0", "trainer.val_before_train=false",
+                                      "trainer.validation_data_dir=blocked/val"]))
+    assert sorted(p.name for p in run.iterdir()) == ["blocked"]
