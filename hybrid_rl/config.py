@@ -365,7 +365,7 @@ class TrainerConfig:
     total_epochs: int = 1
     """Epochs when ``total_steps`` is 0."""
     test_freq: int = 0
-    """Validate every N steps (0 = never, except ``val_before_train``)."""
+    """Validate every N steps and after the last (0 = never, except ``val_before_train``)."""
     val_before_train: bool = False
     """Validate once before the first step."""
     logger: list[Literal["console", "tensorboard", "jsonl"]] = field(default_factory=lambda: ["console", "tensorboard", "jsonl"])

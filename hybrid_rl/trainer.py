@@ -162,7 +162,9 @@ class Trainer:
             for step in range(self.start_step + 1, self.total_steps + 1):
                 with self._profiled(step):
                     metrics = self.step(last=step == self.total_steps)
-                if self._due(step, self.cfg.trainer.test_freq) and self.val_set is not None:
+                test_freq = self.cfg.trainer.test_freq  # and at the last step, as verl does: a run ends measured
+                last_val = test_freq > 0 and step == self.total_steps
+                if self.val_set is not None and (self._due(step, test_freq) or last_val):
                     metrics.update(self.validate())
                 self._log(metrics, step)
                 self._guard_skipped_updates(metrics)

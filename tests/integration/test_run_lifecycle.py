@@ -159,3 +159,11 @@ def test_every_logged_metric_is_in_the_readme_table(tmp_path):
     for group, keys in re.findall(r"^\| `(\w+)/` \| (.*) \|$", table, flags=re.M):
         documented |= {f"{group}/{k}" for k in re.findall(r"`(\w+)`", keys)}
     assert logged - documented == set(), sorted(logged - documented)
+
+
+def test_validation_runs_every_test_freq_steps_and_at_the_last(tmp_path):
+    """As verl does: a run whose last step is not a multiple of trainer.test_freq still ends with a validation."""
+    rows = _train(tmp_path / "run", "trainer.total_steps=3", "trainer.test_freq=2")
+    assert [r["step"] for r in rows if "val/reward_mean" in r] == [2, 3]
+    rows = _train(tmp_path / "off", "trainer.total_steps=2", "trainer.test_freq=0")
+    assert not any("val/reward_mean" in r for r in rows)
