@@ -352,6 +352,12 @@ class RewardConfig:
     num_workers: int = -1
     """Processes that score a batch: -1 = auto (min(8, CPUs per rank) for a ``module:function``, none for the
     built-ins, which take microseconds), 0 = the training process, N = N processes. Scores are the same either way."""
+    overlong_buffer_len: int = 0
+    """DAPO's soft overlong punishment on the training reward (verl ``overlong_buffer.len``): a response within this
+    many tokens of ``data.max_response_length`` loses reward linearly, up to ``overlong_penalty_factor`` at the cap
+    (0 = off). Validation scores are left as they are."""
+    overlong_penalty_factor: float = 1.0
+    """The reward a response cut at the length cap loses (with ``overlong_buffer_len`` > 0)."""
 
 
 @dataclass
@@ -516,6 +522,13 @@ class Config:
         _check_registered(self)
         estimators = _registry("algorithm.adv_estimator")
         est = estimators.info(self.algorithm.adv_estimator)
+        rw = self.reward
+        if not 0 <= rw.overlong_buffer_len < d.max_response_length:
+            raise ConfigError(f"reward.overlong_buffer_len={rw.overlong_buffer_len} must be >= 0 and below "
+                              f"data.max_response_length={d.max_response_length} (0 = off; DAPO used 4k of 20k)")
+        if rw.overlong_penalty_factor < 0:
+            raise ConfigError(f"reward.overlong_penalty_factor={rw.overlong_penalty_factor} must be >= 0 "
+                              f"(the reward a response cut at the cap loses)")
         if self.algorithm.gae_std_floor < 0:
             raise ConfigError(f"algorithm.gae_std_floor={self.algorithm.gae_std_floor} must be >= 0 (0 = plain whitening)")
         if est.needs_groups and r.n < 2:

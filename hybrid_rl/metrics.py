@@ -26,6 +26,8 @@ def batch_metrics(batch: Batch, max_response_length: int, trainer_version: int) 
     staleness = (trainer_version - t["weight_version"]).float()
     means = {
         "reward/mean": (float(scores.sum()), n),
+        # the part of it that responses cut at the length cap earned
+        "reward/clipped_mean": (float((scores * (resp_len >= max_response_length).to(scores)).sum()), n),
         "rollout/response_length_mean": (float(resp_len.sum()), n),
         "rollout/prompt_length_mean": (float(prompt_len.sum()), n),
         "rollout/response_clip_ratio": (float((resp_len >= max_response_length).float().sum()), n),

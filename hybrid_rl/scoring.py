@@ -2,8 +2,9 @@
 
 Reward functions see text (response, ground truth) and return a float; this
 module turns a rollout batch into ``token_level_scores`` [B, R] (sparse: the
-score sits on the last real response token, as in verl) and counts failures
-when ``reward.on_error=zero``. The scoring itself (in this process, or in worker
+score sits on the last real response token, as in verl), counts failures
+when ``reward.on_error=zero`` and shapes the training reward of overlong responses
+(``reward.overlong_buffer_len``). The scoring itself (in this process, or in worker
 processes with ``reward.timeout_s`` for user functions) is ``RewardScorer``'s.
 """
 
@@ -17,6 +18,7 @@ from hybrid_rl.phases.advantage import sparse_scores
 from hybrid_rl.batch import Batch
 from hybrid_rl.data.tasks import Task
 from hybrid_rl.rewards import RewardScorer, score_responses
+from hybrid_rl.rewards.overlong import overlong_penalty
 
 
 def decode_responses(batch: Batch, tokenizer) -> list[str]:
@@ -54,3 +56,14 @@ def compute_scores(batch: Batch, tokenizer, fn: RewardScorer | Callable[[str, st
     if task is not None:
         stats.update({f"{prefix}/{k}": (v, float(len(texts))) for k, v in task.answer_stats(texts).items()})
     return batch.union(tensors=dict(token_level_scores=token_scores, scores=score_t.to(token_scores.device))), stats
+
+
+def shape_overlong(batch: Batch, max_response_length: int, buffer_len: int,
+                   penalty_factor: float) -> tuple[Batch, dict[str, tuple[float, float]]]:
+    """Add DAPO's overlong penalty to ``token_level_scores`` (on the last response token, with the score); ``scores``
+    keeps the reward function's own, so ``reward/mean`` stays comparable across runs. Stat: the mean penalty."""
+    mask = batch.tensors["response_mask"]
+    penalty = overlong_penalty(mask.sum(-1), max_response_length, buffer_len, penalty_factor)
+    shaped = batch.tensors["token_level_scores"] + sparse_scores(penalty, mask)
+    return batch.union(tensors=dict(token_level_scores=shaped)), {"reward/overlong_penalty": (float(penalty.sum()),
+                                                                                              float(len(batch)))}

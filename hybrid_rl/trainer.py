@@ -42,7 +42,7 @@ from hybrid_rl.metrics import batch_metrics
 from hybrid_rl.perf import ModelFlops, host_wait_summary, pass_mfu, peak_flops
 from hybrid_rl.rewards import RewardScorer
 from hybrid_rl.runlock import take_run_lock
-from hybrid_rl.scoring import compute_scores, sample_records
+from hybrid_rl.scoring import compute_scores, sample_records, shape_overlong
 from hybrid_rl.sources import make_placement, make_source
 from hybrid_rl.tracking import Timer, Tracker, run_summary
 from hybrid_rl.watchdog import StallWatchdog
@@ -226,6 +226,10 @@ class Trainer:
         batch = self.source.check_staleness(batch, w.weight_version)
         with timer("reward"):
             batch, reward_stats = compute_scores(batch, self.tokenizer, self.reward_fn, cfg.reward.on_error, self.task)
+            if cfg.reward.overlong_buffer_len > 0:
+                batch, penalty_stats = shape_overlong(batch, cfg.data.max_response_length, cfg.reward.overlong_buffer_len,
+                                                      cfg.reward.overlong_penalty_factor)
+                reward_stats.update(penalty_stats)
         old_source = self._old_log_prob_source(batch)
         if old_source == "recompute":
             with timer("old_log_prob"):
@@ -526,7 +530,7 @@ class Trainer:
         idx = list(range(rank, len(self.val_set), world))
         chunk = self.cfg.data.val_batch_size or self.cfg.data.train_batch_size
         # the same keys on every rank (one all-reduce), also on a rank with no validation prompts
-        names = ["reward_mean", "response_length_mean", "response_clip_ratio"]
+        names = ["reward_mean", "clipped_reward_mean", "response_length_mean", "response_clip_ratio"]
         names += list(self.task.answer_stats([])) if self.task is not None else []
         sums = {f"val/{k}": 0.0 for k in names}
         count = 0.0
@@ -540,7 +544,11 @@ class Trainer:
             stats["val/reward_mean"] = (float(out.tensors["scores"].sum()), len(out))
             stats["val/response_length_mean"] = (float(out.tensors["response_mask"].sum()), len(out))
             lengths = out.tensors["response_mask"].sum(-1)
-            stats["val/response_clip_ratio"] = (float((lengths >= self.cfg.data.max_response_length).sum()), len(out))
+            clipped = lengths >= self.cfg.data.max_response_length
+            stats["val/response_clip_ratio"] = (float(clipped.sum()), len(out))
+            # the part of the accuracy that responses cut at the cap earned (a lucky last number, not an answer)
+            stats["val/clipped_reward_mean"] = (float((out.tensors["scores"] * clipped.to(out.tensors["scores"])).sum()),
+                                                len(out))
             for k, (v, _) in stats.items():
                 sums[k] += v
             count += len(out)

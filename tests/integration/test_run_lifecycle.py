@@ -151,7 +151,7 @@ def test_every_logged_metric_is_in_the_readme_table(tmp_path):
     import re
 
     rows = _train(tmp_path / "run", "trainer.mode=overlap", "actor.use_kl_loss=true", "trainer.total_steps=2",
-                  "trainer.test_freq=2")
+                  "trainer.test_freq=2", "reward.overlong_buffer_len=2")
     logged = {k for r in rows for k in r if "/" in k}
     readme = (ROOT / "README.md").read_text()
     table = readme[readme.index("| group | keys |"):readme.index("Under split placement the first trainer rank logs")]
