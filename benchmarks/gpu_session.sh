@@ -286,10 +286,11 @@ from bench_common import gpu_short_name as g; print(g(torch.cuda.get_device_name
   ;;
 smol|smolb|smolc)  # issue 17: SmolLM2-135M-Instruct learns GSM8K, one single-GPU run per card, all at once on one
   # host (same time, so the wall-clock times compare). The arms, in GPU order (the first as many as there are GPUs):
-  # sync and overlap at the recipe's lr 3e-6, then sync and overlap at lr 1e-5 (SMOL_ARMS replaces them); same seed.
+  # sync and overlap as the recipe is (overlong penalty, lr 1e-5), sync with a 384-token cap and a 128-token
+  # buffer, sync at lr 2e-5 (SMOL_ARMS replaces them; SMOL_TAG names the result files, default overlong); same seed.
   # Each call trains until 60 s before its end, then SIGTERM stops every run cleanly (the step finishes and is
-  # checkpointed; every 10 steps too, should a run be killed); the next part resumes them (100 steps took ~850 s over
-  # two calls on 4xH200; SMOL_STEPS sets the steps). `smol` first runs, on the last GPU,
+  # checkpointed; every 10 steps too, should a run be killed); the next part resumes them (133-152 steps took
+  # ~1,460 s over three calls on 4xH200; SMOL_STEPS sets the steps). `smol` first runs, on the last GPU,
   # the recorded-greedy test, the engine-vs-trainer log-prob parity script and the packed GPU tests, so that arm
   # starts ~4 min later (SMOL_CHECKS=0 skips them). Before `smol`, two calls copy the model's carries:
   #   `mkdir -p /tmp/smol && cp -r .stage_smol/w1/. /tmp/smol/`, then the same with w2 (and the six vLLM carries).
@@ -321,7 +322,7 @@ smol|smolb|smolc)  # issue 17: SmolLM2-135M-Instruct learns GSM8K, one single-GP
   }
   # SMOL_ARMS (space-separated label:mode:lr[:key=value,key=value]) replaces the default arms; keep it the same for
   # every part of a lease
-  read -r -a ARMS <<< "${SMOL_ARMS:-sync_lr3e-6:sync:3e-6 overlap_lr3e-6:overlap:3e-6 sync_lr1e-5:sync:1e-5 overlap_lr1e-5:overlap:1e-5}"
+  read -r -a ARMS <<< "${SMOL_ARMS:-sync:sync:1e-5 overlap:overlap:1e-5 sync_cap384:sync:1e-5:data.max_response_length=384,reward.overlong_buffer_len=128 sync_lr2e-5:sync:2e-5}"
   NG=$(nvidia-smi -L | wc -l); [ $NG -lt ${#ARMS[@]} ] && ARMS=("${ARMS[@]:0:$NG}")
   stamp "smollm2: ${#ARMS[@]} run(s) on $NG GPU(s) until +$(( STOP_AT - T0 ))s"
   PIDS=""
@@ -338,7 +339,7 @@ smol|smolb|smolc)  # issue 17: SmolLM2-135M-Instruct learns GSM8K, one single-GP
   DEV=$(python -c "import torch, sys; sys.path.insert(0, 'benchmarks'); from bench_common import gpu_short_name as g; \
 print(g(torch.cuda.get_device_name()))")
   RUNS=""; for a in "${ARMS[@]}"; do r=${a%%:*}; [ -f $SR/$r/metrics.jsonl ] && RUNS="$RUNS --run $r=$SR/$r"; done
-  [ -n "$RUNS" ] && python benchmarks/learning_smollm2.py $RUNS --device "${DEV}x1" --out-dir "$RES" \
+  [ -n "$RUNS" ] && python benchmarks/learning_smollm2.py $RUNS --device "${DEV}x1" --out-dir "$RES" --tag "${SMOL_TAG:-overlong}" \
     --host "${#ARMS[@]} runs at once, one per GPU of a ${DEV}x$NG host" || echo "learning summary failed"
   for r in $SR/*; do echo "-- $r"; grep -E "Error|error" $r/train.log | tail -3; tail -c 400 $r/train.log; echo; done
   cp "$RES"/learning_smollm2_* "$RES"/logprob_parity_smollm2_* "$OUT/" 2>/dev/null

@@ -28,8 +28,9 @@ from benchmarks.bench_common import ROOT, git_commit  # noqa: E402
 
 CURVES = ["reward/mean", "rollout/response_length_mean", "rollout/response_clip_ratio", "rollout/logprob_diff",
           "rollout/logprob_diff_max", "timing/step", "timing/gen", "timing/update", "reward/format_strict",
-          "reward/answer_found"]
-VAL_EXTRA = ["val/response_clip_ratio", "val/format_strict", "val/answer_found"]  # (absent from older runs)
+          "reward/answer_found", "reward/clipped_mean", "reward/overlong_penalty"]
+# (absent from older runs) val/clipped_reward_mean: the accuracy earned by answers cut at the length cap
+VAL_EXTRA = ["val/response_clip_ratio", "val/format_strict", "val/answer_found", "val/clipped_reward_mean"]
 
 
 def read_rows(run: Path) -> list[dict]:
@@ -100,6 +101,9 @@ def summarise(label: str, run: Path, n_val: int | None) -> dict:
     if val:
         before, after = accuracy(val[0][1], n), accuracy(val[-1][1], n)
         before["step"], after["step"] = val[0][0], val[-1][0]
+        for point, (_, acc, _, extra) in ((before, val[0]), (after, val[-1])):
+            if "val/clipped_reward_mean" in extra:  # right answers that also finished (ended before the cap)
+                point["finished_accuracy"] = acc - extra["val/clipped_reward_mean"]
         diff = after["accuracy"] - before["accuracy"]
         out.update(before=before, after=after, gain=diff,
                    gain_stderr=math.sqrt(before["stderr"] ** 2 + after["stderr"] ** 2))
@@ -131,7 +135,7 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("val", "greedy test accuracy (± s.e.)"), ("reward/mean", "train reward"),
+    panels = [("val", "greedy test accuracy (± s.e.; dashed: finished before the cap)"), ("reward/mean", "train reward"),
               ("rollout/response_length_mean", "response length (tokens)"),
               ("rollout/response_clip_ratio", "clip ratio (at length cap)"),
               ("rollout/logprob_diff", "|engine - trainer| log-prob (mean)"), ("time", "wall-clock (s, training)"),
@@ -142,8 +146,12 @@ def plot(results: list[dict], path: Path, title: str) -> None:
         for res in results:
             if key == "val":
                 c = res["val_curve"]
-                ax.errorbar([p["step"] for p in c], [p["accuracy"] for p in c], yerr=[p["stderr"] for p in c],
-                            marker="o", capsize=3, label=res["label"])
+                line = ax.errorbar([p["step"] for p in c], [p["accuracy"] for p in c], yerr=[p["stderr"] for p in c],
+                                   marker="o", capsize=3, label=res["label"])
+                fin = [p for p in c if "clipped_reward_mean" in p]
+                if fin:
+                    ax.plot([p["step"] for p in fin], [p["accuracy"] - p["clipped_reward_mean"] for p in fin], "--",
+                            color=line[0].get_color(), label=f"{res['label']} finished")
             elif key == "shape":
                 for k, style in (("reward/format_strict", "-"), ("reward/answer_found", "--")):
                     pts = res["train_curve"].get(k, [])
@@ -193,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default=None, help="how the runs shared the machine, recorded in the JSON "
                     "(e.g. '4 runs at once, one per GPU of a H100x4 host')")
     ap.add_argument("--val-n", type=int, default=None, help="validation questions (default: from the run's config)")
+    ap.add_argument("--tag", default="", help="appended to the result files' name, so that another setting's runs on "
+                    "the same device do not overwrite them (e.g. overlong)")
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     runs = []
@@ -205,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     results = [summarise(label, d, args.val_n) for label, d in runs]
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"learning_smollm2_{device}"
+    stem = out_dir / f"learning_smollm2_{device}{'_' + args.tag if args.tag else ''}"
     doc = {"benchmark": "learning_smollm2", "device": device, "commit": git_commit(),
            "recipe": "recipes/gsm8k_grpo_smollm2.yaml", "model": "builtin:smollm2-135m-instruct", "host": args.host, "runs": results}
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")

@@ -47,3 +47,20 @@ def test_no_validation_samples_no_paired_entry(tmp_path):
         f.unlink()
     assert "paired" not in summarise("sync", run, n_val=2)
     assert paired({}, {}) == {"n": 0, "gained": 0, "lost": 0, "gain": 0.0, "stderr": 0.0}
+
+
+def test_finished_accuracy_leaves_out_answers_cut_at_the_cap_and_tag_names_the_files(tmp_path):
+    """val/clipped_reward_mean (right answers cut at the length cap) comes off the accuracy as finished_accuracy; a
+    --tag keeps another setting's files from overwriting these."""
+    from benchmarks.learning_smollm2 import main
+
+    run = _run(tmp_path, [1, 1, 0, 0], [1, 1, 1, 0])
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(x) for x in lines]
+    rows[0]["val/clipped_reward_mean"], rows[2]["val/clipped_reward_mean"] = 0.25, 0.0
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = summarise("sync", run, n_val=4)
+    assert res["before"]["finished_accuracy"] == 0.25 and res["after"]["finished_accuracy"] == 0.75
+    assert main(["--run", f"sync={run}", "--device", "cpux1", "--tag", "overlong", "--out-dir", str(tmp_path)]) == 0
+    assert (tmp_path / "learning_smollm2_cpux1_overlong.json").is_file()
+    assert (tmp_path / "learning_smollm2_cpux1_overlong.png").is_file()
