@@ -286,8 +286,9 @@ from bench_common import gpu_short_name as g; print(g(torch.cuda.get_device_name
   ;;
 smol|smolb|smolc)  # issue 17: SmolLM2-135M-Instruct learns GSM8K, one single-GPU run per card, all at once on one
   # host (same time, so the wall-clock times compare). The arms, in GPU order (the first as many as there are GPUs):
-  # sync and overlap as the recipe is (overlong penalty, lr 1e-5), sync with a 384-token cap and a 128-token
-  # buffer, sync at lr 2e-5 (SMOL_ARMS replaces them; SMOL_TAG names the result files, default overlong); same seed.
+  # sync and overlap as the recipe is (overlong penalty, lr 1e-5), overlap with the engine on its own high-priority
+  # CUDA stream (issue 18: generation is ~60% of this step), sync at lr 2e-5 (SMOL_ARMS replaces them; SMOL_TAG
+  # names the result files, default overlong); same seed.
   # Each call trains until 60 s before its end, then SIGTERM stops every run cleanly (the step finishes and is
   # checkpointed; every 10 steps too, should a run be killed); the next part resumes them (133-152 steps took
   # ~1,460 s over three calls on 4xH200; SMOL_STEPS sets the steps). `smol` first runs, on the last GPU,
@@ -322,7 +323,7 @@ smol|smolb|smolc)  # issue 17: SmolLM2-135M-Instruct learns GSM8K, one single-GP
   }
   # SMOL_ARMS (space-separated label:mode:lr[:key=value,key=value]) replaces the default arms; keep it the same for
   # every part of a lease
-  read -r -a ARMS <<< "${SMOL_ARMS:-sync:sync:1e-5 overlap:overlap:1e-5 sync_cap384:sync:1e-5:data.max_response_length=384,reward.overlong_buffer_len=128 sync_lr2e-5:sync:2e-5}"
+  read -r -a ARMS <<< "${SMOL_ARMS:-sync:sync:1e-5 overlap:overlap:1e-5 overlap_high:overlap:1e-5:rollout.cuda_stream=high sync_lr2e-5:sync:2e-5}"
   NG=$(nvidia-smi -L | wc -l); [ $NG -lt ${#ARMS[@]} ] && ARMS=("${ARMS[@]:0:$NG}")
   stamp "smollm2: ${#ARMS[@]} run(s) on $NG GPU(s) until +$(( STOP_AT - T0 ))s"
   PIDS=""
