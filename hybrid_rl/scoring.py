@@ -28,15 +28,19 @@ def decode_responses(batch: Batch, tokenizer) -> list[str]:
 
 
 def sample_records(batch: Batch, tokenizer) -> list[dict]:
-    """One JSON-ready record per scored sample: its dataset index, prompt and response text, ground truth and score."""
+    """One JSON-ready record per scored sample: its dataset index, prompt and response text, the response's length in
+    tokens (at ``data.max_response_length``: cut, not finished), ground truth and score."""
     texts = decode_responses(batch, tokenizer)
     ids, mask = batch.tensors["input_ids"].cpu(), batch.tensors["attention_mask"].cpu().bool()
     width = batch.tensors["responses"].shape[1]
     prompts = tokenizer.batch_decode([r[:-width][m[:-width]].tolist() for r, m in zip(ids, mask)],
                                      skip_special_tokens=True)
     nt = batch.non_tensors
-    return [{"index": int(i), "prompt": p, "response": t, "ground_truth": str(g), "score": float(s)}
-            for i, p, t, g, s in zip(nt["index"], prompts, texts, nt["ground_truth"], batch.tensors["scores"].tolist())]
+    lengths = batch.tensors["response_mask"].sum(-1).tolist()
+    return [{"index": int(i), "prompt": p, "response": t, "response_length": int(n), "ground_truth": str(g),
+             "score": float(s)}
+            for i, p, t, n, g, s in zip(nt["index"], prompts, texts, lengths, nt["ground_truth"],
+                                        batch.tensors["scores"].tolist())]
 
 
 def compute_scores(batch: Batch, tokenizer, fn: RewardScorer | Callable[[str, str], float],

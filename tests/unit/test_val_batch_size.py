@@ -40,8 +40,10 @@ def test_validation_generates_in_val_batch_size_chunks(tmp_path, monkeypatch, ex
     assert seen == calls
     assert 0.0 <= out["val/reward_mean"] <= 1.0
     # successor has no answer-shape counts
-    assert set(out) == {"val/reward_mean", "val/response_length_mean", "val/response_clip_ratio"}
+    assert set(out) == {"val/reward_mean", "val/clipped_reward_mean", "val/response_length_mean",
+                        "val/response_clip_ratio"}
     assert 0.0 <= out["val/response_clip_ratio"] <= 1.0
+    assert 0.0 <= out["val/clipped_reward_mean"] <= out["val/reward_mean"]
 
 
 def test_gsm8k_validation_logs_the_answer_shape_on_every_rank_layout(tmp_path):
@@ -60,8 +62,8 @@ def test_gsm8k_validation_logs_the_answer_shape_on_every_rank_layout(tmp_path):
     trainer = Trainer(cfg, cpu_dist())
     try:
         out = trainer.validate()
-        assert set(out) == {"val/reward_mean", "val/response_length_mean", "val/response_clip_ratio",
-                            "val/format_strict", "val/answer_found"}
+        assert set(out) == {"val/reward_mean", "val/clipped_reward_mean", "val/response_length_mean",
+                            "val/response_clip_ratio", "val/format_strict", "val/answer_found"}
         assert all(0.0 <= out[k] <= 1.0 for k in out if k != "val/response_length_mean")
         empty = trainer._validate_on_engine(rank=7, world=8)  # a rank past the 6 prompts: same keys, no samples
         assert set(empty) == set(out) and not any(empty.values())
@@ -76,7 +78,8 @@ def test_val_batch_size_must_be_positive():
 
 def test_validation_data_dir_writes_every_sample_per_step(tmp_path):
     """trainer.validation_data_dir: each validation writes one record per validation prompt (its dataset index, the
-    prompt and response text, the ground truth and the score that val/reward_mean averages) under the run directory."""
+    prompt and response text, the response's length, the ground truth and the score that val/reward_mean averages)
+    under the run directory."""
     import json
 
     from hybrid_rl.trainer import Trainer
@@ -95,6 +98,11 @@ def test_validation_data_dir_writes_every_sample_per_step(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "val_samples" / files[0]).read_text().splitlines()]
     assert sorted(r["index"] for r in rows) == list(range(10))  # data.max_val_samples=10, each once
     assert sum(r["score"] for r in rows) / len(rows) == pytest.approx(out["val/reward_mean"])
-    assert all(r["prompt"] and set(r) == {"index", "prompt", "response", "ground_truth", "score"} for r in rows)
+    assert all(r["prompt"] and set(r) == {"index", "prompt", "response", "response_length", "ground_truth", "score"}
+               for r in rows)
+    # the lengths are the ones val/response_length_mean and val/clipped_reward_mean count (cut = at the cap)
+    assert sum(r["response_length"] for r in rows) / len(rows) == pytest.approx(out["val/response_length_mean"])
+    cut = sum(r["score"] for r in rows if r["response_length"] >= cfg.data.max_response_length) / len(rows)
+    assert cut == pytest.approx(out["val/clipped_reward_mean"])
     # the prompt as the chat template wrote it ("user\n4\nassistant\n"), and the successor task's truth for its digit
     assert all(r["ground_truth"] == str((int(r["prompt"].split("\n")[1]) + 1) % 10) for r in rows)
