@@ -1,9 +1,11 @@
 """Does a real model learn? SmolLM2-135M-Instruct on GSM8K (recipes/gsm8k_grpo_smollm2.yaml), from run directories.
 
-Reads the ``metrics.jsonl`` of one or two finished runs (sync and overlap mode), and writes
-``benchmarks/results/learning_smollm2_<device>.json`` and a ``.png``: greedy test accuracy before and after training
-with its standard error sqrt(p(1-p)/n) (n = validation questions), the validation curve, and per step the training
-reward, response length, clip ratio (responses at the length cap), engine-vs-trainer log-prob gap and time. Wall-clock
+Reads the ``metrics.jsonl`` of one or more finished runs (e.g. sync and overlap mode), and writes
+``benchmarks/results/learning_smollm2_<device>[_<tag>].json`` and a ``.png``: greedy test accuracy before and after
+training with its standard error sqrt(p(1-p)/n) (n = validation questions), and the accuracy of answers that also
+finished before the length cap where the run logged ``val/clipped_reward_mean``; the validation curve; and per step
+the training reward, response length, clip ratio (responses at the length cap), engine-vs-trainer log-prob gap and
+time. Wall-clock
 time is the sum of ``timing/step`` (training only), plus the whole run's time where the run directory holds a
 ``wall_s.txt`` (seconds of each call of the run, one per line, appended by the command that ran it). Where the run
 saved its validation samples (the recipe's ``trainer.validation_data_dir``), the gain is also paired per question: the
@@ -196,7 +198,7 @@ def default_device() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", action="append", required=True, metavar="LABEL=DIR",
-                    help="a run directory with its label (e.g. sync=runs/smol_sync); give it once per run (1 or 2)")
+                    help="a run directory with its label (e.g. sync=runs/smol_sync); give it once per run")
     ap.add_argument("--device", default=None, help="device tag of the result files, e.g. H100x1 (default: detected)")
     ap.add_argument("--host", default=None, help="how the runs shared the machine, recorded in the JSON "
                     "(e.g. '4 runs at once, one per GPU of a H100x4 host')")
