@@ -10,7 +10,8 @@ time is the sum of ``timing/step`` (training only), plus the whole run's time wh
 ``wall_s.txt`` (seconds of each call of the run, one per line, appended by the command that ran it). Where the run
 saved its validation samples (the recipe's ``trainer.validation_data_dir``), the gain is also paired per question: the
 questions gained and lost between the first and the last validation, and the standard error of the per-question
-differences. Prints one JSON line per run. It trains nothing itself: run the recipe first, e.g. on one GPU
+differences; where the records carry ``response_length``, the same again counting only answers that finished.
+Prints one JSON line per run. It trains nothing itself: run the recipe first, e.g. on one GPU
 
     s=$(date +%s); hybrid-rl train recipes/gsm8k_grpo_smollm2.yaml trainer.output_dir=runs/smol_sync ...; \
         echo $(( $(date +%s) - s )) >> runs/smol_sync/wall_s.txt
@@ -73,12 +74,29 @@ def accuracy(p: float, n: int) -> dict:
     return {"accuracy": p, "stderr": math.sqrt(max(p * (1 - p), 0.0) / n), "n": n}
 
 
-def val_scores(run: Path, step: int) -> dict[int, float] | None:
-    """The per-question greedy scores of one validation (``trainer.validation_data_dir: validation``), or None."""
+def max_response_length(run: Path) -> int | None:
+    """``data.max_response_length`` from the run's resolved config, or None."""
+    try:
+        import yaml
+
+        return int(yaml.safe_load((run / "config.yaml").read_text())["data"]["max_response_length"])
+    except Exception:  # no config, or an unreadable one
+        return None
+
+
+def val_scores(run: Path, step: int, finished_below: int | None = None) -> dict[int, float] | None:
+    """The per-question greedy scores of one validation (``trainer.validation_data_dir: validation``), or None.
+    With ``finished_below``, an answer cut at that length (its record's ``response_length``) scores 0; None when the
+    records carry no lengths (older runs)."""
     files = sorted((run / "validation").glob(f"step_{step:08d}_rank*.jsonl"))
     if not files:
         return None
-    return {int(r["index"]): float(r["score"]) for f in files for r in map(json.loads, f.read_text().splitlines())}
+    records = [r for f in files for r in map(json.loads, f.read_text().splitlines())]
+    if finished_below is None:
+        return {int(r["index"]): float(r["score"]) for r in records}
+    if not all("response_length" in r for r in records):
+        return None
+    return {int(r["index"]): float(r["score"]) * (r["response_length"] < finished_below) for r in records}
 
 
 def paired(before: dict[int, float], after: dict[int, float]) -> dict:
@@ -112,6 +130,11 @@ def summarise(label: str, run: Path, n_val: int | None) -> dict:
         first, last = val_scores(run, val[0][0]), val_scores(run, val[-1][0])
         if first is not None and last is not None:
             out["paired"] = paired(first, last)
+        cap = max_response_length(run)
+        if cap is not None:  # the same, counting only answers that finished before the cap
+            first, last = val_scores(run, val[0][0], cap), val_scores(run, val[-1][0], cap)
+            if first is not None and last is not None:
+                out["paired_finished"] = paired(first, last)
     out["val_curve"] = [{"step": s, "accuracy": a, "stderr": accuracy(a, n)["stderr"], "response_length_mean": L,
                          **{k.split("/", 1)[1]: v for k, v in extra.items()}} for s, a, L, extra in val]
     out["train_curve"] = {k: [[r["step"], r[k]] for r in train if k in r] for k in CURVES}
@@ -223,8 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
     plot(results, stem.with_suffix(".png"), f"SmolLM2-135M-Instruct GRPO on GSM8K, {device}, {git_commit()}")
     for res in results:
-        line = {k: res.get(k) for k in ("label", "steps", "before", "after", "gain", "gain_stderr", "paired", "train_time_s",
-                                         "wall_s", "step_time_s_median")}
+        line = {k: res.get(k) for k in ("label", "steps", "before", "after", "gain", "gain_stderr", "paired",
+                                         "paired_finished", "train_time_s", "wall_s", "step_time_s_median")}
         print(json.dumps({"device": device, "commit": doc["commit"], **line}))
     print(f"wrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')}", file=sys.stderr)
     return 0

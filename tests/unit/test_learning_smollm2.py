@@ -64,3 +64,22 @@ def test_finished_accuracy_leaves_out_answers_cut_at_the_cap_and_tag_names_the_f
     assert main(["--run", f"sync={run}", "--device", "cpux1", "--tag", "overlong", "--out-dir", str(tmp_path)]) == 0
     assert (tmp_path / "learning_smollm2_cpux1_overlong.json").is_file()
     assert (tmp_path / "learning_smollm2_cpux1_overlong.png").is_file()
+
+
+def test_paired_finished_counts_only_answers_that_ended_before_the_cap(tmp_path):
+    """Records with response_length and a config with data.max_response_length: a right answer cut at the cap counts
+    as wrong in paired_finished (the plain pairing keeps it); older records without lengths give no such entry."""
+    run = _run(tmp_path, [1, 1, 0, 0], [1, 1, 1, 0])
+    (run / "config.yaml").write_text("data:\n  max_response_length: 8\n")
+    lengths = {0: {0: 8, 1: 3, 2: 8, 3: 8}, 2: {0: 3, 1: 3, 2: 5, 3: 8}}  # step -> index -> tokens
+    for f in (run / "validation").iterdir():
+        step = int(f.name.split("_")[1])
+        recs = [json.loads(x) for x in f.read_text().splitlines()]
+        f.write_text("".join(json.dumps({**r, "response_length": lengths[step][r["index"]]}) + "\n" for r in recs))
+    res = summarise("sync", run, n_val=4)
+    assert (res["paired"]["gained"], res["paired"]["lost"]) == (1, 0)
+    # finished before: only index 1; after: 0, 1 and 2 -> two gained
+    assert (res["paired_finished"]["gained"], res["paired_finished"]["lost"]) == (2, 0)
+    bare = _run(tmp_path / "old", [1, 0], [1, 1])
+    (bare / "config.yaml").write_text("data:\n  max_response_length: 8\n")
+    assert "paired_finished" not in summarise("sync", bare, n_val=2)
