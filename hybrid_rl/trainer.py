@@ -126,6 +126,7 @@ class Trainer:
         self.model_flops = ModelFlops.of(self.worker.actor.model) if self.worker.actor is not None else None
         self.peak_flops = peak_flops(self.dist.device, cfg.trainer.peak_tflops)
         self.skipped_in_a_row = 0
+        self.val_owed = False  # this checkpoint step's validation was put off by a stop signal
         self.last_val: tuple[int, float] | None = None
         self.start_step = self._restore(resume_from) if resume_from is not None else 0  # nothing written before this
         self.current_step = self.start_step  # the step being run (``step`` counts); critic warm-up reads it
@@ -156,8 +157,9 @@ class Trainer:
         if self.start_step >= self.total_steps:
             self.tracker.write(f"nothing to do: the checkpoint is at step {self.start_step} of {self.total_steps}; "
                                "raise trainer.total_steps (or total_epochs) to train further")
-        elif self.start_step == 0 and self.cfg.trainer.val_before_train and self.val_set is not None:
-            self._log(self.validate(), step=0)
+        elif self.val_set is not None and (self.val_owed or (self.start_step == 0 and self.cfg.trainer.val_before_train)):
+            self._log(self.validate(), step=self.start_step)  # before training, or the one a stop put off (below)
+            self.val_owed = False
         with GracefulStop() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint, exit non-zero
             for step in range(self.start_step + 1, self.total_steps + 1):
                 with self._profiled(step):
@@ -165,7 +167,12 @@ class Trainer:
                 test_freq = self.cfg.trainer.test_freq  # and at the last step, as verl does: a run ends measured
                 last_val = test_freq > 0 and step == self.total_steps
                 if self.val_set is not None and (self._due(step, test_freq) or last_val):
-                    metrics.update(self.validate())
+                    # a stop signal puts the validation off to the resumed run: the checkpoint comes first (a
+                    # validation of a large set can outlast the grace a scheduler gives between SIGTERM and SIGKILL)
+                    if step < self.total_steps and stop.agreed(self.global_dist.device):
+                        self.val_owed = True
+                    else:
+                        metrics.update(self.validate())
                 self._log(metrics, step)
                 self._guard_skipped_updates(metrics)
                 history.append({"step": step, **metrics})
@@ -321,7 +328,8 @@ class Trainer:
     def save(self, step: int) -> None:
         w = self.worker
         pending = self.source.pending_batch()  # waits for the in-flight batch (it must not race the RNG capture)
-        extra = {"step": step, "weight_version": w.weight_version, "sampler": self.sampler.state_dict(),
+        extra = {"step": step, "val_owed": self.val_owed, "weight_version": w.weight_version,
+                 "sampler": self.sampler.state_dict(),
                  "rng": self._capture_rng(), "skipped_in_a_row": self.skipped_in_a_row,
                  "pending_batch": pending.state_dict() if pending is not None else None,
                  "kl_ctrl": self.kl_ctrl.state_dict()}
@@ -378,6 +386,7 @@ class Trainer:
         w.weight_version = extra["weight_version"]
         self.sampler.load_state_dict(extra["sampler"])
         self.skipped_in_a_row = extra.get("skipped_in_a_row", 0)
+        self.val_owed = bool(extra.get("val_owed", False))  # a stop put this step's validation off: run it first
         if "kl_ctrl" in extra:  # the adaptive controller's β where the run left it
             self.kl_ctrl.load_state_dict(extra["kl_ctrl"])
         if extra.get("pending_batch") is not None:

@@ -167,3 +167,37 @@ def test_validation_runs_every_test_freq_steps_and_at_the_last(tmp_path):
     assert [r["step"] for r in rows if "val/reward_mean" in r] == [2, 3]
     rows = _train(tmp_path / "off", "trainer.total_steps=2", "trainer.test_freq=0")
     assert not any("val/reward_mean" in r for r in rows)
+
+
+@pytest.mark.parametrize("mode", ["sync", "overlap"])
+def test_a_stop_signal_puts_the_due_validation_off_to_the_resumed_run(tmp_path, monkeypatch, mode):
+    """SIGTERM in a step after which validation is due: the run checkpoints without validating (a long validation
+    could outlast the scheduler's grace before SIGKILL), the checkpoint owes it, and the resumed run validates first,
+    logging the same figures at the same step as an uninterrupted run; then it goes on as usual."""
+    import signal
+
+    from hybrid_rl.interrupt import RunInterrupted
+
+    args = ["trainer.total_steps=4", "trainer.test_freq=2", "trainer.save_freq=100", f"trainer.mode={mode}"]
+    ref = _train(tmp_path / "ref", *args)
+    out = tmp_path / "run"
+    original = Trainer.step
+
+    def step_then_signal(self, last=False):
+        metrics = original(self, last)
+        if self.current_step == 2:
+            signal.raise_signal(signal.SIGTERM)  # the handler only notes it; the loop stops after this step
+        return metrics
+
+    monkeypatch.setattr(Trainer, "step", step_then_signal)
+    with pytest.raises(RunInterrupted):
+        _train(out, *args)
+    monkeypatch.setattr(Trainer, "step", original)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and not any("val/reward_mean" in r for r in rows)
+    assert (out / "checkpoints" / "step_00000002" / "COMPLETE").exists()
+    _train(out, *args)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    val = {r["step"]: r["val/reward_mean"] for r in rows if "val/reward_mean" in r}
+    want = {r["step"]: r["val/reward_mean"] for r in ref if "val/reward_mean" in r}
+    assert val == want and sorted(val) == [2, 4]
