@@ -301,13 +301,16 @@ smol|smolb|smolc)  # issue 17: SmolLM2-135M-Instruct learns GSM8K, one single-GP
   SM="data.train_path=$PWD/.devdata/train.jsonl data.val_path=$PWD/.devdata/test.jsonl trainer.save_freq=10"
   [ -n "${SMOL_STEPS:-}" ] && SM="$SM trainer.total_steps=$SMOL_STEPS"  # else the recipe's 100; give every part the same
   SR=/tmp/res/smolruns  # the run directories (less checkpoints and tensorboard) travel back in every pack
-  STOP_AT=$(( CALL0 + ${SMOL_CALL_S:-540} ))  # SIGTERM then: the runs took ~20 s to finish their step and checkpoint on 4xH200, the summary ~10 s
+  # SIGTERM then, SIGKILL 40 s later: a stop finishes its step (~7 s) and checkpoints (a validation due then is put
+  # off to the resumed run; before that, 2 of 12 stops were killed inside a ~30 s validation, and one more hung
+  # unexplained at the start of a step); the summary takes ~15 s
+  STOP_AT=$(( CALL0 + ${SMOL_CALL_S:-525} ))
   arm() {  # label mode lr gpu [overrides, comma-separated]: train (or resume) until STOP_AT; appends the seconds of
     # this call to wall_s.txt
     local dir=$SR/$1 t=$(date +%s); mkdir -p $dir
     local left=$(( STOP_AT - t ))
     [ $left -gt 60 ] || { echo "$1: no time left in this call"; return; }
-    CUDA_VISIBLE_DEVICES=$4 TQDM_DISABLE=1 timeout -k 25 $left python -m hybrid_rl train recipes/gsm8k_grpo_smollm2.yaml $SM \
+    CUDA_VISIBLE_DEVICES=$4 TQDM_DISABLE=1 timeout -k 40 $left python -m hybrid_rl train recipes/gsm8k_grpo_smollm2.yaml $SM \
       trainer.mode=$2 actor.lr=$3 trainer.output_dir=$dir ${5//,/ } >> $dir/train.log 2>&1
     echo "$1 (GPU $4): exit $? after $(( $(date +%s) - t )) s; $(grep -c timing/step $dir/metrics.jsonl 2>/dev/null) steps logged"
     echo $(( $(date +%s) - t )) >> $dir/wall_s.txt
