@@ -405,9 +405,9 @@ class TrainerConfig:
     stale_policy: Literal["drop", "error"] = "drop"
     """A batch beyond ``max_staleness`` is regenerated under the current weights (drop) or stops the run (error)."""
     validation_data_dir: str = ""
-    """Write every validation's samples (dataset index, prompt, response, ground truth, score) as JSON lines to
-    ``<dir>/step_<N>_rank<R>.jsonl`` ("" = off, as verl's key of the same name; a relative path is inside
-    ``output_dir``). For reading what the model writes, and for a paired before/after comparison per question."""
+    """Write every validation's samples (dataset index, prompt, response, its length in tokens, ground truth, score)
+    as JSON lines to ``<dir>/step_<N>_rank<R>.jsonl`` ("" = off, as verl's key of the same name; a relative path is
+    inside ``output_dir``). For reading what the model writes, and for a paired before/after comparison per question."""
     profile_steps: list[int] = field(default_factory=list)
     """Steps to run under ``torch.profiler``; each rank writes its top ops by CUDA and CPU time to
     ``<output_dir>/profile/step_<N>_rank<R>.txt`` (e.g. ``trainer.profile_steps=[5]``)."""

@@ -12,6 +12,16 @@ import torch
 from hybrid_rl.batch import Batch
 
 
+def outcome_sums(scores: torch.Tensor, response_mask: torch.Tensor, max_response_length: int) -> dict[str, float]:
+    """Sums over a batch of the score, the score of responses cut at ``max_response_length`` (a flexible extractor
+    pays a ramble whose last number happens to match), the response tokens and the cut responses; training
+    (``reward/*``, ``rollout/*``) and validation (``val/*``) name them differently."""
+    resp_len = response_mask.float().sum(dim=1)
+    clipped = (resp_len >= max_response_length).to(scores.dtype)
+    return {"score": float(scores.sum()), "clipped_score": float((scores * clipped).sum()),
+            "length": float(resp_len.sum()), "clipped": float(clipped.sum())}
+
+
 def batch_metrics(batch: Batch, max_response_length: int, trainer_version: int) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
     t = batch.tensors
     mask = t["response_mask"].float()  # [B, R]
@@ -24,13 +34,13 @@ def batch_metrics(batch: Batch, max_response_length: int, trainer_version: int) 
     # π_prox/π_behav per token: 1 in exact sync, drifts with staleness and engine numerics
     is_ratio = torch.exp((t["old_log_probs"] - t["rollout_log_probs"]).clamp(-20, 20))
     staleness = (trainer_version - t["weight_version"]).float()
+    out = outcome_sums(scores, mask, max_response_length)
     means = {
-        "reward/mean": (float(scores.sum()), n),
-        # the part of it that responses cut at the length cap earned
-        "reward/clipped_mean": (float((scores * (resp_len >= max_response_length).to(scores)).sum()), n),
-        "rollout/response_length_mean": (float(resp_len.sum()), n),
+        "reward/mean": (out["score"], n),
+        "reward/clipped_mean": (out["clipped_score"], n),  # the part of it that responses cut at the length cap earned
+        "rollout/response_length_mean": (out["length"], n),
         "rollout/prompt_length_mean": (float(prompt_len.sum()), n),
-        "rollout/response_clip_ratio": (float((resp_len >= max_response_length).float().sum()), n),
+        "rollout/response_clip_ratio": (out["clipped"], n),
         "rollout/logprob_diff": (float(diff.sum()), ntok),
         "actor/advantages_mean": (float((t["advantages"] * mask).sum()), ntok),
         "actor/entropy_old": (float((t["old_entropy"] * mask).sum()), ntok) if "old_entropy" in t else (0.0, 0.0),

@@ -38,7 +38,7 @@ from hybrid_rl.config import Config, ConfigError, resume_config_diff, save_confi
 from hybrid_rl.data import TASKS, PromptDataset, PromptSampler, collate_prompts, load_rows
 from hybrid_rl.distributed import DistInfo, all_reduce_sum, reduce_max, reduce_weighted_means
 from hybrid_rl.interrupt import GracefulStop, RunInterrupted
-from hybrid_rl.metrics import batch_metrics
+from hybrid_rl.metrics import batch_metrics, outcome_sums
 from hybrid_rl.perf import ModelFlops, host_wait_summary, pass_mfu, peak_flops
 from hybrid_rl.rewards import RewardScorer
 from hybrid_rl.runlock import take_run_lock
@@ -69,6 +69,12 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+# val/<name>: the outcome_sums key it averages (clipped_reward_mean: the part of the accuracy that responses cut at
+# the length cap earned, a lucky last number rather than an answer)
+VAL_OUTCOMES = {"reward_mean": "score", "clipped_reward_mean": "clipped_score", "response_length_mean": "length",
+                "response_clip_ratio": "clipped"}
 
 
 class Trainer:
@@ -539,7 +545,7 @@ class Trainer:
         idx = list(range(rank, len(self.val_set), world))
         chunk = self.cfg.data.val_batch_size or self.cfg.data.train_batch_size
         # the same keys on every rank (one all-reduce), also on a rank with no validation prompts
-        names = ["reward_mean", "clipped_reward_mean", "response_length_mean", "response_clip_ratio"]
+        names = list(VAL_OUTCOMES)
         names += list(self.task.answer_stats([])) if self.task is not None else []
         sums = {f"val/{k}": 0.0 for k in names}
         count = 0.0
@@ -550,14 +556,8 @@ class Trainer:
             out, stats = compute_scores(out, self.tokenizer, self.reward_fn, self.cfg.reward.on_error, self.task,
                                         prefix="val")
             stats.pop("val/errors")
-            stats["val/reward_mean"] = (float(out.tensors["scores"].sum()), len(out))
-            stats["val/response_length_mean"] = (float(out.tensors["response_mask"].sum()), len(out))
-            lengths = out.tensors["response_mask"].sum(-1)
-            clipped = lengths >= self.cfg.data.max_response_length
-            stats["val/response_clip_ratio"] = (float(clipped.sum()), len(out))
-            # the part of the accuracy that responses cut at the cap earned (a lucky last number, not an answer)
-            stats["val/clipped_reward_mean"] = (float((out.tensors["scores"] * clipped.to(out.tensors["scores"])).sum()),
-                                                len(out))
+            outcome = outcome_sums(out.tensors["scores"], out.tensors["response_mask"], self.cfg.data.max_response_length)
+            stats.update({f"val/{name}": (outcome[key], len(out)) for name, key in VAL_OUTCOMES.items()})
             for k, (v, _) in stats.items():
                 sums[k] += v
             count += len(out)
