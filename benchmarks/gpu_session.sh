@@ -2,7 +2,7 @@
 # For maintainers, not users: the runs behind benchmarks/results/ and the GPU checks of the issues, cut into parts that
 # each fit one 600 s call of the device tool (its machines start bare and have no network). A user with GPUs runs
 # `make bench` (benchmarks/modes.py) or the scripts themselves (benchmarks/README.md).
-# Expects vLLM 0.26 staged at /tmp/vs (../shared/device/README.md) and GSM8K in .devdata/. Run it from a clean export:
+# Expects vLLM 0.26 staged at /tmp/vs (benchmarks/stage_vllm.sh, eight carries; or ../shared/device/README.md's six) and GSM8K in .devdata/. Run it from a clean export:
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean && git rev-parse HEAD > .clean/COMMIT \
 #     && cp -r .devdata .clean/ && { [ -d .stage_liger ] && cp -r .stage_liger .clean/; }  # (bash benchmarks/stage_liger.sh first)
 #   then, on the lender (carry .clean): cd .clean && bash benchmarks/gpu_session.sh PART
@@ -21,6 +21,8 @@ SWEEP_RES=/tmp/res/sweep4  # sweep4a..d write one modes_sweep JSON (merged by le
 mkdir -p "$OUT" "$RES" "$MODES_RES" "$SWEEP_RES" /tmp/res/smolruns /tmp/res/flagship4
 exec > >(tee "$OUT/$PART.log") 2>&1
 if [ -d /tmp/vs ] && [ ! -d /tmp/site/vllm ]; then
+  # staged with benchmarks/stage_vllm.sh (45 MiB pieces): join them first; install_remote.sh then skips its own join
+  [ -f /tmp/vs/join_vllm.sh ] && { bash /tmp/vs/join_vllm.sh >/dev/null || echo "vllm join failed"; }
   bash /tmp/vs/install_remote.sh /tmp/vs /tmp/site --with-datasets >/dev/null || echo "vllm install failed"
 fi
 # model.use_liger (issue 16): liger-kernel, pinned, from .stage_liger/ (benchmarks/stage_liger.sh; copied into the export)
