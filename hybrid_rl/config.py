@@ -208,6 +208,11 @@ class ActorConfig:
     """Dual-clip bound for negative advantages (> 1; none = off)."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """How token losses are averaged."""
+    mask_truncated_completions: bool = False
+    """Leave the responses cut at ``data.max_response_length`` out of the actor's loss and its denominators (DAPO's
+    overlong filtering; TRL's ``GRPOConfig.mask_truncated_completions``): a ramble cut at the cap is neither
+    rewarded nor punished, where ``reward.overlong_buffer_len`` punishes it. They still count in their group's
+    advantage baseline. A response of exactly the cap's length counts as cut, as in ``rollout/response_clip_ratio``."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient."""
     use_kl_loss: bool = False

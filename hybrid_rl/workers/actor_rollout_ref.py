@@ -298,17 +298,27 @@ class ActorRolloutRefWorker:
             stats.add("perf/update_token_share", ran / of, of)  # perf/mfu_update × this; token-weighted over ranks)
         return stats.pairs(), lps, ents
 
+    def _loss_mask(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The tokens the actor's loss counts, [b, R] float: the response tokens, less every token of the responses
+        cut at the length cap when ``actor.mask_truncated_completions``."""
+        mask = t["response_mask"].float()
+        if self.cfg.actor.mask_truncated_completions:
+            mask = mask * (mask.sum(-1, keepdim=True) < self.cfg.data.max_response_length)
+        return mask
+
     def _update_mini_batch(self, mini: Batch, stats: _Stats,
                            capture: tuple[np.ndarray, torch.Tensor, torch.Tensor] | None = None) -> None:
         """``capture`` = (the mini-batch's rows in the batch, [B, R] log-prob and entropy buffers): π_old is the
         forward's own detached log-probs, written into the buffers."""
         a = self.cfg.actor
-        mask = mini.tensors["response_mask"].float()
+        mask = self._loss_mask(mini.tensors)
         # Global denominators across ranks: every micro-batch on every rank divides
         # by the same counts, so the summed gradient equals one big batch's.
-        denom = torch.tensor([mask.sum().item(), float(len(mini))], dtype=torch.float64, device=self.device)
+        seqs = float(mask.amax(-1).sum()) if a.mask_truncated_completions else float(len(mini))
+        denom = torch.tensor([mask.sum().item(), seqs], dtype=torch.float64, device=self.device)
         all_reduce_sum(denom, self.dist.group)
-        num_tokens, num_seqs = denom[0].item(), denom[1].item()
+        # at least 1: with every response masked out (all cut at the cap) the loss is 0, not 0/0
+        num_tokens, num_seqs = max(denom[0].item(), 1.0), max(denom[1].item(), 1.0)
         # FSDP averages gradients over ranks; undo that so the loss is a global sum.
         scale = float(self.dist.world_size) if self.actor.fsdp else 1.0
         self.actor.zero_grad()
@@ -323,7 +333,7 @@ class ActorRolloutRefWorker:
                 ents[where, :ent.shape[1]] = ent
             self.actor.micro_batch_step(last=i == len(micros) - 1)
             (loss * scale).backward()
-            ntok = micro.tensors["response_mask"].sum().double()
+            ntok = self._loss_mask(micro.tensors).sum().double()
             for k, v in m.items():
                 stats.add(k, v, ntok)
         grad_norm, stepped = self.actor.optimizer_step(a.grad_clip)
@@ -336,7 +346,7 @@ class ActorRolloutRefWorker:
         forward's detached (log-probs, entropy). ``own_old``: those log-probs are π_old (see ``update_actor_own_old``)."""
         a = self.cfg.actor
         t = micro.to(self.device).tensors
-        mask = t["response_mask"].float()  # [b, R]
+        mask = self._loss_mask(t)  # [b, R]
         log_prob, entropy = self.actor.forward(micro, micro.meta["temperature"], with_entropy=True,
                                                entropy_grad=bool(a.entropy_coeff))
         if own_old:

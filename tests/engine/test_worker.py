@@ -319,3 +319,44 @@ def test_row_index_is_a_slice_for_runs_and_writes_the_same_rows():
     out = torch.zeros(6, 2)
     out[scattered, :1] = torch.tensor([[1.0], [2.0], [3.0]])
     assert out[:, 0].tolist() == [2.0, 0.0, 3.0, 0.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_mask_truncated_completions_drops_cut_responses_from_the_loss(tiny_model_path, mode):
+    """actor.mask_truncated_completions: the update on a batch with responses cut at the cap gives the gradient of
+    the same update on the batch without them (their tokens out of the loss and of its token/sequence counts)."""
+    def grads(batch: Batch | None, *over: str) -> tuple[dict[str, torch.Tensor], Batch]:
+        torch.manual_seed(0)
+        cfg = make_cfg("rollout.n=4", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2",
+                       "data.max_response_length=10", "rollout.forced_lengths=lognormal:9:0.5",
+                       "actor.ppo_micro_batch_size_per_device=2", f"actor.loss_agg_mode={mode}",
+                       "actor.entropy_coeff=0.01", *over)
+        w = ActorRolloutRefWorker(cfg, cpu_dist())
+        if batch is None:
+            batch = score_batch(w, generate_batch(w, chat_prompts(w, ("7", "a longer prompt here"))))
+        w.update_actor(batch)
+        return _actor_grads(w), batch
+
+    masked, batch = grads(None, "actor.mask_truncated_completions=true")
+    cut = batch["response_mask"].sum(1) >= 10
+    assert 0 < int(cut.sum()) < len(batch)  # some responses were cut at the cap, some finished
+    assert float(batch["advantages"][cut].abs().sum()) > 0  # and the cut ones would have moved the policy
+    kept, _ = grads(batch.index(np.flatnonzero(~cut.numpy())))
+    _assert_same_gradients(masked, kept)
+    unmasked, _ = grads(batch)
+    assert any(float((masked[n] - unmasked[n]).abs().max()) > 1e-6 for n in masked)
+
+
+def test_mask_truncated_completions_with_every_response_cut(tiny_model_path):
+    """Every response at the cap: the loss is zero (no NaN), the update leaves the weights as they were."""
+    torch.manual_seed(0)
+    cfg = make_cfg("rollout.n=2", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2",
+                   "data.max_response_length=6", "rollout.forced_lengths=lognormal:60:0.1", "actor.ppo_micro_batch_size_per_device=2",
+                   "actor.mask_truncated_completions=true")
+    w = ActorRolloutRefWorker(cfg, cpu_dist())
+    batch = score_batch(w, generate_batch(w, chat_prompts(w, ("7", "8"))))
+    assert bool((batch["response_mask"].sum(1) == 6).all())
+    before = actor_params(w)
+    stats = w.update_actor(batch)
+    assert all(torch.equal(before[n], p) for n, p in actor_params(w).items())
+    assert all(np.isfinite(s) for s, _ in stats.values())
