@@ -7,7 +7,7 @@
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean && git rev-parse HEAD > .clean/COMMIT \
 #     && cp -r .devdata .clean/ && { [ -d .stage_liger ] && cp -r .stage_liger .clean/; }  # (bash benchmarks/stage_liger.sh first)
 #   then, on the lender (carry .clean): cd .clean && bash benchmarks/gpu_session.sh PART
-#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | compile1 | ppo | smol | smolb | smolc | sweep4a..sweep4g | stream1 | stream2 | gputests | flagship4a..d ; writes $OUT/PART.tgz and $OUT/PART.log
+#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | compile1 | ppo | smol | smolb | smolc | proc | sweep4a..sweep4g | stream1 | stream2 | gputests | flagship4a..d ; writes $OUT/PART.tgz and $OUT/PART.log
 # Each part fits one 600 s device call; every piece has its own timeout and results are packed after each piece,
 # so a part cut short still returns what finished.
 # The lender gives a machine back after ~30 s idle (what was staged is lost): send the staging calls and the
@@ -287,7 +287,10 @@ from bench_common import gpu_short_name as g; print(g(torch.cuda.get_device_name
   # every run's metrics.jsonl and profile tables in one file (the device tool returns 8 files at most)
   tar czf "$OUT/flagship4_runs.tgz" -C $R4 --exclude=checkpoints --exclude=tensorboard . 2>/dev/null
   ;;
-smol|smolb|smolc)  # issue 17: SmolLM2-135M-Instruct learns GSM8K, one single-GPU run per card, all at once on one
+smol|smolb|smolc|proc)  # proc (issue 18): rollout.engine_process, first its GPU test on GPU 0 (~3 min), then the
+  # four arms below on SmolLM2 (masked, so responses stay ~210 tokens and generation ~60% of a sync step): sync and
+  # overlap with the engine in the trainer's process and in its own, one call (SMOL_CALL_S) of the same seed.
+  # issue 17: SmolLM2-135M-Instruct learns GSM8K, one single-GPU run per card, all at once on one
   # host (same time, so the wall-clock times compare). The arms, in GPU order (the first as many as there are GPUs):
   # sync and overlap as the recipe is (overlong penalty, lr 1e-5), overlap with the engine on its own high-priority
   # CUDA stream (issue 18: generation is ~60% of this step), sync with 16 samples of 32 prompts (the same 512: at
@@ -333,7 +336,16 @@ smol|smolb|smolc)  # issue 17: SmolLM2-135M-Instruct learns GSM8K, one single-GP
   }
   # SMOL_ARMS (space-separated label:mode:lr[:key=value,key=value]) replaces the default arms; keep it the same for
   # every part of a lease
-  read -r -a ARMS <<< "${SMOL_ARMS:-sync:sync:1e-5 overlap:overlap:1e-5 overlap_high:overlap:1e-5:rollout.cuda_stream=high sync_n16:sync:1e-5:rollout.n=16,data.train_batch_size=32,actor.ppo_mini_batch_size=16}"
+  DEFAULT_ARMS="sync:sync:1e-5 overlap:overlap:1e-5 overlap_high:overlap:1e-5:rollout.cuda_stream=high sync_n16:sync:1e-5:rollout.n=16,data.train_batch_size=32,actor.ppo_mini_batch_size=16"
+  if [ "$PART" = proc ]; then
+    M=actor.mask_truncated_completions=true,reward.overlong_buffer_len=0
+    DEFAULT_ARMS="sync:sync:1e-5:$M overlap:overlap:1e-5:$M sync_proc:sync:1e-5:$M,rollout.engine_process=true overlap_proc:overlap:1e-5:$M,rollout.engine_process=true"
+    SMOL_TAG=${SMOL_TAG:-proc}
+    stamp "pytest tests/gpu/test_vllm_process_gpu.py"
+    CUDA_VISIBLE_DEVICES=0 timeout 240 python -m pytest -m "" -q -s -p no:cacheprovider tests/gpu/test_vllm_process_gpu.py \
+      2>&1 | grep -E "engine process|reserved|passed|failed|Error|error" | tail -20
+  fi
+  read -r -a ARMS <<< "${SMOL_ARMS:-$DEFAULT_ARMS}"
   NG=$(nvidia-smi -L | wc -l); [ $NG -lt ${#ARMS[@]} ] && ARMS=("${ARMS[@]:0:$NG}")
   stamp "smollm2: ${#ARMS[@]} run(s) on $NG GPU(s) until +$(( STOP_AT - T0 ))s"
   PIDS=""

@@ -192,7 +192,7 @@ def vllm_hybrid(tmp_path_factory, overrides: list[str], free_cache_engine: bool,
     engine = vr.VLLMRolloutEngine.from_config(cfg, dist, SimpleNamespace(eos_token_id=eos, pad_token_id=pad))
     version = [0]
     sm = ShardingManager(actor, engine, lambda: version[0], dtype=torch.bfloat16, bucket_mb=256,
-                         free_cache_engine=free_cache_engine, sleep_level=sleep_level)
+                         free_cache_engine=free_cache_engine, sleep_level=sleep_level, replay=engine.in_process)
     return SimpleNamespace(actor=actor, engine=engine, sm=sm, version=version, dist=dist, cfg=cfg)
 
 
@@ -220,3 +220,57 @@ def raise_sampled_log_probs(h, batch: Batch) -> None:
     _, stepped = h.actor.optimizer_step(grad_clip=1.0)
     assert stepped
     h.version[0] += 1
+
+
+# --------------------------------------------------------------------------- shared by the vLLM GPU test modules
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    mask = mask.float()
+    return float((x.float() * mask).sum() / mask.sum().clamp(min=1))
+
+
+def random_token_prompts(num: int, lo: int, hi: int, seed: int, pad: int = 151643) -> Batch:
+    """Left-padded random prompts of lengths in [lo, hi] over Qwen2.5's vocabulary (``vllm_hybrid``'s model)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (num,), generator=g)
+    ids = torch.full((num, hi), pad, dtype=torch.long)
+    mask = torch.zeros((num, hi), dtype=torch.long)
+    for i, n in enumerate(lens.tolist()):
+        ids[i, hi - n:] = torch.randint(0, 150000, (n,), generator=g)
+        mask[i, hi - n:] = 1
+    from hybrid_rl.batch import Batch
+
+    return Batch({"input_ids": ids, "attention_mask": mask})
+
+
+def trainer_logprobs(h, batch: Batch, temperature: float) -> torch.Tensor:
+    """``vllm_hybrid``'s trainer log-probs of the batch's responses at ``temperature``."""
+    lp, _ = h.actor.compute_log_prob(batch, 16, temperature)
+    return lp
+
+
+def engine_score(engine, batch: Batch) -> torch.Tensor:
+    """T=1 log-probs of the batch's response tokens under the engine's current weights, via vLLM's
+    prompt log-probs of prompt+response (test-only: the product never scores given tokens)."""
+    import vllm
+
+    ids, am = batch.tensors["input_ids"].cpu(), batch.tensors["attention_mask"].cpu().bool()
+    rmask = batch.tensors["response_mask"].cpu()
+    seqs = [row[m].tolist() for row, m in zip(ids, am)]
+    sp = vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+    outs = engine.llm.generate([{"prompt_token_ids": s} for s in seqs], sp, use_tqdm=False)
+    scores = torch.zeros(rmask.shape, dtype=torch.float32)
+    for i, (o, s) in enumerate(zip(outs, seqs)):
+        n = int(rmask[i].sum())
+        plps = o.prompt_logprobs
+        scores[i, :n] = torch.tensor([plps[j][s[j]].logprob for j in range(len(s) - n, len(s))])
+    return scores.to(batch.tensors["responses"].device)
+
+
+def expected_engine_weight(pushed: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """What vLLM's parameter ``name`` must hold after a push of the HF-named ``pushed`` tensors (q/k/v and gate/up
+    fused along dim 0; vocabulary padding rows aside)."""
+    fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    for fused_name, parts in fused.items():
+        if f".{fused_name}." in name:
+            return torch.cat([pushed[name.replace(fused_name, p)] for p in parts], dim=0)
+    return pushed[name]

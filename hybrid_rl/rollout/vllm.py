@@ -47,6 +47,14 @@ keeping the tokens and sampled log-probs of their latest ``CUMULATIVE``
 output. Tensor parallelism is refused there (the ranks of an engine would have
 to agree on the step of the interrupt).
 
+With ``rollout.engine_process=true`` the engine core runs in a process of its own (vLLM's ``SyncMPClient`` over
+ZMQ; ``distributed_executor_backend="uni"`` in the child, which sees only this rank's GPU, and torchrun's variables
+are hidden from it while it is spawned). The trainer then shares no Python interpreter with the engine's scheduler
+and model runner. The cycle is the same calls; a push sends each bucket as CUDA IPC handles
+(``torch.multiprocessing.reductions.reduce_tensor``: the tensors stay where they are, the child maps them, waits on
+the producer's event and copies them in through the model's ``load_weights``), which needs
+``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (pickled handles and functions between the trainer's own processes).
+
 Left out: vLLM's native LoRA (with LoRA the trainer pushes merged, HF-named
 full weights), quantised or multimodal models, pipeline parallelism,
 async/streaming, per-request seeds, and scoring given
@@ -58,6 +66,7 @@ untruncated one: they then differ by log(kept mass) per token.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -158,6 +167,39 @@ def _rpc_pin_main_stream(worker: Any, stream: Any) -> bool:
 def _rpc_load_weights(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> int:
     """Runs on each vLLM worker: copy HF-named full tensors into the model (vLLM shards/stacks them)."""
     loaded = engine_model(worker).load_weights(weights=weights)
+    return len(loaded) if loaded is not None else len(weights)
+
+
+def cuda_ipc_handle(tensor: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tuple]:
+    """A picklable handle another process on the same GPU can open (``rebuild_ipc``): ``reduce_tensor``'s rebuild
+    function and arguments. The tensor must stay alive, unchanged, until the other side has copied it."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    if tensor.device.type != "cuda":
+        raise ValueError(f"a CUDA IPC handle needs a CUDA tensor, got one on {tensor.device}")
+    return reduce_tensor(tensor.detach())
+
+
+_IPC_DEVICE_ARG = 6
+"""Position of the storage's device index among ``rebuild_cuda_tensor``'s arguments (torch 2.x)."""
+
+
+def rebuild_ipc(handle: tuple[Callable[..., torch.Tensor], tuple], device_index: int) -> torch.Tensor:
+    """Open ``cuda_ipc_handle``'s handle in this process, with the device index it has here (the engine process
+    sees only its GPU, as device 0, where the trainer may call it cuda:3)."""
+    rebuild, args = handle
+    args = list(args)
+    args[_IPC_DEVICE_ARG] = device_index
+    return rebuild(*args)
+
+
+def _rpc_load_ipc_weights(worker: Any, weights: list[tuple[str, tuple]]) -> int:
+    """Runs on the vLLM worker of an engine process: open the pushed tensors' IPC handles, copy them in, let go."""
+    device = torch.cuda.current_device()
+    tensors = [(name, rebuild_ipc(handle, device)) for name, handle in weights]
+    loaded = engine_model(worker).load_weights(weights=tensors)
+    torch.cuda.current_stream().synchronize()  # the copies are done before the trainer may free or reuse its buffers
+    del tensors
     return len(loaded) if loaded is not None else len(weights)
 
 
@@ -359,13 +401,15 @@ def engine_kwargs(cfg, dist) -> dict[str, Any]:
         raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the {dist.world_size} ranks")
     dtype = resolve_dtype(cfg.rollout_dtype, dist.device)
     dp_rank = dist.rank // tp
+    own_process = r.engine_process
     return dict(
         model=resolve_model_path(cfg.model.path),
         skip_tokenizer_init=True,
         trust_remote_code=cfg.model.trust_remote_code,
         dtype=str(dtype).replace("torch.", ""),
         load_format="dummy",  # the sharding manager pushes the real weights
-        distributed_executor_backend="external_launcher",
+        # in this process inside torchrun, or one engine process on this rank's GPU alone
+        distributed_executor_backend="uni" if own_process else "external_launcher",
         tensor_parallel_size=tp,
         enable_sleep_mode=True,
         gpu_memory_utilization=r.gpu_memory_utilization,
@@ -389,6 +433,44 @@ def check_memory_budget(utilization: float, free_bytes: int, total_bytes: int) -
             f"rollout.gpu_memory_utilization={utilization} asks for {want / 2**30:.1f} GiB but only {free_bytes / 2**30:.1f} GiB "
             f"of {total_bytes / 2**30:.1f} GiB is free next to the actor; lower it (e.g. {fits}) or set "
             f"actor.param_offload=true / ref.offload=true")
+
+
+_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                  "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def physical_gpu(device: torch.device, visible: str | None) -> str:
+    """What ``CUDA_VISIBLE_DEVICES`` must say for a child process to see exactly ``device`` (this process's numbering,
+    under this process's ``visible`` list, if any)."""
+    index = device.index if device.index is not None else 0
+    if not visible:
+        return str(index)
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if index >= len(ids):
+        raise RuntimeError(f"device {device} is not among CUDA_VISIBLE_DEVICES={visible!r}")
+    return ids[index]
+
+
+@contextlib.contextmanager
+def engine_process_env(device: torch.device):
+    """The environment while vLLM spawns the engine process: multiprocessing on, pickled handles allowed (kept on:
+    every later call is serialised with it), only ``device`` visible, torchrun's variables hidden (the child is a
+    world of one). Restored afterwards."""
+    env = os.environ
+    saved = {k: env.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "CUDA_VISIBLE_DEVICES", *_TORCHRUN_VARS)}
+    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = physical_gpu(device, saved["CUDA_VISIBLE_DEVICES"])
+    for key in _TORCHRUN_VARS:
+        env.pop(key, None)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
 
 
 def _ensure_launcher_env(dist) -> None:
@@ -428,12 +510,17 @@ class VLLMRolloutEngine(RolloutEngine):
     def from_config(cls, cfg, dist, tokenizer, **llm_overrides: Any) -> "VLLMRolloutEngine":
         vllm = import_vllm()
         kwargs = {**engine_kwargs(cfg, dist), **llm_overrides}
-        _ensure_launcher_env(dist)
+        own_process = kwargs["distributed_executor_backend"] == "uni"
+        if not own_process:
+            _ensure_launcher_env(dist)
         if dist.device.type == "cuda":
             torch.cuda.set_device(dist.device)
             torch.cuda.empty_cache()  # vLLM sizes itself from the free memory
             check_memory_budget(kwargs["gpu_memory_utilization"], *torch.cuda.mem_get_info(dist.device))
-        llm = vllm.LLM(**kwargs)
+        if own_process:  # an in-process engine built earlier froze vLLM's environment (vllm.envs' cache)
+            getattr(getattr(vllm, "envs", None), "disable_envs_cache", lambda: None)()
+        with engine_process_env(dist.device) if own_process else contextlib.nullcontext():
+            llm = vllm.LLM(**kwargs)
         tp_group = None
         tp = kwargs["tensor_parallel_size"]
         if tp > 1:
@@ -445,7 +532,9 @@ class VLLMRolloutEngine(RolloutEngine):
                     tp_group = group
         engine = cls(llm, [tokenizer.eos_token_id], tokenizer.pad_token_id, dist.device, vllm.SamplingParams, tp_group,
                      flat_logprobs=supports_flat_logprobs(vllm.SamplingParams))
-        engine.use_stream(GenerationStream(dist.device, cfg.rollout.cuda_stream))
+        engine.in_process = not own_process
+        if engine.in_process:  # an engine process runs on its own streams: nothing to pin
+            engine.use_stream(GenerationStream(dist.device, cfg.rollout.cuda_stream))
         return engine
 
     def use_stream(self, gen_stream: GenerationStream) -> None:
@@ -461,7 +550,12 @@ class VLLMRolloutEngine(RolloutEngine):
         items = list(weights)
         if not items:
             return
-        self.llm.collective_rpc(_rpc_load_weights, args=(items,))
+        if self.in_process:
+            self.llm.collective_rpc(_rpc_load_weights, args=(items,))
+        else:  # handles, not bytes: the engine process maps the tensors (kept alive here until it returns)
+            torch.cuda.current_stream(self.device).synchronize()
+            self.llm.collective_rpc(_rpc_load_ipc_weights, args=([(n, cuda_ipc_handle(t)) for n, t in items],))
+            torch.cuda.ipc_collect()  # free the blocks the engine process has let go of
         self._weights_real = True
         self._prefix_cache_stale = True  # KV computed with the old weights must not be reused
 
@@ -490,7 +584,10 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def pool_bytes(self) -> int:
         # in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0): its weights and KV cache live in the sleep-mode pool,
-        # which torch's max_memory_allocated/reserved keep counting while it sleeps (unmapped, not freed)
+        # which torch's max_memory_allocated/reserved keep counting while it sleeps (unmapped, not freed); an engine
+        # process holds its pool in its own process
+        if not self.in_process:
+            return 0
         from vllm.device_allocator.cumem import CuMemAllocator
 
         return CuMemAllocator.get_instance().get_current_usage()
@@ -626,7 +723,11 @@ class VLLMRolloutEngine(RolloutEngine):
         return [p for part in parts for p in part], sum(len(part) for part in parts[:me])
 
     def shutdown(self) -> None:
-        """Drop the engine and its GPU memory (one vLLM engine per process at a time)."""
+        """Drop the engine and its GPU memory (one vLLM engine per process at a time; an engine process is ended)."""
+        if not self.in_process and self.llm is not None:
+            core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+            if callable(getattr(core, "shutdown", None)):
+                core.shutdown()
         self.llm = None
         gc.collect()
         if self.device.type == "cuda":

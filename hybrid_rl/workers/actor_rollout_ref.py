@@ -139,7 +139,7 @@ class ActorRolloutRefWorker:
                     self.actor, self.rollout, lambda: self.weight_version, dtype=self.rollout_dtype,
                     bucket_mb=r.weight_sync_bucket_mb, free_cache_engine=cfg.engine_sleeps, sleep_level=r.sleep_level,
                     param_offload=cfg.actor.param_offload, optimizer_offload=cfg.actor.optimizer_offload,
-                    replay=r.weight_load_replay)
+                    replay=r.weight_load_replay and self.rollout.in_process)
         # dynamic batch size: micro-batches cut by padded tokens instead of a sequence count
         self._token_budget = cfg.actor.max_token_len_per_device if cfg.actor.use_dynamic_bsz else None
         self._shuffle_rng = np.random.default_rng(cfg.trainer.seed + 7919 * dist.rank)

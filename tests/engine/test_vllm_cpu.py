@@ -1043,3 +1043,69 @@ def test_both_engines_generate_inside_the_generation_stream(tiny_model_path):
     segs = hf.generate_interruptible([Continuation([3, 4], (), 2, True)], SamplingParams(n=1))
     assert log == ["ready", "enter", "exit", "enter", "exit"]
     assert out.tensors["responses"].shape == (2, 2) and len(segs[0].tokens) == 2
+
+
+# --------------------------------------------------------------------------- rollout.engine_process
+def test_engine_process_config_errors_name_the_key():
+    for over, key in ((["rollout.name=hf", "rollout.engine_process=true"], "rollout.engine_process=true is for"),
+                      (["rollout.name=vllm", "rollout.engine_process=true", "rollout.cuda_stream=high"],
+                       "rollout.cuda_stream=high"),
+                      (["rollout.name=vllm", "rollout.engine_process=true", "rollout.tensor_parallel_size=2"],
+                       "tensor_parallel_size=1")):
+        with pytest.raises(ConfigError, match=key) as ei:
+            load_config(None, ["model.dtype=bfloat16", *over]).validate(world_size=2)
+        assert "\n" not in str(ei.value)
+    _cfg("rollout.engine_process=true").validate()
+
+
+def test_physical_gpu_follows_the_parents_visible_list():
+    assert vr.physical_gpu(torch.device("cuda", 2), None) == "2"
+    assert vr.physical_gpu(torch.device("cuda", 1), "4, 6") == "6"
+    assert vr.physical_gpu(torch.device("cuda", 0), "GPU-abc,GPU-def") == "GPU-abc"
+    with pytest.raises(RuntimeError, match="not among"):
+        vr.physical_gpu(torch.device("cuda", 3), "0,1")
+
+
+def test_engine_process_is_spawned_alone_on_its_gpu_and_the_environment_restored(monkeypatch):
+    """from_config with rollout.engine_process: vLLM is built with the uni executor while multiprocessing is on, only
+    this rank's GPU is visible and torchrun's variables are hidden; afterwards the environment is as it was (but for
+    the serialisation switch the later calls need), and no stream is pinned in a process the engine is not in."""
+    seen = {}
+
+    class SpawnLLM(FakeLLM):
+        def __init__(self, **kwargs):
+            super().__init__()
+            seen.update(kwargs=kwargs, env=dict(__import__("os").environ))
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=SpawnLLM, SamplingParams=dict))
+    for key, value in dict(RANK="1", WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
+                           CUDA_VISIBLE_DEVICES="0,1,2,3", VLLM_ENABLE_V1_MULTIPROCESSING="0").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    dist = DistInfo(rank=1, world_size=4, local_rank=1, device=torch.device("cpu"))
+    monkeypatch.setattr(vr, "physical_gpu", lambda device, visible: visible.split(",")[1])  # cuda:1 on a CPU box
+    eng = vr.VLLMRolloutEngine.from_config(_cfg("rollout.engine_process=true"), dist,
+                                           SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD))
+    assert seen["kwargs"]["distributed_executor_backend"] == "uni"
+    env = seen["env"]
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "1"
+    assert env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+    assert not {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} & set(env)
+    import os
+    assert os.environ["RANK"] == "1" and os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+    assert eng.in_process is False and not eng.llm.calls and eng.pool_bytes() == 0
+    # the in-process default: the external launcher, and the stream set up as before
+    seen.clear()
+    eng = vr.VLLMRolloutEngine.from_config(_cfg(), dist, SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD))
+    assert seen["kwargs"]["distributed_executor_backend"] == "external_launcher" and eng.in_process
+    assert seen["env"]["RANK"] == "1" and seen["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_ipc_handles_are_opened_with_the_engine_process_device_index():
+    """A handle's storage device is the trainer's index (cuda:3); the engine process sees the GPU as 0."""
+    args = tuple(range(15))
+    out = vr.rebuild_ipc((lambda *a: a, args), device_index=0)
+    assert out[vr._IPC_DEVICE_ARG] == 0 and out[:6] == args[:6] and out[7:] == args[7:]
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        vr.cuda_ipc_handle(torch.zeros(2))

@@ -33,31 +33,14 @@ from helpers import require_vllm_gpu  # noqa: E402
 
 vllm = require_vllm_gpu()
 
-from hybrid_rl.batch import Batch  # noqa: E402
-from helpers import raise_sampled_log_probs, vllm_hybrid  # noqa: E402
+from helpers import (engine_score, expected_engine_weight, masked_mean, raise_sampled_log_probs,  # noqa: E402
+                     random_token_prompts as random_prompts, trainer_logprobs, vllm_hybrid)
 from hybrid_rl.rollout import vllm as vr  # noqa: E402
 from hybrid_rl.rollout.base import SamplingParams  # noqa: E402
 
 EOS, PAD = 151645, 151643  # Qwen2.5's <|im_end|> and <|endoftext|>
 TOL = 2e-2  # mean |Δ log-prob| allowed between engine and trainer in bf16
 GPU_UTIL = 0.3
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    mask = mask.float()
-    return float((x.float() * mask).sum() / mask.sum().clamp(min=1))
-
-
-def random_prompts(num: int, lo: int, hi: int, seed: int) -> Batch:
-    """Left-padded random prompts of lengths in [lo, hi]."""
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(lo, hi + 1, (num,), generator=g)
-    ids = torch.full((num, hi), PAD, dtype=torch.long)
-    mask = torch.zeros((num, hi), dtype=torch.long)
-    for i, n in enumerate(lens.tolist()):
-        ids[i, hi - n:] = torch.randint(0, 150000, (n,), generator=g)
-        mask[i, hi - n:] = 1
-    return Batch({"input_ids": ids, "attention_mask": mask})
 
 
 @pytest.fixture(scope="module")
@@ -67,27 +50,6 @@ def hybrid(tmp_path_factory):
                                        "data.max_response_length=64"], free_cache_engine=True, sleep_level=2)
     yield h
     h.engine.shutdown()
-
-
-def trainer_logprobs(h, batch: Batch, temperature: float) -> torch.Tensor:
-    lp, _ = h.actor.compute_log_prob(batch, 16, temperature)
-    return lp
-
-
-def engine_score(engine, batch: Batch) -> torch.Tensor:
-    """T=1 log-probs of the batch's response tokens under the engine's current weights, via vLLM's
-    prompt log-probs of prompt+response (test-only: the product never scores given tokens)."""
-    ids, am = batch.tensors["input_ids"].cpu(), batch.tensors["attention_mask"].cpu().bool()
-    rmask = batch.tensors["response_mask"].cpu()
-    seqs = [row[m].tolist() for row, m in zip(ids, am)]
-    sp = vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-    outs = engine.llm.generate([{"prompt_token_ids": s} for s in seqs], sp, use_tqdm=False)
-    scores = torch.zeros(rmask.shape, dtype=torch.float32)
-    for i, (o, s) in enumerate(zip(outs, seqs)):
-        n = int(rmask[i].sum())
-        plps = o.prompt_logprobs
-        scores[i, :n] = torch.tensor([plps[j][s[j]].logprob for j in range(len(s) - n, len(s))])
-    return scores.to(batch.tensors["responses"].device)
 
 
 # --------------------------------------------------------------------------- 1. parity
@@ -153,16 +115,9 @@ def test_adapter_and_pushed_weights(hybrid):
     with h.sm as eng:
         engine_w = dict(eng.named_weights())
 
-    def expected(name: str) -> torch.Tensor:
-        fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-        for fused_name, parts in fused.items():
-            if f".{fused_name}." in name:
-                return torch.cat([pushed[name.replace(fused_name, p)] for p in parts], dim=0)
-        return pushed[name]
-
     assert len(engine_w) == 1 + 24 * 7 + 1  # embed, 24 × (qkv w+b, o, gate_up, down, 2 norms), final norm
     for name, w in engine_w.items():
-        ref = expected(name)
+        ref = expected_engine_weight(pushed, name)
         assert w.dtype == torch.bfloat16 and torch.equal(w[:ref.shape[0]], ref), name
 
 
