@@ -151,6 +151,9 @@ class Trainer:
             return self._fit()
         finally:
             self.reward_fn.close()
+            rollout = getattr(self.worker, "rollout", None)
+            if rollout is not None and not rollout.in_process:  # an engine process (rollout.engine_process): a
+                rollout.shutdown()  # finished rank leaves through os._exit, which skips the finalizers that end it
             self.run_lock.release()
 
     def _fit(self) -> list[dict[str, float]]:

@@ -203,6 +203,24 @@ def _rpc_load_ipc_weights(worker: Any, weights: list[tuple[str, tuple]]) -> int:
     return len(loaded) if loaded is not None else len(weights)
 
 
+def _rpc_die_with_parent(worker: Any, parent_pid: int) -> bool:
+    """Runs in an engine process: the kernel kills it when the trainer's process dies, however that happens (Linux
+    ``PR_SET_PDEATHSIG``; False where it cannot be set). Its SIGTERM and SIGINT are blocked from birth
+    (``signals_blocked``), so a signal to the whole process group stops the trainer's run gracefully instead of
+    killing the engine under it; the trainer ends it (``shutdown``)."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        ok = libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+    if ok and os.getppid() != parent_pid:  # the trainer died before the line above: go now
+        os.kill(os.getpid(), signal.SIGKILL)
+    return ok
+
+
 def _rpc_read_weights(worker: Any, names: list[str] | None) -> list[tuple[str, torch.Tensor]]:
     """Runs on each vLLM worker: CPU copies of the engine's own parameters (vLLM names, this rank's shard)."""
     wanted = set(names) if names is not None else None
@@ -473,6 +491,22 @@ def engine_process_env(device: torch.device):
                 env[key] = value
 
 
+@contextlib.contextmanager
+def signals_blocked():
+    """SIGTERM and SIGINT blocked in this thread (so in a process spawned from it, from birth: the mask survives fork
+    and exec, and Python does not clear it); pending ones arrive when the block ends."""
+    import signal
+
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def _ensure_launcher_env(dist) -> None:
     """The external launcher reads torchrun's variables; a plain one-process run gets a world of one."""
     if "MASTER_ADDR" in os.environ:
@@ -519,7 +553,11 @@ class VLLMRolloutEngine(RolloutEngine):
             check_memory_budget(kwargs["gpu_memory_utilization"], *torch.cuda.mem_get_info(dist.device))
         if own_process:  # an in-process engine built earlier froze vLLM's environment (vllm.envs' cache)
             getattr(getattr(vllm, "envs", None), "disable_envs_cache", lambda: None)()
-        with engine_process_env(dist.device) if own_process else contextlib.nullcontext():
+        if own_process:
+            with engine_process_env(dist.device), signals_blocked():
+                llm = vllm.LLM(**kwargs)
+            llm.collective_rpc(_rpc_die_with_parent, args=(os.getpid(),))
+        else:
             llm = vllm.LLM(**kwargs)
         tp_group = None
         tp = kwargs["tensor_parallel_size"]

@@ -1077,6 +1077,12 @@ def test_engine_process_is_spawned_alone_on_its_gpu_and_the_environment_restored
             super().__init__()
             seen.update(kwargs=kwargs, env=dict(__import__("os").environ))
 
+        def collective_rpc(self, fn, args=(), kwargs=None):
+            if fn is vr._rpc_die_with_parent:  # runs in the engine process; here it would bind this test process
+                seen["die_with"] = args
+                return [True]
+            return super().collective_rpc(fn, args, kwargs)
+
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=SpawnLLM, SamplingParams=dict))
     for key, value in dict(RANK="1", WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
                            CUDA_VISIBLE_DEVICES="0,1,2,3", VLLM_ENABLE_V1_MULTIPROCESSING="0").items():
@@ -1095,6 +1101,7 @@ def test_engine_process_is_spawned_alone_on_its_gpu_and_the_environment_restored
     assert os.environ["RANK"] == "1" and os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
     assert eng.in_process is False and not eng.llm.calls and eng.pool_bytes() == 0
+    assert seen["die_with"] == (os.getpid(),)
     # the in-process default: the external launcher, and the stream set up as before
     seen.clear()
     eng = vr.VLLMRolloutEngine.from_config(_cfg(), dist, SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD))
@@ -1109,3 +1116,32 @@ def test_ipc_handles_are_opened_with_the_engine_process_device_index():
     assert out[vr._IPC_DEVICE_ARG] == 0 and out[:6] == args[:6] and out[7:] == args[7:]
     with pytest.raises(ValueError, match="CUDA tensor"):
         vr.cuda_ipc_handle(torch.zeros(2))
+
+
+def test_an_engine_process_is_born_deaf_to_sigterm_and_sigint():
+    """Spawned inside ``signals_blocked``, a child starts with SIGTERM and SIGINT blocked (a stop signal to the whole
+    process group leaves the engine running while the trainer finishes its step); this thread's mask comes back."""
+    import signal
+    import subprocess
+
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    with vr.signals_blocked():
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        blocked = int(next(line.split()[1] for line in open(f"/proc/{child.pid}/status") if line.startswith("SigBlk")), 16)
+        assert blocked & (1 << (signal.SIGTERM - 1)) and blocked & (1 << (signal.SIGINT - 1))
+    finally:
+        child.kill()
+        child.wait()
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+
+
+def test_an_engine_process_dies_with_its_parent():
+    """``_rpc_die_with_parent`` sets the kernel's parent-death signal to SIGKILL (read back with PR_GET_PDEATHSIG)."""
+    import subprocess
+
+    code = ("import ctypes, os; from hybrid_rl.rollout.vllm import _rpc_die_with_parent as f; ok = f(None, os.getppid()); "
+            "v = ctypes.c_int(); ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0); print(ok, v.value)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.split() == ["True", "9"], out.stderr[-500:]
