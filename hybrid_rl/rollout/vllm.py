@@ -551,9 +551,9 @@ class VLLMRolloutEngine(RolloutEngine):
             torch.cuda.set_device(dist.device)
             torch.cuda.empty_cache()  # vLLM sizes itself from the free memory
             check_memory_budget(kwargs["gpu_memory_utilization"], *torch.cuda.mem_get_info(dist.device))
-        if own_process:  # an in-process engine built earlier froze vLLM's environment (vllm.envs' cache)
-            getattr(getattr(vllm, "envs", None), "disable_envs_cache", lambda: None)()
         if own_process:
+            # an in-process engine built earlier in this process froze vLLM's environment (vllm.envs' cache)
+            getattr(getattr(vllm, "envs", None), "disable_envs_cache", lambda: None)()
             with engine_process_env(dist.device), signals_blocked():
                 llm = vllm.LLM(**kwargs)
             llm.collective_rpc(_rpc_die_with_parent, args=(os.getpid(),))
