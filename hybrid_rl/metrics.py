@@ -12,12 +12,19 @@ import torch
 from hybrid_rl.batch import Batch
 
 
+def cut_at_cap(response_mask: torch.Tensor, max_response_length: int) -> torch.Tensor:
+    """[B] bool: the responses that reached ``max_response_length`` (cut, not finished; one that ended exactly at the
+    cap counts as cut too). The one definition behind ``rollout/response_clip_ratio``, ``val/response_clip_ratio``
+    and ``actor.mask_truncated_completions``."""
+    return response_mask.sum(dim=-1) >= max_response_length
+
+
 def outcome_sums(scores: torch.Tensor, response_mask: torch.Tensor, max_response_length: int) -> dict[str, float]:
     """Sums over a batch of the score, the score of responses cut at ``max_response_length`` (a flexible extractor
     pays a ramble whose last number happens to match), the response tokens and the cut responses; training
     (``reward/*``, ``rollout/*``) and validation (``val/*``) name them differently."""
     resp_len = response_mask.float().sum(dim=1)
-    clipped = (resp_len >= max_response_length).to(scores.dtype)
+    clipped = cut_at_cap(response_mask, max_response_length).to(scores.dtype)
     return {"score": float(scores.sum()), "clipped_score": float((scores * clipped).sum()),
             "length": float(resp_len.sum()), "clipped": float(clipped.sum())}
 

@@ -196,11 +196,9 @@ def rebuild_ipc(handle: tuple[Callable[..., torch.Tensor], tuple], device_index:
 def _rpc_load_ipc_weights(worker: Any, weights: list[tuple[str, tuple]]) -> int:
     """Runs on the vLLM worker of an engine process: open the pushed tensors' IPC handles, copy them in, let go."""
     device = torch.cuda.current_device()
-    tensors = [(name, rebuild_ipc(handle, device)) for name, handle in weights]
-    loaded = engine_model(worker).load_weights(weights=tensors)
+    count = _rpc_load_weights(worker, [(name, rebuild_ipc(handle, device)) for name, handle in weights])
     torch.cuda.current_stream().synchronize()  # the copies are done before the trainer may free or reuse its buffers
-    del tensors
-    return len(loaded) if loaded is not None else len(weights)
+    return count
 
 
 def _rpc_die_with_parent(worker: Any, parent_pid: int) -> bool:
@@ -419,7 +417,6 @@ def engine_kwargs(cfg, dist) -> dict[str, Any]:
         raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the {dist.world_size} ranks")
     dtype = resolve_dtype(cfg.rollout_dtype, dist.device)
     dp_rank = dist.rank // tp
-    own_process = r.engine_process
     return dict(
         model=resolve_model_path(cfg.model.path),
         skip_tokenizer_init=True,
@@ -427,7 +424,7 @@ def engine_kwargs(cfg, dist) -> dict[str, Any]:
         dtype=str(dtype).replace("torch.", ""),
         load_format="dummy",  # the sharding manager pushes the real weights
         # in this process inside torchrun, or one engine process on this rank's GPU alone
-        distributed_executor_backend="uni" if own_process else "external_launcher",
+        distributed_executor_backend="uni" if r.engine_process else "external_launcher",
         tensor_parallel_size=tp,
         enable_sleep_mode=True,
         gpu_memory_utilization=r.gpu_memory_utilization,
@@ -544,7 +541,7 @@ class VLLMRolloutEngine(RolloutEngine):
     def from_config(cls, cfg, dist, tokenizer, **llm_overrides: Any) -> "VLLMRolloutEngine":
         vllm = import_vllm()
         kwargs = {**engine_kwargs(cfg, dist), **llm_overrides}
-        own_process = kwargs["distributed_executor_backend"] == "uni"
+        own_process = cfg.rollout.engine_process
         if not own_process:
             _ensure_launcher_env(dist)
         if dist.device.type == "cuda":

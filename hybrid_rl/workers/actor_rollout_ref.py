@@ -30,6 +30,7 @@ from hybrid_rl.config import Config, parse_forced_lengths
 from hybrid_rl.micro_batching import micro_batches
 from hybrid_rl.distributed import DistInfo, all_reduce_sum
 from hybrid_rl.kernels import apply_liger
+from hybrid_rl.metrics import cut_at_cap
 from hybrid_rl.models import apply_lora, load_causal_lm, load_tokenizer, resolve_dtype
 from hybrid_rl.rollout import rollout_engine_class
 from hybrid_rl.rollout.base import RolloutEngine, SamplingParams
@@ -303,7 +304,7 @@ class ActorRolloutRefWorker:
         cut at the length cap when ``actor.mask_truncated_completions``."""
         mask = t["response_mask"].float()
         if self.cfg.actor.mask_truncated_completions:
-            mask = mask * (mask.sum(-1, keepdim=True) < self.cfg.data.max_response_length)
+            mask = mask * ~cut_at_cap(mask, self.cfg.data.max_response_length)[:, None]
         return mask
 
     def _update_mini_batch(self, mini: Batch, stats: _Stats,
