@@ -7,14 +7,14 @@
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean && git rev-parse HEAD > .clean/COMMIT \
 #     && cp -r .devdata .clean/ && { [ -d .stage_liger ] && cp -r .stage_liger .clean/; }  # (bash benchmarks/stage_liger.sh first)
 #   then, on the lender (carry .clean): cd .clean && bash benchmarks/gpu_session.sh PART
-#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | compile1 | ppo | smol | smolb | smolc | proc | sweep4a..sweep4g | stream1 | stream2 | gputests | flagship4a..d ; writes $OUT/PART.tgz and $OUT/PART.log
+#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | compile1 | ppo | smol | smolb | smolc | proc | proc4 | sweep4a..sweep4h | stream1 | stream2 | gputests | flagship4a..d ; writes $OUT/PART.tgz and $OUT/PART.log
 # Each part fits one 600 s device call; every piece has its own timeout and results are packed after each piece,
 # so a part cut short still returns what finished.
 # The lender gives a machine back after ~30 s idle (what was staged is lost): send the staging calls and the
 # parts that follow them in one batch of tool calls, and edit between leases, not between calls.
 set -u
 CALL0=$(date +%s)  # the sweep parts size their budget by what is left of the 600 s call
-PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm|soak1|flagship1|ppo|sweep4a|sweep4b|sweep4c|sweep4d|stream1|stream2|gputests}
+PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm|soak1|flagship1|ppo|sweep4a|sweep4b|sweep4c|sweep4d|proc4|sweep4h|stream1|stream2|gputests}
 OUT=${OUT:-/tmp/gpu_out}
 RES=/tmp/res/$PART
 MODES_RES=/tmp/res/modes2  # colo2 and split2 write one modes JSON (merged by mode) when they run on one warm machine
@@ -77,7 +77,7 @@ SWEEP="--gpus 4 --model builtin:$MODEL4 --prompts 24 --n 8 --sigma 0.8 --cap-fac
   actor.ppo_mini_batch_size=12 actor.ppo_micro_batch_size_per_device=8 trainer.stall_dump_s=300"
 sweep_part() {  # $1: --lengths, $2: --modes, $3: more modes_sweep.py arguments (they override $SWEEP's)
   ls "$SWEEP_RES"/modes_sweep_*.json >/dev/null 2>&1 || cp benchmarks/results/modes_sweep_*x4_"$MODEL4".json "$SWEEP_RES"/ 2>/dev/null
-  local budget=$(( 555 - ($(date +%s) - CALL0) ))
+  local budget=$(( ${SWEEP_CALL_S:-555} - ($(date +%s) - CALL0) ))  # SWEEP_CALL_S: less when the lease has less left
   stamp "sweep x4 ($MODEL4): lengths $1, modes $2, budget ${budget}s"
   timeout $(( budget + 30 )) python benchmarks/modes_sweep.py $SWEEP ${3:-} --budget "$budget" --lengths "$1" --modes "$2" \
     || echo "sweep x4 $1 $2 failed"
@@ -395,6 +395,20 @@ sweep4e)  # part 5 (after 4b on the same machine): mean 4k with partial rollouts
   ;;
 sweep4f)  # part 6 (after 4d): mean 8k with partial rollouts, 2 warm-up + 1 measured step (~500 s)
   sweep_part 8192 overlap_partial "--warmup 2 --measure 1"
+  ;;
+proc4)  # issue 18, rollout.engine_process on the sweep's machine: its GPU test on GPU 0 (~3 min: the engine in another
+  # process, pushed weights read back exactly, parity and an optimizer step reaching it, memory flat over 20 pushes,
+  # trainer work beside generation), then the short end (mean 256) in sync, overlap colocated and overlap with the
+  # engine in its own process, then the split (the budget skips it first)
+  stamp "pytest tests/gpu/test_vllm_process_gpu.py"
+  CUDA_VISIBLE_DEVICES=0 timeout 180 python -m pytest -m "" -q -s -p no:cacheprovider tests/gpu/test_vllm_process_gpu.py \
+    2>&1 | grep -E "engine process|reserved|passed|failed|Error|error" | tail -20
+  sweep_part 256 sync,overlap_colocated,overlap_proc
+  sweep_part 256 overlap_split
+  ;;
+sweep4h)  # after proc4 and 4b on the same machine: mean 4k with the engine in its own process, then with partial
+  # rollouts (2 warm-up steps each: partial rollouts' carried pool fills over the first steps)
+  sweep_part 4096 overlap_proc,overlap_partial "--warmup 2 --measure 1"
   ;;
 sweep4g)  # part 7 (after 4a/4b on the same machine): the short end and 4k with generation on its own high-priority
   # CUDA stream (rollout.cuda_stream=high; the default shares the trainer's stream), ~450 s

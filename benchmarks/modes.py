@@ -243,6 +243,10 @@ STREAM_MODE = ("overlap_stream", ["trainer.mode=overlap", "trainer.max_staleness
 """Overlap colocated with generation on a CUDA stream of its own at high priority (``rollout.cuda_stream``): with the
 default ``shared`` the engine's kernels queue on the trainer's stream and the two sides never run at once. Run only
 when named in ``--modes``."""
+PROC_MODE = ("overlap_proc", ["trainer.mode=overlap", "trainer.max_staleness=1", "rollout.engine_process=true"])
+"""Overlap colocated with vLLM's engine core in a process of its own (``rollout.engine_process``): generation no longer
+runs in a thread of the trainer's interpreter. Run only when named in ``--modes``."""
+EXTRA_MODES = (STREAM_MODE, PROC_MODE)
 
 
 def build_modes(world: int, rollout_ranks: str = "") -> list[tuple[str, list[str]]]:
@@ -274,7 +278,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU: checks the plumbing only")
     ap.add_argument("--modes", default="", help="comma-separated subset of sync,overlap_colocated,overlap_split "
-                    "(default: those), overlap_stream (only when named)")
+                    "(default: those), overlap_stream, overlap_proc (only when named)")
     ap.add_argument("--mode-timeout", type=float, default=None, help="seconds before one mode's run is abandoned")
     ap.add_argument("--device", default="", help="with --from-runs: the device name the runs were made on (e.g. H200x1)")
     ap.add_argument("--from-runs", action="store_true",
@@ -297,7 +301,7 @@ def main() -> None:
     modes = build_modes(2 if args.cpu_smoke else args.gpus, args.rollout_ranks)
     if args.modes:
         wanted = args.modes.split(",")
-        modes = [m for m in [*modes, STREAM_MODE] if m[0] in wanted]
+        modes = [m for m in [*modes, *EXTRA_MODES] if m[0] in wanted]
     if args.from_runs:
         device = args.device or device
     stem = out_dir / f"modes_{device}_{model_tag}{args.tag}"

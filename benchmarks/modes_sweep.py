@@ -7,7 +7,8 @@ lognormal draw capped at ``--cap-factor`` × the mean (``rollout.forced_lengths`
 = the cap), in sync, overlap colocated, overlap split with one or more rollout:trainer ratios, and
 ``overlap_partial`` (overlap colocated with partial rollouts: the long tail is interrupted at the step boundary
 and carried into the next round, ``trainer.max_staleness=2``), ``overlap_stream`` (overlap colocated with generation
-on its own high-priority CUDA stream, ``rollout.cuda_stream=high``), and keeps the fastest split ratio per length. Per length it reports the sync step, the generation share of the sync step,
+on its own high-priority CUDA stream, ``rollout.cuda_stream=high``), ``overlap_proc`` (overlap colocated with
+vLLM's engine core in a process of its own, ``rollout.engine_process=true``), and keeps the fastest split ratio per length. Per length it reports the sync step, the generation share of the sync step,
 each overlap mode's step time and speed-up over sync, and a GPU busy fraction; the plot is speed-up against
 generation share, one line per overlap mode.
 
@@ -23,7 +24,7 @@ a steady-state step. ``--budget`` bounds the whole invocation (one 600 s device 
 ``--run-timeout`` or the budget, is recorded as skipped with the reason. The JSON is rewritten after every run
 and merged with the one already there (same settings), so a sweep can be cut into parts (``--lengths 8192
 --modes overlap_split`` in another call) that land in one file; ``--resume`` runs only what the file lacks, so
-a part cut short can be called again. ``overlap_stream`` and ``overlap_partial`` run after the split runs (the budget skips them first).
+a part cut short can be called again. ``overlap_stream``, ``overlap_proc`` and ``overlap_partial`` run after the split runs (the budget skips them first).
 Left out: more than one step of staleness beyond partial rollouts' two, and a search over anything but the split ratio (micro-batch sizes, engine memory) per point.
 """
 
@@ -65,9 +66,9 @@ NOTES = {
 
 PARTIAL_MODE = ("overlap_partial", ["trainer.mode=overlap", "trainer.max_staleness=2", "trainer.partial_rollouts=true"])
 """Overlap colocated with partial rollouts (``hybrid_rl/partial.py``): carried samples reach staleness 2."""
-EXTRA_MODES = (modes.STREAM_MODE, PARTIAL_MODE)
+EXTRA_MODES = (*modes.EXTRA_MODES, PARTIAL_MODE)
 """Colocated variants run after the split runs at each point (the budget skips them first)."""
-MODES = ("sync", "overlap_colocated", "overlap_split", "overlap_stream", "overlap_partial")
+MODES = ("sync", "overlap_colocated", "overlap_split", "overlap_stream", "overlap_proc", "overlap_partial")
 
 
 def parse_ratios(text: str, gpus: int) -> tuple[bool, list[int]]:
@@ -216,7 +217,7 @@ def plot(points: list[dict], title: str, path: Path) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for mode, style in (("overlap_colocated", "o-"), ("overlap_split", "s-"), ("overlap_stream", "v-"),
-                        ("overlap_partial", "d-")):
+                        ("overlap_proc", "P-"), ("overlap_partial", "d-")):
         pts = [(p["gen_share"], p["speedup"].get(mode), p) for p in points
                if p["gen_share"] is not None and p["speedup"].get(mode) is not None]
         if not pts:
@@ -236,7 +237,7 @@ def plot(points: list[dict], title: str, path: Path) -> None:
     ax1.set_title("crossover (labels: mean response length)")
     ax1.legend(fontsize=7)
     for mode, style in (("sync", "k^-"), ("overlap_colocated", "o-"), ("overlap_split", "s-"), ("overlap_stream", "v-"),
-                        ("overlap_partial", "d-")):
+                        ("overlap_proc", "P-"), ("overlap_partial", "d-")):
         pts = [(p["length_mean"], min((s for m, s in p["step_s"].items() if m.startswith(mode)), default=None))
                for p in points]
         pts = [(x, y) for x, y in pts if y is not None]
