@@ -70,6 +70,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import io
 import itertools
 import os
 import socket
@@ -219,11 +220,14 @@ def _rpc_die_with_parent(worker: Any, parent_pid: int) -> bool:
     return ok
 
 
-def _rpc_read_weights(worker: Any, names: list[str] | None) -> list[tuple[str, torch.Tensor]]:
-    """Runs on each vLLM worker: CPU copies of the engine's own parameters (vLLM names, this rank's shard)."""
+def _rpc_read_weights(worker: Any, names: list[str] | None) -> bytes:
+    """Runs on each vLLM worker: CPU copies of the engine's own parameters (vLLM names, this rank's shard), saved
+    with ``torch.save``: an engine process's RPC replies go through msgpack, which turns nested tensors into lists."""
     wanted = set(names) if names is not None else None
-    return [(n, p.detach().to("cpu", copy=True)) for n, p in engine_model(worker).named_parameters()
-            if wanted is None or n in wanted]
+    buf = io.BytesIO()
+    torch.save([(n, p.detach().to("cpu", copy=True)) for n, p in engine_model(worker).named_parameters()
+                if wanted is None or n in wanted], buf)
+    return buf.getvalue()
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -451,7 +455,16 @@ def check_memory_budget(utilization: float, free_bytes: int, total_bytes: int) -
 
 
 _TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                  "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+                  "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_TORCHRUN_PREFIX = "TORCHELASTIC_"
+"""...and every ``TORCHELASTIC_*`` variable: with torchrun's ``TORCHELASTIC_USE_AGENT_STORE=True`` a child's
+``init_process_group`` connects to a store that nobody serves, so the engine process hung in its world-of-one
+set-up (seen on 4xH200)."""
+
+
+def torchrun_vars(env: Any) -> list[str]:
+    """The names of torchrun's variables set in ``env``: hidden from an engine process."""
+    return [k for k in env if k in _TORCHRUN_VARS or k.startswith(_TORCHRUN_PREFIX)]
 
 
 def physical_gpu(device: torch.device, visible: str | None) -> str:
@@ -472,12 +485,13 @@ def engine_process_env(device: torch.device):
     every later call is serialised with it), only ``device`` visible, torchrun's variables hidden (the child is a
     world of one). Restored afterwards."""
     env = os.environ
-    saved = {k: env.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "CUDA_VISIBLE_DEVICES", *_TORCHRUN_VARS)}
+    hidden = torchrun_vars(env)
+    saved = {k: env.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "CUDA_VISIBLE_DEVICES", *hidden)}
     env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     env["CUDA_VISIBLE_DEVICES"] = physical_gpu(device, saved["CUDA_VISIBLE_DEVICES"])
-    for key in _TORCHRUN_VARS:
-        env.pop(key, None)
+    for key in hidden:
+        env.pop(key)
     try:
         yield
     finally:
@@ -599,7 +613,8 @@ class VLLMRolloutEngine(RolloutEngine):
         this rank's shard under TP). For tests and parity checks."""
         if "weights" in self._asleep:
             raise RuntimeError("named_weights on a sleeping engine: wake it up first")
-        return self.llm.collective_rpc(_rpc_read_weights, args=(names,))[0]
+        saved = self.llm.collective_rpc(_rpc_read_weights, args=(names,))[0]
+        return [tuple(pair) for pair in torch.load(io.BytesIO(saved), weights_only=True)]
 
     def sleep(self, level: int = 1) -> None:
         if level not in (1, 2):

@@ -22,6 +22,7 @@ import importlib.util
 import json
 import random
 import sys
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -709,7 +710,9 @@ def test_rpc_helpers_go_through_the_adapter():
     m.load_weights = lambda weights: loaded.extend(weights) or {n for n, _ in weights}
     worker = SimpleNamespace(model_runner=SimpleNamespace(get_model=lambda: m))
     assert vr._rpc_load_weights(worker, [("weight", torch.zeros(1, 2))]) == 1 and loaded[0][0] == "weight"
-    got = dict(vr._rpc_read_weights(worker, ["bias"]))
+    reply = vr._rpc_read_weights(worker, ["bias"])
+    assert isinstance(reply, bytes)  # an engine process's msgpack replies turn nested tensors into lists
+    got = dict(torch.load(__import__("io").BytesIO(reply), weights_only=True))
     assert list(got) == ["bias"] and got["bias"].device.type == "cpu"
     got["bias"].add_(1)  # a copy, not the live parameter
     assert not torch.equal(got["bias"], m.bias.detach())
@@ -1107,6 +1110,35 @@ def test_engine_process_is_spawned_alone_on_its_gpu_and_the_environment_restored
     eng = vr.VLLMRolloutEngine.from_config(_cfg(), dist, SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD))
     assert seen["kwargs"]["distributed_executor_backend"] == "external_launcher" and eng.in_process
     assert seen["env"]["RANK"] == "1" and seen["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_an_engine_process_under_torchrun_sets_up_its_own_world_of_one():
+    """Regression (4xH200, every rank's engine process hung in its set-up): torchrun sets
+    TORCHELASTIC_USE_AGENT_STORE=True, and a child that inherits it connects to a store nobody serves when vLLM's
+    worker calls init_process_group(tcp://..., world_size=1). A child spawned inside engine_process_env with
+    torchrun's variables around it must build its world of one."""
+    import os
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = ("import datetime, torch.distributed as d; d.init_process_group('gloo', init_method='tcp://127.0.0.1:%d', "
+            "world_size=1, rank=0, timeout=datetime.timedelta(seconds=15)); print('world', d.get_world_size())" % port)
+    torchrun_env = dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port + 1),
+                        TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RUN_ID="r", TORCHELASTIC_RESTART_COUNT="0")
+    saved = {k: os.environ.get(k) for k in torchrun_env}
+    os.environ.update(torchrun_env)
+    try:
+        with vr.engine_process_env(torch.device("cuda", 1)):
+            hidden = {k for k in torchrun_env if k in os.environ}
+            child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert {k: os.environ[k] for k in torchrun_env} == torchrun_env  # the trainer's own environment is back
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    assert not hidden
+    assert child.returncode == 0 and child.stdout.split() == ["world", "1"], child.stderr[-800:]
 
 
 def test_ipc_handles_are_opened_with_the_engine_process_device_index():
