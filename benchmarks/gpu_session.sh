@@ -7,14 +7,14 @@
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean && git rev-parse HEAD > .clean/COMMIT \
 #     && cp -r .devdata .clean/ && { [ -d .stage_liger ] && cp -r .stage_liger .clean/; }  # (bash benchmarks/stage_liger.sh first)
 #   then, on the lender (carry .clean): cd .clean && bash benchmarks/gpu_session.sh PART
-#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | compile1 | ppo | smol | smolb | smolc | proc | proc4 | sweep4a..sweep4h | stream1 | stream2 | gputests | flagship4a..d ; writes $OUT/PART.tgz and $OUT/PART.log
+#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | compile1 | ppo | smol | smolb | smolc | proc | proc4 | sweep4a..sweep4j | stream1 | stream2 | gputests | flagship4a..d ; writes $OUT/PART.tgz and $OUT/PART.log
 # Each part fits one 600 s device call; every piece has its own timeout and results are packed after each piece,
 # so a part cut short still returns what finished.
 # The lender gives a machine back after ~30 s idle (what was staged is lost): send the staging calls and the
 # parts that follow them in one batch of tool calls, and edit between leases, not between calls.
 set -u
 CALL0=$(date +%s)  # the sweep parts size their budget by what is left of the 600 s call
-PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm|soak1|flagship1|ppo|sweep4a|sweep4b|sweep4c|sweep4d|proc4|sweep4h|stream1|stream2|gputests}
+PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm|soak1|flagship1|ppo|sweep4a|sweep4b|sweep4c|sweep4d|proc4|sweep4h|sweep4i|sweep4j|stream1|stream2|gputests}
 OUT=${OUT:-/tmp/gpu_out}
 RES=/tmp/res/$PART
 MODES_RES=/tmp/res/modes2  # colo2 and split2 write one modes JSON (merged by mode) when they run on one warm machine
@@ -409,6 +409,15 @@ proc4)  # issue 18, rollout.engine_process on the sweep's machine: its GPU test 
 sweep4h)  # after proc4 and 4b on the same machine: mean 4k with the engine in its own process, then with partial
   # rollouts (2 warm-up steps each: partial rollouts' carried pool fills over the first steps)
   sweep_part 4096 overlap_proc,overlap_partial "--warmup 2 --measure 1"
+  ;;
+sweep4i)  # issue 18 (after the committed 4k rows seed the JSON): mean 4k, split placement with partial rollouts at
+  # 2:2 and 3:1 (the rollout GPUs generate until the trainer GPUs are ready; the tail is carried), and plain split at
+  # 2:2 (3:1 is measured: --resume skips it); 2 warm-up steps: the carried pool fills over the first ones (~500 s)
+  sweep_part 4096 overlap_split,split_partial "--warmup 2 --measure 1 --split-ratios 2:2,3:1"
+  ;;
+sweep4j)  # the short end (mean 256): plain split (auto ratio), the engine in its own process, split with partial
+  # rollouts (~350 s)
+  sweep_part 256 overlap_split,overlap_proc,split_partial "--warmup 2 --measure 1"
   ;;
 sweep4g)  # part 7 (after 4a/4b on the same machine): the short end and 4k with generation on its own high-priority
   # CUDA stream (rollout.cuda_stream=high; the default shares the trainer's stream), ~450 s

@@ -8,7 +8,9 @@ lognormal draw capped at ``--cap-factor`` × the mean (``rollout.forced_lengths`
 ``overlap_partial`` (overlap colocated with partial rollouts: the long tail is interrupted at the step boundary
 and carried into the next round, ``trainer.max_staleness=2``), ``overlap_stream`` (overlap colocated with generation
 on its own high-priority CUDA stream, ``rollout.cuda_stream=high``), ``overlap_proc`` (overlap colocated with
-vLLM's engine core in a process of its own, ``rollout.engine_process=true``), and keeps the fastest split ratio per length. Per length it reports the sync step, the generation share of the sync step,
+vLLM's engine core in a process of its own, ``rollout.engine_process=true``), ``split_partial`` (split placement
+with partial rollouts on the rollout ranks: they generate until the trainer ranks are ready, the tail is carried;
+at the same ratios as ``overlap_split``, run last), and keeps the fastest split ratio per length. Per length it reports the sync step, the generation share of the sync step,
 each overlap mode's step time and speed-up over sync, and a GPU busy fraction; the plot is speed-up against
 generation share, one line per overlap mode.
 
@@ -61,6 +63,7 @@ NOTES = {
                       "(R * min(gen, step) + T * min(training phases, step)) / ((R + T) * step). Training phases: "
                       + ", ".join(TRAIN_PHASES) + " (timings are the max over ranks)",
     "best_split": "the split ratio with the lowest step_s at that point",
+    "best_split_partial": "likewise for split_partial (split placement with partial rollouts)",
 }
 
 
@@ -68,7 +71,9 @@ PARTIAL_MODE = ("overlap_partial", ["trainer.mode=overlap", "trainer.max_stalene
 """Overlap colocated with partial rollouts (``hybrid_rl/partial.py``): carried samples reach staleness 2."""
 EXTRA_MODES = (*modes.EXTRA_MODES, PARTIAL_MODE)
 """Colocated variants run after the split runs at each point (the budget skips them first)."""
-MODES = ("sync", "overlap_colocated", "overlap_split", "overlap_stream", "overlap_proc", "overlap_partial")
+MODES = ("sync", "overlap_colocated", "overlap_split", "overlap_stream", "overlap_proc", "overlap_partial", "split_partial")
+SPLIT_FAMILIES = ("overlap_split", "split_partial")
+"""Modes run at every split ratio asked for (``--split-ratios``); each keeps its fastest ratio per point."""
 
 
 def parse_ratios(text: str, gpus: int) -> tuple[bool, list[int]]:
@@ -94,17 +99,24 @@ def auto_rollout_ranks(gen_share: float, gpus: int) -> int:
     return min(gpus - 1, max(1, round(gen_share * gpus)))
 
 
-def split_mode(gpus: int, r: int) -> tuple[str, list[str]]:
-    """``modes.build_modes``' name and overrides for R rollout ranks on ``gpus``."""
+def split_mode(gpus: int, r: int, family: str = "overlap_split") -> tuple[str, list[str]]:
+    """``modes.build_modes``' name and overrides for R rollout ranks on ``gpus``; ``split_partial``: the same layout
+    with partial rollouts on the rollout ranks (staleness bound 2)."""
     named = dict(modes.build_modes(gpus, str(r)))
     if r == gpus // 2:  # build_modes' plain overlap_split (half the ranks); the count is spelt out for the record
-        return "overlap_split", [*named["overlap_split"], f"trainer.rollout_ranks={r}"]
-    return f"overlap_split_r{r}", named[f"overlap_split_r{r}"]
+        name, ovr = "overlap_split", [*named["overlap_split"], f"trainer.rollout_ranks={r}"]
+    else:
+        name, ovr = f"overlap_split_r{r}", named[f"overlap_split_r{r}"]
+    if family == "split_partial":
+        name = name.replace("overlap_split", "split_partial")
+        ovr = [("trainer.max_staleness=2" if o == "trainer.max_staleness=1" else o) for o in ovr]
+        ovr.append("trainer.partial_rollouts=true")
+    return name, ovr
 
 
-def split_runs(gpus: int, ranks: list[int], extra: list[str]) -> list[tuple[str, list[str]]]:
+def split_runs(gpus: int, ranks: list[int], extra: list[str], family: str = "overlap_split") -> list[tuple[str, list[str]]]:
     """(name, overrides) of each split run; ``extra`` (``--split-override``) applies to split runs only."""
-    return [(name, [*ovr, *extra]) for name, ovr in (split_mode(gpus, r) for r in sorted(set(ranks)))]
+    return [(name, [*ovr, *extra]) for name, ovr in (split_mode(gpus, r, family) for r in sorted(set(ranks)))]
 
 
 def point_overrides(mean: int, cap: int, args) -> list[str]:
@@ -172,8 +184,9 @@ def summarize_points(rows: list[dict]) -> list[dict]:
         for r in ok:
             r["speedup_vs_sync"] = sync["step_s"] / r["step_s"] if sync else None
             r["gen_share"] = sync["gen_share_own"] if sync else None
-        splits = [r for r in ok if r["mode"].startswith("overlap_split")]
-        best = min(splits, key=lambda r: r["step_s"]) if splits else None
+        bests = {f: min((r for r in ok if r["mode"].startswith(f)), key=lambda r: r["step_s"], default=None)
+                 for f in SPLIT_FAMILIES}
+        best, best_partial = bests["overlap_split"], bests["split_partial"]
         colo = next((r for r in ok if r["mode"] == "overlap_colocated"), None)
         extra = {m: next((r["speedup_vs_sync"] for r in ok if r["mode"] == m), None) for m, _ in EXTRA_MODES}
         points.append({
@@ -185,8 +198,11 @@ def summarize_points(rows: list[dict]) -> list[dict]:
             "speedup": {"overlap_colocated": colo["speedup_vs_sync"] if colo else None,
                         "overlap_split": best["speedup_vs_sync"] if best else None,
                         # only where measured: sweeps from before these modes keep their layout
-                        **{m: v for m, v in extra.items() if v is not None}},
+                        **{m: v for m, v in extra.items() if v is not None},
+                        **({"split_partial": best_partial["speedup_vs_sync"]} if best_partial else {})},
             "best_split": ({"mode": best["mode"], "ratio": best["ratio"]} if best else None),
+            **({"best_split_partial": {"mode": best_partial["mode"], "ratio": best_partial["ratio"]}}
+               if best_partial else {}),
             "gpu_busy_fraction": {r["mode"]: r.get("gpu_busy_fraction") for r in ok},
             "gpu_busy_timed": {r["mode"]: r.get("gpu_busy_timed") for r in ok},
             "skipped": {r["mode"]: r["skipped"] for r in at if "skipped" in r},
@@ -217,16 +233,17 @@ def plot(points: list[dict], title: str, path: Path) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for mode, style in (("overlap_colocated", "o-"), ("overlap_split", "s-"), ("overlap_stream", "v-"),
-                        ("overlap_proc", "P-"), ("overlap_partial", "d-")):
+                        ("overlap_proc", "P-"), ("overlap_partial", "d-"), ("split_partial", "X-")):
         pts = [(p["gen_share"], p["speedup"].get(mode), p) for p in points
                if p["gen_share"] is not None and p["speedup"].get(mode) is not None]
         if not pts:
             continue
         pts.sort(key=lambda x: x[0])
-        label = mode + (" (best R:T per point)" if mode == "overlap_split" else "")
+        ratio_key = {"overlap_split": "best_split", "split_partial": "best_split_partial"}.get(mode)
+        label = mode + (" (best R:T per point)" if ratio_key else "")
         ax1.plot([x for x, _, _ in pts], [y for _, y, _ in pts], style, label=label)
         for x, y, p in pts:
-            tag = f'{p["length_mean"]}' + (f' {p["best_split"]["ratio"]}' if mode == "overlap_split" else "")
+            tag = f'{p["length_mean"]}' + (f' {p[ratio_key]["ratio"]}' if ratio_key and p.get(ratio_key) else "")
             ax1.annotate(tag, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax1.axhline(1.0, color="k", lw=0.8)
     ax1.axhline(1.5, color="tab:green", lw=0.8, ls="--", label="1.5× target")
@@ -237,7 +254,7 @@ def plot(points: list[dict], title: str, path: Path) -> None:
     ax1.set_title("crossover (labels: mean response length)")
     ax1.legend(fontsize=7)
     for mode, style in (("sync", "k^-"), ("overlap_colocated", "o-"), ("overlap_split", "s-"), ("overlap_stream", "v-"),
-                        ("overlap_proc", "P-"), ("overlap_partial", "d-")):
+                        ("overlap_proc", "P-"), ("overlap_partial", "d-"), ("split_partial", "X-")):
         pts = [(p["length_mean"], min((s for m, s in p["step_s"].items() if m.startswith(mode)), default=None))
                for p in points]
         pts = [(x, y) for x, y in pts if y is not None]
@@ -399,22 +416,26 @@ def sweep(args, device: str, stem: Path) -> list[dict]:
                              "replace it or --tag to write beside it")
         rows = doc["rows"]
     want = wanted_modes(args)
-    auto, fixed = parse_ratios(args.split_ratios, args.gpus) if "overlap_split" in want else (False, [])
+    families = [f for f in SPLIT_FAMILIES if f in want] if args.gpus >= 2 else []
+    auto, fixed = parse_ratios(args.split_ratios, args.gpus) if families else (False, [])
     budget = Budget(args.budget, args.run_timeout, args.init_s)
     for mean, cap in zip(*lengths_and_caps(args)):
         for name, ovr in modes.build_modes(args.gpus):
             if name in want - {"overlap_split"}:  # sync first: the split ratio and the estimates come from it
                 rows = _run_and_record(name, ovr, mean, cap, args, budget, rows, device, stem)
-        if "overlap_split" in want and args.gpus >= 2:
-            ranks = set(fixed)
-            if auto:
-                sync = next((r for r in rows if r["length_mean"] == mean and r["mode"] == "sync" and "step_s" in r), None)
-                ranks.add(auto_rollout_ranks(sync["gen_share_own"], args.gpus) if sync else args.gpus // 2)
+        ranks = set(fixed)
+        if auto and families:
+            sync = next((r for r in rows if r["length_mean"] == mean and r["mode"] == "sync" and "step_s" in r), None)
+            ranks.add(auto_rollout_ranks(sync["gen_share_own"], args.gpus) if sync else args.gpus // 2)
+        if "overlap_split" in families:
             for name, ovr in split_runs(args.gpus, sorted(ranks), args.split_overrides):
                 rows = _run_and_record(name, ovr, mean, cap, args, budget, rows, device, stem)
         for extra in EXTRA_MODES:
             if extra[0] in want:
                 rows = _run_and_record(*extra, mean, cap, args, budget, rows, device, stem)
+        if "split_partial" in families:  # last: the newest mode, skipped first when the budget runs short
+            for name, ovr in split_runs(args.gpus, sorted(ranks), args.split_overrides, "split_partial"):
+                rows = _run_and_record(name, ovr, mean, cap, args, budget, rows, device, stem)
     return rows
 
 
@@ -433,14 +454,17 @@ def _run_and_record(name: str, ovr: list[str], mean: int, cap: int, args, budget
 def dry_run(args) -> int:
     """Print each run's overrides and whether the trainer's config accepts them; the number refused."""
     want = wanted_modes(args)
-    auto, fixed = parse_ratios(args.split_ratios, args.gpus) if "overlap_split" in want else (False, [])
+    families = [f for f in SPLIT_FAMILIES if f in want] if args.gpus >= 2 else []
+    auto, fixed = parse_ratios(args.split_ratios, args.gpus) if families else (False, [])
     ranks = list(range(1, args.gpus)) if auto else fixed
     bad = 0
     for mean, cap in zip(*lengths_and_caps(args)):
         plan = [m for m in modes.build_modes(args.gpus) if m[0] in want - {"overlap_split"}]
-        if "overlap_split" in want and args.gpus >= 2:
+        if "overlap_split" in families:
             plan += split_runs(args.gpus, ranks, args.split_overrides)
         plan += [extra for extra in EXTRA_MODES if extra[0] in want]
+        if "split_partial" in families:
+            plan += split_runs(args.gpus, ranks, args.split_overrides, "split_partial")
         for name, ovr in plan:
             err = check_config(args, point_overrides(mean, cap, args) + ovr)
             bad += err is not None

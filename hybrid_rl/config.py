@@ -645,7 +645,7 @@ class Config:
         return self
 
     def _validate_partial(self) -> None:
-        """``trainer.partial_rollouts``: overlap mode, colocated, a staleness bound that a carried sample fits."""
+        """``trainer.partial_rollouts``: overlap mode (either placement), a staleness bound that a carried sample fits."""
         t, r = self.trainer, self.rollout
         if not 0.0 < t.partial_rollout_ahead <= 1.0:
             raise ConfigError(f"trainer.partial_rollout_ahead={t.partial_rollout_ahead} must be in (0, 1] (a fraction of "
@@ -653,9 +653,6 @@ class Config:
         if t.mode != "overlap":
             raise ConfigError(f"trainer.partial_rollouts=true needs trainer.mode=overlap (got {t.mode}): set "
                               "trainer.mode=overlap trainer.max_staleness=2, or trainer.partial_rollouts=false")
-        if t.placement != "colocated":
-            raise ConfigError(f"trainer.partial_rollouts=true needs trainer.placement=colocated (got {t.placement}): "
-                              "split placement's rollout ranks generate whole batches; set trainer.partial_rollouts=false")
         if t.max_staleness < 2:
             raise ConfigError(f"trainer.partial_rollouts=true needs trainer.max_staleness >= 2 (got {t.max_staleness}): "
                               "a carried sample's oldest tokens are used two weight versions later; set "

@@ -19,14 +19,19 @@ at its next use is waited for and trained now, never carried. The loss needs not
 per-token log-probs (stitched from every segment), proximal = θ_k's ``old_log_probs`` (the pass, or the update's own
 first forward under ``actor.old_log_prob=auto``).
 
+Under split placement (``sources.SplitSource``) the same pipeline runs on each rollout rank, which has no actor: the
+weights arrive by broadcast before a round starts, and the step boundary is the moment every trainer rank is ready
+for the next batch, so a rollout GPU keeps generating the whole time the trainer GPUs update (AReaL's layout).
+
 Checkpoints hold nothing partial: saving (and validation) waits for the round in flight to finish with no interrupt,
 groups waiting outside the window are generated to the end, and the pending batch saved is the whole pool, every
-group complete; a resumed run puts it back and goes on as an uninterrupted one would. Left out: split placement (its
-rollout ranks generate a whole batch per step), tensor parallelism with vLLM (the ranks of an engine would have to
-agree on the interrupt), and KV reuse across an interrupt (a continuation prefills its context again)."""
+group complete; a resumed run puts it back and goes on as an uninterrupted one would. Left out: tensor parallelism
+with vLLM (the ranks of an engine would have to agree on the interrupt), and KV reuse across an interrupt (a
+continuation prefills its context again)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -240,9 +245,10 @@ class Round:
         self.interrupt = threading.Event()
         self.gen_s = 0.0
         self._lock = threading.Lock()
-        self._left = [0] * len(carry.groups)  # unfinished samples per group
-        for gi, _ in self.pending:
-            self._left[gi] += 1
+        # unfinished samples per group, over the whole pool: a group waiting outside the window is not complete
+        # (counting only this round's requests made those look finished, so the interrupt fired early and the step
+        # generated the rest in the foreground)
+        self._left = [sum(not s.finished for s in g.samples) for g in carry.groups]
         self._need: tuple[int, set[int]] | None = None
 
     def on_finish(self, indices: list[int]) -> None:
@@ -294,6 +300,11 @@ class PartialRolloutPipeline(RolloutPipeline):
         rnd = Round(self.carry, -1 if version is None else version, window)
         return rnd if rnd.requests else None
 
+    def _engine_awake(self):
+        """The engine with this rank's current weights, for a round in the foreground: the sharding manager's
+        switch when colocated; a split rollout rank's engine is always awake and holds the broadcast weights."""
+        return self.worker.rollout_mode() if self.worker.sharding_manager is not None else contextlib.nullcontext()
+
     def _run(self, rnd: Round) -> list[Segment]:
         start = time.perf_counter()
         segments = self.worker.rollout.generate_interruptible(rnd.requests, self._params(), rnd.interrupt,
@@ -317,7 +328,8 @@ class PartialRolloutPipeline(RolloutPipeline):
         target = self.carry.per_step * (1 if next_is_last else 2)
         while len(self.carry.groups) < target:
             self._add(next_prompts())
-        self.worker.sharding_manager.sync_weights()  # θ_k, while no generation runs
+        if self.worker.sharding_manager is not None:  # colocated: push θ_k now, while no generation runs (split
+            self.worker.sharding_manager.sync_weights()  # placement's rollout ranks received it by broadcast)
         rnd = self._new_round(self.window)
         if rnd is not None:
             self.round, self.pending = rnd, self.executor.submit(self._run, rnd)
@@ -333,7 +345,7 @@ class PartialRolloutPipeline(RolloutPipeline):
         if not carry.ready(trainer_version):  # the first step (or after a restore): in the foreground, to the end
             while len(carry.groups) < carry.per_step:
                 self._add(next_prompts())
-            with self.worker.rollout_mode():
+            with self._engine_awake():
                 rnd = self._new_round()
                 if rnd is not None:
                     carry.apply(rnd.pending, self._run(rnd), rnd.version)
@@ -360,7 +372,7 @@ class PartialRolloutPipeline(RolloutPipeline):
         if not self.carry.groups:
             return None
         if any(not g.complete for g in self.carry.groups):
-            with self.worker.rollout_mode():
+            with self._engine_awake():
                 rnd = self._new_round()
                 if rnd is not None:
                     self.carry.apply(rnd.pending, self._run(rnd), rnd.version)

@@ -11,14 +11,15 @@ then train on it. What differs lives here, each source owning its own state:
   rest is carried into the next round (``partial.PartialRolloutPipeline``).
 - ``SplitSource`` (``trainer.placement=split``): the rollout ranks generate and hand batches to the
   trainer ranks, which send θ back over NCCL (``split.py``); on the rollout ranks ``next_batch``
-  returns None (they train nothing), in either mode.
+  returns None (they train nothing), in either mode. With ``trainer.partial_rollouts`` each rollout rank runs
+  ``partial.PartialRolloutPipeline``: its round generates in the background until every trainer rank is ready for
+  the next batch, then is interrupted once the rank has its step's complete groups; the tail is carried.
 
 ``Placement`` is the set-up that comes before the worker exists: which role this rank plays, its
 data-parallel world, which rank logs. Each source also answers the questions the checkpoint and
 validation code used to ask of the trainer: the batch generated ahead (``pending_batch``), the last
 weight transfer (``sync_stats``), and how to run greedy validation on the engine (``validate``).
-Left out: more than one step of staleness except through partial rollouts, and partial rollouts under split
-placement (see ``partial.py``).
+Left out: more than one step of staleness except through partial rollouts.
 """
 
 from __future__ import annotations
@@ -171,12 +172,14 @@ class SplitSource(RolloutSource):
     """Split placement: batches from the rollout ranks, weights back to them (see ``split.py`` for the order)."""
 
     def __init__(self, worker, pipeline: RolloutPipeline, next_prompts: NextPrompts, cfg: Config, placement: Placement,
-                 global_dist: DistInfo, pad_token_id: int):
+                 global_dist: DistInfo, pad_token_id: int, next_is_last: Callable[[], bool] = lambda: False):
         super().__init__(worker, pipeline, next_prompts)
         self.cfg, self.layout, self.global_dist = cfg, placement.layout, global_dist
         self.dist = placement.dist
         self.pad_token_id = pad_token_id
         self.overlap = cfg.staleness_bound > 0
+        self.partial = cfg.trainer.partial_rollouts  # the rollout ranks' pipeline is a PartialRolloutPipeline
+        self.next_is_last = next_is_last
         self._sync = (0.0, 0)
         self._sent_version: int | None = None
         self._pending: Batch | None = None
@@ -209,6 +212,16 @@ class SplitSource(RolloutSource):
         self._sync = (self._sync[0] + took, self._sync[1] + sent)  # summed over the step's exchanges
         self._sent_version = w.weight_version
 
+    def _trainers_ready(self) -> int | None:
+        """Partial rollouts: a collective that the trainer ranks enter when they are ready for the next batch (the
+        rollout ranks' rounds generate until then); every rank learns the version the trainers will train it at."""
+        import torch.distributed as tdist
+
+        mine = None if self.layout.is_rollout else self.worker.weight_version
+        parts: list = [None] * self.layout.world
+        tdist.all_gather_object(parts, mine, group=self.layout.obj_group)
+        return parts[self.layout.leader]
+
     def _exchange_batch(self, batch: Batch | None) -> Batch | None:
         from hybrid_rl.split import send_batch
 
@@ -225,6 +238,8 @@ class SplitSource(RolloutSource):
             with timer("sync_weights"):
                 self._exchange_weights()
         with timer("wait_gen"):
+            if self.partial:
+                self._trainers_ready()
             batch = self._exchange_batch(None).to(self.dist.device)
         if self.overlap:
             with timer("sync_weights"):
@@ -234,6 +249,8 @@ class SplitSource(RolloutSource):
 
     def _rollout_side(self, last: bool) -> None:
         """Generate, hand the batch over, take the new weights (and, overlapping, generate the next)."""
+        if self.partial:
+            return self._rollout_side_partial(last)
         if not self.overlap or self.worker.rollout.weights_version is None:  # mirrors the trainer ranks' condition
             self._exchange_weights()
         if self._pending is None:
@@ -245,20 +262,40 @@ class SplitSource(RolloutSource):
             if not last:
                 self._pending = self.pipeline.generate_now(self.next_prompts())
 
+    def _rollout_side_partial(self, last: bool) -> None:
+        """Partial rollouts: the round started last step generates while the trainer ranks update; once they are
+        ready, interrupt it at this rank's step of complete groups, hand those over, take θ_k, start the next round
+        (the first step, or one after a validation or restore, generates what is missing in the foreground)."""
+        pipe = self.pipeline
+        if self.worker.rollout.weights_version is None:  # the first step: θ_0 (the trainer ranks send it too)
+            self._exchange_weights()
+        trainer_version = self._trainers_ready()
+        self._exchange_batch(pipe.take(self.next_prompts, trainer_version, final=last))
+        self._exchange_weights()  # θ_k: the round is over, nothing generates while it loads
+        if not last:
+            pipe.start(self.next_prompts, next_is_last=self.next_is_last())
+
     # -- state -----------------------------------------------------------------------
     def sync_stats(self) -> tuple[float, int]:
         return self._sync
 
     def pending_batch(self) -> Batch | None:
+        if self.partial and self.layout.is_rollout:
+            return super().pending_batch()  # the whole pool, every group generated to the end
         return self._pending  # the rollout ranks' batch generated ahead, handed over next step
 
     def restore_pending(self, batch: Batch) -> None:
-        self._pending = batch
+        if self.partial and self.layout.is_rollout:
+            self.pipeline.restore(batch)
+        else:
+            self._pending = batch
 
     def validate(self, on_engine: OnEngine, dist: DistInfo) -> dict:
         """θ_k goes to the rollout ranks, they validate, the logging trainer rank gets the result."""
         import torch.distributed as tdist
 
+        if self.layout.is_rollout:
+            self.pipeline.wait()  # a partial round in flight finishes before θ_k is loaded (a no-op otherwise)
         self._exchange_weights()
         sp = self.layout
         mine = on_engine(sp.index, sp.n_rollout) if sp.is_rollout else None
@@ -280,17 +317,19 @@ def make_source(cfg: Config, placement: Placement, worker, next_prompts: NextPro
     """The source for ``trainer.mode`` × ``trainer.placement``: the only place that choice is made.
     ``next_is_last()``: whether the step after the current one is the run's last (partial rollouts size their
     last round by it)."""
-    if cfg.trainer.partial_rollouts and placement.layout is None and cfg.trainer.mode == "overlap":
+    split = placement.layout
+    if cfg.trainer.partial_rollouts and cfg.trainer.mode == "overlap" and (split is None or split.is_rollout):
         from hybrid_rl.partial import PartialRolloutPipeline
 
-        per_step = cfg.data.train_batch_size // placement.sampler_world
+        per_step = cfg.data.train_batch_size // placement.sampler_world  # this rank's groups (a rollout rank's)
         pipe = PartialRolloutPipeline(worker, cfg.staleness_bound, cfg.trainer.stale_policy, per_step,
                                       cfg.trainer.partial_rollout_ahead)
-        return PartialOverlapSource(worker, pipe, next_prompts, next_is_last)
-    pipeline = RolloutPipeline(worker, cfg.staleness_bound, cfg.trainer.stale_policy,
-                               background=placement.layout is None)
-    if placement.layout is not None:
-        return SplitSource(worker, pipeline, next_prompts, cfg, placement, global_dist, pad_token_id)
+        if split is None:
+            return PartialOverlapSource(worker, pipe, next_prompts, next_is_last)
+        return SplitSource(worker, pipe, next_prompts, cfg, placement, global_dist, pad_token_id, next_is_last)
+    pipeline = RolloutPipeline(worker, cfg.staleness_bound, cfg.trainer.stale_policy, background=split is None)
+    if split is not None:
+        return SplitSource(worker, pipeline, next_prompts, cfg, placement, global_dist, pad_token_id, next_is_last)
     if cfg.trainer.mode == "overlap":
         return OverlapSource(worker, pipeline, next_prompts)
     return SyncSource(worker, pipeline, next_prompts)

@@ -107,4 +107,12 @@ def send_batch(layout: SplitLayout, batch: Batch | None, widths: tuple[int, int]
     full.meta["weight_version"] = None if None in versions else min(versions)
     # every trainer rank takes a contiguous slice of whole prompt groups (n samples each)
     share = len(full) // layout.side_size
-    return full.index(slice(layout.index * share, (layout.index + 1) * share))
+    mine = full.index(slice(layout.index * share, (layout.index + 1) * share))
+    for key in COUNTS:  # partial rollouts' per-rank counts: summed over the rollout ranks, held by one trainer rank
+        if key in full.meta:
+            mine.meta[key] = sum(b.meta.get(key, 0) for b in batches) if layout.index == 0 else 0
+    return mine
+
+
+COUNTS = ("partial_carried", "partial_resumed_tokens")
+"""Batch meta that counts something on its rollout rank (the trainer sums each over its ranks)."""

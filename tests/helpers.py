@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -90,6 +91,24 @@ def run_checked(cmd: list[str], timeout: int = 300, **env: str) -> subprocess.Co
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+class LazyExecutor:
+    """Stands in for the rollout thread's executor: a submitted round runs when its result is asked for, i.e. when
+    the trainer takes it (after arming the interrupt): the order of events of a trainer that is always faster than
+    the engine, made deterministic (partial rollouts' tests; ``tests/integration/lazy_rounds.py`` under torchrun)."""
+
+    def submit(self, fn, *args):
+        class Lazy(Future):
+            def result(self, timeout=None):
+                if not self.done():
+                    self.set_result(fn(*args))
+                return super().result(timeout)
+
+        return Lazy()
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
 
 
 # --------------------------------------------------------------------------- gradients, and one actor pass on a GPU

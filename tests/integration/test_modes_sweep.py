@@ -70,8 +70,22 @@ def test_merge_keeps_measurements_over_skips_and_derives_speedups():
     (p,) = ms.summarize_points(rows)
     assert p["gen_share"] == 0.25 and p["speedup"] == {"overlap_colocated": 1.25, "overlap_split": 4.0 / 3.0,
                                                        "overlap_stream": 1.6}
-    assert p["best_split"] == {"mode": "overlap_split", "ratio": "2:2"}
+    assert p["best_split"] == {"mode": "overlap_split", "ratio": "2:2"} and "best_split_partial" not in p
     assert all(r["speedup_vs_sync"] == pytest.approx(4.0 / r["step_s"]) for r in rows)
+    # split placement with partial rollouts: its own family, its own best ratio, never mixed into overlap_split's
+    rows = ms.merge(rows, [row(256, "split_partial", 2.5, ratio="2:2"), row(256, "split_partial_r3", 2.0, ratio="3:1")])
+    (p,) = ms.summarize_points(rows)
+    assert p["speedup"]["split_partial"] == 2.0 and p["speedup"]["overlap_split"] == 4.0 / 3.0
+    assert p["best_split_partial"] == {"mode": "split_partial_r3", "ratio": "3:1"}
+
+
+def test_split_partial_runs_at_the_split_ratios_with_a_staleness_bound_of_two():
+    name, ovr = ms.split_mode(4, 3, "split_partial")
+    assert name == "split_partial_r3"
+    assert {"trainer.placement=split", "trainer.rollout_ranks=3", "trainer.max_staleness=2",
+            "trainer.partial_rollouts=true", "trainer.mode=overlap"} <= set(ovr)
+    assert "trainer.max_staleness=1" not in ovr
+    assert ms.split_mode(4, 2, "split_partial")[0] == "split_partial" and ms.split_mode(4, 2)[0] == "overlap_split"
 
 
 def test_budget_skips_what_cannot_fit():

@@ -7,20 +7,21 @@
 2. Two gloo ranks under torchrun with the real background thread, a checkpoint and a resume: it completes, logs
    the new metrics, and the resumed run goes on.
 3. The invalid combinations are one-line config errors naming the key and the fix.
-4. ``benchmarks/modes_sweep.py --cpu-smoke`` runs the ``overlap_partial`` mode.
-5. (learning, excluded by default) overlap with partial rollouts still learns the successor task.
+4. ``benchmarks/modes_sweep.py --cpu-smoke`` runs the ``overlap_partial`` and ``split_partial`` modes.
+5. Under split placement: 1 rollout + 1 trainer rank equal the colocated one-rank run step for step (rounds
+   interrupted at the same points through ``lazy_rounds.py``); 2 + 1 ranks checkpoint and resume their pools.
+6. (learning, excluded by default) overlap with partial rollouts still learns the successor task.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, cpu_dist, run_checked
+from helpers import ROOT, LazyExecutor, cpu_dist, run_checked
 
 RECIPE = ROOT / "recipes" / "cpu_successor.yaml"
 PARTIAL = ["trainer.mode=overlap", "trainer.max_staleness=2", "trainer.partial_rollouts=true"]
@@ -31,29 +32,12 @@ NEW_METRICS = ("rollout/partial_carried", "rollout/partial_resumed_tokens", "rol
                "rollout/token_staleness_max")
 
 
-class _LazyExecutor:
-    """Runs a submitted round when its result is asked for, i.e. when the trainer takes it (after arming the
-    interrupt): the order of events of a trainer that is always faster than the engine."""
-
-    def submit(self, fn, *args):
-        class Lazy(Future):
-            def result(self, timeout=None):
-                if not self.done():
-                    self.set_result(fn(*args))
-                return super().result(timeout)
-
-        return Lazy()
-
-    def shutdown(self, wait: bool = True) -> None:
-        pass
-
-
 def test_carry_over_through_the_trainer(tmp_path, monkeypatch, tiny_model_path):
     from hybrid_rl import pipeline
     from hybrid_rl.config import load_config
     from hybrid_rl.trainer import Trainer
 
-    monkeypatch.setattr(pipeline, "ThreadPoolExecutor", lambda **kw: _LazyExecutor())
+    monkeypatch.setattr(pipeline, "ThreadPoolExecutor", lambda **kw: LazyExecutor())
     drawn, trained = [], []
     real_next, real_train = Trainer.next_prompts, Trainer.train_on
 
@@ -118,7 +102,6 @@ def test_two_ranks_checkpoint_and_resume(tmp_path, tiny_model_path):
 @pytest.mark.parametrize("overrides, match", [
     (["trainer.partial_rollouts=true", "trainer.max_staleness=2"], "needs trainer.mode=overlap"),
     (["trainer.partial_rollouts=true", "trainer.mode=overlap"], "needs trainer.max_staleness >= 2"),
-    ([*PARTIAL, "trainer.placement=split"], "needs trainer.placement=colocated"),
     ([*PARTIAL, "actor.old_log_prob=engine"], "set actor.old_log_prob=auto"),
     ([*PARTIAL, "rollout.name=vllm", "rollout.tensor_parallel_size=2"], "rollout.tensor_parallel_size=1"),
     (["trainer.mode=overlap", "trainer.max_staleness=2"], "only with trainer.partial_rollouts=true"),
@@ -137,23 +120,77 @@ def test_valid_combination_and_default_off():
     assert load_config(None, []).trainer.partial_rollouts is False
     load_config(None, PARTIAL).validate()
     load_config(None, [*PARTIAL, "trainer.max_staleness=3"]).validate()
+    load_config(None, [*PARTIAL, "trainer.placement=split"]).validate(world_size=2)
+
+
+SPLIT_CMP = ["model.path=builtin:tiny-qwen2", "trainer.resume=never", "trainer.save_freq=-1", "trainer.total_steps=6",
+             "rollout.forced_lengths=lognormal:4:1.0", "data.max_response_length=24"]
 
 
 @pytest.mark.slow
-def test_modes_sweep_cpu_smoke_runs_overlap_partial(tmp_path, tiny_model_path):
+def test_split_placement_equals_colocated(tmp_path, tiny_model_path):
+    """Partial rollouts under split placement (1 rollout + 1 trainer rank) are the colocated one-rank run, step for
+    step, with rounds interrupted at the same points (``lazy_rounds.py``): the rollout rank's round runs until the
+    trainer rank is ready, is cut at a step's complete groups, θ_k arrives by broadcast before the next round, and
+    the carried groups, their versions and the counts reach the trainer rank."""
+    split, colo = tmp_path / "split", tmp_path / "colo"
+    lazy = [str(ROOT / "tests" / "integration" / "lazy_rounds.py"), "train", str(RECIPE), *SMALL, *PARTIAL, *SPLIT_CMP]
+    run_checked(_torchrun(2) + lazy + ["trainer.placement=split", f"trainer.output_dir={split}"], timeout=600)
+    run_checked(_torchrun(1) + lazy + [f"trainer.output_dir={colo}"], timeout=600)
+    a, b = _metrics(split), _metrics(colo)
+    assert [r["step"] for r in a] == list(range(1, 7)) == [r["step"] for r in b]
+    assert any(r["actor/grad_norm"] > 0 for r in a)
+    assert all(r["rollout/partial_carried"] > 0 for r in a[1:-1]) and sum(r["rollout/partial_resumed_tokens"] for r in a)
+    assert max(r["rollout/token_staleness_max"] for r in a) == 2
+    for x, y in zip(a, b):
+        keys = {k for k in y if not k.startswith(("timing/", "perf/")) and k != "rollout/weight_sync_bytes"}
+        assert keys <= set(x), keys - set(x)
+        diff = {k: (x[k], y[k]) for k in keys if abs(x[k] - y[k]) > 1e-6}
+        assert not diff, f"step {x['step']}: {diff}"
+
+
+@pytest.mark.slow
+def test_split_placement_two_rollout_ranks_checkpoint_and_resume(tmp_path, tiny_model_path):
+    """2 rollout + 1 trainer rank with the real background rounds: the rollout ranks' pools are checkpointed whole
+    (every group complete) and a resumed run trains on them; each step's carried count is the rollout ranks' sum."""
+    out = tmp_path / "run"
+    args = ["-m", "hybrid_rl", "train", str(RECIPE), *SMALL, *PARTIAL, "trainer.placement=split",
+            "trainer.rollout_ranks=2", "trainer.save_freq=2", f"trainer.output_dir={out}",
+            "rollout.forced_lengths=lognormal:4:1.0", "data.max_response_length=16"]
+    run_checked(_torchrun(3) + args + ["trainer.total_steps=4"], timeout=600)
+    assert [r["step"] for r in _metrics(out)] == [1, 2, 3, 4]
+    import torch
+
+    step2 = out / "checkpoints" / "step_00000002"
+    for rank in (0, 1):  # each rollout rank: two steps' groups (4 per rollout rank × n=4), all finished
+        pool = torch.load(step2 / f"extra_rank{rank}.pt", weights_only=True)["pending_batch"]
+        assert len(pool["tensors"]["responses"]) == 2 * 4 * 4
+        assert bool(pool["tensors"]["response_mask"].sum(1).ge(1).all())
+    run_checked(_torchrun(3) + args + ["trainer.total_steps=5", f"trainer.resume={step2}"], timeout=600)
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    for r in rows:
+        assert all(k in r for k in NEW_METRICS) and r["rollout/token_staleness_max"] <= 2
+    assert rows[2]["rollout/partial_carried"] == 8  # step 3 took 4 of each rollout rank's 8 restored groups
+
+
+@pytest.mark.slow
+def test_modes_sweep_cpu_smoke_runs_both_partial_modes(tmp_path, tiny_model_path):
     import subprocess
 
     from helpers import subprocess_env
 
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "modes_sweep.py"), "--cpu-smoke", "--out",
-                           str(tmp_path), "--lengths", "24", "--modes", "sync,overlap_partial"], cwd=ROOT,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+                           str(tmp_path), "--lengths", "24", "--modes", "sync,overlap_partial,split_partial"],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     printed = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [p["mode"] for p in printed] == ["sync", "overlap_partial"]
+    assert [p["mode"] for p in printed] == ["sync", "overlap_partial", "split_partial"]
     assert all("step_s" in p and "skipped" not in p for p in printed), printed
     doc = json.loads((tmp_path / "modes_sweep_cpux2_tiny-qwen2.json").read_text())
-    assert doc["points"][0]["speedup"]["overlap_partial"] is not None
+    (point,) = doc["points"]
+    assert point["speedup"]["overlap_partial"] is not None and point["speedup"]["split_partial"] is not None
+    assert point["best_split_partial"] == {"mode": "split_partial", "ratio": "1:1"}
 
 
 @pytest.mark.slow

@@ -215,6 +215,19 @@ def test_a_smaller_window_carries_only_the_tail():
     assert stale2[1.0] > 0.8 and stale2[0.25] < 0.5, stale2
 
 
+def test_the_interrupt_waits_for_a_steps_groups_not_for_groups_outside_the_window():
+    """Regression: a round counted the groups waiting outside its window as finished (none of their samples was
+    among its requests), so it was interrupted with too few complete groups and every step generated the rest in
+    the foreground, to the end: nothing of the tail was carried. Now each step makes exactly one engine call, the
+    interrupted round's, and the interrupt lands with a step's groups complete."""
+    per_step, n, steps = 8, 4, 12
+    pipe, worker, next_prompts, _ = scripted_pipeline(per_step, n, max_len=12, seed=5, p_eos=0.12, ahead=0.25)
+    assert 2 * per_step > pipe.window  # some groups wait outside the window
+    batches = run_steps(pipe, worker, next_prompts, steps)
+    assert len(worker.rollout.calls) == steps  # the first step's foreground call, then one round per step
+    assert all(b.meta["partial_carried"] > 0 for b in batches[1:-1])
+
+
 def test_checkpoint_completes_groups_waiting_outside_the_window():
     per_step, n = 4, 2
     pipe, worker, next_prompts, _ = scripted_pipeline(per_step, n, max_len=9, seed=7, p_eos=0.2, ahead=0.25)
