@@ -158,20 +158,31 @@ def run_mode(name: str, overrides: list[str], args, out_dir: Path) -> dict:
     target = getattr(args, "stop_after", None) or args.steps
     grace = 15 if target >= args.steps else 0
     done_at = None
+    # a run that logs no step for stall_timeout s (since its start, or its last step) is hung, not slow: stop it
+    # rather than let it use up the rest of the budget (modes_sweep.py sets it from its estimates)
+    stall = getattr(args, "stall_timeout", None)
+    progress_at, seen, stalled = 0.0, 0, False
     while proc.poll() is None:
         time.sleep(1.0 if grace else 0.25)
         elapsed = time.perf_counter() - start
         logged = _steps_logged(metrics) if metrics.exists() else 0
+        if logged > seen:
+            progress_at, seen = elapsed, logged
         sampler.active = args.warmup <= logged < target
         if done_at is None and logged >= target:
             done_at = elapsed  # every step is logged: the rest is teardown, which gets a short grace period
-        if (done_at is not None and elapsed - done_at >= grace) or (args.mode_timeout and elapsed > args.mode_timeout):
+        stalled = bool(stall) and done_at is None and elapsed - progress_at > stall
+        if (done_at is not None and elapsed - done_at >= grace) or (args.mode_timeout and elapsed > args.mode_timeout) \
+                or stalled:
             _kill(proc)
             break
     wall = (done_at if done_at is not None else time.perf_counter() - start)
     sampler.stop.set()
     log.close()
     stderr = (run_dir / "stderr.log").read_text(errors="replace")
+    if done_at is None and stalled:
+        return {"mode": name, "overrides": overrides, "stderr_tail": stderr[-3000:],
+                "error": f"stalled: no step logged for {stall:.0f} s (step {seen + 1} of {target} did not come)"}
     if done_at is None and proc.returncode != 0:
         if args.mode_timeout and time.perf_counter() - start > args.mode_timeout:
             return {"mode": name, "overrides": overrides, "error": f"timed out after {args.mode_timeout} s",

@@ -299,6 +299,15 @@ class Budget:
         init = max(self.measured_init) if self.measured_init else self.init_s
         return init + steps * step_s * 1.1
 
+    def stall_limit(self, step_s: float | None) -> float | None:
+        """Seconds a run may go without logging a step before it counts as hung: twice a start-up plus twice a
+        step (a slow run is still far inside it; an engine that never comes up is stopped long before the
+        budget). None before any sync step is known."""
+        if step_s is None:
+            return None
+        init = max(self.measured_init) if self.measured_init else self.init_s
+        return 2 * init + 2.2 * step_s
+
     def why_not(self, step_s: float | None, steps: float) -> str | None:
         """A reason to skip a run that cannot finish in time, or None (``steps``: in sync-step equivalents)."""
         est, left = self.estimate(step_s, steps), self.left()
@@ -356,6 +365,7 @@ def run_one(name: str, mode_ovr: list[str], mean: int, cap: int, args, budget: B
     run_args = copy.copy(args)
     run_args.overrides = [*args.overrides, *point_overrides(mean, cap, args)]
     run_args.mode_timeout = budget.timeout()
+    run_args.stall_timeout = budget.stall_limit(expected_step(mean, rows))
     out_dir = runs_dir / f"L{mean}"
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -363,6 +373,9 @@ def run_one(name: str, mode_ovr: list[str], mean: int, cap: int, args, budget: B
     all_steps = measure_metrics(out_dir / f"run_{name}")
     if "error" in res:
         logged = len(all_steps)
+        if res["error"].startswith("stalled"):
+            return {**base, "skipped": f"{res['error']} after {time.perf_counter() - t0:.0f} s: hung, stopped",
+                    "stderr_tail": res.get("stderr_tail", "")[-1500:]}
         if "timed out" in res["error"]:
             reason = (f"did not finish: {logged} of {args.stop_after} steps logged after "
                       f"{time.perf_counter() - t0:.0f} s (limit {run_args.mode_timeout:.0f} s: --run-timeout or "

@@ -131,6 +131,24 @@ def test_kill_takes_the_whole_tree_and_nothing_else(monkeypatch):
             os.kill(pid, signal.SIGKILL)
 
 
+def test_a_run_that_logs_no_step_is_stopped_as_hung(monkeypatch, tmp_path):
+    """Seen on 4xH200: a run whose engines hung in their set-up used its whole budget (458 s). With a stall limit
+    (``modes_sweep``: twice a start-up plus twice a step) it is stopped once no step has come for that long, and
+    the reason says so; the stall limit grows with the point's step."""
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(modes.subprocess, "Popen", lambda cmd, **kw: real_popen(["sleep", "60"], **kw))
+    args = SimpleNamespace(gpus=1, recipe="r.yaml", model="m", steps=3, overrides=[], warmup=1, mode_timeout=None,
+                           stall_timeout=2.0, stop_after=2)
+    t = time.perf_counter()
+    res = modes.run_mode("overlap_proc", [], args, tmp_path)
+    assert time.perf_counter() - t < 15
+    assert res["error"].startswith("stalled: no step logged for 2 s"), res
+    b = ms.Budget(total=600.0, run_timeout=0.0, init_s=60.0)
+    assert b.stall_limit(None) is None and b.stall_limit(10.0) == pytest.approx(2 * 60 + 22)
+    b.note_run(100.0, [{"timing/step": 10.0}])  # a measured start-up of 90 s
+    assert b.stall_limit(40.0) == pytest.approx(2 * 90 + 88)
+
+
 def _sweep(tmp_path, *args: str) -> list[dict]:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(tmp_path), *args], cwd=ROOT,
                           env=subprocess_env(), capture_output=True, text=True, timeout=240)
