@@ -195,15 +195,18 @@ def test_modes_sweep_cpu_smoke_runs_both_partial_modes(tmp_path, tiny_model_path
 
 @pytest.mark.slow
 @pytest.mark.learning
-def test_overlap_with_partial_rollouts_still_learns(tmp_path):
-    """The default CPU recipe in overlap mode with partial rollouts (staleness 2), 150 steps: reward rises."""
+@pytest.mark.parametrize("placement", ["colocated", "split"])
+def test_overlap_with_partial_rollouts_still_learns(tmp_path, placement):
+    """The default CPU recipe in overlap mode with partial rollouts (staleness 2), 150 steps: reward rises; colocated
+    on one rank, and split (1 rollout + 1 trainer rank, the rollout rank's round running beside the update)."""
     out = tmp_path / "partial"
-    run_checked([sys.executable, "-m", "hybrid_rl", "train", str(RECIPE), *PARTIAL, f"trainer.output_dir={out}",
-                 "trainer.logger=[jsonl]", "trainer.total_steps=150", "trainer.test_freq=0",
-                 "trainer.val_before_train=false", "trainer.save_freq=-1"], timeout=1500)
+    launch = [sys.executable] if placement == "colocated" else _torchrun(2)
+    run_checked(launch + ["-m", "hybrid_rl", "train", str(RECIPE), *PARTIAL, f"trainer.output_dir={out}",
+                          f"trainer.placement={placement}", "trainer.logger=[jsonl]", "trainer.total_steps=150",
+                          "trainer.test_freq=0", "trainer.val_before_train=false", "trainer.save_freq=-1"], timeout=1500)
     train = [r for r in _metrics(out) if "reward/mean" in r]
     assert sum(r["reward/mean"] for r in train[:3]) / 3 <= 0.3
     last = sum(r["reward/mean"] for r in train[-3:]) / 3
-    print(f"partial rollouts: mean reward over the last 3 of {len(train)} steps = {last:.3f}")
+    print(f"partial rollouts ({placement}): mean reward over the last 3 of {len(train)} steps = {last:.3f}")
     assert last >= 0.8, [round(r["reward/mean"], 2) for r in train[-10:]]
     assert max(r["rollout/token_staleness_max"] for r in train) == 2
