@@ -7,14 +7,14 @@
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean && git rev-parse HEAD > .clean/COMMIT \
 #     && cp -r .devdata .clean/ && { [ -d .stage_liger ] && cp -r .stage_liger .clean/; }  # (bash benchmarks/stage_liger.sh first)
 #   then, on the lender (carry .clean): cd .clean && bash benchmarks/gpu_session.sh PART
-#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | compile1 | ppo | smol | smolb | smolc | proc | proc4 | sweep4a..sweep4j | stream1 | stream2 | gputests | flagship4a..d ; writes $OUT/PART.tgz and $OUT/PART.log
+#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | compile1 | ppo | smol | smolb | smolc | proc | proc4 | sweep4a..sweep4j | tail4a..tail4c | stream1 | stream2 | gputests | flagship4a..d ; writes $OUT/PART.tgz and $OUT/PART.log
 # Each part fits one 600 s device call; every piece has its own timeout and results are packed after each piece,
 # so a part cut short still returns what finished.
 # The lender gives a machine back after ~30 s idle (what was staged is lost): send the staging calls and the
 # parts that follow them in one batch of tool calls, and edit between leases, not between calls.
 set -u
 CALL0=$(date +%s)  # the sweep parts size their budget by what is left of the 600 s call
-PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm|soak1|flagship1|ppo|sweep4a|sweep4b|sweep4c|sweep4d|proc4|sweep4h|sweep4i|sweep4j|stream1|stream2|gputests}
+PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm|soak1|flagship1|ppo|sweep4a|sweep4b|sweep4c|sweep4d|proc4|sweep4h|sweep4i|sweep4j|tail4a|tail4b|tail4c|stream1|stream2|gputests}
 OUT=${OUT:-/tmp/gpu_out}
 RES=/tmp/res/$PART
 MODES_RES=/tmp/res/modes2  # colo2 and split2 write one modes JSON (merged by mode) when they run on one warm machine
@@ -75,12 +75,15 @@ SWEEP="--gpus 4 --model builtin:$MODEL4 --prompts 24 --n 8 --sigma 0.8 --cap-fac
   --token-budget 16384 --split-ratios auto --split-override rollout.gpu_memory_utilization=0.6 --resume \
   --out $SWEEP_RES data.train_path=.devdata/train.jsonl rollout.name=vllm model.enable_gradient_checkpointing=true \
   actor.ppo_mini_batch_size=12 actor.ppo_micro_batch_size_per_device=8 trainer.stall_dump_s=300"
-sweep_part() {  # $1: --lengths, $2: --modes, $3: more modes_sweep.py arguments (they override $SWEEP's)
-  ls "$SWEEP_RES"/modes_sweep_*.json >/dev/null 2>&1 || cp benchmarks/results/modes_sweep_*x4_"$MODEL4".json "$SWEEP_RES"/ 2>/dev/null
+sweep_part() {  # $1: --lengths, $2: --modes, $3: more modes_sweep.py arguments (they override $SWEEP's);
+  # SWEEP_TAG names a sweep of its own (--tag), seeded only from its own committed JSON, so that its rows share a host
+  local tag=${SWEEP_TAG:-}
+  ls "$SWEEP_RES"/modes_sweep_*x4_"$MODEL4$tag".json >/dev/null 2>&1 \
+    || cp benchmarks/results/modes_sweep_*x4_"$MODEL4$tag".json "$SWEEP_RES"/ 2>/dev/null
   local budget=$(( ${SWEEP_CALL_S:-555} - ($(date +%s) - CALL0) ))  # SWEEP_CALL_S: less when the lease has less left
-  stamp "sweep x4 ($MODEL4): lengths $1, modes $2, budget ${budget}s"
-  timeout $(( budget + 30 )) python benchmarks/modes_sweep.py $SWEEP ${3:-} --budget "$budget" --lengths "$1" --modes "$2" \
-    || echo "sweep x4 $1 $2 failed"
+  stamp "sweep x4 ($MODEL4$tag): lengths $1, modes $2, budget ${budget}s"
+  timeout $(( budget + 30 )) python benchmarks/modes_sweep.py $SWEEP ${3:-} ${tag:+--tag $tag} --budget "$budget" \
+    --lengths "$1" --modes "$2" || echo "sweep x4 $1 $2 failed"
   cp "$SWEEP_RES"/modes_sweep_*.json "$SWEEP_RES"/modes_sweep_*.png "$OUT/" 2>/dev/null
 }
 
@@ -418,6 +421,26 @@ sweep4i)  # issue 18 (after the committed 4k rows seed the JSON): mean 4k, split
 sweep4j)  # the short end (mean 256): plain split (auto ratio), the engine in its own process, split with partial
   # rollouts (~350 s)
   sweep_part 256 overlap_split,overlap_proc,split_partial "--warmup 2 --measure 1"
+  ;;
+tail4a|tail4b|tail4c)  # issue 18, one lease, one host (results tagged _tail; the first points, from another host, stay
+  # in the untagged JSON): the long end with its tail cut, then the short end. 2 warm-up steps everywhere (partial
+  # rollouts' pool fills over the first ones). tail4a ~500 s: mean 4k sync, split 2:2, split with partial rollouts
+  # 2:2. tail4b ~480 s: the engine-process GPU test, then 4k split with partial rollouts 3:1 and colocated partial
+  # rollouts. tail4c ~540 s: mean 256 in sync, overlap colocated, the engine in its own process, split 2:2, split with
+  # partial rollouts 2:2; then 4k with the engine in its own process if the budget holds it.
+  SWEEP_TAG=_tail
+  W="--warmup 2 --measure 1"
+  case $PART in
+    tail4a) sweep_part 4096 sync,overlap_split,split_partial "$W --split-ratios 2:2" ;;
+    tail4b)
+      stamp "pytest tests/gpu/test_vllm_process_gpu.py"
+      CUDA_VISIBLE_DEVICES=0 timeout 180 python -m pytest -m "" -q -s -p no:cacheprovider tests/gpu/test_vllm_process_gpu.py \
+        2>&1 | grep -E "engine process|reserved|passed|failed|Error|error" | tail -20
+      sweep_part 4096 split_partial,overlap_partial "$W --split-ratios 3:1" ;;
+    tail4c)
+      sweep_part 256 sync,overlap_colocated,overlap_proc,overlap_split,split_partial "$W --split-ratios 2:2"
+      sweep_part 4096 overlap_proc "$W" ;;
+  esac
   ;;
 sweep4g)  # part 7 (after 4a/4b on the same machine): the short end and 4k with generation on its own high-priority
   # CUDA stream (rollout.cuda_stream=high; the default shares the trainer's stream), ~450 s
