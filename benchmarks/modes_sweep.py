@@ -10,9 +10,9 @@ and carried into the next round, ``trainer.max_staleness=2``), ``overlap_stream`
 on its own high-priority CUDA stream, ``rollout.cuda_stream=high``), ``overlap_proc`` (overlap colocated with
 vLLM's engine core in a process of its own, ``rollout.engine_process=true``), ``split_partial`` (split placement
 with partial rollouts on the rollout ranks: they generate until the trainer ranks are ready, the tail is carried;
-at the same ratios as ``overlap_split``, run last), and keeps the fastest split ratio per length. Per length it reports the sync step, the generation share of the sync step,
-each overlap mode's step time and speed-up over sync, and a GPU busy fraction; the plot is speed-up against
-generation share, one line per overlap mode.
+at the same ratios as ``overlap_split``, run last), and keeps the fastest split ratio per length. Per length it
+reports the sync step, the generation share of the sync step, each overlap mode's step time and speed-up over sync,
+and a GPU busy fraction; the plot is speed-up against generation share, one line per overlap mode.
 
     python benchmarks/modes_sweep.py --gpus 4 --model builtin:qwen2.5-1.5b-random --prompts 24 \\
         --lengths 256,1024,4096,8192 --split-ratios auto --budget 540 data.train_path=... rollout.name=vllm
@@ -26,7 +26,9 @@ a steady-state step. ``--budget`` bounds the whole invocation (one 600 s device 
 ``--run-timeout`` or the budget, is recorded as skipped with the reason. The JSON is rewritten after every run
 and merged with the one already there (same settings), so a sweep can be cut into parts (``--lengths 8192
 --modes overlap_split`` in another call) that land in one file; ``--resume`` runs only what the file lacks, so
-a part cut short can be called again. ``overlap_stream``, ``overlap_proc`` and ``overlap_partial`` run after the split runs (the budget skips them first).
+a part cut short can be called again. ``overlap_stream``, ``overlap_proc`` and ``overlap_partial`` run after the
+split runs, and ``split_partial`` last (the budget skips the last first). A run that logs no step for twice a
+start-up plus twice the point's sync step is stopped as hung.
 Left out: more than one step of staleness beyond partial rollouts' two, and a search over anything but the split ratio (micro-batch sizes, engine memory) per point.
 """
 

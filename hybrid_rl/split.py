@@ -23,8 +23,10 @@ Validation pushes θ_k to the rollout ranks, which generate greedily and hand
 the reduced figures to the logging trainer rank. Checkpoints: the trainer ranks
 save the actor through DCP over their own group, every rank writes its extra
 (the rollout ranks: sampler, RNGs and the batch generated ahead), and a resumed
-run re-sends θ before its first step. Left out: more than one step of
-staleness, and resizing R at run time (a checkpoint resumes on the same layout).
+run re-sends θ before its first step. With ``trainer.partial_rollouts`` the rollout
+ranks run partial rollouts' pool (``sources.SplitSource``; staleness up to 2).
+Left out: more staleness otherwise, and resizing R at run time (a checkpoint
+resumes on the same layout).
 """
 
 from __future__ import annotations
@@ -85,6 +87,10 @@ def make_layout(n_rollout: int) -> SplitLayout:
 
 
 # --------------------------------------------------------------------------- batches
+COUNTS = ("partial_carried", "partial_resumed_tokens")
+"""Batch meta that counts something on its rollout rank (partial rollouts; the trainer sums each over its ranks)."""
+
+
 def send_batch(layout: SplitLayout, batch: Batch | None, widths: tuple[int, int], pad_token_id: int) -> Batch | None:
     """Collective over the world: the rollout ranks contribute their batch, every trainer rank gets its share.
 
@@ -113,6 +119,3 @@ def send_batch(layout: SplitLayout, batch: Batch | None, widths: tuple[int, int]
             mine.meta[key] = sum(b.meta.get(key, 0) for b in batches) if layout.index == 0 else 0
     return mine
 
-
-COUNTS = ("partial_carried", "partial_resumed_tokens")
-"""Batch meta that counts something on its rollout rank (the trainer sums each over its ranks)."""
