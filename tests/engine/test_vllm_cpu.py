@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import io
 import json
 import random
 import sys
@@ -712,7 +713,7 @@ def test_rpc_helpers_go_through_the_adapter():
     assert vr._rpc_load_weights(worker, [("weight", torch.zeros(1, 2))]) == 1 and loaded[0][0] == "weight"
     reply = vr._rpc_read_weights(worker, ["bias"])
     assert isinstance(reply, bytes)  # an engine process's msgpack replies turn nested tensors into lists
-    got = dict(torch.load(__import__("io").BytesIO(reply), weights_only=True))
+    got = dict(torch.load(io.BytesIO(reply), weights_only=True))
     assert list(got) == ["bias"] and got["bias"].device.type == "cpu"
     got["bias"].add_(1)  # a copy, not the live parameter
     assert not torch.equal(got["bias"], m.bias.detach())
@@ -1112,7 +1113,7 @@ def test_engine_process_is_spawned_alone_on_its_gpu_and_the_environment_restored
     assert seen["env"]["RANK"] == "1" and seen["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
-def test_an_engine_process_under_torchrun_sets_up_its_own_world_of_one():
+def test_an_engine_process_under_torchrun_sets_up_its_own_world_of_one(monkeypatch):
     """Regression (4xH200, every rank's engine process hung in its set-up): torchrun sets
     TORCHELASTIC_USE_AGENT_STORE=True, and a child that inherits it connects to a store nobody serves when vLLM's
     worker calls init_process_group(tcp://..., world_size=1). A child spawned inside engine_process_env with
@@ -1127,16 +1128,12 @@ def test_an_engine_process_under_torchrun_sets_up_its_own_world_of_one():
             "world_size=1, rank=0, timeout=datetime.timedelta(seconds=15)); print('world', d.get_world_size())" % port)
     torchrun_env = dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port + 1),
                         TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RUN_ID="r", TORCHELASTIC_RESTART_COUNT="0")
-    saved = {k: os.environ.get(k) for k in torchrun_env}
-    os.environ.update(torchrun_env)
-    try:
-        with vr.engine_process_env(torch.device("cuda", 1)):
-            hidden = {k for k in torchrun_env if k in os.environ}
-            child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-        assert {k: os.environ[k] for k in torchrun_env} == torchrun_env  # the trainer's own environment is back
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    for key, value in torchrun_env.items():
+        monkeypatch.setenv(key, value)
+    with vr.engine_process_env(torch.device("cuda", 1)):
+        hidden = {k for k in torchrun_env if k in os.environ}
+        child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert {k: os.environ[k] for k in torchrun_env} == torchrun_env  # the trainer's own environment is back
     assert not hidden
     assert child.returncode == 0 and child.stdout.split() == ["world", "1"], child.stderr[-800:]
 
