@@ -424,22 +424,24 @@ sweep4j)  # the short end (mean 256): plain split (auto ratio), the engine in it
   ;;
 tail4a|tail4b|tail4c)  # issue 18, one lease, one host (results tagged _tail; the first points, from another host, stay
   # in the untagged JSON): the long end with its tail cut, then the short end. 2 warm-up steps everywhere (partial
-  # rollouts' pool fills over the first ones). tail4a ~500 s: mean 4k sync, split 2:2, split with partial rollouts
-  # 2:2. tail4b ~480 s: the engine-process GPU test, then 4k split with partial rollouts 3:1 and colocated partial
-  # rollouts. tail4c ~540 s: mean 256 in sync, overlap colocated, the engine in its own process, split 2:2, split with
-  # partial rollouts 2:2; then 4k with the engine in its own process if the budget holds it.
+  # rollouts' pool fills over the first ones). One mini-batch per step in every mode (TRL's default: one optimizer
+  # step per generated batch), so old_log_prob=auto skips the separate pi_old pass everywhere (stop 32's 4k sync step
+  # spent 4.15 s of 39.2 s in it). tail4a ~420 s: mean 4k sync and split with partial rollouts 2:2. tail4b ~500 s:
+  # the engine-process GPU test, then 4k split 2:2 without partial rollouts and colocated partial rollouts. tail4c
+  # ~540 s: mean 256 in sync, overlap colocated, split with partial rollouts 2:2, split 2:2, the engine in its own
+  # process; then 4k with the engine in its own process if the budget holds it.
   SWEEP_TAG=_tail
-  W="--warmup 2 --measure 1"
+  W="--warmup 2 --measure 1 --split-ratios 2:2 actor.ppo_mini_batch_size=24"
   case $PART in
-    tail4a) sweep_part 4096 sync,overlap_split,split_partial "$W --split-ratios 2:2" ;;
+    tail4a) sweep_part 4096 sync,split_partial "$W" ;;
     tail4b)
       stamp "pytest tests/gpu/test_vllm_process_gpu.py"
       CUDA_VISIBLE_DEVICES=0 timeout 180 python -m pytest -m "" -q -s -p no:cacheprovider tests/gpu/test_vllm_process_gpu.py \
         2>&1 | grep -E "engine process|reserved|passed|failed|Error|error" | tail -20
-      sweep_part 4096 split_partial,overlap_partial "$W --split-ratios 3:1" ;;
+      sweep_part 4096 overlap_split,overlap_partial "$W" ;;
     tail4c)
-      sweep_part 256 sync,overlap_colocated,overlap_proc,overlap_split,split_partial "$W --split-ratios 2:2"
-      sweep_part 4096 overlap_proc "$W" ;;
+      sweep_part 256 sync,overlap_colocated,overlap_split,split_partial "$W"
+      sweep_part 256,4096 overlap_proc "$W" ;;
   esac
   ;;
 sweep4g)  # part 7 (after 4a/4b on the same machine): the short end and 4k with generation on its own high-priority

@@ -542,7 +542,7 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny model on CPU, 2 gloo ranks, short lengths: checks the plumbing only")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # key=value overrides may follow options (gpu_session.sh appends both)
     if args.cpu_smoke:
         args.model, args.prompts, args.n = "builtin:tiny-qwen2", 8, 4
         args.gpus = args.gpus if args.gpus > 1 else 2
