@@ -7,14 +7,14 @@
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean && git rev-parse HEAD > .clean/COMMIT \
 #     && cp -r .devdata .clean/ && { [ -d .stage_liger ] && cp -r .stage_liger .clean/; }  # (bash benchmarks/stage_liger.sh first)
 #   then, on the lender (carry .clean): cd .clean && bash benchmarks/gpu_session.sh PART
-#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | compile1 | ppo | smol | smolb | smolc | proc | proc4 | sweep4a..sweep4j | tail4a..tail4c | stream1 | stream2 | gputests | flagship4a..d ; writes $OUT/PART.tgz and $OUT/PART.log
+#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | compile1 | ppo | smol | smolb | smolc | proc | proc4 | sweep4a..sweep4j | tail4a..tail4f | stream1 | stream2 | gputests | flagship4a..d ; writes $OUT/PART.tgz and $OUT/PART.log
 # Each part fits one 600 s device call; every piece has its own timeout and results are packed after each piece,
 # so a part cut short still returns what finished.
 # The lender gives a machine back after ~30 s idle (what was staged is lost): send the staging calls and the
 # parts that follow them in one batch of tool calls, and edit between leases, not between calls.
 set -u
 CALL0=$(date +%s)  # the sweep parts size their budget by what is left of the 600 s call
-PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm|soak1|flagship1|ppo|sweep4a|sweep4b|sweep4c|sweep4d|proc4|sweep4h|sweep4i|sweep4j|tail4a|tail4b|tail4c|stream1|stream2|gputests}
+PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm|soak1|flagship1|ppo|sweep4a|sweep4b|sweep4c|sweep4d|proc4|sweep4h|sweep4i|sweep4j|tail4a|tail4b|tail4c|tail4d|tail4e|tail4f|stream1|stream2|gputests}
 OUT=${OUT:-/tmp/gpu_out}
 RES=/tmp/res/$PART
 MODES_RES=/tmp/res/modes2  # colo2 and split2 write one modes JSON (merged by mode) when they run on one warm machine
@@ -74,7 +74,7 @@ BENCH="data.train_path=.devdata/train.jsonl rollout.name=vllm data.max_response_
 SWEEP="--gpus 4 --model builtin:$MODEL4 --prompts 24 --n 8 --sigma 0.8 --cap-factor 2 --warmup 1 --measure 1 \
   --token-budget 16384 --split-ratios auto --split-override rollout.gpu_memory_utilization=0.6 --resume \
   --out $SWEEP_RES data.train_path=.devdata/train.jsonl rollout.name=vllm model.enable_gradient_checkpointing=true \
-  actor.ppo_mini_batch_size=12 actor.ppo_micro_batch_size_per_device=8 trainer.stall_dump_s=300"
+  actor.ppo_mini_batch_size=12 actor.ppo_micro_batch_size_per_device=8 trainer.stall_dump_s=120"
 sweep_part() {  # $1: --lengths, $2: --modes, $3: more modes_sweep.py arguments (they override $SWEEP's);
   # SWEEP_TAG names a sweep of its own (--tag), seeded only from its own committed JSON, so that its rows share a host
   local tag=${SWEEP_TAG:-}
@@ -422,7 +422,7 @@ sweep4j)  # the short end (mean 256): plain split (auto ratio), the engine in it
   # rollouts (~350 s)
   sweep_part 256 overlap_split,overlap_proc,split_partial "--warmup 2 --measure 1"
   ;;
-tail4a|tail4b|tail4c)  # issue 18, one lease, one host (results tagged _tail; the first points, from another host, stay
+tail4a|tail4b|tail4c|tail4d|tail4e|tail4f)  # issue 18, one lease, one host (results tagged _tail; the first points, from another host, stay
   # in the untagged JSON): the long end with its tail cut, then the short end. 2 warm-up steps everywhere (partial
   # rollouts' pool fills over the first ones). One mini-batch per step in every mode (TRL's default: one optimizer
   # step per generated batch), so old_log_prob=auto skips the separate pi_old pass everywhere (stop 32's 4k sync step
@@ -442,6 +442,20 @@ tail4a|tail4b|tail4c)  # issue 18, one lease, one host (results tagged _tail; th
     tail4c)
       sweep_part 256 sync,overlap_colocated,overlap_split,split_partial "$W"
       sweep_part 256,4096 overlap_proc "$W" ;;
+    # after the 2 + 2 set-up fix (every 2:2 run of tail4a-c hung in vLLM's world-group creation), on a new host: a
+    # sweep of its own (_tail2; sync again, so every row shares the host). tail4d ~480 s: the short end's sync and
+    # split with partial rollouts 2:2 (~100 s: it shows at once whether 2:2 starts), then 4k sync. tail4e ~450 s:
+    # 4k split with partial rollouts 2:2, then split 2:2. tail4f: the short end's overlap colocated and split 2:2,
+    # then 4k with the engine in its own process.
+    tail4d)
+      SWEEP_TAG=_tail2 sweep_part 256 sync,split_partial "$W"
+      SWEEP_TAG=_tail2 sweep_part 4096 sync "$W" ;;
+    tail4e)  # split_partial first (a sweep runs split_partial after the others at a length)
+      SWEEP_TAG=_tail2 sweep_part 4096 split_partial "$W"
+      SWEEP_TAG=_tail2 sweep_part 4096 overlap_split "$W" ;;
+    tail4f)
+      SWEEP_TAG=_tail2 sweep_part 256 overlap_colocated,overlap_split "$W"
+      SWEEP_TAG=_tail2 sweep_part 4096 overlap_proc "$W" ;;
   esac
   ;;
 sweep4g)  # part 7 (after 4a/4b on the same machine): the short end and 4k with generation on its own high-priority

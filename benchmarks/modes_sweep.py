@@ -156,6 +156,15 @@ def settings_of(args) -> dict:
             "split_overrides": args.split_overrides, "recipe": Path(args.recipe).name, "overrides": args.overrides}
 
 
+DIAGNOSTIC_KEYS = ("trainer.stall_dump_s=", "trainer.profile_steps=")
+"""Overrides that change what a run prints, not what it measures: rows may differ in them."""
+
+
+def comparable(settings: dict) -> dict:
+    """``settings`` without the diagnostic overrides."""
+    return {**settings, "overrides": [o for o in settings.get("overrides") or [] if not o.startswith(DIAGNOSTIC_KEYS)]}
+
+
 def row_key(row: dict) -> tuple:
     return row["length_mean"], row["mode"]
 
@@ -423,8 +432,8 @@ def sweep(args, device: str, stem: Path) -> list[dict]:
     rows: list[dict] = []
     if Path(f"{stem}.json").exists() and not args.fresh:
         doc = json.loads(Path(f"{stem}.json").read_text())
-        mine = settings_of(args)
-        theirs = {k: doc.get(k) for k in mine}
+        mine = comparable(settings_of(args))
+        theirs = comparable({k: doc.get(k) for k in mine})
         if theirs != mine:
             diff = {k: (theirs[k], mine[k]) for k in mine if theirs[k] != mine[k]}
             raise SystemExit(f"{stem}.json holds a sweep with other settings {diff} (theirs, these); pass --fresh to "

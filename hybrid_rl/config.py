@@ -427,8 +427,8 @@ class TrainerConfig:
     """The device's dense bf16 peak in TFLOP/s for ``perf/mfu_*`` (default: looked up by GPU name in
     ``hybrid_rl.perf``; MFU is not logged for devices it does not know)."""
     stall_dump_s: float = 0.0
-    """A step running longer than this many seconds dumps every thread's Python stack to stderr (0 = off): the
-    first thing to look at when a multi-rank run hangs."""
+    """A step (or the run's set-up) running longer than this many seconds dumps every thread's Python stack to
+    stderr, and again every as many seconds (0 = off): the first thing to look at when a multi-rank run hangs."""
     expandable_segments: bool = False
     """CUDA: PyTorch's expandable segments for the trainer's allocations (``PYTORCH_CUDA_ALLOC_CONF``; vLLM turns
     them off around its own pools). Packed micro-batches change size every call, and the caching allocator fragments:

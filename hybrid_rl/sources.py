@@ -83,6 +83,31 @@ def make_placement(cfg: Config, dist: DistInfo) -> Placement:
     return Placement(sp, "actor_ref", 0, sp.n_rollout, trainer_dist, trainer_dist, is_logger)
 
 
+def meet_at_engines(cfg: Config, placement: Placement, global_dist: DistInfo, tokenizer) -> Any:
+    """Split placement: every rank starts vLLM's set-up at the same point, before any rank has built a model.
+
+    vLLM's external launcher creates its process groups over the whole world, so the trainer ranks build an engine
+    too (a twin, released at once: sleep level 2 frees its weights and KV cache) for those collectives to pair up.
+    The twin used to come after the trainer ranks' actor and reference: on 4xH200 with 2 rollout + 2 trainer ranks
+    the second trainer rank reached vLLM's world-group creation 19-34 s after the others and stayed there (stacks:
+    it in the NCCL group, the other three in the gloo one after it), every time. Now all ranks meet at a barrier
+    (gloo), then the trainer ranks build the twin first and the rollout ranks their worker, whose first GPU work is
+    the engine. Returns the twin (kept for the run: its groups belong to the world) or None."""
+    sp = placement.layout
+    if sp is None:
+        return None
+    import torch.distributed as tdist
+
+    tdist.barrier(group=sp.obj_group)
+    if cfg.rollout.name != "vllm" or sp.is_rollout:
+        return None
+    from hybrid_rl.rollout.vllm import VLLMRolloutEngine
+
+    twin = VLLMRolloutEngine.from_config(cfg, global_dist, tokenizer)
+    twin.sleep(level=2)
+    return twin
+
+
 # --------------------------------------------------------------------------- sources
 class RolloutSource(abc.ABC):
     """The batches a trainer rank trains on, and the state that producing them carries."""
@@ -189,12 +214,6 @@ class SplitSource(RolloutSource):
 
             engine = worker.rollout
             self._replayer = WeightReplayer(lambda bucket: engine.load_weights(bucket))
-        if cfg.rollout.name == "vllm" and not self.layout.is_rollout:
-            # vLLM's external launcher creates its groups over the whole world: build a twin and
-            # release it at once (sleep level 2 frees weights and KV cache), so the collectives pair up.
-            from hybrid_rl.rollout.vllm import VLLMRolloutEngine
-
-            VLLMRolloutEngine.from_config(cfg, global_dist, worker.tokenizer).sleep(level=2)
 
     # -- the two exchanges -----------------------------------------------------------
     def _exchange_weights(self) -> None:

@@ -43,7 +43,7 @@ from hybrid_rl.perf import ModelFlops, host_wait_summary, pass_mfu, peak_flops
 from hybrid_rl.rewards import RewardScorer
 from hybrid_rl.runlock import take_run_lock
 from hybrid_rl.scoring import compute_scores, sample_records, shape_overlong
-from hybrid_rl.sources import make_placement, make_source
+from hybrid_rl.sources import make_placement, make_source, meet_at_engines
 from hybrid_rl.tracking import Timer, Tracker, run_summary
 from hybrid_rl.watchdog import StallWatchdog
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
@@ -82,7 +82,9 @@ class Trainer:
         # first, before anything is written: one run per output_dir (rank 0 holds it, the others wait for its verdict)
         self.run_lock = take_run_lock(cfg.trainer.output_dir, dist.rank, dist.world_size)
         try:
-            self._build(cfg, dist)
+            stall = cfg.trainer.stall_dump_s  # a set-up that hangs (a collective, vLLM's groups) shows its stacks too
+            with StallWatchdog(stall, label="set-up") if stall > 0 else nullcontext():
+                self._build(cfg, dist)
         except BaseException:
             self.run_lock.release()
             raise
@@ -118,6 +120,7 @@ class Trainer:
         self.task = TASKS.get(d.task)  # its answer-shape counts are logged beside the reward (None: an unknown task)
         t = cfg.trainer
         self.total_steps = t.total_steps or t.total_epochs * self.sampler.steps_per_epoch
+        self.engine_twin = meet_at_engines(cfg, pl, dist, tokenizer)  # split + vLLM: before any model is built
         self.worker = ActorRolloutRefWorker(cfg, pl.worker_dist, role=pl.role, total_training_steps=self.total_steps,
                                             tokenizer=tokenizer)
         self.critic = None  # the critic role, beside actor/rollout/ref in this process (trainer ranks only)

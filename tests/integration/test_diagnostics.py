@@ -1,5 +1,5 @@
 """Run diagnostics: ``trainer.profile_steps`` (torch.profiler tables with the phases labelled) and
-``trainer.stall_dump_s`` (every thread's stack when a step runs too long)."""
+``trainer.stall_dump_s`` (every thread's stack when the set-up or a step runs too long)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ def test_profile_table_and_stall_dump(tiny_model_path, tmp_path):
     assert not (tmp_path / "profile" / "step_1_rank0.txt").exists()
     # a step longer than 0.05 s dumped the stacks, including the driver's own frame
     assert "Thread 0x" in proc.stderr and "trainer.py" in proc.stderr
+    # so did the set-up (a hang in it, e.g. in vLLM's world-wide groups, shows where each rank waits)
+    assert "hybrid_rl: set-up still running after" in proc.stderr and "in _build" in proc.stderr
 
 
 def test_stall_watchdog_dumps_every_thread_while_the_block_runs_long():

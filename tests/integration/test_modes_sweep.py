@@ -196,3 +196,11 @@ def test_cpu_smoke_sweep(tiny_model_path, tmp_path):
                            "--lengths", "8", "--modes", "sync"], cwd=ROOT, env=subprocess_env(), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode != 0 and "--fresh" in proc.stderr and "sigma" in proc.stderr
+
+
+def test_diagnostic_overrides_do_not_split_a_sweep():
+    """A later part may dump stacks sooner (trainer.stall_dump_s) and still add rows to the same JSON."""
+    a = {"sigma": 0.8, "overrides": ["rollout.name=vllm", "trainer.stall_dump_s=300"]}
+    b = {"sigma": 0.8, "overrides": ["rollout.name=vllm", "trainer.stall_dump_s=120", "trainer.profile_steps=[2]"]}
+    assert ms.comparable(a) == ms.comparable(b)
+    assert ms.comparable(a) != ms.comparable({**a, "overrides": ["rollout.name=hf"]})

@@ -1,0 +1,77 @@
+"""Split placement's set-up order with vLLM (``sources.meet_at_engines``): every rank meets at a barrier, then the
+trainer ranks build vLLM's twin before any model. Built after the actor, the second trainer rank of a 2 + 2 layout
+hung in vLLM's world-group creation on 4xH200 (stop 33)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from hybrid_rl import sources
+
+
+class FakeEngine:
+    def __init__(self, events):
+        self.events = events
+
+    def sleep(self, level=1):
+        self.events.append(("sleep", level))
+
+
+@pytest.fixture
+def events(monkeypatch):
+    log: list = []
+    import torch.distributed as tdist
+
+    from hybrid_rl.rollout import vllm as vllm_rollout
+
+    monkeypatch.setattr(tdist, "barrier", lambda group=None: log.append(("barrier", group)))
+    monkeypatch.setattr(vllm_rollout.VLLMRolloutEngine, "from_config",
+                        classmethod(lambda cls, cfg, dist, tok: log.append(("twin", dist.rank)) or FakeEngine(log)))
+    return log
+
+
+def _placement(is_rollout: bool | None):
+    layout = None if is_rollout is None else SimpleNamespace(is_rollout=is_rollout, obj_group="world-gloo")
+    return SimpleNamespace(layout=layout)
+
+
+def _cfg(name: str):
+    return SimpleNamespace(rollout=SimpleNamespace(name=name))
+
+
+def test_trainer_rank_builds_the_twin_after_the_barrier_and_releases_it(events):
+    twin = sources.meet_at_engines(_cfg("vllm"), _placement(False), SimpleNamespace(rank=3), tokenizer=None)
+    assert isinstance(twin, FakeEngine)  # kept by the trainer for the run
+    assert events == [("barrier", "world-gloo"), ("twin", 3), ("sleep", 2)]
+
+
+def test_rollout_rank_only_meets(events):
+    assert sources.meet_at_engines(_cfg("vllm"), _placement(True), SimpleNamespace(rank=0), None) is None
+    assert events == [("barrier", "world-gloo")]  # its engine is the worker's first GPU work
+
+
+def test_hf_split_meets_without_a_twin_and_colocated_does_nothing(events):
+    assert sources.meet_at_engines(_cfg("hf"), _placement(False), SimpleNamespace(rank=1), None) is None
+    assert events == [("barrier", "world-gloo")]
+    events.clear()
+    assert sources.meet_at_engines(_cfg("vllm"), _placement(None), SimpleNamespace(rank=0), None) is None
+    assert events == []
+
+
+def test_trainer_meets_before_it_builds_the_worker(monkeypatch, tmp_path):
+    """The driver calls the meeting before the worker (and its models) exist."""
+    from hybrid_rl import trainer as trainer_mod
+
+    from helpers import cpu_dist, make_cfg
+
+    order: list[str] = []
+    real_meet, real_worker = trainer_mod.meet_at_engines, trainer_mod.ActorRolloutRefWorker
+    monkeypatch.setattr(trainer_mod, "meet_at_engines", lambda *a: order.append("meet") or real_meet(*a))
+    monkeypatch.setattr(trainer_mod, "ActorRolloutRefWorker", lambda *a, **k: order.append("worker") or real_worker(*a, **k))
+    cfg = make_cfg("model.path=builtin:tiny-qwen2", "data.train_path=synthetic:successor", "data.task=successor",
+                   "data.max_prompt_length=32", "trainer.total_steps=1", f"trainer.output_dir={tmp_path}")
+    t = trainer_mod.Trainer(cfg, cpu_dist())
+    t.run_lock.release()
+    assert order == ["meet", "worker"]
