@@ -447,15 +447,22 @@ tail4a|tail4b|tail4c|tail4d|tail4e|tail4f)  # issue 18, one lease, one host (res
     # split with partial rollouts 2:2 (~100 s: it shows at once whether 2:2 starts), then 4k sync. tail4e ~450 s:
     # 4k split with partial rollouts 2:2, then split 2:2. tail4f: the short end's overlap colocated and split 2:2,
     # then 4k with the engine in its own process.
-    tail4d)
-      SWEEP_TAG=_tail2 sweep_part 256 sync,split_partial "$W"
-      SWEEP_TAG=_tail2 sweep_part 4096 sync "$W" ;;
-    tail4e)  # split_partial first (a sweep runs split_partial after the others at a length)
-      SWEEP_TAG=_tail2 sweep_part 4096 split_partial "$W"
-      SWEEP_TAG=_tail2 sweep_part 4096 overlap_split "$W" ;;
-    tail4f)
-      SWEEP_TAG=_tail2 sweep_part 256 overlap_colocated,overlap_split "$W"
-      SWEEP_TAG=_tail2 sweep_part 4096 overlap_proc "$W" ;;
+    # Training without recomputation where the card holds it, in every mode, as the flagship recipe does: a 16k-token
+    # micro-batch peaks at ~55 GB (update_step, 4xH200) beside vLLM's 0.3 of the card; on 80 GB cards it stays on.
+    tail4d|tail4e|tail4f)
+      local_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+      W="$W model.enable_gradient_checkpointing=$([ "${local_mib:-0}" -gt 120000 ] && echo false || echo true)"
+      case $PART in
+        tail4d)
+          SWEEP_TAG=_tail2 sweep_part 256 sync,split_partial "$W"
+          SWEEP_TAG=_tail2 sweep_part 4096 sync "$W" ;;
+        tail4e)  # split_partial first (a sweep runs split_partial after the others at a length)
+          SWEEP_TAG=_tail2 sweep_part 4096 split_partial "$W"
+          SWEEP_TAG=_tail2 sweep_part 4096 overlap_split "$W" ;;
+        tail4f)
+          SWEEP_TAG=_tail2 sweep_part 256 overlap_colocated,overlap_split "$W"
+          SWEEP_TAG=_tail2 sweep_part 4096 overlap_proc "$W" ;;
+      esac ;;
   esac
   ;;
 sweep4g)  # part 7 (after 4a/4b on the same machine): the short end and 4k with generation on its own high-priority

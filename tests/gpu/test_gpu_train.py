@@ -52,3 +52,25 @@ def test_default_recipe_with_vllm_trains_in_float32(tmp_path):
         assert 0.05 * total < r["perf/engine_pool_gb"] <= 0.3 * total, (r["perf/engine_pool_gb"], total)
         assert 0 < r["perf/max_memory_allocated_outside_engine_gb"] < r["perf/max_memory_allocated_gb"]
     assert any("val/reward_mean" in r for r in rows)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs (2 rollout + 2 trainer ranks)")
+@pytest.mark.parametrize("partial", [False, True])
+def test_split_two_plus_two_with_vllm_starts_and_trains(tmp_path, partial):
+    """2 rollout + 2 trainer ranks with vLLM: every such run hung in vLLM's world-group creation on 4xH200 while the
+    trainer ranks built their twin engine after their models (stop 33); they now build it first, after a barrier."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m", "hybrid_rl",
+           "train", str(ROOT / "recipes/cpu_successor.yaml"), "trainer.device=auto", "rollout.name=vllm",
+           "trainer.placement=split", "trainer.rollout_ranks=2", "trainer.mode=overlap", "trainer.total_steps=4",
+           "trainer.test_freq=0", "trainer.val_before_train=false", f"trainer.output_dir={out}",
+           "rollout.gpu_memory_utilization=0.3", "trainer.stall_dump_s=120", "trainer.collective_timeout_s=300"]
+    if partial:
+        cmd += ["trainer.partial_rollouts=true", "trainer.max_staleness=2"]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["actor/pg_loss"]) for r in steps)
+    assert max(r["rollout/staleness_max"] for r in steps) >= 1  # generated ahead while the trainer ranks updated
