@@ -74,7 +74,7 @@ BENCH="data.train_path=.devdata/train.jsonl rollout.name=vllm data.max_response_
 SWEEP="--gpus 4 --model builtin:$MODEL4 --prompts 24 --n 8 --sigma 0.8 --cap-factor 2 --warmup 1 --measure 1 \
   --token-budget 16384 --split-ratios auto --split-override rollout.gpu_memory_utilization=0.6 --resume \
   --out $SWEEP_RES data.train_path=.devdata/train.jsonl rollout.name=vllm model.enable_gradient_checkpointing=true \
-  actor.ppo_mini_batch_size=12 actor.ppo_micro_batch_size_per_device=8 trainer.stall_dump_s=120"
+  actor.ppo_mini_batch_size=12 actor.ppo_micro_batch_size_per_device=8 trainer.stall_dump_s=90"
 sweep_part() {  # $1: --lengths, $2: --modes, $3: more modes_sweep.py arguments (they override $SWEEP's);
   # SWEEP_TAG names a sweep of its own (--tag), seeded only from its own committed JSON, so that its rows share a host
   local tag=${SWEEP_TAG:-}
