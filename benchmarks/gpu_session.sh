@@ -450,8 +450,8 @@ tail4a|tail4b|tail4c|tail4d|tail4e|tail4f)  # issue 18, one lease, one host (res
     # Training without recomputation where the card holds it, in every mode, as the flagship recipe does: a 16k-token
     # micro-batch peaks at ~55 GB (update_step, 4xH200) beside vLLM's 0.3 of the card; on 80 GB cards it stays on.
     tail4d|tail4e|tail4f)
-      local_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
-      W="$W model.enable_gradient_checkpointing=$([ "${local_mib:-0}" -gt 120000 ] && echo false || echo true)"
+      card_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+      W="$W model.enable_gradient_checkpointing=$([ "${card_mib:-0}" -gt 120000 ] && echo false || echo true)"
       case $PART in
         tail4d)
           SWEEP_TAG=_tail2 sweep_part 256 sync,split_partial "$W"
