@@ -7,14 +7,14 @@
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean && git rev-parse HEAD > .clean/COMMIT \
 #     && cp -r .devdata .clean/ && { [ -d .stage_liger ] && cp -r .stage_liger .clean/; }  # (bash benchmarks/stage_liger.sh first)
 #   then, on the lender (carry .clean): cd .clean && bash benchmarks/gpu_session.sh PART
-#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | compile1 | ppo | smol | smolb | smolc | proc | proc4 | sweep4a..sweep4j | tail4a..tail4f | stream1 | stream2 | gputests | flagship4a..d ; writes $OUT/PART.tgz and $OUT/PART.log
+#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | compile1 | ppo | smol | smolb | smolc | proc | proc4 | sweep4a..sweep4j | tail4a..tail4f | pair2a..pair2c | stream1 | stream2 | gputests | flagship4a..d ; writes $OUT/PART.tgz and $OUT/PART.log
 # Each part fits one 600 s device call; every piece has its own timeout and results are packed after each piece,
 # so a part cut short still returns what finished.
 # The lender gives a machine back after ~30 s idle (what was staged is lost): send the staging calls and the
 # parts that follow them in one batch of tool calls, and edit between leases, not between calls.
 set -u
 CALL0=$(date +%s)  # the sweep parts size their budget by what is left of the 600 s call
-PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm|soak1|flagship1|ppo|sweep4a|sweep4b|sweep4c|sweep4d|proc4|sweep4h|sweep4i|sweep4j|tail4a|tail4b|tail4c|tail4d|tail4e|tail4f|stream1|stream2|gputests}
+PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm|soak1|flagship1|ppo|sweep4a|sweep4b|sweep4c|sweep4d|proc4|sweep4h|sweep4i|sweep4j|tail4a|tail4b|tail4c|tail4d|tail4e|tail4f|pair2a|pair2b|pair2c|stream1|stream2|gputests}
 OUT=${OUT:-/tmp/gpu_out}
 RES=/tmp/res/$PART
 MODES_RES=/tmp/res/modes2  # colo2 and split2 write one modes JSON (merged by mode) when they run on one warm machine
@@ -71,19 +71,20 @@ BENCH="data.train_path=.devdata/train.jsonl rollout.name=vllm data.max_response_
 # is left of its call; a run that cannot fit is recorded as skipped with the reason, and calling the part again
 # (--resume) runs only what is missing. Parts of one sweep must run on one machine (the JSON lives in $SWEEP_RES;
 # a JSON carried in benchmarks/results/ seeds a fresh machine, and rows from two hosts are flagged mixed_hosts).
-SWEEP="--gpus 4 --model builtin:$MODEL4 --prompts 24 --n 8 --sigma 0.8 --cap-factor 2 --warmup 1 --measure 1 \
+SWEEP="--model builtin:$MODEL4 --prompts 24 --n 8 --sigma 0.8 --cap-factor 2 --warmup 1 --measure 1 \
   --token-budget 16384 --split-ratios auto --split-override rollout.gpu_memory_utilization=0.6 --resume \
   --out $SWEEP_RES data.train_path=.devdata/train.jsonl rollout.name=vllm model.enable_gradient_checkpointing=true \
   actor.ppo_mini_batch_size=12 actor.ppo_micro_batch_size_per_device=8 trainer.stall_dump_s=90"
 sweep_part() {  # $1: --lengths, $2: --modes, $3: more modes_sweep.py arguments (they override $SWEEP's);
-  # SWEEP_TAG names a sweep of its own (--tag), seeded only from its own committed JSON, so that its rows share a host
-  local tag=${SWEEP_TAG:-}
-  ls "$SWEEP_RES"/modes_sweep_*x4_"$MODEL4$tag".json >/dev/null 2>&1 \
-    || cp benchmarks/results/modes_sweep_*x4_"$MODEL4$tag".json "$SWEEP_RES"/ 2>/dev/null
+  # SWEEP_TAG names a sweep of its own (--tag), seeded only from its own committed JSON, so that its rows share a host;
+  # SWEEP_GPUS: the ranks per run (4; the pair2 parts: 2)
+  local tag=${SWEEP_TAG:-} ng=${SWEEP_GPUS:-4}
+  ls "$SWEEP_RES"/modes_sweep_*x${ng}_"$MODEL4$tag".json >/dev/null 2>&1 \
+    || cp benchmarks/results/modes_sweep_*x${ng}_"$MODEL4$tag".json "$SWEEP_RES"/ 2>/dev/null
   local budget=$(( ${SWEEP_CALL_S:-555} - ($(date +%s) - CALL0) ))  # SWEEP_CALL_S: less when the lease has less left
-  stamp "sweep x4 ($MODEL4$tag): lengths $1, modes $2, budget ${budget}s"
-  timeout $(( budget + 30 )) python benchmarks/modes_sweep.py $SWEEP ${3:-} ${tag:+--tag $tag} --budget "$budget" \
-    --lengths "$1" --modes "$2" || echo "sweep x4 $1 $2 failed"
+  stamp "sweep x$ng ($MODEL4$tag): lengths $1, modes $2, budget ${budget}s"
+  timeout $(( budget + 30 )) python benchmarks/modes_sweep.py $SWEEP --gpus "$ng" ${3:-} ${tag:+--tag $tag} \
+    --budget "$budget" --lengths "$1" --modes "$2" || echo "sweep x$ng $1 $2 failed"
   cp "$SWEEP_RES"/modes_sweep_*.json "$SWEEP_RES"/modes_sweep_*.png "$OUT/" 2>/dev/null
 }
 
@@ -463,6 +464,24 @@ tail4a|tail4b|tail4c|tail4d|tail4e|tail4f)  # issue 18, one lease, one host (res
           SWEEP_TAG=_tail2 sweep_part 256 overlap_colocated,overlap_split "$W --split-ratios 1:3,2:2"
           SWEEP_TAG=_tail2 sweep_part 4096 overlap_proc "$W" ;;
       esac ;;
+  esac
+  ;;
+pair2a|pair2b|pair2c)  # issue 18 on 2 GPUs (when no 4-GPU machine is lent): a sweep of its own (_pair), 1 rollout + 1
+  # trainer GPU against sync on both, with tail4d-f's settings (one mini-batch per step, no recomputation on 141 GB
+  # cards). pair2a ~450 s: mean 4k sync, then split with partial rollouts (the default ahead, 0.25). pair2b ~400 s:
+  # mean 4k split with partial rollouts, ahead 1.0 (a round generates two steps' groups at once: more in flight for
+  # the rollout GPU, more carried), then plain split. pair2c ~450 s: the short end (mean 256) in sync, overlap
+  # colocated, split, split with partial rollouts.
+  card_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  W="--warmup 2 --measure 1 --split-ratios 1:1 actor.ppo_mini_batch_size=24 \
+model.enable_gradient_checkpointing=$([ "${card_mib:-0}" -gt 120000 ] && echo false || echo true)"
+  export SWEEP_GPUS=2 SWEEP_TAG=_pair
+  case $PART in
+    pair2a) sweep_part 4096 sync,split_partial "$W --partial-aheads 0.25" ;;
+    pair2b)
+      sweep_part 4096 split_partial "$W --partial-aheads 1"
+      sweep_part 4096 overlap_split "$W" ;;
+    pair2c) sweep_part 256 sync,overlap_colocated,overlap_split,split_partial "$W --partial-aheads 0.25" ;;
   esac
   ;;
 sweep4g)  # part 7 (after 4a/4b on the same machine): the short end and 4k with generation on its own high-priority

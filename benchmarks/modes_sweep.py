@@ -116,9 +116,25 @@ def split_mode(gpus: int, r: int, family: str = "overlap_split") -> tuple[str, l
     return name, ovr
 
 
-def split_runs(gpus: int, ranks: list[int], extra: list[str], family: str = "overlap_split") -> list[tuple[str, list[str]]]:
-    """(name, overrides) of each split run; ``extra`` (``--split-override``) applies to split runs only."""
-    return [(name, [*ovr, *extra]) for name, ovr in (split_mode(gpus, r, family) for r in sorted(set(ranks)))]
+def split_runs(gpus: int, ranks: list[int], extra: list[str], family: str = "overlap_split",
+               aheads: list[float] | None = None) -> list[tuple[str, list[str]]]:
+    """(name, overrides) of each split run; ``extra`` (``--split-override``) applies to split runs only.
+    ``aheads`` (``split_partial``, ``--partial-aheads``): one run per ``trainer.partial_rollout_ahead`` value at each
+    ratio, named ``..._a<value>`` (none: the recipe's value, no suffix)."""
+    runs = [(name, [*ovr, *extra]) for name, ovr in (split_mode(gpus, r, family) for r in sorted(set(ranks)))]
+    if family != "split_partial" or not aheads:
+        return runs
+    return [(f"{name}_a{a:g}", [*ovr, f"trainer.partial_rollout_ahead={a:g}"]) for name, ovr in runs for a in aheads]
+
+
+def parse_aheads(text: str) -> list[float]:
+    try:
+        aheads = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--partial-aheads={text!r}: give comma-separated fractions, e.g. 0.25,1.0") from None
+    if any(a < 0 for a in aheads):
+        raise SystemExit(f"--partial-aheads={text!r}: each must be >= 0 (trainer.partial_rollout_ahead)")
+    return aheads
 
 
 def point_overrides(mean: int, cap: int, args) -> list[str]:
@@ -458,7 +474,8 @@ def sweep(args, device: str, stem: Path) -> list[dict]:
             if extra[0] in want:
                 rows = _run_and_record(*extra, mean, cap, args, budget, rows, device, stem)
         if "split_partial" in families:  # last: the newest mode, skipped first when the budget runs short
-            for name, ovr in split_runs(args.gpus, sorted(ranks), args.split_overrides, "split_partial"):
+            for name, ovr in split_runs(args.gpus, sorted(ranks), args.split_overrides, "split_partial",
+                                        parse_aheads(args.partial_aheads)):
                 rows = _run_and_record(name, ovr, mean, cap, args, budget, rows, device, stem)
     return rows
 
@@ -488,7 +505,7 @@ def dry_run(args) -> int:
             plan += split_runs(args.gpus, ranks, args.split_overrides)
         plan += [extra for extra in EXTRA_MODES if extra[0] in want]
         if "split_partial" in families:
-            plan += split_runs(args.gpus, ranks, args.split_overrides, "split_partial")
+            plan += split_runs(args.gpus, ranks, args.split_overrides, "split_partial", parse_aheads(args.partial_aheads))
         for name, ovr in plan:
             err = check_config(args, point_overrides(mean, cap, args) + ovr)
             bad += err is not None
@@ -531,6 +548,9 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--split-override", dest="split_overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="an override for the split runs only (repeatable), e.g. rollout.gpu_memory_utilization=0.6: "
                          "their rollout GPUs hold nothing but the engine")
+    ap.add_argument("--partial-aheads", default="",
+                    help="split_partial: one run per trainer.partial_rollout_ahead value at each ratio, e.g. 0.25,1.0 "
+                         "(named split_partial..._a<value>; the family's best is kept per point); empty: the recipe's")
     ap.add_argument("--warmup", type=int, default=1, help="steps dropped at the start of each run")
     ap.add_argument("--measure", type=int, default=2, help="steps measured per run (one more runs but is not waited for)")
     ap.add_argument("--token-budget", type=int, default=0,

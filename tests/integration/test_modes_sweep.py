@@ -42,6 +42,13 @@ def test_split_ratios_and_auto_ratio():
                                                       "trainer.placement=split", "trainer.rollout_ranks=2"])
     name, ovr = ms.split_runs(4, [1], ["rollout.gpu_memory_utilization=0.6"])[0]
     assert name == "overlap_split_r1" and ovr[-2:] == ["trainer.rollout_ranks=1", "rollout.gpu_memory_utilization=0.6"]
+    # --partial-aheads: one split_partial run per trainer.partial_rollout_ahead at each ratio, named for it
+    runs = ms.split_runs(2, [1], [], "split_partial", ms.parse_aheads("0.25,1"))
+    assert [n for n, _ in runs] == ["split_partial_a0.25", "split_partial_a1"]
+    assert runs[1][1][-1] == "trainer.partial_rollout_ahead=1" and "trainer.partial_rollouts=true" in runs[1][1]
+    assert ms.split_runs(2, [1], [], "split_partial", []) == ms.split_runs(2, [1], [], "split_partial")
+    with pytest.raises(SystemExit, match="--partial-aheads"):
+        ms.parse_aheads("wide")
 
 
 def test_busy_fraction_from_timings():
