@@ -75,17 +75,46 @@ class SplitLayout:
 
 
 def make_layout(n_rollout: int) -> SplitLayout:
-    """Create the groups (every rank calls this, in the same order)."""
+    """Create the groups (every rank calls this, in the same order).
+
+    With a device bound to the default group (``init_distributed`` binds one on CUDA, for eager NCCL set-up),
+    torch creates every subgroup by ``ncclCommSplit`` of the world's communicator, a collective of all ranks:
+    members split with a colour, and a rank outside the new group makes a no-colour split instead, *whatever the
+    new group's backend*. So a gloo group that leaves ranks out made those ranks split while its members did not:
+    under 2 + 2 (and 1 + 3) the trainer ranks outside the weight-broadcast group waited in that split for ever,
+    and the others waited for them in the first collective after it (stacks from 4xH200; layouts where that
+    group holds every rank, 1 + 1 and 3 + 1, never hung). Here every NCCL group connects at creation (``_nccl``:
+    one split per group on every rank), and the gloo group with non-members is created by its members alone."""
     world, rank = dist.get_world_size(), dist.get_rank()
     rollout_ranks, trainer_ranks = list(range(n_rollout)), list(range(n_rollout, world))
-    backend = dist.get_backend()
-    trainer_group = dist.new_group(trainer_ranks, backend=backend)
-    rollout_group = dist.new_group(rollout_ranks, backend=backend)
-    obj_group = dist.new_group(list(range(world)), backend="gloo")
+    nccl = _nccl_group_factory()
+    trainer_group = nccl(trainer_ranks)
+    rollout_group = nccl(rollout_ranks)
+    obj_group = dist.new_group(list(range(world)), backend="gloo")  # every rank a member: nothing to split
     bcast_ranks = [n_rollout, *rollout_ranks]
-    bcast_group = dist.new_group(bcast_ranks, backend=backend)
-    meta_group = dist.new_group(bcast_ranks, backend="gloo")
+    bcast_group = nccl(bcast_ranks)
+    meta_group = _members_only_gloo(bcast_ranks, rank)
     return SplitLayout(rank, n_rollout, world, trainer_group, rollout_group, obj_group, bcast_group, meta_group)
+
+
+def _nccl_group_factory():
+    """``ranks -> group`` on the world's backend. With a device bound (CUDA), the group connects at creation, so
+    that its split pairs with the other ranks' no-colour splits made in the same call (a member left to connect
+    at its first collective would split then, out of step with them)."""
+    backend = dist.get_backend()
+    default = dist.distributed_c10d._get_default_group()
+    device = getattr(default, "bound_device_id", None)
+    if device is None:  # gloo (CPU) or no bound device: torch makes no splits
+        return lambda ranks: dist.new_group(ranks, backend=backend)
+    return lambda ranks: dist.new_group(ranks, backend=backend, device_id=device)
+
+
+def _members_only_gloo(ranks: list[int], rank: int):
+    """A gloo group over ``ranks``, created by its members only (``use_local_synchronization``): a non-member
+    calling ``new_group`` would make a no-colour NCCL split that no member makes (see ``make_layout``)."""
+    if len(set(ranks)) == dist.get_world_size():
+        return dist.new_group(ranks, backend="gloo")
+    return dist.new_group(ranks, backend="gloo", use_local_synchronization=True) if rank in ranks else None
 
 
 # --------------------------------------------------------------------------- batches
