@@ -443,8 +443,10 @@ tail4a|tail4b|tail4c|tail4d|tail4e|tail4f)  # issue 18, one lease, one host (res
     tail4c)
       sweep_part 256 sync,overlap_colocated,overlap_split,split_partial "$W"
       sweep_part 256,4096 overlap_proc "$W" ;;
-    # after the 2 + 2 set-up fix (every 2:2 run of tail4a-c hung in vLLM's world-group creation), on a new host: a
-    # sweep of its own (_tail2; sync again, so every row shares the host). tail4d ~480 s: the short end's sync and
+    # after the 2 + 2 set-up fix (every 2:2 run of tail4a-c hung in set-up; tail4d-f's 1:3 and 2:2 too, at 4c7d438,
+    # before split.make_layout's groups were fixed; tail4d-f then measured the short end's sync and overlap), a
+    # sweep of its own (TAIL_TAG, default _tail3: _tail2 holds 4c7d438's short end; sync again, so every row shares
+    # the host). tail4d ~480 s: the short end's sync and
     # split with partial rollouts 2:2 (~100 s: it shows at once whether 2:2 starts), then 4k sync. tail4e ~500 s:
     # 4k split with partial rollouts 2:2 at ahead 0.25 and 1.0, then split 2:2. tail4f: the short end's overlap
     # colocated and split 1:3 and 2:2 (short responses: one rollout GPU may keep up), then what 4k still lacks of
@@ -456,14 +458,14 @@ tail4a|tail4b|tail4c|tail4d|tail4e|tail4f)  # issue 18, one lease, one host (res
       W="$W model.enable_gradient_checkpointing=$([ "${card_mib:-0}" -gt 120000 ] && echo false || echo true)"
       case $PART in
         tail4d)
-          SWEEP_TAG=_tail2 sweep_part 256 sync,split_partial "$W --partial-aheads 0.25"
-          SWEEP_TAG=_tail2 sweep_part 4096 sync "$W" ;;
+          SWEEP_TAG=${TAIL_TAG:-_tail3} sweep_part 256 sync,split_partial "$W --partial-aheads 0.25"
+          SWEEP_TAG=${TAIL_TAG:-_tail3} sweep_part 4096 sync "$W" ;;
         tail4e)  # split_partial at both aheads first (a sweep runs split_partial after the others at a length)
-          SWEEP_TAG=_tail2 sweep_part 4096 split_partial "$W --partial-aheads 0.25,1"
-          SWEEP_TAG=_tail2 sweep_part 4096 overlap_split "$W" ;;
+          SWEEP_TAG=${TAIL_TAG:-_tail3} sweep_part 4096 split_partial "$W --partial-aheads 0.25,1"
+          SWEEP_TAG=${TAIL_TAG:-_tail3} sweep_part 4096 overlap_split "$W" ;;
         tail4f)
-          SWEEP_TAG=_tail2 sweep_part 256 overlap_colocated,overlap_split "$W --split-ratios 1:3,2:2"
-          SWEEP_TAG=_tail2 sweep_part 4096 overlap_split,overlap_proc "$W" ;;
+          SWEEP_TAG=${TAIL_TAG:-_tail3} sweep_part 256 overlap_colocated,overlap_split "$W --split-ratios 1:3,2:2"
+          SWEEP_TAG=${TAIL_TAG:-_tail3} sweep_part 4096 overlap_split,overlap_proc "$W" ;;
       esac ;;
   esac
   ;;

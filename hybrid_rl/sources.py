@@ -88,11 +88,12 @@ def meet_at_engines(cfg: Config, placement: Placement, global_dist: DistInfo, to
 
     vLLM's external launcher creates its process groups over the whole world, so the trainer ranks build an engine
     too (a twin, released at once: sleep level 2 frees its weights and KV cache) for those collectives to pair up.
-    The twin used to come after the trainer ranks' actor and reference: on 4xH200 with 2 rollout + 2 trainer ranks
-    the second trainer rank reached vLLM's world-group creation 15-34 s after the others and stayed there (stacks:
-    it in the NCCL group, the other three in the gloo one after it), every time. Now all ranks meet at a barrier
-    (gloo), then the trainer ranks build the twin first and the rollout ranks their worker, whose first GPU work is
-    the engine. Returns the twin (kept for the run: its groups belong to the world) or None."""
+    All ranks meet at a barrier (gloo), then the trainer ranks build the twin first and the rollout ranks their
+    worker, whose first GPU work is the engine: nobody waits in vLLM's group creation for a rank still loading a
+    model. (The 2 + 2 hangs on 4xH200 were first put down to that wait, the second trainer rank arriving 15-34 s
+    late; the cause was a group of ``split.make_layout`` that left that rank in an NCCL split of its own, which
+    this barrier then showed at once. The order stays: it costs nothing.) Returns the twin (kept for the run: its
+    groups belong to the world) or None."""
     sp = placement.layout
     if sp is None:
         return None

@@ -19,7 +19,9 @@ its process groups over the whole world, so with ``rollout.name=vllm`` the
 trainer ranks build an engine too and put it to sleep at level 2 (weights and
 KV cache released) right away; it only exists so the group creation pairs up.
 Every rank meets at a barrier first and the trainer ranks build it before
-their models (``sources.meet_at_engines``: after them, a 2 + 2 layout hung).
+their models (``sources.meet_at_engines``). The groups themselves are made so
+that every rank takes part in the same NCCL splits (``make_layout``: 2 + 2 and
+1 + 3 layouts hung on 4xH200 before).
 
 Validation pushes θ_k to the rollout ranks, which generate greedily and hand
 the reduced figures to the logging trainer rank. Checkpoints: the trainer ranks

@@ -57,8 +57,9 @@ def test_default_recipe_with_vllm_trains_in_float32(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs (2 rollout + 2 trainer ranks)")
 @pytest.mark.parametrize("partial", [False, True])
 def test_split_two_plus_two_with_vllm_starts_and_trains(tmp_path, partial):
-    """2 rollout + 2 trainer ranks with vLLM: every such run hung in vLLM's world-group creation on 4xH200 while the
-    trainer ranks built their twin engine after their models (stop 33); they now build it first, after a barrier."""
+    """2 rollout + 2 trainer ranks with vLLM: every such run hung in set-up on 4xH200 (stops 33-34): the ranks outside
+    the weight-metadata group made an NCCL split no other rank made (``split.make_layout``; the groups alone are
+    checked by ``test_split_groups_gpu.py``, which needs no vLLM)."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m", "hybrid_rl",
            "train", str(ROOT / "recipes/cpu_successor.yaml"), "trainer.device=auto", "rollout.name=vllm",
