@@ -54,8 +54,8 @@ class SplitLayout:
     """gloo over the whole world: batches and bucket metadata."""
     bcast_group: dist.ProcessGroup
     """The first trainer rank plus every rollout rank: the weight broadcast (NCCL on GPU)."""
-    meta_group: dist.ProcessGroup
-    """Same ranks as ``bcast_group``, on gloo: the bucket metadata."""
+    meta_group: dist.ProcessGroup | None
+    """Same ranks as ``bcast_group``, on gloo: the bucket metadata (None on the other trainer ranks)."""
 
     @property
     def is_rollout(self) -> bool:
@@ -83,10 +83,11 @@ def make_layout(n_rollout: int) -> SplitLayout:
     torch creates every subgroup by ``ncclCommSplit`` of the world's communicator, a collective of all ranks:
     members split with a colour, and a rank outside the new group makes a no-colour split instead, *whatever the
     new group's backend*. So a gloo group that leaves ranks out made those ranks split while its members did not:
-    under 2 + 2 (and 1 + 3) the trainer ranks outside the weight-broadcast group waited in that split for ever,
+    under 2 + 2 (and 1 + 3) the trainer ranks outside the weight-metadata group waited in that split for ever,
     and the others waited for them in the first collective after it (stacks from 4xH200; layouts where that
-    group holds every rank, 1 + 1 and 3 + 1, never hung). Here every NCCL group connects at creation (``_nccl``:
-    one split per group on every rank), and the gloo group with non-members is created by its members alone."""
+    group holds every rank, 1 + 1 and 3 + 1, never hung). Here every NCCL group connects at creation
+    (``_nccl_group_factory``: one split per group on every rank), and the gloo group with non-members is created by
+    its members alone (``_members_only_gloo``)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     rollout_ranks, trainer_ranks = list(range(n_rollout)), list(range(n_rollout, world))
     nccl = _nccl_group_factory()
