@@ -115,6 +115,26 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+def _dump_rank_stacks(proc: subprocess.Popen, wait_s: float = 3.0) -> int:
+    """SIGUSR1 to the training processes below torchrun (``hybrid_rl`` in their command line; not torchrun itself,
+    which the signal would end, nor the engine or reward processes they spawned): each prints every thread's stack
+    into the run's log (``watchdog.dump_stacks_on_signal``), even a rank stuck in C with the GIL held. Returns how
+    many were signalled."""
+    ranks = []
+    for pid in _process_tree(proc.pid)[1:]:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"hybrid_rl" in cmdline and b"train" in cmdline:
+            ranks.append(pid)
+    for pid in ranks:
+        _signal(pid, signal.SIGUSR1)
+    if ranks:
+        time.sleep(wait_s)
+    return len(ranks)
+
+
 def _kill(proc: subprocess.Popen) -> None:
     """torchrun and every process it started, and nothing else (other runs on the machine are left alone).
 
@@ -174,6 +194,8 @@ def run_mode(name: str, overrides: list[str], args, out_dir: Path) -> dict:
         stalled = bool(stall) and done_at is None and elapsed - progress_at > stall
         if (done_at is not None and elapsed - done_at >= grace) or (args.mode_timeout and elapsed > args.mode_timeout) \
                 or stalled:
+            if done_at is None:  # hung or out of time: where each rank is, before it goes
+                _dump_rank_stacks(proc)
             _kill(proc)
             break
     wall = (done_at if done_at is not None else time.perf_counter() - start)

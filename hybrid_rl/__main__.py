@@ -54,6 +54,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         preflight(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     from hybrid_rl.distributed import destroy, init_distributed
     from hybrid_rl.trainer import Trainer
+    from hybrid_rl.watchdog import dump_stacks_on_signal
+
+    dump_stacks_on_signal()  # `kill -USR1 <pid>`: every thread's stack, even one stuck in C (a hung rank)
 
     dist = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_s, cfg.trainer.expandable_segments)
     finished = False

@@ -4,10 +4,14 @@ A plain Python thread that formats ``sys._current_frames()`` while holding the G
 ``dump_traceback_later`` was used first: its C watchdog reads the other threads' frames without the GIL and crashed
 a busy process (SIGSEGV inside the profiler's export, seen in CI). The price: a step stuck in C++ code that keeps
 the GIL silences this watchdog; the stalls it is for (collectives, CUDA waits, vLLM's engine loop) release it.
+For those, ``dump_stacks_on_signal``: every training process prints all its threads' stacks on ``SIGUSR1``
+(faulthandler, at that moment only), which is what a stall guard sends before it stops a hung run.
 """
 
 from __future__ import annotations
 
+import faulthandler
+import signal
 import sys
 import threading
 import time
@@ -58,3 +62,17 @@ class StallWatchdog:
         stream.write("\n".join(lines) + "\n")
         stream.flush()
         self.dumps += 1
+
+
+def dump_stacks_on_signal() -> bool:
+    """From now on ``kill -USR1 <pid>`` makes this process print every thread's stack to stderr and go on.
+
+    faulthandler's C handler reads the frames without the GIL, so it also shows a thread stuck in a C call that
+    holds it, where ``StallWatchdog`` stays silent: on 4xH200 the ranks that hung a split set-up sat in an NCCL
+    split (``split.make_layout``) and only the other ranks printed. Reading frames without the GIL is what once
+    crashed a busy process on a timer, so it runs only when asked: by hand, or by a stall guard about to kill the
+    run anyway (``benchmarks/modes.py``). Returns False where there is no SIGUSR1 (Windows)."""
+    if not hasattr(signal, "SIGUSR1"):
+        return False
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    return True

@@ -45,3 +45,58 @@ def test_stall_watchdog_dumps_every_thread_while_the_block_runs_long():
     with StallWatchdog(5.0, stream=quiet) as dog:  # a block that ends in time says nothing, and exits at once
         pass
     assert dog.dumps == 0 and quiet.getvalue() == ""
+
+
+CHILD = """
+import re, sys, time
+sys.path.insert(0, {root!r})
+from hybrid_rl.watchdog import dump_stacks_on_signal
+assert dump_stacks_on_signal()
+print("ready", flush=True)
+def stuck_in_c():
+    t = time.perf_counter()
+    re.match(r"(a+)+$", "a" * 27 + "b")  # a C call that keeps the GIL for seconds
+    return time.perf_counter() - t
+held = stuck_in_c()
+print(f"held {{held:.2f}}", flush=True)
+"""
+
+
+def test_sigusr1_dumps_every_stack_even_while_a_c_call_holds_the_gil():
+    """The split set-up hang's silent ranks sat in an NCCL split holding the GIL: StallWatchdog (a Python thread)
+    cannot print then, faulthandler's signal handler can, and the process goes on afterwards."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", CHILD.format(root=str(ROOT))], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(0.3)  # inside the regex by now
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    held = float(out.split()[1])
+    assert held > 0.6, f"the regex held the GIL only {held:.2f} s here; the check needs a longer one"
+    assert "most recent call first" in err and "stuck_in_c" in err, err[-2000:]
+
+
+def test_a_stalled_benchmark_run_gets_its_ranks_stacks_before_it_is_killed():
+    """benchmarks/modes.py's stall guard signals the training processes below torchrun, not torchrun itself."""
+    import time
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import modes
+
+    launcher = ("import subprocess, sys; subprocess.run([sys.executable, '-c', sys.argv[1], 'hybrid_rl', 'train'])")
+    child = CHILD.format(root=str(ROOT)).replace('"a" * 27', '"a" * 29')  # stays stuck past the dump
+    proc = subprocess.Popen([sys.executable, "-c", launcher, child, "hybrid_rl", "train"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(0.3)
+        assert modes._dump_rank_stacks(proc, wait_s=1.0) == 1  # the child; the launcher would die of SIGUSR1
+        assert proc.poll() is None
+    finally:
+        modes._kill(proc)
+    err = proc.stderr.read()
+    assert "most recent call first" in err and "stuck_in_c" in err, err[-2000:]
