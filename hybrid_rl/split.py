@@ -86,30 +86,25 @@ def make_layout(n_rollout: int) -> SplitLayout:
     under 2 + 2 (and 1 + 3) the trainer ranks outside the weight-metadata group waited in that split for ever,
     and the others waited for them in the first collective after it (stacks from 4xH200; layouts where that
     group holds every rank, 1 + 1 and 3 + 1, never hung). Here every NCCL group connects at creation
-    (``_nccl_group_factory``: one split per group on every rank), and the gloo group with non-members is created by
+    (``_nccl_group``: one split per group on every rank), and the gloo group with non-members is created by
     its members alone (``_members_only_gloo``)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     rollout_ranks, trainer_ranks = list(range(n_rollout)), list(range(n_rollout, world))
-    nccl = _nccl_group_factory()
-    trainer_group = nccl(trainer_ranks)
-    rollout_group = nccl(rollout_ranks)
+    trainer_group = _nccl_group(trainer_ranks)
+    rollout_group = _nccl_group(rollout_ranks)
     obj_group = dist.new_group(list(range(world)), backend="gloo")  # every rank a member: nothing to split
     bcast_ranks = [n_rollout, *rollout_ranks]
-    bcast_group = nccl(bcast_ranks)
+    bcast_group = _nccl_group(bcast_ranks)
     meta_group = _members_only_gloo(bcast_ranks, rank)
     return SplitLayout(rank, n_rollout, world, trainer_group, rollout_group, obj_group, bcast_group, meta_group)
 
 
-def _nccl_group_factory():
-    """``ranks -> group`` on the world's backend. With a device bound (CUDA), the group connects at creation, so
-    that its split pairs with the other ranks' no-colour splits made in the same call (a member left to connect
-    at its first collective would split then, out of step with them)."""
-    backend = dist.get_backend()
-    default = dist.distributed_c10d._get_default_group()
-    device = getattr(default, "bound_device_id", None)
-    if device is None:  # gloo (CPU) or no bound device: torch makes no splits
-        return lambda ranks: dist.new_group(ranks, backend=backend)
-    return lambda ranks: dist.new_group(ranks, backend=backend, device_id=device)
+def _nccl_group(ranks: list[int]):
+    """A group on the world's backend. With a device bound (CUDA), it connects at creation, so that its split
+    pairs with the other ranks' no-colour splits made in the same call (a member left to connect at its first
+    collective would split then, out of step with them); gloo (CPU) makes no splits."""
+    device = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+    return dist.new_group(ranks, backend=dist.get_backend(), **({"device_id": device} if device is not None else {}))
 
 
 def _members_only_gloo(ranks: list[int], rank: int):

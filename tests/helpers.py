@@ -293,3 +293,21 @@ def expected_engine_weight(pushed: dict[str, torch.Tensor], name: str) -> torch.
         if f".{fused_name}." in name:
             return torch.cat([pushed[name.replace(fused_name, p)] for p in parts], dim=0)
     return pushed[name]
+
+
+def old_split_groups(n_rollout: int):
+    """Split placement's groups as ``split.make_layout`` made them before stop 34's fix (every rank created the
+    gloo weight-metadata group, NCCL groups connected at their first collective): what hung 2 + 2 and 1 + 3 on CUDA.
+    For ``gpu/split_groups_probe.py --unpatched`` and the CPU replay in ``unit/test_split_groups.py``."""
+    import torch.distributed as dist
+
+    from hybrid_rl.split import SplitLayout
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rollout, trainer = list(range(n_rollout)), list(range(n_rollout, world))
+    backend = dist.get_backend()
+    groups = [dist.new_group(trainer, backend=backend), dist.new_group(rollout, backend=backend),
+              dist.new_group(list(range(world)), backend="gloo")]
+    bcast = [n_rollout, *rollout]
+    groups += [dist.new_group(bcast, backend=backend), dist.new_group(bcast, backend="gloo")]
+    return SplitLayout(rank, n_rollout, world, *groups)

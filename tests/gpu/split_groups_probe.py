@@ -21,20 +21,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/: helpers
 
+from helpers import old_split_groups  # noqa: E402
 from hybrid_rl.distributed import init_distributed  # noqa: E402
-from hybrid_rl.split import SplitLayout, make_layout  # noqa: E402
-
-
-def unpatched_layout(n_rollout: int) -> SplitLayout:
-    world, rank = dist.get_world_size(), dist.get_rank()
-    rollout, trainer = list(range(n_rollout)), list(range(n_rollout, world))
-    b = dist.get_backend()
-    groups = [dist.new_group(trainer, backend=b), dist.new_group(rollout, backend=b),
-              dist.new_group(list(range(world)), backend="gloo")]
-    bcast = [n_rollout, *rollout]
-    groups += [dist.new_group(bcast, backend=b), dist.new_group(bcast, backend="gloo")]
-    return SplitLayout(rank, n_rollout, world, *groups)
+from hybrid_rl.split import make_layout  # noqa: E402
 
 
 def main() -> None:
@@ -44,7 +35,7 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.perf_counter()
     info = init_distributed("cuda", 60)
-    sp = (unpatched_layout if args.unpatched else make_layout)(args.rollout_ranks)
+    sp = (old_split_groups if args.unpatched else make_layout)(args.rollout_ranks)
     dist.barrier(group=sp.obj_group)  # where every 2 + 2 and 1 + 3 run hung (4xH200)
     x = torch.ones(1, device=info.device)
     if sp.is_rollout:

@@ -68,15 +68,9 @@ def test_every_rank_makes_the_same_splits_at_creation(monkeypatch, world, n_roll
 def test_the_old_groups_fail_the_rule(monkeypatch):
     """The groups as made before the fix: 2 + 2 leaves the second trainer rank with one more split than the others."""
 
-    def old_layout(n_rollout):
-        world = tdist.get_world_size()
-        rollout, trainer = list(range(n_rollout)), list(range(n_rollout, world))
-        for ranks, backend in ((trainer, "nccl"), (rollout, "nccl"), (list(range(world)), "gloo"),
-                               ([n_rollout, *rollout], "nccl"), ([n_rollout, *rollout], "gloo")):
-            tdist.new_group(ranks, backend=backend)
-        return SimpleNamespace(rank=tdist.get_rank(), meta_group=object())
+    from helpers import old_split_groups
 
-    monkeypatch.setattr(split, "make_layout", old_layout)
+    monkeypatch.setattr(split, "make_layout", old_split_groups)
     traces = _simulate(monkeypatch, 4, 2)
     assert [len(t) for t in traces] == [3, 3, 3, 4]  # rank 3, outside the gloo metadata group, splits once more
     assert traces[3][-1] == ("nocolor", (2, 0, 1))
