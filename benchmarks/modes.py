@@ -215,20 +215,28 @@ def run_mode(name: str, overrides: list[str], args, out_dir: Path) -> dict:
     return summarize(name, overrides, run_dir, args, wall, busy)
 
 
+def step_time(row: dict) -> float:
+    """A logged step's wall time: ``timing/iteration``, the loop's cadence, which also holds any wait after the
+    step (before it existed, split placement's trainer ranks waited for the rollout ranks' generation in the stop
+    check after ``timing/step``, which then read ~half the real step); ``timing/step`` for older runs."""
+    return row.get("timing/iteration", row["timing/step"])
+
+
 def summarize(name: str, overrides: list[str], run_dir: Path, args, wall: float | None, busy: float | None) -> dict:
     """One mode's figures from its ``metrics.jsonl`` (warm-up steps dropped)."""
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "timing/step" in r][args.warmup:getattr(args, "stop_after", None) or None]
     mean = lambda k: statistics.fmean(r.get(k, 0.0) for r in rows)
-    step_s = mean("timing/step")
+    step_s = statistics.fmean(map(step_time, rows))
     # every rank's response/total tokens per step, recovered from the logged throughputs
     gen_tokens = mean("rollout/response_length_mean") * args.prompts * args.n
-    total_tokens = mean("perf/tokens_per_s") * step_s
+    total_tokens = statistics.fmean(r["perf/tokens_per_s"] * r["timing/step"] for r in rows)
     return {
         "mode": name,
         "overrides": overrides,
         "steps_measured": len(rows),
         "step_s": step_s,
+        "trainer_step_s": mean("timing/step"),
         "phases_s": {p: mean(f"timing/{p}") for p in PHASES if any(f"timing/{p}" in r for r in rows)},
         "gen_tokens_per_s": gen_tokens / step_s,
         "trained_tokens_per_s": total_tokens / step_s,

@@ -53,9 +53,13 @@ import modes  # noqa: E402  (benchmarks/modes.py: the runs themselves)
 TRAIN_PHASES = ("old_log_prob", "ref", "values", "update_critic", "update", "sync_weights")
 """Timed phases that keep a training GPU busy (reward and advantage run on the host, ``wait_gen`` idles)."""
 NOTES = {
-    "step_s": "mean timing/step over the measured steps (after --warmup, before the last step, which generates "
-              "nothing ahead in overlap mode)",
-    "gen_share": "timing/gen / timing/step of the same point's sync run (timing/gen: the engine's generate call)",
+    "step_s": "mean timing/iteration (the loop's wall time per step; timing/step in rows measured before it "
+              "existed) over the measured steps (after --warmup, before the last step, which generates nothing "
+              "ahead in overlap mode)",
+    "trainer_step_s": "mean timing/step: the step as the trainer times it (before 2026-11-28 split placement's "
+                      "trainer ranks waited for generation outside it, so that split rows without "
+                      "timing/iteration understate the step where generation was the slower side)",
+    "gen_share": "timing/gen / step_s of the same point's sync run (timing/gen: the engine's generate call)",
     "speedup_vs_sync": "sync step_s / this mode's step_s at the same point",
     "gpu_busy_fraction": "nvidia-smi utilization.gpu averaged over the GPUs, sampled every 0.25 s during the "
                          "measured steps; null without nvidia-smi (CPU)",
@@ -318,7 +322,7 @@ class Budget:
 
     def note_run(self, wall: float | None, all_steps: list[dict]) -> None:
         if wall is not None and all_steps:
-            self.measured_init.append(max(0.0, wall - sum(r["timing/step"] for r in all_steps)))
+            self.measured_init.append(max(0.0, wall - sum(map(modes.step_time, all_steps))))
 
     def estimate(self, step_s: float | None, steps: float) -> float | None:
         if step_s is None:
@@ -415,7 +419,7 @@ def run_one(name: str, mode_ovr: list[str], mean: int, cap: int, args, budget: B
     if name == "sync":  # the point's generation share; an overlap step's gen runs beside it, so no share there
         row["gen_share_own"] = row["phases_s"].get("gen", 0.0) / row["step_s"] if row["step_s"] > 0 else None
     row["gpu_busy_timed"] = busy_from_timings(row, mode_ovr, args.gpus)
-    row["step_s_each"] = [r["timing/step"] for r in all_steps[args.warmup:args.stop_after]]
+    row["step_s_each"] = [modes.step_time(r) for r in all_steps[args.warmup:args.stop_after]]
     row.update(warmup=args.warmup, steps_per_run=args.steps, commit=modes.commit(), host=socket.gethostname())
     return row
 

@@ -39,14 +39,16 @@ class StalenessError(RuntimeError):
 
 
 class RolloutPipeline:
-    def __init__(self, worker, max_staleness: int, stale_policy: str = "drop", background: bool = True):
+    def __init__(self, worker, max_staleness: int, stale_policy: str = "drop", background: bool = True,
+                 trains_here: bool = True):
+        """``background``: False on split placement's trainer ranks (they generate nothing). ``trains_here``: False
+        on its rollout ranks, whose generation thread has the CPU cores to itself."""
         self.worker = worker
         self.max_staleness = max_staleness
         self.stale_policy = stale_policy
-        # split placement generates on other ranks: no background thread, and nothing to regenerate here
         use_thread = max_staleness > 0 and background
         initializer = None
-        if use_thread and getattr(worker, "device", None) is not None and worker.device.type == "cpu":
+        if use_thread and trains_here and getattr(worker, "device", None) is not None and worker.device.type == "cpu":
             initializer = self._split_cpu_threads()
         self.executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout", initializer=initializer)
                          if use_thread else None)
@@ -76,6 +78,13 @@ class RolloutPipeline:
     def generate_now(self, prompts: Batch) -> Batch:
         """Generate in the foreground with the engine's current weights (split placement's rollout ranks)."""
         return self._generate(prompts)
+
+    def start_as_loaded(self, prompts: Batch) -> None:
+        """Generate ``prompts`` in the background with the weights the engine holds, pushing nothing (split
+        placement's rollout ranks, whose weights arrive by broadcast); ``take`` hands the batch over."""
+        if self.pending is not None:
+            raise RuntimeError("a rollout is already in flight; take() it first")
+        self.pending = self.executor.submit(self._generate, prompts)
 
     def start(self, prompts: Batch) -> None:
         """Generate ``prompts`` in the background with the engine's current weights."""

@@ -208,7 +208,6 @@ class SplitSource(RolloutSource):
         self.next_is_last = next_is_last
         self._sync = (0.0, 0)
         self._sent_version: int | None = None
-        self._pending: Batch | None = None
         self._replayer = None
         if self.layout.is_rollout and cfg.rollout.weight_load_replay:
             from hybrid_rl.weights.replay import WeightReplayer
@@ -268,19 +267,20 @@ class SplitSource(RolloutSource):
         return batch
 
     def _rollout_side(self, last: bool) -> None:
-        """Generate, hand the batch over, take the new weights (and, overlapping, generate the next)."""
+        """Generate, hand the batch over, take the new weights (and, overlapping, start the next in the background:
+        the step ends here, so the per-step collectives after it pair up at once and the trainer ranks' wait for a
+        batch still generating falls in their ``timing/wait_gen``, inside ``timing/step``)."""
         if self.partial:
             return self._rollout_side_partial(last)
         if not self.overlap or self.worker.rollout.weights_version is None:  # mirrors the trainer ranks' condition
             self._exchange_weights()
-        if self._pending is None:
-            self._pending = self.pipeline.generate_now(self.next_prompts())
-        self._exchange_batch(self._pending)
-        self._pending = None
+        pipe = self.pipeline
+        batch = pipe.take(self.next_prompts) if pipe.pending is not None else pipe.generate_now(self.next_prompts())
+        self._exchange_batch(batch)
         if self.overlap:
-            self._exchange_weights()  # θ_k, pushed while the trainer ranks update on batch k
+            self._exchange_weights()  # θ_k (nothing generates while it loads), pushed while the trainers update on k
             if not last:
-                self._pending = self.pipeline.generate_now(self.next_prompts())
+                pipe.start_as_loaded(self.next_prompts())
 
     def _rollout_side_partial(self, last: bool) -> None:
         """Partial rollouts: the round started last step generates while the trainer ranks update; once they are
@@ -298,17 +298,6 @@ class SplitSource(RolloutSource):
     # -- state -----------------------------------------------------------------------
     def sync_stats(self) -> tuple[float, int]:
         return self._sync
-
-    def pending_batch(self) -> Batch | None:
-        if self.partial and self.layout.is_rollout:
-            return super().pending_batch()  # the whole pool, every group generated to the end
-        return self._pending  # the rollout ranks' batch generated ahead, handed over next step
-
-    def restore_pending(self, batch: Batch) -> None:
-        if self.partial and self.layout.is_rollout:
-            self.pipeline.restore(batch)
-        else:
-            self._pending = batch
 
     def validate(self, on_engine: OnEngine, dist: DistInfo) -> dict:
         """θ_k goes to the rollout ranks, they validate, the logging trainer rank gets the result."""
@@ -347,7 +336,8 @@ def make_source(cfg: Config, placement: Placement, worker, next_prompts: NextPro
         if split is None:
             return PartialOverlapSource(worker, pipe, next_prompts, next_is_last)
         return SplitSource(worker, pipe, next_prompts, cfg, placement, global_dist, pad_token_id, next_is_last)
-    pipeline = RolloutPipeline(worker, cfg.staleness_bound, cfg.trainer.stale_policy, background=split is None)
+    pipeline = RolloutPipeline(worker, cfg.staleness_bound, cfg.trainer.stale_policy,
+                               background=split is None or split.is_rollout, trains_here=split is None)
     if split is not None:
         return SplitSource(worker, pipeline, next_prompts, cfg, placement, global_dist, pad_token_id, next_is_last)
     if cfg.trainer.mode == "overlap":

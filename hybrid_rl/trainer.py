@@ -173,9 +173,17 @@ class Trainer:
             self._log(self.validate(), step=self.start_step)  # before training, or the one a stop put off (below)
             self.val_owed = False
         with GracefulStop() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint, exit non-zero
+            prev_end = time.perf_counter()
             for step in range(self.start_step + 1, self.total_steps + 1):
                 with self._profiled(step):
                     metrics = self.step(last=step == self.total_steps)
+                now = time.perf_counter()
+                if metrics:  # (split placement's rollout ranks log nothing)
+                    # the loop's cadence: this step plus what ran after the last one (its validation, logging,
+                    # checkpoint and the stop check, a collective over every rank: under split placement the trainer
+                    # ranks wait there for the rollout ranks' generation, which timing/step does not see)
+                    metrics["timing/iteration"] = now - prev_end
+                prev_end = now
                 test_freq = self.cfg.trainer.test_freq  # and at the last step, as verl does: a run ends measured
                 last_val = test_freq > 0 and step == self.total_steps
                 if self.val_set is not None and (self._due(step, test_freq) or last_val):
@@ -544,7 +552,10 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         """Greedy pass@1 on the validation prompts with the current weights (every rank takes its share)."""
-        return self.source.validate(self._validate_on_engine, self.dist)
+        start = time.perf_counter()
+        out = dict(self.source.validate(self._validate_on_engine, self.dist))
+        out["timing/validate"] = time.perf_counter() - start  # outside timing/step, inside the next timing/iteration
+        return out
 
     def _validate_on_engine(self, rank: int, world: int) -> dict[str, float]:
         assert self.val_set is not None

@@ -11,7 +11,6 @@ config's refusals.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -93,6 +92,28 @@ def test_split_two_rollout_two_trainer_ranks(tiny_model_path, tmp_path):
     assert [r["rollout/weight_version"] for r in rows] == [0, 0, 1]
     assert all(r["rollout/staleness_max"] <= 1 for r in rows) and rows[-1]["rollout/staleness_max"] == 1
     assert rows[-1]["perf/tokens_per_s"] * rows[-1]["timing/step"] >= 16 * 16 * 5  # the whole global batch trained
+
+
+def test_split_overlap_step_holds_the_wait_for_generation(tmp_path):
+    """Generation slower than the update (256-token responses, a tiny update): the trainer rank's wait for the
+    rollout rank falls inside its step (``timing/wait_gen``), as the rollout rank generates the next batch in the
+    background. Generated in the foreground, the wait fell in the per-step stop check after the step, and a 4xH100
+    sweep read ~17.5 s steps whose real cadence was ~34 s. ``timing/iteration`` is the loop's cadence: it holds
+    the step and what ran after the one before (here a validation)."""
+    run_checked(_torchrun(2) + COMMON + [
+        "trainer.total_steps=8", "trainer.mode=overlap", "trainer.placement=split", "trainer.test_freq=6",
+        "data.max_val_samples=8", "data.max_response_length=256", "rollout.forced_lengths=fixed:256",
+        "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4",
+        "actor.ppo_micro_batch_size_per_device=16", f"trainer.output_dir={tmp_path}"], timeout=400)
+    rows = {r["step"]: r for r in _metrics(tmp_path) if r["step"] > 0}
+    assert sorted(rows) == list(range(1, 9))
+    steady = [rows[k] for k in (3, 4, 5, 6)]  # after the first update's warm-up, before the validation at step 6
+    mean = lambda key: sum(r[key] for r in steady) / len(steady)
+    assert mean("timing/gen") > 2 * mean("timing/update"), steady  # the premise: generation sets the pace
+    assert mean("timing/step") >= 0.7 * mean("timing/gen"), steady  # (foreground: ~0.4)
+    assert mean("timing/wait_gen") >= 0.5 * (mean("timing/gen") - mean("timing/update")), steady
+    assert rows[7]["timing/iteration"] >= rows[7]["timing/step"] + rows[6]["timing/validate"] - 1e-3
+    assert all(r["timing/iteration"] >= r["timing/step"] for r in rows.values())
 
 
 def test_pad_widths_inverts_trim_padding():
