@@ -13,8 +13,10 @@ order on both sides, so the collectives pair up:
    ranks load them into their engine bucket by bucket.
 
 With ``trainer.mode=overlap`` the rollout ranks generate batch k+1 with θ_k
-while the trainer ranks update on batch k (staleness ≤ 1, as colocated overlap);
-with ``sync`` each side waits for the other. vLLM's ``external_launcher`` builds
+in a background thread while the trainer ranks update on batch k (staleness ≤ 1,
+as colocated overlap), so their step ends and the per-step collectives after it
+pair up at once; a trainer rank's wait for that batch falls in its next step's
+``timing/wait_gen``. With ``sync`` each side waits for the other. vLLM's ``external_launcher`` builds
 its process groups over the whole world, so with ``rollout.name=vllm`` the
 trainer ranks build an engine too and put it to sleep at level 2 (weights and
 KV cache released) right away; it only exists so the group creation pairs up.

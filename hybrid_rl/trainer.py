@@ -180,8 +180,8 @@ class Trainer:
                 now = time.perf_counter()
                 if metrics:  # (split placement's rollout ranks log nothing)
                     # the loop's cadence: this step plus what ran after the last one (its validation, logging,
-                    # checkpoint and the stop check, a collective over every rank: under split placement the trainer
-                    # ranks wait there for the rollout ranks' generation, which timing/step does not see)
+                    # checkpoint and the stop check, a collective over every rank, where a rank ahead of the others
+                    # waits); the figure to compare modes and placements by
                     metrics["timing/iteration"] = now - prev_end
                 prev_end = now
                 test_freq = self.cfg.trainer.test_freq  # and at the last step, as verl does: a run ends measured
