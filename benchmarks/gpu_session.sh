@@ -471,9 +471,10 @@ tail4a|tail4b|tail4c|tail4d|tail4e|tail4f)  # issue 18, one lease, one host (res
   ;;
 tail5a|tail5b|tail5c)  # issue 18's fifth lease, after f57719c (split's rollout ranks generate in the background;
   # modes compare by timing/iteration, the loop's cadence): a sweep of its own (TAIL_TAG, default _tail4), one host,
-  # the fourth lease's settings (recomputation off only on cards over 120 GB). tail5a ~480 s: mean 4k sync, then
-  # split 2:2 with partial rollouts at ahead 1.0 (1.45x in one measured step on 4xH100) over 3 measured steps after
-  # 3 warm-ups (the pool fills over the first). tail5b ~450 s: mean 4k plain split 2:2 (the tail bound, timed right
+  # the fourth lease's settings (recomputation off only on cards over 120 GB). tail5a ~500 s: mean 4k sync (~220 s
+  # on 4xH100), then split 2:2 with partial rollouts at ahead 1.0 (1.45x in one measured step there) over 3 measured
+  # steps after 2 warm-ups (~280 s; its steps went 57, 71, 26 s: the pool fills over the first two; the budget's
+  # estimate, ~280 s, fits what sync leaves). tail5b ~490 s: mean 4k plain split 2:2 (the tail bound, timed right
   # now), then overlap colocated if the budget holds it. tail5c ~450 s: the short end, sync, overlap colocated,
   # split 2:2, split 2:2 with partial rollouts at ahead 1.0 (1:3 was slower than 2:2 there), 3 measured steps each.
   card_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
@@ -483,7 +484,7 @@ model.enable_gradient_checkpointing=$([ "${card_mib:-0}" -gt 120000 ] && echo fa
   case $PART in
     tail5a)
       sweep_part 4096 sync "$W --warmup 2 --measure 1"
-      sweep_part 4096 split_partial "$W --warmup 3 --measure 3 --partial-aheads 1" ;;
+      sweep_part 4096 split_partial "$W --warmup 2 --measure 3 --partial-aheads 1" ;;
     tail5b)
       sweep_part 4096 overlap_split "$W --warmup 2 --measure 2"
       sweep_part 4096 overlap_colocated "$W --warmup 2 --measure 2" ;;
