@@ -60,8 +60,13 @@ class GracefulStop:
             print(f"hybrid_rl: got {signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
                   f"(send it again to stop at once)", file=sys.stderr, flush=True)
 
-    def agreed(self, device: torch.device) -> int:
-        """The signal any rank received (0: none); every rank must call this at the same point of every step."""
+    def agreed(self, device: torch.device, group=None) -> int:
+        """The signal any rank received (0: none); every rank must call this at the same point of every step.
+
+        ``group`` (None: the default world group, on ``device``) must hold every rank. Split placement passes its
+        gloo world group and the CPU (``Placement.stop_check``): a rollout rank reaches the check as soon as its next
+        round is under way and waits there for the trainer ranks' update, and an NCCL all-reduce would make its
+        current CUDA stream wait for them too, pausing the generation queued behind it on the GPU."""
         flag = torch.tensor([float(self.signum)], dtype=torch.float64, device=device)
-        all_reduce_max(flag)  # over the whole world: every rank of every role stops together
+        all_reduce_max(flag, group)  # over the whole world: every rank of every role stops together
         return int(flag.item())

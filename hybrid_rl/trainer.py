@@ -189,7 +189,7 @@ class Trainer:
                 if self.val_set is not None and (self._due(step, test_freq) or last_val):
                     # a stop signal puts the validation off to the resumed run: the checkpoint comes first (a
                     # validation of a large set can outlast the grace a scheduler gives between SIGTERM and SIGKILL)
-                    if step < self.total_steps and stop.agreed(self.global_dist.device):
+                    if step < self.total_steps and stop.agreed(*self.placement.stop_check(self.global_dist.device)):
                         self.val_owed = True
                     else:
                         metrics.update(self.validate())
@@ -200,7 +200,7 @@ class Trainer:
                 saved = save_freq >= 0 and (self._due(step, save_freq) or step == self.total_steps)
                 if saved:
                     self.save(step)
-                signum = stop.agreed(self.global_dist.device) if step < self.total_steps else 0
+                signum = stop.agreed(*self.placement.stop_check(self.global_dist.device)) if step < self.total_steps else 0
                 if signum:
                     self._stop_on_signal(step, signum, saved)
         self.source.close()

@@ -75,3 +75,16 @@ def test_trainer_meets_before_it_builds_the_worker(monkeypatch, tmp_path):
     t = trainer_mod.Trainer(cfg, cpu_dist())
     t.run_lock.release()
     assert order == ["meet", "worker"]
+
+
+def test_stop_check_runs_on_the_cpu_group_under_split_and_on_the_device_colocated():
+    """The per-step stop check (an all-reduce over every rank) under split placement is gloo on the CPU: a rollout
+    rank waits in it for the trainer ranks' update while its next round generates, and on NCCL that wait held its
+    CUDA stream (tests/gpu/test_stop_check_gpu.py shows the engine's kind of work running beside it)."""
+    import torch
+
+    gpu = torch.device("cuda", 1)
+    split = sources.Placement(SimpleNamespace(obj_group="world-gloo"), "rollout", 0, 1, None, None, False)
+    assert split.stop_check(gpu) == (torch.device("cpu"), "world-gloo")
+    colocated = sources.Placement(None, "actor_rollout_ref", 0, 1, None, None, True)
+    assert colocated.stop_check(gpu) == (gpu, None)
