@@ -124,11 +124,14 @@ def split_runs(gpus: int, ranks: list[int], extra: list[str], family: str = "ove
                aheads: list[float] | None = None) -> list[tuple[str, list[str]]]:
     """(name, overrides) of each split run; ``extra`` (``--split-override``) applies to split runs only.
     ``aheads`` (``split_partial``, ``--partial-aheads``): one run per ``trainer.partial_rollout_ahead`` value at each
-    ratio, named ``..._a<value>`` (none: the recipe's value, no suffix)."""
+    ratio, named ``..._a<value>`` (none: the recipe's value, no suffix); above 1 with the staleness bound that
+    many steps in flight need (``trainer.max_staleness`` = 1 + ahead, rounded up)."""
     runs = [(name, [*ovr, *extra]) for name, ovr in (split_mode(gpus, r, family) for r in sorted(set(ranks)))]
     if family != "split_partial" or not aheads:
         return runs
-    return [(f"{name}_a{a:g}", [*ovr, f"trainer.partial_rollout_ahead={a:g}"]) for name, ovr in runs for a in aheads]
+    return [(f"{name}_a{a:g}", [*ovr, f"trainer.partial_rollout_ahead={a:g}",
+                                *([f"trainer.max_staleness={math.ceil(1 + a)}"] if a > 1 else [])])
+            for name, ovr in runs for a in aheads]
 
 
 def parse_aheads(text: str) -> list[float]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -405,7 +406,9 @@ class TrainerConfig:
     holds the pool's oldest ``(1 + ahead) × per-step`` groups (the newer ones wait unstarted), and the trainer takes
     the first per-step groups to complete: the default leaves the slowest fifth of a round's groups, the long tail, to
     the next round (about a quarter of the trained samples then have oldest-token staleness 2, the rest 1). 1.0 starts
-    every group drawn at once: more slack for the tail, but nearly every sample is carried once (staleness 2)."""
+    every group of a two-step pool at once: more slack for the tail, but nearly every sample is carried once
+    (staleness 2). Above 1 the pool grows to the window (up to 4: five steps' groups in flight), so more complete
+    groups are at hand at each boundary; a group that reaches ``max_staleness`` is still waited for."""
     save_freq: int = 0
     """Checkpoint every N steps (0 = only at the end, -1 = never, e.g. for benchmarks)."""
     keep_last: int = 2
@@ -647,9 +650,9 @@ class Config:
     def _validate_partial(self) -> None:
         """``trainer.partial_rollouts``: overlap mode (either placement), a staleness bound that a carried sample fits."""
         t, r = self.trainer, self.rollout
-        if not 0.0 < t.partial_rollout_ahead <= 1.0:
-            raise ConfigError(f"trainer.partial_rollout_ahead={t.partial_rollout_ahead} must be in (0, 1] (a fraction of "
-                              "a step's groups generated ahead); 1.0 starts every group drawn at once")
+        if not 0.0 < t.partial_rollout_ahead <= 4.0:
+            raise ConfigError(f"trainer.partial_rollout_ahead={t.partial_rollout_ahead} must be in (0, 4] (steps' "
+                              "groups generated beyond this step's, e.g. 0.25 or 1.0); not a percentage")
         if t.mode != "overlap":
             raise ConfigError(f"trainer.partial_rollouts=true needs trainer.mode=overlap (got {t.mode}): set "
                               "trainer.mode=overlap trainer.max_staleness=2, or trainer.partial_rollouts=false")
@@ -657,6 +660,11 @@ class Config:
             raise ConfigError(f"trainer.partial_rollouts=true needs trainer.max_staleness >= 2 (got {t.max_staleness}): "
                               "a carried sample's oldest tokens are used two weight versions later; set "
                               "trainer.max_staleness=2")
+        pool_steps = max(2, math.ceil(1 + t.partial_rollout_ahead))  # partial.PartialRolloutPipeline.pool_steps
+        if t.max_staleness < pool_steps:
+            raise ConfigError(f"trainer.partial_rollout_ahead={t.partial_rollout_ahead:g} keeps {pool_steps} steps' groups "
+                              f"in flight, started together, so the last is trained {pool_steps} versions later: set "
+                              f"trainer.max_staleness={pool_steps} (got {t.max_staleness}) or a smaller ahead")
         if self.actor.old_log_prob == "engine":
             raise ConfigError("trainer.partial_rollouts=true with actor.old_log_prob=engine would make the proximal "
                               "policy the mixed-version behaviour one (no correction); set actor.old_log_prob=auto")

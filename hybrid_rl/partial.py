@@ -8,14 +8,17 @@ complete groups; every other group (finished, or unfinished with its tokens and 
 into the next round, where unfinished samples continue from prompt + partial response under the weights pushed at
 that boundary. Groups are never split.
 
-Bookkeeping, in ``CarryOver`` (pure, no threads): the pool of groups, oldest first. The pool is topped up to two
-steps' prompts (``2 B_rank``; before the run's last step to one step's only, so every prompt drawn is trained
-exactly once), and a background round generates its oldest ``(1 + trainer.partial_rollout_ahead) × B_rank`` groups:
-the others wait unstarted, so only the slowest of a round's groups are carried, not a whole step. Each token records
-the engine's weight version when it was sampled (``token_weight_version`` [B, T]); a sample's ``weight_version`` is
-its oldest token's, so the staleness check keeps its meaning. A carried group is used one step later than its round,
-so its oldest tokens reach staleness 2 (hence ``trainer.max_staleness >= 2``); a group that would exceed the bound
-at its next use is waited for and trained now, never carried. The loss needs nothing new: behaviour = the engine's
+Bookkeeping, in ``CarryOver`` (pure, no threads): the pool of groups, oldest first. A background round generates
+the pool's oldest ``(1 + trainer.partial_rollout_ahead) × B_rank`` groups (the window): the others wait unstarted,
+so only the slowest of a round's groups are carried, not a whole step. The pool is topped up to two steps' prompts,
+or to as many whole steps as the window spans when ``ahead`` > 1, and never to more than the steps left in the run
+(so every prompt drawn is trained exactly once). Each token records the engine's weight version when it was
+sampled (``token_weight_version`` [B, T]); a sample's ``weight_version`` is its oldest token's, so the staleness
+check keeps its meaning. A carried group is used one step later than its round, so its oldest tokens reach
+staleness 2 (hence ``trainer.max_staleness >= 2``, and one more per extra step of groups in flight). What a step
+must train is earliest deadline first (``CarryOver.due``): a group that would exceed the bound at its next use is
+waited for and trained now, never carried, and when more groups fall due together than the steps left before
+their deadline take, enough of them are trained early. The loss needs nothing new: behaviour = the engine's
 per-token log-probs (stitched from every segment), proximal = θ_k's ``old_log_probs`` (the pass, or the update's own
 first forward under ``actor.old_log_prob=auto``).
 
@@ -138,27 +141,57 @@ class CarryOver:
         for (gi, si), seg in zip(pending, segments):
             self.groups[gi].samples[si].extend(seg, version)
 
-    def must_take(self, trainer_version: int) -> set[int]:
-        """Groups whose oldest token would exceed ``max_staleness`` if used one step after ``trainer_version``."""
-        return {gi for gi, g in enumerate(self.groups)
-                if g.oldest_version is not None and trainer_version + 1 - g.oldest_version > self.max_staleness}
+    def _version(self, gi: int, fresh: dict[int, int] | None) -> int | None:
+        """A group's oldest version; ``fresh``: groups a round in flight started, at that round's version."""
+        v = self.groups[gi].oldest_version
+        return v if v is not None or fresh is None else fresh.get(gi)
+
+    def due(self, trainer_version: int, fresh: dict[int, int] | None = None) -> list[tuple[frozenset[int], int]]:
+        """What this step must train so that every started group can still be trained within ``max_staleness``
+        (earliest deadline first): ``(groups, k)`` pairs, at least ``k`` of ``groups`` in this step's batch.
+
+        A group is due by version ``oldest_version + max_staleness``; the groups due by any version ``d`` must fit
+        in the steps from this one to ``d``, ``per_step`` a step, so this step takes at least the excess. With two
+        steps' groups in flight that is the groups that would exceed the bound next step, every one of them; a
+        larger pool (``ahead`` > 1) starts more groups at once than a step takes, and some must go early (any of
+        them: a count, not a choice of groups)."""
+        by_deadline: dict[int, set[int]] = {}
+        for gi in range(len(self.groups)):
+            v = self._version(gi, fresh)
+            if v is not None:
+                by_deadline.setdefault(v + self.max_staleness, set()).add(gi)
+        needs, upto = [], set()
+        for d in sorted(by_deadline):
+            upto |= by_deadline[d]
+            k = len(upto) - max(0, d - trainer_version) * self.per_step
+            if k > 0:
+                needs.append((frozenset(upto), k))
+        return needs
+
+    @staticmethod
+    def meets(chosen: set[int], needs: list[tuple[frozenset[int], int]]) -> bool:
+        return all(len(groups & chosen) >= k for groups, k in needs)
 
     def ready(self, trainer_version: int) -> bool:
-        """Enough complete groups to train on, and every group that cannot wait is complete."""
+        """Enough complete groups to train on, and among them what ``due`` asks of this step."""
         done = {gi for gi, g in enumerate(self.groups) if g.complete}
-        return len(done) >= self.per_step and self.must_take(trainer_version) <= done
+        return len(done) >= self.per_step and self.meets(self.oldest(done), self.due(trainer_version))
+
+    def oldest(self, complete: set[int], fresh: dict[int, int] | None = None) -> set[int]:
+        """The ``per_step`` oldest of ``complete`` (by oldest token, then draw order): what ``take`` trains."""
+        order = sorted(complete, key=lambda gi: (self._version(gi, fresh), self.groups[gi].seq))
+        return set(order[:self.per_step])
 
     def take(self, trainer_version: int) -> list[Group]:
         """The ``per_step`` oldest complete groups (by oldest token, then draw order), removed from the pool."""
-        must = self.must_take(trainer_version)
-        order = sorted((gi for gi, g in enumerate(self.groups) if g.complete),
-                       key=lambda gi: (self.groups[gi].oldest_version, self.groups[gi].seq))
-        chosen = order[:self.per_step]
-        if len(chosen) < self.per_step or not must <= set(chosen):
-            raise RuntimeError(f"partial rollouts: {len(order)} complete groups for {self.per_step} per step, "
-                               f"{len(must - set(chosen))} at the staleness bound left out (a bookkeeping bug)")
-        taken = [self.groups[gi] for gi in chosen]
-        self.groups = [g for gi, g in enumerate(self.groups) if gi not in set(chosen)]
+        complete = {gi for gi, g in enumerate(self.groups) if g.complete}
+        chosen = self.oldest(complete)
+        if len(chosen) < self.per_step or not self.meets(chosen, self.due(trainer_version)):
+            raise RuntimeError(f"partial rollouts: {len(complete)} complete groups for {self.per_step} per step, "
+                               f"or groups due at this step left out (a bookkeeping bug)")
+        ordered = sorted(chosen, key=lambda gi: (self.groups[gi].oldest_version, self.groups[gi].seq))
+        taken = [self.groups[gi] for gi in ordered]
+        self.groups = [g for gi, g in enumerate(self.groups) if gi not in chosen]
         return taken
 
 
@@ -234,8 +267,9 @@ class Round:
     """The continuations of one round and the rule that interrupts it.
 
     The generating thread reports finished requests (``on_finish``); the trainer ``arm``s the round when it
-    starts waiting. The interrupt is set once both hold: ``per_step`` groups complete and every group in
-    ``must`` complete. Until armed it never fires (the engine keeps going while the trainer trains).
+    starts waiting. The interrupt is set once both hold: ``per_step`` groups complete, and the ``per_step`` oldest of
+    them meet what ``CarryOver.due`` asks of this step. Until armed it never fires (the engine keeps going while the
+    trainer trains).
     """
 
     def __init__(self, carry: CarryOver, version: int, window: int | None = None):
@@ -249,7 +283,10 @@ class Round:
         # (counting only this round's requests made those look finished, so the interrupt fired early and the step
         # generated the rest in the foreground)
         self._left = [sum(not s.finished for s in g.samples) for g in carry.groups]
-        self._need: tuple[int, set[int]] | None = None
+        self._carry = carry
+        self._fresh = {gi: version for gi, _ in self.pending if carry.groups[gi].oldest_version is None}
+        """Groups this round starts: their tokens will carry its version (the pool learns them after the round)."""
+        self._need: list[tuple[frozenset[int], int]] | None = None
 
     def on_finish(self, indices: list[int]) -> None:
         with self._lock:
@@ -257,17 +294,17 @@ class Round:
                 self._left[self.pending[i][0]] -= 1
             self._check()
 
-    def arm(self, per_step: int, must: set[int]) -> None:
+    def arm(self, trainer_version: int) -> None:
         with self._lock:
-            self._need = (per_step, must)
+            self._need = self._carry.due(trainer_version, self._fresh)
             self._check()
 
     def _check(self) -> None:
         if self._need is None or self.interrupt.is_set():
             return
-        per_step, must = self._need
-        done = [gi for gi, left in enumerate(self._left) if left == 0]
-        if len(done) >= per_step and must <= set(done):
+        carry = self._carry
+        done = {gi for gi, left in enumerate(self._left) if left == 0}
+        if len(done) >= carry.per_step and carry.meets(carry.oldest(done, self._fresh), self._need):
             self.interrupt.set()
 
 
@@ -282,6 +319,8 @@ class PartialRolloutPipeline(RolloutPipeline):
         self.carry = CarryOver(per_step, cfg.rollout.n, max_staleness, cfg.data.max_response_length)
         self.window = per_step + math.ceil(ahead * per_step)
         """Groups a background round generates (``trainer.partial_rollout_ahead``): the pool's oldest; the rest wait."""
+        self.pool_steps = max(2, math.ceil(self.window / per_step))
+        """Steps of prompts the pool is topped up to (fewer before the run's last steps)."""
         self.round: Round | None = None
         self._last_gen_s = 0.0
 
@@ -321,11 +360,12 @@ class PartialRolloutPipeline(RolloutPipeline):
         self.carry.apply(rnd.pending, segments, rnd.version)
         self._last_gen_s = rnd.gen_s
 
-    def start(self, next_prompts: Callable[[], Batch], next_is_last: bool = False) -> None:  # type: ignore[override]
-        """Top the pool up (two steps' prompts; one before the last step) and generate it in the background."""
+    def start(self, next_prompts: Callable[[], Batch], steps_left: int = 2) -> None:  # type: ignore[override]
+        """Top the pool up (``pool_steps`` steps' prompts, at most ``steps_left``: the steps from the next one to the
+        run's end) and generate its window in the background."""
         if self.pending is not None:
             raise RuntimeError("a rollout is already in flight; take() it first")
-        target = self.carry.per_step * (1 if next_is_last else 2)
+        target = self.carry.per_step * max(1, min(self.pool_steps, steps_left))
         while len(self.carry.groups) < target:
             self._add(next_prompts())
         if self.worker.sharding_manager is not None:  # colocated: push θ_k now, while no generation runs (split
@@ -340,7 +380,7 @@ class PartialRolloutPipeline(RolloutPipeline):
         ``final`` step), or generate in the foreground when nothing is in flight and too little is complete."""
         carry = self.carry
         if self.round is not None and not final:
-            self.round.arm(carry.per_step, carry.must_take(trainer_version))
+            self.round.arm(trainer_version)
         self._finish_round()
         if not carry.ready(trainer_version):  # the first step (or after a restore): in the foreground, to the end
             while len(carry.groups) < carry.per_step:

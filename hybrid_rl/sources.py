@@ -189,19 +189,19 @@ class OverlapSource(RolloutSource):
 class PartialOverlapSource(OverlapSource):
     """Overlap with partial rollouts: take this step's groups (interrupting the round), start the next round.
 
-    ``next_is_last()`` says whether the step after this one is the run's last: the round started now is then
-    sized to one step's prompts, so that nothing generated is left untrained.
+    ``steps_left()``: the steps from the next one to the run's end; the pool the round started now draws from
+    holds no more prompts than they train, so that nothing generated is left untrained.
     """
 
-    def __init__(self, worker, pipeline, next_prompts: NextPrompts, next_is_last: Callable[[], bool]):
+    def __init__(self, worker, pipeline, next_prompts: NextPrompts, steps_left: Callable[[], int]):
         super().__init__(worker, pipeline, next_prompts)
-        self.next_is_last = next_is_last
+        self.steps_left = steps_left
 
     def next_batch(self, timer: Timer, last: bool) -> Batch:
         with timer("wait_gen"):
             batch = self.pipeline.take(self.next_prompts, self.worker.weight_version, final=last)
         if not last:
-            self.pipeline.start(self.next_prompts, next_is_last=self.next_is_last())
+            self.pipeline.start(self.next_prompts, steps_left=self.steps_left())
         timer.times["timing/gen"] = batch.meta["gen_s"]
         return batch
 
@@ -210,14 +210,14 @@ class SplitSource(RolloutSource):
     """Split placement: batches from the rollout ranks, weights back to them (see ``split.py`` for the order)."""
 
     def __init__(self, worker, pipeline: RolloutPipeline, next_prompts: NextPrompts, cfg: Config, placement: Placement,
-                 global_dist: DistInfo, pad_token_id: int, next_is_last: Callable[[], bool] = lambda: False):
+                 global_dist: DistInfo, pad_token_id: int, steps_left: Callable[[], int] = lambda: 2):
         super().__init__(worker, pipeline, next_prompts)
         self.cfg, self.layout, self.global_dist = cfg, placement.layout, global_dist
         self.dist = placement.dist
         self.pad_token_id = pad_token_id
         self.overlap = cfg.staleness_bound > 0
         self.partial = cfg.trainer.partial_rollouts  # the rollout ranks' pipeline is a PartialRolloutPipeline
-        self.next_is_last = next_is_last
+        self.steps_left = steps_left
         self._sync = (0.0, 0)
         self._sent_version: int | None = None
         self._replayer = None
@@ -305,7 +305,7 @@ class SplitSource(RolloutSource):
         self._exchange_batch(pipe.take(self.next_prompts, trainer_version, final=last))
         self._exchange_weights()  # θ_k: the round is over, nothing generates while it loads
         if not last:
-            pipe.start(self.next_prompts, next_is_last=self.next_is_last())
+            pipe.start(self.next_prompts, steps_left=self.steps_left())
 
     # -- state -----------------------------------------------------------------------
     def sync_stats(self) -> tuple[float, int]:
@@ -334,10 +334,9 @@ class _NoParams:
 
 
 def make_source(cfg: Config, placement: Placement, worker, next_prompts: NextPrompts, global_dist: DistInfo,
-                pad_token_id: int, next_is_last: Callable[[], bool] = lambda: False) -> RolloutSource:
+                pad_token_id: int, steps_left: Callable[[], int] = lambda: 2) -> RolloutSource:
     """The source for ``trainer.mode`` × ``trainer.placement``: the only place that choice is made.
-    ``next_is_last()``: whether the step after the current one is the run's last (partial rollouts size their
-    last round by it)."""
+    ``steps_left()``: the steps from the next one to the run's end (partial rollouts size their pool by it)."""
     split = placement.layout
     if cfg.trainer.partial_rollouts and cfg.trainer.mode == "overlap" and (split is None or split.is_rollout):
         from hybrid_rl.partial import PartialRolloutPipeline
@@ -346,12 +345,12 @@ def make_source(cfg: Config, placement: Placement, worker, next_prompts: NextPro
         pipe = PartialRolloutPipeline(worker, cfg.staleness_bound, cfg.trainer.stale_policy, per_step,
                                       cfg.trainer.partial_rollout_ahead)
         if split is None:
-            return PartialOverlapSource(worker, pipe, next_prompts, next_is_last)
-        return SplitSource(worker, pipe, next_prompts, cfg, placement, global_dist, pad_token_id, next_is_last)
+            return PartialOverlapSource(worker, pipe, next_prompts, steps_left)
+        return SplitSource(worker, pipe, next_prompts, cfg, placement, global_dist, pad_token_id, steps_left)
     pipeline = RolloutPipeline(worker, cfg.staleness_bound, cfg.trainer.stale_policy,
                                background=split is None or split.is_rollout, trains_here=split is None)
     if split is not None:
-        return SplitSource(worker, pipeline, next_prompts, cfg, placement, global_dist, pad_token_id, next_is_last)
+        return SplitSource(worker, pipeline, next_prompts, cfg, placement, global_dist, pad_token_id, steps_left)
     if cfg.trainer.mode == "overlap":
         return OverlapSource(worker, pipeline, next_prompts)
     return SyncSource(worker, pipeline, next_prompts)

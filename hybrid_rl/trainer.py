@@ -131,7 +131,7 @@ class Trainer:
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = alg.make_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon)  # β of KL-in-reward
         self.source = make_source(cfg, pl, self.worker, self.next_prompts, self.global_dist, tokenizer.pad_token_id,
-                                  next_is_last=lambda: self.current_step + 1 >= self.total_steps)
+                                  steps_left=lambda: self.total_steps - self.current_step)
         self.model_flops = ModelFlops.of(self.worker.actor.model) if self.worker.actor is not None else None
         self.peak_flops = peak_flops(self.dist.device, cfg.trainer.peak_tflops)
         self.skipped_in_a_row = 0

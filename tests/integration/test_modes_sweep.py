@@ -46,6 +46,9 @@ def test_split_ratios_and_auto_ratio():
     runs = ms.split_runs(2, [1], [], "split_partial", ms.parse_aheads("0.25,1"))
     assert [n for n, _ in runs] == ["split_partial_a0.25", "split_partial_a1"]
     assert runs[1][1][-1] == "trainer.partial_rollout_ahead=1" and "trainer.partial_rollouts=true" in runs[1][1]
+    # above 1: more steps of groups in flight, and the staleness bound they need (the last override wins)
+    (name, ovr), = ms.split_runs(2, [1], [], "split_partial", [2.0])
+    assert name == "split_partial_a2" and ovr[-2:] == ["trainer.partial_rollout_ahead=2", "trainer.max_staleness=3"]
     assert ms.split_runs(2, [1], [], "split_partial", []) == ms.split_runs(2, [1], [], "split_partial")
     with pytest.raises(SystemExit, match="--partial-aheads"):
         ms.parse_aheads("wide")

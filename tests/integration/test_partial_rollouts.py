@@ -105,6 +105,9 @@ def test_two_ranks_checkpoint_and_resume(tmp_path, tiny_model_path):
     ([*PARTIAL, "actor.old_log_prob=engine"], "set actor.old_log_prob=auto"),
     ([*PARTIAL, "rollout.name=vllm", "rollout.tensor_parallel_size=2"], "rollout.tensor_parallel_size=1"),
     (["trainer.mode=overlap", "trainer.max_staleness=2"], "only with trainer.partial_rollouts=true"),
+    ([*PARTIAL, "trainer.partial_rollout_ahead=25"], "must be in \\(0, 4\\].*not a percentage"),
+    ([*PARTIAL, "trainer.partial_rollout_ahead=0"], "partial_rollout_ahead=0.0 must be in"),
+    ([*PARTIAL, "trainer.partial_rollout_ahead=2"], "keeps 3 steps' groups in flight.*set trainer.max_staleness=3"),
 ])
 def test_invalid_combinations_are_config_errors(overrides, match):
     from hybrid_rl.config import ConfigError, load_config
@@ -120,6 +123,7 @@ def test_valid_combination_and_default_off():
     assert load_config(None, []).trainer.partial_rollouts is False
     load_config(None, PARTIAL).validate()
     load_config(None, [*PARTIAL, "trainer.max_staleness=3"]).validate()
+    load_config(None, [*PARTIAL, "trainer.partial_rollout_ahead=2", "trainer.max_staleness=3"]).validate()
     load_config(None, [*PARTIAL, "trainer.placement=split"]).validate(world_size=2)
 
 

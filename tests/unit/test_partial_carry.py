@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hybrid_rl.batch import Batch
-from hybrid_rl.partial import CarryOver, PartialRolloutPipeline, assemble_groups, groups_from_batch
+from hybrid_rl.partial import CarryOver, Group, PartialRolloutPipeline, Sample, assemble_groups, groups_from_batch
 from hybrid_rl.rollout.base import SamplingParams, Segment, assemble_rollout
 
 EOS, PAD = 2, 0
@@ -76,7 +76,7 @@ def test_take_is_oldest_first_and_respects_the_bound():
     for grp, version, done in ((g[0], 5, True), (g[1], 4, False), (g[2], 5, True), (g[3], 5, True)):
         grp.samples[0].extend(Segment([9], [-1.0], done), version)
     # trainer at version 6: group 1 (oldest token 4) would be at staleness 3 next step, so it must be taken now
-    assert carry.must_take(6) == {1}
+    assert carry.due(6) == [({1}, 1), ({0, 1, 2, 3}, 2)]
     assert not carry.ready(6)  # two complete groups, but the one at the bound is not complete
     g[1].samples[0].extend(Segment([EOS], [-1.0], True), 6)
     assert carry.ready(6)
@@ -129,7 +129,7 @@ class ScriptedEngine:
 
 
 def scripted_pipeline(per_step: int, n: int, max_len: int, seed: int, p_eos: float, forced: str | None = None,
-                      ahead: float = 1.0):  # the bookkeeping tests below start every group at once
+                      ahead: float = 1.0, max_staleness: int = 2):  # the bookkeeping tests below start every group at once
     engine = ScriptedEngine(seed, p_eos)
     cfg = SimpleNamespace(rollout=SimpleNamespace(n=n, forced_lengths=forced),
                           data=SimpleNamespace(max_response_length=max_len))
@@ -144,7 +144,8 @@ def scripted_pipeline(per_step: int, n: int, max_len: int, seed: int, p_eos: flo
 
     worker.sharding_manager = SimpleNamespace(sync_weights=push)
     worker.rollout_mode = lambda: contextlib.nullcontext(push())
-    pipe = PartialRolloutPipeline(worker, max_staleness=2, stale_policy="error", per_step=per_step, ahead=ahead)
+    pipe = PartialRolloutPipeline(worker, max_staleness=max_staleness, stale_policy="error", per_step=per_step,
+                                  ahead=ahead)
     pipe.executor = SimpleNamespace(submit=LazyFuture, shutdown=lambda wait=True: None)
     drawn: list[int] = []
     counter = iter(range(10**6))
@@ -158,23 +159,30 @@ def scripted_pipeline(per_step: int, n: int, max_len: int, seed: int, p_eos: flo
 
 
 def run_steps(pipe, worker, next_prompts, steps: int) -> list[Batch]:
-    """The source's order of calls: take (interrupt), start the next round, train (version + 1)."""
-    batches = []
+    """The source's order of calls: take (interrupt), start the next round, train (version + 1). Records the pool's
+    size after each start in ``pipe.pool_sizes``."""
+    batches, pipe.pool_sizes = [], []
     for step in range(1, steps + 1):
         last = step == steps
         batch = pipe.take(next_prompts, worker.weight_version, final=last)
         batch = pipe.check_staleness(batch, worker.weight_version)
         batches.append(batch)
         if not last:
-            pipe.start(next_prompts, next_is_last=step + 1 == steps)
+            pipe.start(next_prompts, steps_left=steps - step)
+            pipe.pool_sizes.append(len(pipe.carry.groups))
         worker.weight_version += 1
     return batches
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_every_prompt_is_trained_exactly_once_within_the_bound(seed):
+@pytest.mark.parametrize("seed,ahead", [(0, 1.0), (1, 1.0), (2, 1.0), (0, 2.0), (3, 2.0)])
+def test_every_prompt_is_trained_exactly_once_within_the_bound(seed, ahead):
+    """Every prompt drawn is trained once, in whole groups, within staleness 2; ``ahead`` 2.0 keeps three steps'
+    groups in flight, and the pool still shrinks to what the last steps train."""
     per_step, n, steps = 3, 4, 10
-    pipe, worker, next_prompts, drawn = scripted_pipeline(per_step, n, max_len=12, seed=seed, p_eos=0.12)
+    bound = 2 if ahead == 1.0 else 3  # config: max_staleness >= pool_steps
+    pipe, worker, next_prompts, drawn = scripted_pipeline(per_step, n, max_len=12, seed=seed, p_eos=0.12, ahead=ahead,
+                                                          max_staleness=bound)
+    assert (pipe.window, pipe.pool_steps) == ((6, 2) if ahead == 1.0 else (9, 3))
     batches = run_steps(pipe, worker, next_prompts, steps)
     trained = [int(i) for b in batches for i in b["index"][::n]]
     assert sorted(trained) == sorted(drawn) and len(trained) == len(set(trained)) == per_step * steps
@@ -183,7 +191,7 @@ def test_every_prompt_is_trained_exactly_once_within_the_bound(seed):
         assert len(b) == per_step * n and b.meta["trainer_version"] == trainer_version
         mask = b["response_mask"].bool()
         staleness = trainer_version - b["token_weight_version"]
-        assert int(staleness[mask].max()) <= 2 and int(staleness[mask].min()) >= 0
+        assert int(staleness[mask].max()) <= bound and int(staleness[mask].min()) >= 0
         assert torch.equal(b["weight_version"], b["token_weight_version"].min(dim=1).values)
         for start in range(0, len(b), n):  # GRPO groups stay whole and in one batch
             assert len(set(b["uid"][start:start + n])) == 1
@@ -191,7 +199,11 @@ def test_every_prompt_is_trained_exactly_once_within_the_bound(seed):
     assert sum(b.meta["partial_resumed_tokens"] for b in batches) > 0  # some samples did continue
     assert batches[-1].meta["partial_carried"] == 0 and not pipe.carry.groups  # nothing left over
     assert max(int((s - b["token_weight_version"])[b["response_mask"].bool()].max())
-               for s, b in enumerate(batches)) == 2  # carried tokens do reach the bound
+               for s, b in enumerate(batches)) == bound  # carried tokens do reach the bound
+    # the pool: pool_steps steps' groups while the run has that many left, then only what the last steps train
+    # (a pool holds at least what it trains next, and groups are taken per_step a step)
+    left = [steps - step for step in range(1, steps)]
+    assert pipe.pool_sizes == [per_step * min(pipe.pool_steps, k) for k in left]
 
 
 def test_a_smaller_window_carries_only_the_tail():
@@ -255,7 +267,7 @@ def test_waiting_for_the_round_leaves_a_complete_pool_that_restores():
     per_step, n = 2, 3
     pipe, worker, next_prompts, _ = scripted_pipeline(per_step, n, max_len=10, seed=5, p_eos=0.1)
     run_steps(pipe, worker, next_prompts, 3)  # ends with a final take: start one more round by hand
-    pipe.start(next_prompts, next_is_last=False)
+    pipe.start(next_prompts, steps_left=2)
     pipe.wait()
     assert pipe.carry.groups and all(g.complete for g in pipe.carry.groups)
     saved = Batch.from_state_dict(pipe.peek().state_dict())
@@ -265,3 +277,25 @@ def test_waiting_for_the_round_leaves_a_complete_pool_that_restores():
     theirs = [(g.prompt, [(s.tokens, s.logprobs, s.versions) for s in g.samples]) for g in again.carry.groups]
     assert mine == theirs
     assert [g.fields["uid"] for g in pipe.carry.groups] == [g.fields["uid"] for g in again.carry.groups]
+
+
+def test_more_groups_due_than_a_step_takes_are_taken_early():
+    """Earliest deadline first: three steps' groups started at version 0 under max_staleness 3 are due by version 3,
+    and three steps (versions 1-3) take them, a step's worth each: version 1 must take a step of them, any of them
+    (the rule for two steps in flight, "would exceed the bound next step", named none before version 3 and then all
+    six, more than a step takes)."""
+    carry = CarryOver(per_step=2, n=1, max_staleness=3, max_response_length=8)
+    for version, done in ((0, True), (0, False), (0, False), (0, True), (0, False), (0, False), (1, True), (1, True)):
+        carry.groups.append(Group([1], {}, [Sample([5], [-0.1], [version], finished=done)], carry._next_seq()))
+    old_six, all_eight = frozenset(range(6)), frozenset(range(8))
+    assert carry.due(0) == []
+    # 6 due by version 3 over versions 1-3, 8 by version 4 over versions 1-4: two a step
+    assert carry.due(1) == [(old_six, 2), (all_eight, 2)]
+    assert carry.due(2) == [(old_six, 4), (all_eight, 4)]  # had version 1 taken none of them
+    assert carry.ready(1) and [g.seq for g in carry.take(1)] == [1, 4]  # two complete old ones: any two will do
+    assert carry.due(2) == [(frozenset(range(4)), 2), (frozenset(range(6)), 2)]
+    assert not carry.ready(2)  # the two complete groups are version 1's; two old ones must come first
+    # groups a round in flight starts (no tokens yet) count at the round's version when it is armed
+    fresh = CarryOver(per_step=1, n=1, max_staleness=2, max_response_length=8)
+    fresh.groups = [Group([1], {}, [Sample()], fresh._next_seq()) for _ in range(3)]
+    assert fresh.due(1) == [] and fresh.due(1, {0: 0, 1: 0, 2: 0}) == [(frozenset({0, 1, 2}), 2)]
