@@ -7,14 +7,14 @@
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean && git rev-parse HEAD > .clean/COMMIT \
 #     && cp -r .devdata .clean/ && { [ -d .stage_liger ] && cp -r .stage_liger .clean/; }  # (bash benchmarks/stage_liger.sh first)
 #   then, on the lender (carry .clean): cd .clean && bash benchmarks/gpu_session.sh PART
-#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | compile1 | ppo | smol | smolb | smolc | proc | proc4 | sweep4a..sweep4j | tail4a..tail4f | tail5a..tail5d | tail6a..tail6c | pair2a..pair2c | stream1 | stream2 | gputests | flagship4a..d ; writes $OUT/PART.tgz and $OUT/PART.log
+#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | compile1 | ppo | smol | smolb | smolc | proc | proc4 | sweep4a..sweep4j | tail4a..tail4f | tail5a..tail5d | tail6a..tail6e | pair2a..pair2c | stream1 | stream2 | gputests | flagship4a..d ; writes $OUT/PART.tgz and $OUT/PART.log
 # Each part fits one 600 s device call; every piece has its own timeout and results are packed after each piece,
 # so a part cut short still returns what finished.
 # The lender gives a machine back after ~30 s idle (what was staged is lost): send the staging calls and the
 # parts that follow them in one batch of tool calls, and edit between leases, not between calls.
 set -u
 CALL0=$(date +%s)  # the sweep parts size their budget by what is left of the 600 s call
-PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm|soak1|flagship1|ppo|sweep4a|sweep4b|sweep4c|sweep4d|proc4|sweep4h|sweep4i|sweep4j|tail4a|tail4b|tail4c|tail4d|tail4e|tail4f|tail5a|tail5b|tail5c|tail5d|tail6a|tail6b|tail6c|pair2a|pair2b|pair2c|stream1|stream2|gputests}
+PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm|soak1|flagship1|ppo|sweep4a|sweep4b|sweep4c|sweep4d|proc4|sweep4h|sweep4i|sweep4j|tail4a|tail4b|tail4c|tail4d|tail4e|tail4f|tail5a|tail5b|tail5c|tail5d|tail6a|tail6b|tail6c|tail6d|tail6e|pair2a|pair2b|pair2c|stream1|stream2|gputests}
 OUT=${OUT:-/tmp/gpu_out}
 RES=/tmp/res/$PART
 MODES_RES=/tmp/res/modes2  # colo2 and split2 write one modes JSON (merged by mode) when they run on one warm machine
@@ -492,13 +492,14 @@ model.enable_gradient_checkpointing=$([ "${card_mib:-0}" -gt 120000 ] && echo fa
     tail5d) sweep_part 4096 split_partial "$W --warmup 2 --measure 3 --partial-aheads 1" ;;  # what tail5a's budget skipped
   esac
   ;;
-tail6a|tail6b|tail6c)  # issue 18's sixth lease, after the stop check moved to gloo (split's rollout ranks no longer
-  # pause their generation through the trainers' update) and partial_rollout_ahead above 1: a sweep of its own
-  # (TAIL_TAG, default _tail5), tail5's settings, 4 measured steps for split with partial rollouts (its steps
-  # alternated 21/55 s at 4fd30ad). tail6a ~420 s: the stop-check GPU test (2 GPUs, ~40 s), mean 4k sync, mean 256
-  # sync. tail6b ~560 s: mean 4k split 2:2 with partial rollouts at ahead 1.0, then at ahead 2.0 (max_staleness 3)
-  # if the budget holds it. tail6c ~520 s: mean 4k plain split 2:2 (the tail bound, now without the pause), then
-  # mean 256 split 2:2 with and without partial rollouts (ahead 1.0).
+tail6a|tail6b|tail6c|tail6d|tail6e)  # issue 18's sixth lease, after the stop check moved to gloo (split's rollout
+  # ranks no longer pause their generation through the trainers' update) and partial_rollout_ahead above 1: a sweep
+  # of its own (TAIL_TAG, default _tail5), tail5's settings. Split with partial rollouts alternates fast and slow
+  # steps (period 2 at ahead 1, 3 at ahead 2 in benchmarks/partial_model.py), so 6 measured steps each.
+  # tail6a ~420 s: the stop-check GPU test (2 GPUs, ~40 s), mean 4k sync, mean 256 sync. tail6b, tail6c, tail6d
+  # ~330 s each: mean 4k split 2:2 with partial rollouts at ahead 1.0, 2.0 (max_staleness 3), 3.0 (4); the model
+  # puts them at ~27, ~25, ~22 s against sync's 38.1 s. tail6e ~480 s, if time is left: mean 4k plain split 2:2
+  # (the tail bound, now without the pause), then mean 256 split 2:2 with partial rollouts at ahead 1.0.
   card_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
   W="--split-ratios 2:2 actor.ppo_mini_batch_size=24 \
 model.enable_gradient_checkpointing=$([ "${card_mib:-0}" -gt 120000 ] && echo false || echo true)"
@@ -510,10 +511,12 @@ model.enable_gradient_checkpointing=$([ "${card_mib:-0}" -gt 120000 ] && echo fa
         tests/gpu/test_stop_check_gpu.py 2>&1 | grep -E "stop check|passed|failed|Error" | tail -6
       sweep_part 4096 sync "$W --warmup 2 --measure 1"
       sweep_part 256 sync "$W --warmup 2 --measure 3" ;;
-    tail6b) sweep_part 4096 split_partial "$W --warmup 2 --measure 4 --partial-aheads 1,2" ;;
-    tail6c)
+    tail6b) sweep_part 4096 split_partial "$W --warmup 2 --measure 6 --partial-aheads 1" ;;
+    tail6c) sweep_part 4096 split_partial "$W --warmup 2 --measure 6 --partial-aheads 2" ;;
+    tail6d) sweep_part 4096 split_partial "$W --warmup 2 --measure 6 --partial-aheads 3" ;;
+    tail6e)
       sweep_part 4096 overlap_split "$W --warmup 2 --measure 2"
-      sweep_part 256 overlap_split,split_partial "$W --warmup 2 --measure 3 --partial-aheads 1" ;;
+      sweep_part 256 split_partial "$W --warmup 2 --measure 4 --partial-aheads 1" ;;
   esac
   ;;
 pair2a|pair2b|pair2c)  # issue 18 on 2 GPUs (when no 4-GPU machine is lent): a sweep of its own (_pair), 1 rollout + 1

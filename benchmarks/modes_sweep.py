@@ -29,7 +29,9 @@ and merged with the one already there (same settings), so a sweep can be cut int
 a part cut short can be called again. ``overlap_stream``, ``overlap_proc`` and ``overlap_partial`` run after the
 split runs, and ``split_partial`` last (the budget skips the last first). A run that logs no step for twice a
 start-up plus twice the point's sync step is stopped as hung.
-Left out: more than one step of staleness beyond partial rollouts' two, and a search over anything but the split ratio (micro-batch sizes, engine memory) per point.
+Left out: staleness beyond one step outside partial rollouts (which take 2, or 1 + ahead rounded up with
+``--partial-aheads`` above 1), and a search over anything but the split ratio (micro-batch sizes, engine memory) per
+point.
 """
 
 from __future__ import annotations
