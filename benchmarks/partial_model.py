@@ -186,7 +186,7 @@ def main() -> None:
     path = out / f"partial_model_{args.tag}{'_paused' if args.paused else ''}.json"
     path.write_text(json.dumps({"model": "benchmarks/partial_model.py (a model, not a measurement)",
                                 "sync_step_s": sync, "sync_basis": "measured" if args.sync_step_s else "model",
-                                "args": vars(args), "rows": rows}, indent=1))
+                                "args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows}, indent=1))
     print(f"sync step {sync:.1f} s ({'measured' if args.sync_step_s else 'model'}); wrote {path}")
 
 
