@@ -262,16 +262,19 @@ def test_forced_lengths_continue_to_their_length():
     assert sum(b.meta["partial_resumed_tokens"] for b in batches) > 0
 
 
-def test_waiting_for_the_round_leaves_a_complete_pool_that_restores():
-    """Checkpoint rule: ``wait`` lets the round finish with no interrupt; the saved pool restores as it was."""
+@pytest.mark.parametrize("ahead,bound", [(1.0, 2), (2.0, 3)])
+def test_waiting_for_the_round_leaves_a_complete_pool_that_restores(ahead, bound):
+    """Checkpoint rule: ``wait`` lets the round finish with no interrupt; the saved pool restores as it was (with
+    ``ahead`` 2.0 a pool of three steps' groups)."""
     per_step, n = 2, 3
-    pipe, worker, next_prompts, _ = scripted_pipeline(per_step, n, max_len=10, seed=5, p_eos=0.1)
+    pipe, worker, next_prompts, _ = scripted_pipeline(per_step, n, max_len=10, seed=5, p_eos=0.1, ahead=ahead,
+                                                      max_staleness=bound)
     run_steps(pipe, worker, next_prompts, 3)  # ends with a final take: start one more round by hand
-    pipe.start(next_prompts, steps_left=2)
+    pipe.start(next_prompts, steps_left=5)
     pipe.wait()
-    assert pipe.carry.groups and all(g.complete for g in pipe.carry.groups)
+    assert len(pipe.carry.groups) == per_step * pipe.pool_steps and all(g.complete for g in pipe.carry.groups)
     saved = Batch.from_state_dict(pipe.peek().state_dict())
-    again, *_ = scripted_pipeline(per_step, n, max_len=10, seed=5, p_eos=0.1)
+    again, *_ = scripted_pipeline(per_step, n, max_len=10, seed=5, p_eos=0.1, ahead=ahead, max_staleness=bound)
     again.restore(saved)
     mine = [(g.prompt, [(s.tokens, s.logprobs, s.versions) for s in g.samples]) for g in pipe.carry.groups]
     theirs = [(g.prompt, [(s.tokens, s.logprobs, s.versions) for s in g.samples]) for g in again.carry.groups]
