@@ -88,6 +88,14 @@ sweep_part() {  # $1: --lengths, $2: --modes, $3: more modes_sweep.py arguments 
   cp "$SWEEP_RES"/modes_sweep_*.json "$SWEEP_RES"/modes_sweep_*.png "$OUT/" 2>/dev/null
 }
 
+tail_settings() {  # the tail leases' sweep arguments: split 2:2, one mini-batch per step (24 prompts), activation
+  # recomputation only where the card has 120 GB or less
+  local card_mib
+  card_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  echo "--split-ratios 2:2 actor.ppo_mini_batch_size=24 model.enable_gradient_checkpointing=$(
+    [ "${card_mib:-0}" -gt 120000 ] && echo false || echo true)"
+}
+
 case $PART in
 colo2)  # sync vs overlap colocated on 2 GPUs; the sync run is also the 20-step vLLM training run on 2 GPUs
   stamp "modes x2: sync, overlap_colocated"
@@ -477,9 +485,7 @@ tail5a|tail5b|tail5c|tail5d)  # issue 18's fifth lease, after f57719c (split's r
   # estimate, ~280 s, fits what sync leaves). tail5b ~490 s: mean 4k plain split 2:2 (the tail bound, timed right
   # now), then overlap colocated if the budget holds it. tail5c ~450 s: the short end, sync, overlap colocated,
   # split 2:2, split 2:2 with partial rollouts at ahead 1.0 (1:3 was slower than 2:2 there), 3 measured steps each.
-  card_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
-  W="--split-ratios 2:2 actor.ppo_mini_batch_size=24 \
-model.enable_gradient_checkpointing=$([ "${card_mib:-0}" -gt 120000 ] && echo false || echo true)"
+  W=$(tail_settings)
   export SWEEP_TAG=${TAIL_TAG:-_tail4}
   case $PART in
     tail5a)
@@ -500,9 +506,7 @@ tail6a|tail6b|tail6c|tail6d|tail6e)  # issue 18's sixth lease, after the stop ch
   # ~330 s each: mean 4k split 2:2 with partial rollouts at ahead 1.0, 2.0 (max_staleness 3), 3.0 (4); the model
   # puts them at ~27, ~25, ~22 s against sync's 38.1 s. tail6e ~480 s, if time is left: mean 4k plain split 2:2
   # (the tail bound, now without the pause), then mean 256 split 2:2 with partial rollouts at ahead 1.0.
-  card_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
-  W="--split-ratios 2:2 actor.ppo_mini_batch_size=24 \
-model.enable_gradient_checkpointing=$([ "${card_mib:-0}" -gt 120000 ] && echo false || echo true)"
+  W=$(tail_settings)
   export SWEEP_TAG=${TAIL_TAG:-_tail5}
   case $PART in
     tail6a)
