@@ -173,6 +173,7 @@ class Trainer:
             self._log(self.validate(), step=self.start_step)  # before training, or the one a stop put off (below)
             self.val_owed = False
         with GracefulStop() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint, exit non-zero
+            stop_at = self.placement.stop_check(self.global_dist.device)  # (device, group) of the per-step check
             prev_end = time.perf_counter()
             for step in range(self.start_step + 1, self.total_steps + 1):
                 with self._profiled(step):
@@ -189,7 +190,7 @@ class Trainer:
                 if self.val_set is not None and (self._due(step, test_freq) or last_val):
                     # a stop signal puts the validation off to the resumed run: the checkpoint comes first (a
                     # validation of a large set can outlast the grace a scheduler gives between SIGTERM and SIGKILL)
-                    if step < self.total_steps and stop.agreed(*self.placement.stop_check(self.global_dist.device)):
+                    if step < self.total_steps and stop.agreed(*stop_at):
                         self.val_owed = True
                     else:
                         metrics.update(self.validate())
@@ -200,7 +201,7 @@ class Trainer:
                 saved = save_freq >= 0 and (self._due(step, save_freq) or step == self.total_steps)
                 if saved:
                     self.save(step)
-                signum = stop.agreed(*self.placement.stop_check(self.global_dist.device)) if step < self.total_steps else 0
+                signum = stop.agreed(*stop_at) if step < self.total_steps else 0
                 if signum:
                     self._stop_on_signal(step, signum, saved)
         self.source.close()
