@@ -32,7 +32,10 @@ NEW_METRICS = ("rollout/partial_carried", "rollout/partial_resumed_tokens", "rol
                "rollout/token_staleness_max")
 
 
-def test_carry_over_through_the_trainer(tmp_path, monkeypatch, tiny_model_path):
+@pytest.mark.parametrize("extra, bound", [([], 2), (["trainer.partial_rollout_ahead=2", "trainer.max_staleness=3"], 3)],
+                         ids=["ahead0.25", "ahead2"])
+def test_carry_over_through_the_trainer(tmp_path, monkeypatch, tiny_model_path, extra, bound):
+    """(ahead 2: a pool of three steps' groups, all started at once, max_staleness 3.)"""
     from hybrid_rl import pipeline
     from hybrid_rl.config import load_config
     from hybrid_rl.trainer import Trainer
@@ -52,19 +55,19 @@ def test_carry_over_through_the_trainer(tmp_path, monkeypatch, tiny_model_path):
 
     monkeypatch.setattr(Trainer, "next_prompts", recording_next)
     monkeypatch.setattr(Trainer, "train_on", recording_train)
-    cfg = load_config(RECIPE, [*SMALL, *PARTIAL, "trainer.total_steps=6", "trainer.save_freq=-1",
+    cfg = load_config(RECIPE, [*SMALL, *PARTIAL, *extra, "trainer.total_steps=6", "trainer.save_freq=-1",
                                "rollout.forced_lengths=lognormal:4:1.0", "data.max_response_length=24",
                                f"trainer.output_dir={tmp_path / 'run'}"]).validate()
     rows = Trainer(cfg, cpu_dist()).fit()
     assert len(rows) == 6
     for r in rows:
         assert all(k in r for k in NEW_METRICS), sorted(r)
-        assert r["rollout/token_staleness_max"] <= 2 and r["rollout/staleness_max"] <= 2
+        assert r["rollout/token_staleness_max"] <= bound and r["rollout/staleness_max"] <= bound
         # one mini-batch: π_prox (θ_k) is the update's own first forward, over tokens of every version
         assert r["actor/old_log_prob_skipped"] == 1.0
     assert all(r["rollout/partial_carried"] > 0 for r in rows[1:-1]) and rows[-1]["rollout/partial_carried"] == 0
     assert sum(r["rollout/partial_resumed_tokens"] for r in rows) > 0  # unfinished samples did continue
-    assert max(r["rollout/token_staleness_max"] for r in rows) == 2
+    assert max(r["rollout/token_staleness_max"] for r in rows) == bound  # carried tokens do reach the bound
     assert sorted(trained) == sorted(drawn) and len(set(trained)) == len(trained) == 6 * 8
 
 
