@@ -175,21 +175,21 @@ class CarryOver:
     def ready(self, trainer_version: int) -> bool:
         """Enough complete groups to train on, and among them what ``due`` asks of this step."""
         done = {gi for gi, g in enumerate(self.groups) if g.complete}
-        return len(done) >= self.per_step and self.meets(self.oldest(done), self.due(trainer_version))
+        return len(done) >= self.per_step and self.meets(set(self.oldest(done)), self.due(trainer_version))
 
-    def oldest(self, complete: set[int], fresh: dict[int, int] | None = None) -> set[int]:
-        """The ``per_step`` oldest of ``complete`` (by oldest token, then draw order): what ``take`` trains."""
-        order = sorted(complete, key=lambda gi: (self._version(gi, fresh), self.groups[gi].seq))
-        return set(order[:self.per_step])
+    def oldest(self, complete: set[int], fresh: dict[int, int] | None = None) -> list[int]:
+        """The ``per_step`` oldest of ``complete``, oldest first (by oldest token, then draw order): what ``take``
+        trains."""
+        return sorted(complete, key=lambda gi: (self._version(gi, fresh), self.groups[gi].seq))[:self.per_step]
 
     def take(self, trainer_version: int) -> list[Group]:
         """The ``per_step`` oldest complete groups (by oldest token, then draw order), removed from the pool."""
         complete = {gi for gi, g in enumerate(self.groups) if g.complete}
-        chosen = self.oldest(complete)
+        ordered = self.oldest(complete)
+        chosen = set(ordered)
         if len(chosen) < self.per_step or not self.meets(chosen, self.due(trainer_version)):
             raise RuntimeError(f"partial rollouts: {len(complete)} complete groups for {self.per_step} per step, "
                                f"or groups due at this step left out (a bookkeeping bug)")
-        ordered = sorted(chosen, key=lambda gi: (self.groups[gi].oldest_version, self.groups[gi].seq))
         taken = [self.groups[gi] for gi in ordered]
         self.groups = [g for gi, g in enumerate(self.groups) if gi not in chosen]
         return taken
@@ -304,7 +304,7 @@ class Round:
             return
         carry = self._carry
         done = {gi for gi, left in enumerate(self._left) if left == 0}
-        if len(done) >= carry.per_step and carry.meets(carry.oldest(done, self._fresh), self._need):
+        if len(done) >= carry.per_step and carry.meets(set(carry.oldest(done, self._fresh)), self._need):
             self.interrupt.set()
 
 
