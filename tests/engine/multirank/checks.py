@@ -26,7 +26,7 @@ from hybrid_rl.algorithms import logprobs_from_logits  # noqa: E402
 from hybrid_rl.batch import Batch  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
 from hybrid_rl.data import collate_prompts  # noqa: E402
-from hybrid_rl.distributed import DistInfo, init_distributed  # noqa: E402
+from hybrid_rl.distributed import DistInfo, destroy, init_distributed  # noqa: E402
 from hybrid_rl.models import load_causal_lm  # noqa: E402
 from hybrid_rl.rollout.base import assemble_rollout  # noqa: E402
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker  # noqa: E402
@@ -455,8 +455,13 @@ def main() -> None:
     if "replay" in which:
         run_replay(d, res)
     torch.save(res, out / f"rank{d.rank}.pt")
-    torch.distributed.destroy_process_group()
+    destroy(finished=True)  # the trainer's teardown: a barrier, the cycles collected, then the groups
 
 
 if __name__ == "__main__":
     main()
+    # as ``hybrid_rl.__main__._leave``: a finished rank skips interpreter finalization, where a gloo rank aborted
+    # ("terminate called without an active exception": the replay check once, in a fresh clone's CI run)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
