@@ -502,10 +502,10 @@ tail6a|tail6b|tail6c|tail6d|tail6e)  # issue 18's sixth lease, after the stop ch
   # ranks no longer pause their generation through the trainers' update) and partial_rollout_ahead above 1: a sweep
   # of its own (TAIL_TAG, default _tail5), tail5's settings. Split with partial rollouts alternates fast and slow
   # steps (period 2 at ahead 1, 3 at ahead 2 in benchmarks/partial_model.py), so 6 measured steps each.
-  # tail6a ~420 s: the stop-check GPU test (2 GPUs, ~40 s), mean 4k sync, mean 256 sync. tail6b, tail6c, tail6d
+  # tail6a ~300 s: the stop-check GPU test (2 GPUs, ~40 s), mean 4k sync. tail6b, tail6c, tail6d
   # ~330 s each: mean 4k split 2:2 with partial rollouts at ahead 1.0, 2.0 (max_staleness 3), 3.0 (4); the model
   # puts them at ~27, ~25, ~22 s against sync's 38.1 s. tail6e ~480 s, if time is left: mean 4k plain split 2:2
-  # (the tail bound, now without the pause), then mean 256 split 2:2 with partial rollouts at ahead 1.0.
+  # (the tail bound, now without the pause), then mean 256 sync and split 2:2 with partial rollouts at ahead 1.0.
   W=$(tail_settings)
   export SWEEP_TAG=${TAIL_TAG:-_tail5}
   case $PART in
@@ -513,14 +513,13 @@ tail6a|tail6b|tail6c|tail6d|tail6e)  # issue 18's sixth lease, after the stop ch
       stamp "pytest tests/gpu/test_stop_check_gpu.py"
       CUDA_VISIBLE_DEVICES=0,1 timeout 120 python -m pytest -m gpu -q -s -p no:cacheprovider \
         tests/gpu/test_stop_check_gpu.py 2>&1 | grep -E "stop check|passed|failed|Error" | tail -6
-      sweep_part 4096 sync "$W --warmup 2 --measure 1"
-      sweep_part 256 sync "$W --warmup 2 --measure 3" ;;
+      sweep_part 4096 sync "$W --warmup 2 --measure 1" ;;
     tail6b) sweep_part 4096 split_partial "$W --warmup 2 --measure 6 --partial-aheads 1" ;;
     tail6c) sweep_part 4096 split_partial "$W --warmup 2 --measure 6 --partial-aheads 2" ;;
     tail6d) sweep_part 4096 split_partial "$W --warmup 2 --measure 6 --partial-aheads 3" ;;
     tail6e)
       sweep_part 4096 overlap_split "$W --warmup 2 --measure 2"
-      sweep_part 256 split_partial "$W --warmup 2 --measure 4 --partial-aheads 1" ;;
+      sweep_part 256 sync,split_partial "$W --warmup 2 --measure 4 --partial-aheads 1" ;;
   esac
   ;;
 pair2a|pair2b|pair2c)  # issue 18 on 2 GPUs (when no 4-GPU machine is lent): a sweep of its own (_pair), 1 rollout + 1
