@@ -21,7 +21,10 @@ and a GPU busy fraction; the plot is speed-up against generation share, one line
 
 Each run takes ``--warmup`` + ``--measure`` + 1 steps and is stopped once the measured steps are logged: the
 first step of an overlap run generates in the foreground and the last one generates nothing ahead, so neither is
-a steady-state step. ``--budget`` bounds the whole invocation (one 600 s device call): a run whose estimate
+a steady-state step. With partial rollouts the run is started with the pool's steps (``pool_steps`` =
+max(2, ⌈1 + ahead⌉)) beyond the measured ones instead of 1: over a run's last that many steps the pool shrinks
+(no prompts beyond the end are started), the rollout ranks only finish what they carry, and steps run faster than
+the steady state (the sixth lease's ahead-3 run: its last two measured steps). ``--budget`` bounds the whole invocation (one 600 s device call): a run whose estimate
 (start-up + steps, scaled from the runs already measured) does not fit what is left, or that runs past
 ``--run-timeout`` or the budget, is recorded as skipped with the reason. The JSON is rewritten after every run
 and merged with the one already there (same settings), so a sweep can be cut into parts (``--lengths 8192
@@ -375,6 +378,11 @@ def steps_in_sync_steps(name: str, mean: int, rows: list[dict], args) -> float:
     slowing each other, and never count more than 1.1 sync steps."""
     if name == "sync":
         return float(args.stop_after)
+    if name.startswith("split_partial"):
+        # the pool fills over the first two steps (49-60 s against sync's 38 s at 4k, sixth lease, 4xH200); after
+        # them the rollout ranks' throughput sets the cadence (0.52-0.68 of a sync step there; 0.86 in the fifth
+        # lease, generation paused through each update, since fixed): 1.5 and 0.8 leave room
+        return 1.5 * min(args.warmup, 2) + 0.8 * (max(0, args.warmup - 2) + args.measure)
     share = next((r.get("gen_share_own") for r in rows if r["length_mean"] == mean and r["mode"] == "sync"
                   and "step_s" in r), None)
     factor = 1.1 if share is None else min(1.1, 1.3 * max(share, 1 - share))
@@ -392,6 +400,10 @@ def run_one(name: str, mode_ovr: list[str], mean: int, cap: int, args, budget: B
         r = next((int(o.split("=")[1]) for o in mode_ovr if o.startswith("trainer.rollout_ranks=")), args.gpus // 2)
         base.update(rollout_ranks=r, ratio=f"{r}:{args.gpus - r}")
     run_ovr = point_overrides(mean, cap, args) + mode_ovr
+    steps = run_steps(args, run_ovr)
+    if steps != args.steps:
+        mode_ovr = [*mode_ovr, f"trainer.total_steps={steps}"]  # after modes.run_mode's own, so it wins
+        run_ovr = point_overrides(mean, cap, args) + mode_ovr
     err = check_config(args, run_ovr)
     if err:
         return {**base, "skipped": f"invalid setting: {err}"}
@@ -425,8 +437,20 @@ def run_one(name: str, mode_ovr: list[str], mean: int, cap: int, args, budget: B
         row["gen_share_own"] = row["phases_s"].get("gen", 0.0) / row["step_s"] if row["step_s"] > 0 else None
     row["gpu_busy_timed"] = busy_from_timings(row, mode_ovr, args.gpus)
     row["step_s_each"] = [modes.step_time(r) for r in all_steps[args.warmup:args.stop_after]]
-    row.update(warmup=args.warmup, steps_per_run=args.steps, commit=modes.commit(), host=socket.gethostname())
+    row.update(warmup=args.warmup, steps_per_run=steps, commit=modes.commit(), host=socket.gethostname())
     return row
+
+
+def run_steps(args, overrides: list[str]) -> int:
+    """The steps a run is started with (``trainer.total_steps``; it is stopped after ``--warmup`` + ``--measure``):
+    one more than it measures, or with partial rollouts the pool's steps more, so that no measured step is one of
+    the run's last ``pool_steps``, where the pool drains (see the module docstring)."""
+    try:
+        from hybrid_rl.config import load_config
+        trainer = load_config(args.recipe, [f"model.path={args.model}", *args.overrides, *overrides]).trainer
+    except Exception:  # noqa: BLE001  (check_config reports a bad setting; here the default stands)
+        return args.steps
+    return args.stop_after + trainer.partial_pool_steps if trainer.partial_rollouts else args.steps
 
 
 def check_config(args, overrides: list[str]) -> str | None:
@@ -518,7 +542,8 @@ def dry_run(args) -> int:
         for name, ovr in plan:
             err = check_config(args, point_overrides(mean, cap, args) + ovr)
             bad += err is not None
-            print(json.dumps({"length_mean": mean, "cap": cap, "mode": name, "steps": args.steps,
+            steps = run_steps(args, point_overrides(mean, cap, args) + ovr)
+            print(json.dumps({"length_mean": mean, "cap": cap, "mode": name, "steps": steps,
                               "overrides": point_overrides(mean, cap, args) + ovr, "config": err or "ok"}))
     return bad
 

@@ -2,6 +2,7 @@
 
     python benchmarks/partial_model.py --aheads 1,2                 # one rollout GPU of split 2:2 at mean 4k
     python benchmarks/partial_model.py --aheads 1 --paused          # generation paused through each update
+    python benchmarks/partial_model.py --aheads 1,2,3 --warmup 2 --measure 6 --drained   # the sixth lease's window
 
 Not a measurement. It drives ``hybrid_rl.partial``'s own ``CarryOver`` and ``Round`` (the pool, the window, the
 interrupt rule, what a step must train, staleness) with a simulated clock and a simple engine: every running sample
@@ -15,7 +16,11 @@ A sync step is modelled from the same engine (``--sync-groups-per-gpu`` groups d
 
 The defaults are the fifth lease's 4k point on 4xH200: 24 prompts x 8 over 2 rollout GPUs (12 groups each), a 3 ms
 decode step + 0.04 ms per running sample (which puts sync's generation of 6 groups a GPU at ~31 s, as measured:
-30.4 s), the trainer ranks' update 13.5 s. Writes ``results/partial_model_<tag>.json``.
+30.4 s), the trainer ranks' update 13.5 s. A run is ``--warmup`` + ``--measure`` steps and the pool's steps after
+them (``modes_sweep.py``'s partial runs), and the default window (6 + 48) is the steady state. The sixth lease
+measured steps 3-8 of runs that ended one step later (``--drained``): that window follows the pool's fill (step 2
+generates several steps ahead) and ends in the drain, and the model puts it 13-20% faster than the steady state at
+ahead 2 and 3. Writes ``results/partial_model_<tag>[_paused][_drained].json``.
 """
 
 from __future__ import annotations
@@ -87,8 +92,14 @@ def run_round(rnd: Round, engine: Engine, t: float, armed_at: float | None, trai
     return t, segs
 
 
+def run_steps(args, ahead: float) -> int:
+    """The modelled run's length: ``modes_sweep.py``'s for a partial run (the pool's steps beyond the measured ones,
+    so that none of them drains), or with ``--drained`` one step beyond, as the sixth lease's runs were."""
+    return args.warmup + args.measure + (1 if args.drained else max(2, math.ceil(1 + ahead)))
+
+
 def simulate(args, ahead: float, staleness: int, seed: int, paused: bool) -> list[float]:
-    """Hand-over times' differences (the step cadence) of one modelled run."""
+    """Hand-over times' differences (the step cadence) of one modelled run, its measured steps."""
     rng = np.random.default_rng(seed)
     engine, B, n = Engine(args), args.per_step, args.n
     carry = CarryOver(B, n, staleness, int(args.cap_factor * args.mean))
@@ -108,8 +119,9 @@ def simulate(args, ahead: float, staleness: int, seed: int, paused: bool) -> lis
     carry.apply(rnd.pending, segs, 0)
     carry.take(0)
     handovers, version = [t], 0
-    for step in range(2, args.steps + 1):
-        steps_left = args.steps - step + 1
+    total = run_steps(args, ahead)
+    for step in range(2, total + 1):
+        steps_left = total - step + 1
         add(max(0, B * min(pool_steps, steps_left) - len(carry.groups)))
         t_start = handovers[-1] + args.exchange_s
         rnd = Round(carry, version, window)
@@ -123,7 +135,8 @@ def simulate(args, ahead: float, staleness: int, seed: int, paused: bool) -> lis
             carry.apply(rnd.pending, segs, version)
         carry.take(version)
         handovers.append(max(t, ready_at))
-    return list(np.diff(handovers))
+    # step s's time is hand-over s minus hand-over s-1 (step 1's is its own round)
+    return list(np.diff([0.0, *handovers]))[args.warmup:args.warmup + args.measure]
 
 
 def sync_step(args, seed: int) -> float:
@@ -161,8 +174,11 @@ def main() -> None:
     ap.add_argument("--sync-groups-per-gpu", type=int, default=6)
     ap.add_argument("--sync-update-s", type=float, default=12.1)
     ap.add_argument("--sync-step-s", type=float, default=0.0, help="a measured sync step to compare with (0: model)")
-    ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=6, help="steps left out at the start")
+    ap.add_argument("--measure", type=int, default=48, help="steps measured after the warm-up")
+    ap.add_argument("--drained", action="store_true",
+                    help="the run ends one step after the measured ones, so its last measured steps drain the pool "
+                         "(the sixth lease's window); default: the pool's steps after, as modes_sweep.py now runs")
     ap.add_argument("--seeds", type=int, default=4)
     ap.add_argument("--tag", default="4k_split2")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
@@ -175,15 +191,15 @@ def main() -> None:
     rows = []
     for ahead in aheads:
         bound = args.staleness or max(2, math.ceil(1 + ahead))
-        steps = [d for s in range(args.seeds) for d in simulate(args, ahead, bound, s, args.paused)[args.warmup:]]
+        steps = [d for s in range(args.seeds) for d in simulate(args, ahead, bound, s, args.paused)]
         mean = float(np.mean(steps))
-        rows.append({"ahead": ahead, "max_staleness": bound, "paused": args.paused, "step_s": mean,
-                     "speedup_vs_sync": sync / mean, "steps_s_first_seed": [round(x, 1) for x in
-                                                                           steps[:args.steps - args.warmup - 1]]})
+        rows.append({"ahead": ahead, "max_staleness": bound, "paused": args.paused, "drained": args.drained,
+                     "step_s": mean, "speedup_vs_sync": sync / mean,
+                     "steps_s_first_seed": [round(x, 1) for x in steps[:min(args.measure, 16)]]})
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"partial_model_{args.tag}{'_paused' if args.paused else ''}.json"
+    path = out / f"partial_model_{args.tag}{'_paused' if args.paused else ''}{'_drained' if args.drained else ''}.json"
     path.write_text(json.dumps({"model": "benchmarks/partial_model.py (a model, not a measurement)",
                                 "sync_step_s": sync, "sync_basis": "measured" if args.sync_step_s else "model",
                                 "args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows}, indent=1))

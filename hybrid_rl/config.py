@@ -450,6 +450,13 @@ class TrainerConfig:
     """Resume a checkpoint even though settings that change what is trained differ from the run that wrote it
     (model, data, algorithm, optimiser, sampling, mode, placement, seed); off, such a resume stops and lists them."""
 
+    @property
+    def partial_pool_steps(self) -> int:
+        """Partial rollouts: how many steps' groups the pool keeps in flight, max(2, ⌈1 + ahead⌉) (the pipeline's
+        ``pool_steps``). The last of them is trained that many versions after it started, and the pool shrinks only
+        over a run's last that many steps (there are no prompts beyond the end to start)."""
+        return max(2, math.ceil(1 + self.partial_rollout_ahead))
+
 
 @dataclass
 class Config:
@@ -660,7 +667,7 @@ class Config:
             raise ConfigError(f"trainer.partial_rollouts=true needs trainer.max_staleness >= 2 (got {t.max_staleness}): "
                               "a carried sample's oldest tokens are used two weight versions later; set "
                               "trainer.max_staleness=2")
-        pool_steps = max(2, math.ceil(1 + t.partial_rollout_ahead))  # partial.PartialRolloutPipeline.pool_steps
+        pool_steps = t.partial_pool_steps
         if t.max_staleness < pool_steps:
             raise ConfigError(f"trainer.partial_rollout_ahead={t.partial_rollout_ahead:g} keeps {pool_steps} steps' groups "
                               f"in flight, started together, so the last is trained {pool_steps} versions later: set "

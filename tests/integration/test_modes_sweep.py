@@ -54,6 +54,27 @@ def test_split_ratios_and_auto_ratio():
         ms.parse_aheads("wide")
 
 
+def test_partial_runs_start_with_the_pool_beyond_the_measured_steps():
+    """A partial-rollout pool drains over a run's last pool_steps steps (no prompts beyond the end), and those steps
+    run faster than the steady state: the run is started with that many steps after the measured ones, so none of
+    them is measured. Other runs keep one step beyond (it generates nothing ahead)."""
+    args = ms.parse_args(["--gpus", "4", "--warmup", "2", "--measure", "6", "--cpu-smoke"])
+    assert (args.stop_after, args.steps) == (3, 4)  # --cpu-smoke measures one step
+    for ahead, pool in ((None, 2), (1.0, 2), (2.0, 3), (3.0, 4)):
+        (_, ovr), = ms.split_runs(4, [2], [], "split_partial", [ahead] if ahead else [])
+        assert ms.run_steps(args, ovr) == args.stop_after + pool, ahead
+    (_, plain), = ms.split_runs(4, [2], [], "overlap_split")
+    assert ms.run_steps(args, plain) == args.steps
+    assert ms.run_steps(args, ms.PARTIAL_MODE[1]) == args.stop_after + 2  # overlap colocated, the default ahead
+    # the budget's estimate: the pool's fill, then steps at the rollout side's pace; the sixth lease skipped 2 + 6
+    # steps at 4k against a 321 s budget by the overlap estimate (8.2 sync steps), and they took ~270 s
+    args = ms.parse_args(["--gpus", "4", "--warmup", "4", "--measure", "8"])
+    assert ms.steps_in_sync_steps("split_partial_a3", 4096, [], args) == pytest.approx(1.5 * 2 + 0.8 * 10)
+    assert ms.steps_in_sync_steps("overlap_split", 4096, [], args) == pytest.approx(4 + 8 * 1.1)
+    assert ms.Budget(total=540.0, run_timeout=0.0, init_s=60.0).why_not(
+        38.1, ms.steps_in_sync_steps("split_partial_a3", 4096, [], args)) is None
+
+
 def test_busy_fraction_from_timings():
     colo = {"step_s": 10.0, "phases_s": {"gen": 4.0, "reward": 1.0, "old_log_prob": 2.0, "update": 3.0}}
     assert ms.busy_from_timings(colo, ["trainer.mode=sync"], 4) == pytest.approx(0.9)  # reward runs on the host
