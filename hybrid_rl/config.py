@@ -139,6 +139,12 @@ class RolloutConfig:
     """vLLM: skip CUDA graphs (faster start, slower decode)."""
     enable_prefix_caching: bool = True
     """vLLM: reuse KV for shared prompt prefixes (the n samples of a prompt)."""
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    """vLLM: the KV cache's dtype (``auto``: the engine's). ``fp8`` stores keys and values in 8 bits with per-tensor
+    scales of 1.0 (no calibration; the weights arrive after start-up): half the KV memory and half the KV reads per
+    decode step, which bound decoding many long sequences at once (split placement with partial rollouts at mean 4k
+    keeps ~400 running per rollout GPU). The engine's log-probs then differ more from the trainer's: the decoupled loss
+    takes the engine's as the behaviour policy, and ``rollout/logprob_diff`` shows the gap. Not measured yet."""
     cuda_stream: Literal["shared", "own", "high"] = "shared"
     """Which CUDA stream generation runs on (``hybrid_rl.rollout.base.GenerationStream``): ``shared``, the calling
     thread's, which in overlap mode colocated is the trainer's too (vLLM 0.26's runner caches one stream), so the two
@@ -588,6 +594,9 @@ class Config:
                               "the actor keeps model.dtype) or rollout.name=hf")
         if r.tensor_parallel_size < 1 or world % r.tensor_parallel_size:
             raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the {world} ranks")
+        if r.kv_cache_dtype != "auto" and r.name != "vllm":
+            raise ConfigError(f"rollout.kv_cache_dtype={r.kv_cache_dtype} is for rollout.name=vllm (got {r.name!r}); "
+                              "set rollout.kv_cache_dtype=auto")
         if r.engine_process:
             if r.name != "vllm":
                 raise ConfigError(f"rollout.engine_process=true is for rollout.name=vllm (got {r.name!r}); "

@@ -437,6 +437,7 @@ def engine_kwargs(cfg, dist) -> dict[str, Any]:
         max_model_len=r.max_model_len or (d.max_prompt_length + d.max_response_length),
         enforce_eager=r.enforce_eager,
         enable_prefix_caching=r.enable_prefix_caching,
+        kv_cache_dtype=r.kv_cache_dtype,
         logprobs_mode="processed_logprobs",  # temperature-scaled, as the trainer recomputes
         generation_config="vllm",  # stop on our EOS only; no sampling defaults from the checkpoint
         seed=cfg.trainer.seed + 1000 * dp_rank,  # one stream per engine replica, shared inside a TP group

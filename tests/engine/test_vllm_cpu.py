@@ -555,6 +555,8 @@ def test_engine_kwargs_from_config():
     assert kw["enable_sleep_mode"] and kw["skip_tokenizer_init"] and kw["enforce_eager"]
     assert kw["logprobs_mode"] == "processed_logprobs" and kw["generation_config"] == "vllm"
     assert kw["dtype"] == "bfloat16" and kw["gpu_memory_utilization"] == 0.4
+    assert kw["kv_cache_dtype"] == "auto"
+    assert vr.engine_kwargs(_cfg("rollout.kv_cache_dtype=fp8"), dist)["kv_cache_dtype"] == "fp8"
     assert vr.engine_kwargs(_cfg("rollout.max_model_len=4096"), DistInfo(0, 1, 0, torch.device("cpu")))["max_model_len"] == 4096
     with pytest.raises(ValueError, match="must divide"):
         vr.engine_kwargs(cfg, DistInfo(0, 3, 0, torch.device("cpu")))

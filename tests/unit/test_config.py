@@ -60,6 +60,7 @@ def test_bad_overrides_name_the_key(override, message):
     (["trainer.rollout_ranks=-1"], "trainer.rollout_ranks=-1 must be >= 0"),
     (["trainer.stall_dump_s=-5"], "trainer.stall_dump_s=-5.0 must be >= 0"),
     (["trainer.profile_steps=[0]"], "trainer.profile_steps"),
+    (["rollout.name=hf", "rollout.kv_cache_dtype=fp8"], "rollout.kv_cache_dtype=fp8 is for rollout.name=vllm"),
 ])
 def test_inconsistent_sizes_are_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
