@@ -24,7 +24,10 @@ first step of an overlap run generates in the foreground and the last one genera
 a steady-state step. With partial rollouts the run is started with the pool's steps (``pool_steps`` =
 max(2, ⌈1 + ahead⌉)) beyond the measured ones instead of 1: over a run's last that many steps the pool shrinks
 (no prompts beyond the end are started), the rollout ranks only finish what they carry, and steps run faster than
-the steady state (the sixth lease's ahead-3 run: its last two measured steps). ``--budget`` bounds the whole invocation (one 600 s device call): a run whose estimate
+the steady state (the sixth lease's ahead-3 run: its last two measured steps). Their warm-up wants more steps too:
+the pool's first full round generates several steps ahead, and the steps after it live on that stock
+(``partial_model.py``: 4 warm-up and 8 measured steps come within ~3% of the steady state at mean 4k, 2 and 6
+flatter it by 13-20%). ``--budget`` bounds the whole invocation (one 600 s device call): a run whose estimate
 (start-up + steps, scaled from the runs already measured) does not fit what is left, or that runs past
 ``--run-timeout`` or the budget, is recorded as skipped with the reason. The JSON is rewritten after every run
 and merged with the one already there (same settings), so a sweep can be cut into parts (``--lengths 8192
