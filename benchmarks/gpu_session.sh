@@ -7,14 +7,14 @@
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean && git rev-parse HEAD > .clean/COMMIT \
 #     && cp -r .devdata .clean/ && { [ -d .stage_liger ] && cp -r .stage_liger .clean/; }  # (bash benchmarks/stage_liger.sh first)
 #   then, on the lender (carry .clean): cd .clean && bash benchmarks/gpu_session.sh PART
-#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | compile1 | ppo | smol | smolb | smolc | proc | proc4 | sweep4a..sweep4j | tail4a..tail4f | tail5a..tail5d | tail6a..tail6e | tail7a..tail7f | pair2a..pair2c | stream1 | stream2 | gputests | flagship4a..d ; writes $OUT/PART.tgz and $OUT/PART.log
+#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | compile1 | ppo | smol | smolb | smolc | proc | proc4 | sweep4a..sweep4j | tail4a..tail4f | tail5a..tail5d | tail6a..tail6e | tail7a..tail7g | pair2a..pair2c | stream1 | stream2 | gputests | flagship4a..d ; writes $OUT/PART.tgz and $OUT/PART.log
 # Each part fits one 600 s device call; every piece has its own timeout and results are packed after each piece,
 # so a part cut short still returns what finished.
 # The lender gives a machine back after ~30 s idle (what was staged is lost): send the staging calls and the
 # parts that follow them in one batch of tool calls, and edit between leases, not between calls.
 set -u
 CALL0=$(date +%s)  # the sweep parts size their budget by what is left of the 600 s call
-PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm|soak1|flagship1|ppo|sweep4a|sweep4b|sweep4c|sweep4d|proc4|sweep4h|sweep4i|sweep4j|tail4a|tail4b|tail4c|tail4d|tail4e|tail4f|tail5a|tail5b|tail5c|tail5d|tail6a|tail6b|tail6c|tail6d|tail6e|tail7a|tail7b|tail7c|tail7d|tail7e|tail7f|pair2a|pair2b|pair2c|stream1|stream2|gputests}
+PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm|soak1|flagship1|ppo|sweep4a|sweep4b|sweep4c|sweep4d|proc4|sweep4h|sweep4i|sweep4j|tail4a|tail4b|tail4c|tail4d|tail4e|tail4f|tail5a|tail5b|tail5c|tail5d|tail6a|tail6b|tail6c|tail6d|tail6e|tail7a|tail7b|tail7c|tail7d|tail7e|tail7f|tail7g|pair2a|pair2b|pair2c|stream1|stream2|gputests}
 OUT=${OUT:-/tmp/gpu_out}
 RES=/tmp/res/$PART
 MODES_RES=/tmp/res/modes2  # colo2 and split2 write one modes JSON (merged by mode) when they run on one warm machine
@@ -522,7 +522,7 @@ tail6a|tail6b|tail6c|tail6d|tail6e)  # issue 18's sixth lease, after the stop ch
       sweep_part 256 sync,split_partial "$W --warmup 2 --measure 4 --partial-aheads 1" ;;
   esac
   ;;
-tail7a|tail7b|tail7c|tail7d|tail7e|tail7f)  # issue 18's seventh lease: split + partial rollouts in the steady state. The sixth
+tail7a|tail7b|tail7c|tail7d|tail7e|tail7f|tail7g)  # issue 18's seventh lease: split + partial rollouts in the steady state. The sixth
   # lease's 1.47/1.60/1.93x (ahead 1/2/3, 4k) were steps 3-8 of runs that ended one step later: they follow the
   # pool's fill (step 2, ~60 s, generates several steps ahead) and end in the drain. benchmarks/partial_model.py puts
   # that window 13-20% faster than the steady state at ahead 2 and 3 (1.69/1.90x against 1.52/1.60x); modes_sweep.py
@@ -536,7 +536,10 @@ tail7a|tail7b|tail7c|tail7d|tail7e|tail7f)  # issue 18's seventh lease: split + 
   # (rollout.kv_cache_dtype=fp8; a sweep of its own, _tail6_fp8): the model puts the rollout ranks' decode
   # throughput as the steady state's bound, and KV reads as half a decode step at ~400 running sequences; the
   # rows' rollout/logprob_diff (in _runs/) shows what it costs the engine's log-probs.
-  # Order for one lease: a, b, e, f, c, d (what fits).
+  # tail7g ~400 s: mean 4k split 2:2 + partial rollouts at ahead 3.0 with rollout.reuse_stale_kv=true (carried
+  # samples resume on the cached keys and values; partial_model.py --reuse-kv: 23.8 -> 22.0 s), a split-only
+  # override, so a JSON of its own without sync: compare its step with tail7b's and tail7a's sync (one host).
+  # Order for one lease: a, b, e, f, g, c, d (what fits).
   W=$(tail_settings)
   export SWEEP_TAG=${TAIL_TAG:-_tail6}
   case $PART in
@@ -555,6 +558,8 @@ tail7a|tail7b|tail7c|tail7d|tail7e|tail7f)  # issue 18's seventh lease: split + 
         tests/gpu/test_vllm_fp8kv_gpu.py 2>&1 | grep -E "fp8 KV|passed|failed|Error" | tail -6
       sweep_part 4096 sync "$W --warmup 2 --measure 3" ;;
     tail7f) sweep_part 4096 split_partial "$W --warmup 4 --measure 8 --partial-aheads 3" ;;
+    tail7g) SWEEP_TAG=${TAIL_TAG:-_tail6}_reusekv sweep_part 4096 split_partial \
+      "$W --split-override rollout.reuse_stale_kv=true --warmup 4 --measure 8 --partial-aheads 3" ;;
   esac
   ;;
 pair2a|pair2b|pair2c)  # issue 18 on 2 GPUs (when no 4-GPU machine is lent): a sweep of its own (_pair), 1 rollout + 1

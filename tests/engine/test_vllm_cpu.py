@@ -1113,6 +1113,12 @@ def test_engine_process_is_spawned_alone_on_its_gpu_and_the_environment_restored
     eng = vr.VLLMRolloutEngine.from_config(_cfg(), dist, SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD))
     assert seen["kwargs"]["distributed_executor_backend"] == "external_launcher" and eng.in_process
     assert seen["env"]["RANK"] == "1" and seen["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert eng.stale_kv_versions == 0  # rollout.reuse_stale_kv off: every round after a push resets the cache
+    reuse = _cfg("trainer.mode=overlap", "trainer.max_staleness=3", "trainer.partial_rollouts=true",
+                 "trainer.partial_rollout_ahead=2", "rollout.reuse_stale_kv=true")
+    reuse.validate()
+    eng = vr.VLLMRolloutEngine.from_config(reuse, dist, SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD))
+    assert eng.stale_kv_versions == 3  # kept for at most trainer.max_staleness pushes
 
 
 def test_an_engine_process_under_torchrun_sets_up_its_own_world_of_one(monkeypatch):

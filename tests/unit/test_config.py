@@ -61,6 +61,9 @@ def test_bad_overrides_name_the_key(override, message):
     (["trainer.stall_dump_s=-5"], "trainer.stall_dump_s=-5.0 must be >= 0"),
     (["trainer.profile_steps=[0]"], "trainer.profile_steps"),
     (["rollout.name=hf", "rollout.kv_cache_dtype=fp8"], "rollout.kv_cache_dtype=fp8 is for rollout.name=vllm"),
+    (["rollout.name=vllm", "rollout.reuse_stale_kv=true"], "set trainer.partial_rollouts=true, or rollout.reuse"),
+    (["rollout.name=vllm", "trainer.mode=overlap", "trainer.max_staleness=2", "trainer.partial_rollouts=true",
+      "rollout.enable_prefix_caching=false", "rollout.reuse_stale_kv=true"], "set rollout.enable_prefix_caching=true"),
 ])
 def test_inconsistent_sizes_are_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -147,3 +147,27 @@ def test_interruptible_generation_runs_inside_the_generation_stream(engine):
     eng.llm.llm_engine.step = lambda: log.append("step") or step()
     eng.generate_interruptible([Continuation([5], (), 2)], SamplingParams())
     assert log[0] == "enter" and log[-1] == "exit" and set(log[1:-1]) == {"step"} and len(log) >= 3
+
+
+@pytest.mark.parametrize("versions, resets", [(0, [1, 2, 3, 4, 5, 6, 7]), (3, [1, 4, 7])])
+def test_reuse_stale_kv_keeps_the_prefix_cache_for_max_staleness_pushes(engine, versions, resets):
+    """``rollout.reuse_stale_kv`` (``stale_kv_versions`` = trainer.max_staleness): a round after a push resumes on
+    the prefix cache the older weights left, until that many pushes since its last reset; off, every round after
+    a push starts on a reset cache. A foreground ``generate`` still resets a stale cache."""
+    eng = engine()
+    eng._weights_real = False
+    seen: list[int] = []
+    eng.llm.reset_prefix_cache = lambda: seen.append(eng.weights_version) or True
+    eng.llm.collective_rpc = lambda fn, args=(), kwargs=None: [len(args[0])]
+    eng.stale_kv_versions = versions
+    for v in range(1, 8):
+        eng.begin_weight_update()
+        eng.load_weights([("w", torch.zeros(2))])
+        eng.finish_weight_update(v)
+        eng.generate_interruptible([Continuation([5], (), 2)], SamplingParams())
+    assert seen == resets
+    eng.begin_weight_update()
+    eng.load_weights([("w", torch.zeros(2))])
+    eng.finish_weight_update(8)
+    eng._check_ready()  # what generate() does first (validation, the foreground round)
+    assert seen == [*resets, 8]
