@@ -137,8 +137,10 @@ def split_runs(gpus: int, ranks: list[int], extra: list[str], family: str = "ove
     runs = [(name, [*ovr, *extra]) for name, ovr in (split_mode(gpus, r, family) for r in sorted(set(ranks)))]
     if family != "split_partial" or not aheads:
         return runs
+    from hybrid_rl.config import partial_pool_steps
+
     return [(f"{name}_a{a:g}", [*ovr, f"trainer.partial_rollout_ahead={a:g}",
-                                *([f"trainer.max_staleness={math.ceil(1 + a)}"] if a > 1 else [])])
+                                *([f"trainer.max_staleness={partial_pool_steps(a)}"] if a > 1 else [])])
             for name, ovr in runs for a in aheads]
 
 

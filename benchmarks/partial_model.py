@@ -36,6 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hybrid_rl.config import partial_pool_steps  # noqa: E402
 from hybrid_rl.partial import CarryOver, Group, Round, Sample  # noqa: E402
 from hybrid_rl.rollout.base import Segment  # noqa: E402
 
@@ -98,7 +99,7 @@ def run_round(rnd: Round, engine: Engine, t: float, armed_at: float | None, trai
 def run_steps(args, ahead: float) -> int:
     """The modelled run's length: ``modes_sweep.py``'s for a partial run (the pool's steps beyond the measured ones,
     so that none of them drains), or with ``--drained`` one step beyond, as the sixth lease's runs were."""
-    return args.warmup + args.measure + (1 if args.drained else max(2, math.ceil(1 + ahead)))
+    return args.warmup + args.measure + (1 if args.drained else partial_pool_steps(ahead))
 
 
 def simulate(args, ahead: float, staleness: int, seed: int, paused: bool) -> list[float]:
@@ -107,7 +108,7 @@ def simulate(args, ahead: float, staleness: int, seed: int, paused: bool) -> lis
     engine, B, n = Engine(args), args.per_step, args.n
     carry = CarryOver(B, n, staleness, int(args.cap_factor * args.mean))
     window = B + math.ceil(ahead * B)
-    pool_steps = max(2, math.ceil(window / B))
+    pool_steps = partial_pool_steps(ahead)
 
     def add(count: int) -> None:
         for _ in range(count):
@@ -198,7 +199,7 @@ def main() -> None:
     sync = args.sync_step_s or float(np.mean([sync_step(args, s) for s in range(args.seeds)]))
     rows = []
     for ahead in aheads:
-        bound = args.staleness or max(2, math.ceil(1 + ahead))
+        bound = args.staleness or partial_pool_steps(ahead)
         steps = [d for s in range(args.seeds) for d in simulate(args, ahead, bound, s, args.paused)]
         mean = float(np.mean(steps))
         rows.append({"ahead": ahead, "max_staleness": bound, "paused": args.paused, "drained": args.drained,

@@ -469,10 +469,8 @@ class TrainerConfig:
 
     @property
     def partial_pool_steps(self) -> int:
-        """Partial rollouts: how many steps' groups the pool keeps in flight, max(2, ⌈1 + ahead⌉) (the pipeline's
-        ``pool_steps``). The last of them is trained that many versions after it started, and the pool shrinks only
-        over a run's last that many steps (there are no prompts beyond the end to start)."""
-        return max(2, math.ceil(1 + self.partial_rollout_ahead))
+        """``partial_pool_steps(partial_rollout_ahead)``."""
+        return partial_pool_steps(self.partial_rollout_ahead)
 
 
 @dataclass
@@ -750,6 +748,14 @@ class Config:
             raise ConfigError("trainer.placement=split keeps the actor on its own GPUs, so actor.param_offload/"
                               "optimizer_offload have nothing to give way to; set them to false")
         return n_train
+
+
+def partial_pool_steps(ahead: float) -> int:
+    """Partial rollouts: how many steps' groups the pool keeps in flight at ``trainer.partial_rollout_ahead`` =
+    ``ahead``, max(2, ⌈1 + ahead⌉), and so the least ``trainer.max_staleness`` it allows (the last of them is
+    trained that many versions after it started). The pool shrinks only over a run's last that many steps (there
+    are no prompts beyond the end to start)."""
+    return max(2, math.ceil(1 + ahead))
 
 
 def parse_forced_lengths(spec: str) -> tuple[str, list[float]]:

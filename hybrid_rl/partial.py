@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from hybrid_rl.batch import Batch
+from hybrid_rl.config import partial_pool_steps
 from hybrid_rl.pipeline import RolloutPipeline
 from hybrid_rl.rollout.base import Continuation, SamplingParams, Segment, assemble_rollout
 
@@ -319,7 +320,7 @@ class PartialRolloutPipeline(RolloutPipeline):
         self.carry = CarryOver(per_step, cfg.rollout.n, max_staleness, cfg.data.max_response_length)
         self.window = per_step + math.ceil(ahead * per_step)
         """Groups a background round generates (``trainer.partial_rollout_ahead``): the pool's oldest; the rest wait."""
-        self.pool_steps = max(2, math.ceil(self.window / per_step))
+        self.pool_steps = partial_pool_steps(ahead)  # = ⌈window / per_step⌉, at least 2
         """Steps of prompts the pool is topped up to (fewer before the run's last steps)."""
         self.round: Round | None = None
         self._last_gen_s = 0.0

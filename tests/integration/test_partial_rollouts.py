@@ -16,13 +16,13 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
 import pytest
 
 from helpers import ROOT, LazyExecutor, cpu_dist, run_checked
+from hybrid_rl.config import partial_pool_steps
 
 RECIPE = ROOT / "recipes" / "cpu_successor.yaml"
 PARTIAL = ["trainer.mode=overlap", "trainer.max_staleness=2", "trainer.partial_rollouts=true"]
@@ -213,7 +213,7 @@ def test_overlap_with_partial_rollouts_still_learns(tmp_path, placement, ahead, 
     recipe's own (0.993 and 0.994 in two runs)."""
     out = tmp_path / "partial"
     launch = [sys.executable] if placement == "colocated" else _torchrun(2)
-    bound = max(2, math.ceil(1 + ahead))
+    bound = partial_pool_steps(ahead)
     run_checked(launch + ["-m", "hybrid_rl", "train", str(RECIPE), *PARTIAL, f"trainer.output_dir={out}",
                           f"trainer.placement={placement}", "trainer.logger=[jsonl]", f"trainer.total_steps={steps}",
                           f"trainer.partial_rollout_ahead={ahead}", f"trainer.max_staleness={bound}",
