@@ -7,14 +7,14 @@
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean && git rev-parse HEAD > .clean/COMMIT \
 #     && cp -r .devdata .clean/ && { [ -d .stage_liger ] && cp -r .stage_liger .clean/; }  # (bash benchmarks/stage_liger.sh first)
 #   then, on the lender (carry .clean): cd .clean && bash benchmarks/gpu_session.sh PART
-#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | compile1 | ppo | smol | smolb | smolc | proc | proc4 | sweep4a..sweep4j | tail4a..tail4f | tail5a..tail5d | tail6a..tail6e | tail7a..tail7g | pair2a..pair2c | stream1 | stream2 | gputests | flagship4a..d ; writes $OUT/PART.tgz and $OUT/PART.log
+#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | compile1 | ppo | smol | smolb | smolc | proc | proc4 | sweep4a..sweep4j | tail4a..tail4f | tail5a..tail5d | tail6a..tail6e | tail7a..tail7g | newgpu | pair2a..pair2c | stream1 | stream2 | gputests | flagship4a..d ; writes $OUT/PART.tgz and $OUT/PART.log
 # Each part fits one 600 s device call; every piece has its own timeout and results are packed after each piece,
 # so a part cut short still returns what finished.
 # The lender gives a machine back after ~30 s idle (what was staged is lost): send the staging calls and the
 # parts that follow them in one batch of tool calls, and edit between leases, not between calls.
 set -u
 CALL0=$(date +%s)  # the sweep parts size their budget by what is left of the 600 s call
-PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm|soak1|flagship1|ppo|sweep4a|sweep4b|sweep4c|sweep4d|proc4|sweep4h|sweep4i|sweep4j|tail4a|tail4b|tail4c|tail4d|tail4e|tail4f|tail5a|tail5b|tail5c|tail5d|tail6a|tail6b|tail6c|tail6d|tail6e|tail7a|tail7b|tail7c|tail7d|tail7e|tail7f|tail7g|pair2a|pair2b|pair2c|stream1|stream2|gputests}
+PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm|soak1|flagship1|ppo|sweep4a|sweep4b|sweep4c|sweep4d|proc4|sweep4h|sweep4i|sweep4j|tail4a|tail4b|tail4c|tail4d|tail4e|tail4f|tail5a|tail5b|tail5c|tail5d|tail6a|tail6b|tail6c|tail6d|tail6e|tail7a|tail7b|tail7c|tail7d|tail7e|tail7f|tail7g|newgpu|pair2a|pair2b|pair2c|stream1|stream2|gputests}
 OUT=${OUT:-/tmp/gpu_out}
 RES=/tmp/res/$PART
 MODES_RES=/tmp/res/modes2  # colo2 and split2 write one modes JSON (merged by mode) when they run on one warm machine
@@ -94,6 +94,16 @@ tail_settings() {  # the tail leases' sweep arguments: split 2:2, one mini-batch
   card_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
   echo "--split-ratios 2:2 actor.ppo_mini_batch_size=24 model.enable_gradient_checkpointing=$(
     [ "${card_mib:-0}" -gt 120000 ] && echo false || echo true)"
+}
+
+new_gpu_tests() {  # the fp8 KV cache's test (engine vs trainer log-probs), rollout.reuse_stale_kv's (prefix cache hits
+  # after a push, and what the stale keys cost the continuation's log-probs): one process each, ~70 s each
+  stamp "pytest tests/gpu/test_vllm_fp8kv_gpu.py"
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python -m pytest -m gpu -q -s -p no:cacheprovider \
+    tests/gpu/test_vllm_fp8kv_gpu.py 2>&1 | grep -E "fp8 KV|passed|failed|Error" | tail -6
+  stamp "pytest tests/gpu/test_gpu_partial.py"
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python -m pytest -m gpu -q -s -p no:cacheprovider \
+    tests/gpu/test_gpu_partial.py 2>&1 | grep -E "reuse_stale_kv=|interrupt\+continue|continuation vs|passed|failed|Error" | tail -8
 }
 
 case $PART in
@@ -553,9 +563,7 @@ tail7a|tail7b|tail7c|tail7d|tail7e|tail7f|tail7g)  # issue 18's seventh lease: s
     tail7c) sweep_part 4096 split_partial "$W --warmup 4 --measure 8 --partial-aheads 2" ;;
     tail7d) sweep_part 256 overlap_colocated,split_partial "$W --warmup 4 --measure 8 --partial-aheads 3" ;;
     tail7e)
-      stamp "pytest tests/gpu/test_vllm_fp8kv_gpu.py"
-      CUDA_VISIBLE_DEVICES=0 timeout 150 python -m pytest -m gpu -q -s -p no:cacheprovider \
-        tests/gpu/test_vllm_fp8kv_gpu.py 2>&1 | grep -E "fp8 KV|passed|failed|Error" | tail -6
+      new_gpu_tests
       sweep_part 4096 sync "$W --warmup 2 --measure 3" ;;
     tail7f) sweep_part 4096 split_partial "$W --warmup 4 --measure 8 --partial-aheads 3" ;;
     tail7g) SWEEP_TAG=${TAIL_TAG:-_tail6}_reusekv sweep_part 4096 split_partial \
@@ -583,6 +591,9 @@ model.enable_gradient_checkpointing=$([ "${card_mib:-0}" -gt 120000 ] && echo fa
 sweep4g)  # part 7 (after 4a/4b on the same machine): the short end and 4k with generation on its own high-priority
   # CUDA stream (rollout.cuda_stream=high; the default shares the trainer's stream), ~450 s
   sweep_part 256,4096 overlap_stream
+  ;;
+newgpu)  # on 1 GPU, ~150 s: the GPU tests of what no GPU has run yet (the fp8 KV cache, rollout.reuse_stale_kv)
+  new_gpu_tests
   ;;
 gputests)  # every tests/gpu file on 1 GPU, one process each (vLLM allows one engine per process); files that the time
   # left of the call cannot hold are named, not run. Run it first in a lease: stop 16 found three failing GPU tests

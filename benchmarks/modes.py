@@ -231,6 +231,12 @@ def summarize(name: str, overrides: list[str], run_dir: Path, args, wall: float 
     # every rank's response/total tokens per step, recovered from the logged throughputs
     gen_tokens = mean("rollout/response_length_mean") * args.prompts * args.n
     total_tokens = statistics.fmean(r["perf/tokens_per_s"] * r["timing/step"] for r in rows)
+    extra = {}
+    if any("rollout/logprob_diff" in r for r in rows):  # engine vs trainer log-probs (an fp8 KV cache, stale keys)
+        extra["logprob_diff"] = mean("rollout/logprob_diff")
+    context = sum(r.get("rollout/partial_context_tokens", 0.0) for r in rows)
+    if context:  # partial rollouts: the rounds' context read from vLLM's prefix cache (rollout.reuse_stale_kv)
+        extra["prefix_cache_hit"] = sum(r.get("rollout/partial_cached_tokens", 0.0) for r in rows) / context
     return {
         "mode": name,
         "overrides": overrides,
@@ -248,6 +254,7 @@ def summarize(name: str, overrides: list[str], run_dir: Path, args, wall: float 
         "staleness_max": max(r.get("rollout/staleness_max", 0.0) for r in rows),
         "response_length_mean": mean("rollout/response_length_mean"),
         "wall_s": wall,
+        **extra,
     }
 
 

@@ -564,7 +564,7 @@ def lengths_and_caps(args) -> tuple[list[int], list[int]]:
 def _brief(rows: list[dict], mean: int, name: str) -> dict:
     r = next(r for r in rows if r["length_mean"] == mean and r["mode"] == name)
     keys = ("length_mean", "cap", "mode", "ratio", "step_s", "gen_share", "speedup_vs_sync", "gpu_busy_fraction",
-            "gpu_busy_timed", "skipped")
+            "gpu_busy_timed", "prefix_cache_hit", "logprob_diff", "skipped")
     return {k: r[k] for k in keys if k in r}
 
 

@@ -252,14 +252,19 @@ def groups_from_batch(batch: Batch, n: int) -> list[Group]:
     return groups
 
 
+COUNTS = ("partial_carried", "partial_resumed_tokens", "partial_context_tokens", "partial_cached_tokens")
+"""Batch meta that counts something on its rollout rank, logged as ``rollout/<key>`` summed over the ranks: groups
+left in the pool, tokens resumed from earlier rounds, and the rounds' context tokens (prompt + partial response)
+with those vLLM served from its prefix cache (``rollout.reuse_stale_kv``)."""
+
+
 def partial_metrics(batch: Batch, trainer_version: int) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
     """``rollout/token_staleness_*`` over response tokens, and the carry-over counts (per rank, summed later)."""
     t = batch.tensors
     mask = t["response_mask"].bool()
     staleness = (trainer_version - t["token_weight_version"])[mask].float()
     means = {"rollout/token_staleness_mean": (float(staleness.sum()), float(mask.sum())),
-             "rollout/partial_carried": (float(batch.meta.get("partial_carried", 0)), 1.0),
-             "rollout/partial_resumed_tokens": (float(batch.meta.get("partial_resumed_tokens", 0)), 1.0)}
+             **{f"rollout/{key}": (float(batch.meta.get(key, 0)), 1.0) for key in COUNTS}}
     return means, {"rollout/token_staleness_max": float(staleness.max()) if staleness.numel() else 0.0}
 
 
@@ -324,6 +329,8 @@ class PartialRolloutPipeline(RolloutPipeline):
         """Steps of prompts the pool is topped up to (fewer before the run's last steps)."""
         self.round: Round | None = None
         self._last_gen_s = 0.0
+        self._context = [0, 0]
+        """Context tokens the rounds since the last take submitted, and those vLLM served from its prefix cache."""
 
     # -- generation ----------------------------------------------------------------
     def _params(self) -> SamplingParams:
@@ -350,6 +357,8 @@ class PartialRolloutPipeline(RolloutPipeline):
         segments = self.worker.rollout.generate_interruptible(rnd.requests, self._params(), rnd.interrupt,
                                                                rnd.on_finish)
         rnd.gen_s = time.perf_counter() - start
+        self._context[0] += sum(len(r.prompt) + len(r.tokens) for r in rnd.requests)
+        self._context[1] += int(self.worker.rollout.last_generate_stats.get("cached_tokens", 0))
         return segments
 
     def _finish_round(self) -> None:
@@ -392,7 +401,9 @@ class PartialRolloutPipeline(RolloutPipeline):
                     carry.apply(rnd.pending, self._run(rnd), rnd.version)
                     self._last_gen_s = rnd.gen_s
         taken = carry.take(trainer_version)
-        return self._batch(taken, partial_carried=len(carry.groups))
+        (context, cached), self._context = self._context, [0, 0]
+        return self._batch(taken, partial_carried=len(carry.groups), partial_context_tokens=context,
+                           partial_cached_tokens=cached)
 
     def _batch(self, groups: list[Group], **meta: Any) -> Batch:
         w = self.worker

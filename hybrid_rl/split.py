@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from hybrid_rl.batch import Batch
 from hybrid_rl.micro_batching import pad_widths
+from hybrid_rl.partial import COUNTS
 
 
 @dataclass
@@ -118,10 +119,6 @@ def _members_only_gloo(ranks: list[int], rank: int):
 
 
 # --------------------------------------------------------------------------- batches
-COUNTS = ("partial_carried", "partial_resumed_tokens")
-"""Batch meta that counts something on its rollout rank (partial rollouts; the trainer sums each over its ranks)."""
-
-
 def send_batch(layout: SplitLayout, batch: Batch | None, widths: tuple[int, int], pad_token_id: int) -> Batch | None:
     """Collective over the world: the rollout ranks contribute their batch, every trainer rank gets its share.
 

@@ -39,6 +39,7 @@ from hybrid_rl.data import TASKS, PromptDataset, PromptSampler, collate_prompts,
 from hybrid_rl.distributed import DistInfo, all_reduce_sum, reduce_max, reduce_weighted_means
 from hybrid_rl.interrupt import GracefulStop, RunInterrupted
 from hybrid_rl.metrics import batch_metrics, outcome_sums
+from hybrid_rl.partial import COUNTS as partial_counts
 from hybrid_rl.perf import ModelFlops, host_wait_summary, pass_mfu, peak_flops
 from hybrid_rl.rewards import RewardScorer
 from hybrid_rl.runlock import take_run_lock
@@ -529,9 +530,11 @@ class Trainer:
         out["rollout/dropped_batches"] = float(batch.meta.get("dropped_batches", 0))
         # per-step token counts are global sums (count 1 per rank), recover them from the means
         world = self.dist.world_size
-        for key in ("rollout/partial_carried", "rollout/partial_resumed_tokens"):
+        for key in (f"rollout/{k}" for k in partial_counts):
             if key in out:  # this rank's count, summed over ranks
                 out[key] *= world
+        if out.get("rollout/partial_context_tokens"):  # share of the rounds' context read from vLLM's prefix cache
+            out["rollout/prefix_cache_hit"] = out["rollout/partial_cached_tokens"] / out["rollout/partial_context_tokens"]
         total_tokens = out.pop("perf/total_tokens") * world
         response_tokens = out.pop("perf/response_tokens") * world
         out["perf/tokens_per_s"] = total_tokens / max(out["timing/step"], 1e-9)

@@ -163,7 +163,8 @@ class RolloutEngine(abc.ABC):
     gen_stream: GenerationStream = GenerationStream(torch.device("cpu"))
     """Where generation runs (``rollout.cuda_stream``); engines set their own in ``from_config``."""
     last_generate_stats: Mapping[str, float] = MappingProxyType({})
-    """Figures of the latest ``generate`` call (seconds, num_tokens, num_sequences) where the backend reports them."""
+    """Figures of the latest ``generate`` call (seconds, num_tokens, num_sequences; for an interruptible round,
+    cached_tokens: context read from a prefix cache) where the backend reports them."""
     in_process: bool = True
     """Whether ``load_weights`` copies in this process (False: the engine runs in a process of its own, so the
     sharding manager's record-and-replay of those copies cannot see them)."""

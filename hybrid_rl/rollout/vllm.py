@@ -379,12 +379,14 @@ def collect_outputs(request_outputs: Sequence[Any], n: int, pad_token_id: int) -
 
 
 def drive_engine(engine: Any, ids: list[str], interrupt: Interrupt | None,
-                 on_finish: OnFinish | None) -> tuple[dict[str, Any], set[str]]:
+                 on_finish: OnFinish | None) -> tuple[dict[str, Any], set[str], int]:
     """``LLMEngine.step()`` until the requests ``ids`` are done or ``interrupt`` is set (polled before every step;
     then the unfinished ones are aborted). Returns each request's latest ``CompletionOutput`` (CUMULATIVE: every
-    token so far, a request aborted before its first token has none) and the ids that finished."""
+    token so far, a request aborted before its first token has none), the ids that finished, and the context
+    tokens vLLM served from its prefix cache (``RequestOutput.num_cached_tokens``, summed over the requests)."""
     index = {rid: i for i, rid in enumerate(ids)}
     latest: dict[str, Any] = {}
+    cached: dict[str, int] = {}
     done: set[str] = set()
     while len(done) < len(ids):
         if interrupt is not None and interrupt.is_set():
@@ -395,6 +397,7 @@ def drive_engine(engine: Any, ids: list[str], interrupt: Interrupt | None,
             if out.request_id not in index:
                 continue
             latest[out.request_id] = out.outputs[0]
+            cached[out.request_id] = int(getattr(out, "num_cached_tokens", None) or 0)
             if out.finished and out.request_id not in done:
                 done.add(out.request_id)
                 ended.append(index[out.request_id])
@@ -402,7 +405,7 @@ def drive_engine(engine: Any, ids: list[str], interrupt: Interrupt | None,
             on_finish(ended)
         if len(done) < len(ids) and not engine.has_unfinished_requests():
             raise RuntimeError(f"vLLM has no unfinished requests but {len(ids) - len(done)} continuations never finished")
-    return latest, done
+    return latest, done, sum(cached.values())
 
 
 def segment_of(output: Any, finished: bool) -> Segment:
@@ -721,11 +724,12 @@ class VLLMRolloutEngine(RolloutEngine):
         engine = self.llm.llm_engine
         start = time.perf_counter()
         ids = self._add_continuations(engine, requests, params)
-        latest, done = drive_engine(engine, ids, interrupt, on_finish)
+        latest, done, cached = drive_engine(engine, ids, interrupt, on_finish)
         segments = [segment_of(latest.get(rid), rid in done) for rid in ids]
         self.last_generate_stats = {"seconds": time.perf_counter() - start,
                                     "num_tokens": float(sum(len(s.tokens) for s in segments)),
-                                    "num_sequences": float(len(segments))}
+                                    "num_sequences": float(len(segments)),
+                                    "cached_tokens": float(cached)}
         return segments
 
     def _add_continuations(self, engine: Any, requests: Sequence[Continuation], params: SamplingParams) -> list[str]:

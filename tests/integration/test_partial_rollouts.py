@@ -30,7 +30,7 @@ SMALL = ["data.num_synthetic=256", "data.train_batch_size=8", "rollout.n=4", "ac
          "actor.ppo_micro_batch_size_per_device=16", "trainer.logger=[jsonl]", "trainer.test_freq=0",
          "trainer.val_before_train=false"]
 NEW_METRICS = ("rollout/partial_carried", "rollout/partial_resumed_tokens", "rollout/token_staleness_mean",
-               "rollout/token_staleness_max")
+               "rollout/token_staleness_max", "rollout/partial_context_tokens", "rollout/partial_cached_tokens")
 
 
 @pytest.mark.parametrize("extra, bound", [([], 2), (["trainer.partial_rollout_ahead=2", "trainer.max_staleness=3"], 3)],
@@ -68,6 +68,9 @@ def test_carry_over_through_the_trainer(tmp_path, monkeypatch, tiny_model_path, 
         assert r["actor/old_log_prob_skipped"] == 1.0
     assert all(r["rollout/partial_carried"] > 0 for r in rows[1:-1]) and rows[-1]["rollout/partial_carried"] == 0
     assert sum(r["rollout/partial_resumed_tokens"] for r in rows) > 0  # unfinished samples did continue
+    # the rounds submitted contexts (a step the pool already held ran none); the hf engine has no prefix cache
+    assert rows[0]["rollout/partial_context_tokens"] > 0 and not any(r["rollout/partial_cached_tokens"] for r in rows)
+    assert all(r.get("rollout/prefix_cache_hit") == (0.0 if r["rollout/partial_context_tokens"] else None) for r in rows)
     assert max(r["rollout/token_staleness_max"] for r in rows) == bound  # carried tokens do reach the bound
     assert sorted(trained) == sorted(drawn) and len(set(trained)) == len(trained) == 6 * 8
 
@@ -195,6 +198,8 @@ def test_modes_sweep_cpu_smoke_runs_both_partial_modes(tmp_path, tiny_model_path
     printed = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [p["mode"] for p in printed] == ["sync", "overlap_partial", "split_partial"]
     assert all("step_s" in p and "skipped" not in p for p in printed), printed
+    # the rounds' prefix-cache share is summarised for the partial modes (the hf engine has no cache)
+    assert [p.get("prefix_cache_hit") for p in printed] == [None, 0.0, 0.0]
     doc = json.loads((tmp_path / "modes_sweep_cpux2_tiny-qwen2.json").read_text())
     (point,) = doc["points"]
     assert point["speedup"]["overlap_partial"] is not None and point["speedup"]["split_partial"] is not None

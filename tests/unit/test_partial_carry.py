@@ -106,6 +106,7 @@ class ScriptedEngine:
         self.weights_version = 0
         self.eos_token_ids = [EOS]
         self.calls: list[int] = []
+        self.last_generate_stats: dict[str, float] = {}
 
     def generate_interruptible(self, requests, params, interrupt=None, on_finish=None):
         self.calls.append(len(requests))

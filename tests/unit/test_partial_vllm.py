@@ -38,6 +38,7 @@ class FakeLLMEngine:
         self.added: list[tuple[str, list[int], dict]] = []
         self.aborted: list[str] = []
         self.eos_at = eos_at  # request index → the step at which it samples EOS
+        self.cached = 0  # context tokens each request finds in the prefix cache (RequestOutput.num_cached_tokens)
 
     def add_request(self, rid, prompt, params):
         assert params["output_kind"] is Kind.CUMULATIVE and params["n"] == 1
@@ -64,7 +65,8 @@ class FakeLLMEngine:
             finished = eos or len(r["toks"]) >= r["params"]["max_tokens"]
             comp = SimpleNamespace(token_ids=r["toks"], logprobs=r["lps"], index=0,
                                    finish_reason="stop" if finished else None)
-            outs.append(SimpleNamespace(request_id=rid, outputs=[comp], finished=finished))
+            outs.append(SimpleNamespace(request_id=rid, outputs=[comp], finished=finished,
+                                        num_cached_tokens=min(self.cached, len(r["ctx"]))))
             if finished:
                 del self.live[rid]
         return outs
@@ -171,3 +173,15 @@ def test_reuse_stale_kv_keeps_the_prefix_cache_for_max_staleness_pushes(engine, 
     eng.finish_weight_update(8)
     eng._check_ready()  # what generate() does first (validation, the foreground round)
     assert seen == [*resets, 8]
+
+
+def test_stats_count_the_context_and_what_the_prefix_cache_served(engine):
+    """``last_generate_stats`` of a round: the context tokens (prompt + partial tokens) vLLM read from its prefix
+    cache (``RequestOutput.num_cached_tokens``), summed over requests: the pipeline's ``rollout/prefix_cache_hit``."""
+    eng = engine()
+    reqs = [Continuation([5, 6, 7], (40, 41), 2), Continuation([8], (), 2)]
+    eng.generate_interruptible(reqs, SamplingParams())
+    assert eng.last_generate_stats["cached_tokens"] == 0
+    eng.llm.llm_engine.cached = 4
+    eng.generate_interruptible(reqs, SamplingParams(), interrupt=AfterPolls(1))
+    assert eng.last_generate_stats["cached_tokens"] == 4 + 1
