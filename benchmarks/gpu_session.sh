@@ -37,7 +37,7 @@ export PYTHONUNBUFFERED=1 HYBRID_RL_CACHE=/tmp/hrc TOKENIZERS_PARALLELISM=false
 nvidia-smi -L
 python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" || true
 # cold4 measures the ranks' own build on a cold cache: no pre-build there
-case $PART in cold4|smol*) ;; *) python -c "from hybrid_rl.models import resolve_model_path as r; r('builtin:qwen2.5-0.5b-random'); r('builtin:qwen2.5-1.5b-random')" ;; esac
+case $PART in cold4|smol*|newgpu) ;; *) python -c "from hybrid_rl.models import resolve_model_path as r; r('builtin:qwen2.5-0.5b-random'); r('builtin:qwen2.5-1.5b-random')" ;; esac
 T0=$(date +%s)
 pack() { tar czf "$OUT/$PART.tgz.tmp" --exclude=checkpoints --exclude=tensorboard --exclude=validation -C /tmp/res "$PART" modes2 sweep4 smolruns flagship4 2>/dev/null;
         mv "$OUT/$PART.tgz.tmp" "$OUT/$PART.tgz"; }
