@@ -541,7 +541,7 @@ tail7a|tail7b|tail7c|tail7d|tail7e|tail7f|tail7g)  # issue 18's seventh lease: s
   # tail7a ~330 s: mean 4k sync (3 measured steps: its steps ranged 33.8-39.1 s in the sixth lease), mean 256 sync.
   # tail7b, tail7c ~400 s each: mean 4k split 2:2 with partial rollouts at ahead 3.0 (max_staleness 4), 2.0 (3).
   # tail7d ~300 s: the short end, overlap colocated and split 2:2 with partial rollouts at ahead 3.0.
-  # tail7e ~330 s, tail7f ~400 s: the fp8 KV cache's GPU test (engine vs trainer log-probs, ~60 s), 4k sync, then
+  # tail7e ~270 s, tail7f ~400 s: 4k sync, then
   # split 2:2 + partial rollouts at ahead 3.0, both with an fp8 KV cache
   # (rollout.kv_cache_dtype=fp8; a sweep of its own, _tail6_fp8): the model puts the rollout ranks' decode
   # throughput as the steady state's bound, and KV reads as half a decode step at ~400 running sequences; the
@@ -562,9 +562,7 @@ tail7a|tail7b|tail7c|tail7d|tail7e|tail7f|tail7g)  # issue 18's seventh lease: s
     tail7b) sweep_part 4096 split_partial "$W --warmup 4 --measure 8 --partial-aheads 3" ;;
     tail7c) sweep_part 4096 split_partial "$W --warmup 4 --measure 8 --partial-aheads 2" ;;
     tail7d) sweep_part 256 overlap_colocated,split_partial "$W --warmup 4 --measure 8 --partial-aheads 3" ;;
-    tail7e)
-      new_gpu_tests
-      sweep_part 4096 sync "$W --warmup 2 --measure 3" ;;
+    tail7e) sweep_part 4096 sync "$W --warmup 2 --measure 3" ;;  # (its GPU tests ran in stop 38's newgpu)
     tail7f) sweep_part 4096 split_partial "$W --warmup 4 --measure 8 --partial-aheads 3" ;;
     tail7g) SWEEP_TAG=${TAIL_TAG:-_tail6}_reusekv sweep_part 4096 split_partial \
       "$W --split-override rollout.reuse_stale_kv=true --warmup 4 --measure 8 --partial-aheads 3" ;;
