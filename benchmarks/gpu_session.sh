@@ -7,14 +7,14 @@
 #   rm -rf .clean && mkdir .clean && git archive HEAD | tar -x -C .clean && git rev-parse HEAD > .clean/COMMIT \
 #     && cp -r .devdata .clean/ && { [ -d .stage_liger ] && cp -r .stage_liger .clean/; }  # (bash benchmarks/stage_liger.sh first)
 #   then, on the lender (carry .clean): cd .clean && bash benchmarks/gpu_session.sh PART
-#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | compile1 | ppo | smol | smolb | smolc | proc | proc4 | sweep4a..sweep4j | tail4a..tail4f | tail5a..tail5d | tail6a..tail6e | tail7a..tail7g | newgpu | pair2a..pair2c | stream1 | stream2 | gputests | flagship4a..d ; writes $OUT/PART.tgz and $OUT/PART.log
+#   bash benchmarks/gpu_session.sh PART     # PART = colo2 | split2 | modes1 | checks1 | update | tuned2 | modes4 | split4 | cold4 | fp32vllm | soak1 | flagship1 | compile1 | ppo | smol | smolb | smolc | proc | proc4 | sweep4a..sweep4j | tail4a..tail4f | tail5a..tail5d | tail6a..tail6e | tail7a..tail7g | newgpu | pair3a..pair3d | pair2a..pair2c | stream1 | stream2 | gputests | flagship4a..d ; writes $OUT/PART.tgz and $OUT/PART.log
 # Each part fits one 600 s device call; every piece has its own timeout and results are packed after each piece,
 # so a part cut short still returns what finished.
 # The lender gives a machine back after ~30 s idle (what was staged is lost): send the staging calls and the
 # parts that follow them in one batch of tool calls, and edit between leases, not between calls.
 set -u
 CALL0=$(date +%s)  # the sweep parts size their budget by what is left of the 600 s call
-PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm|soak1|flagship1|ppo|sweep4a|sweep4b|sweep4c|sweep4d|proc4|sweep4h|sweep4i|sweep4j|tail4a|tail4b|tail4c|tail4d|tail4e|tail4f|tail5a|tail5b|tail5c|tail5d|tail6a|tail6b|tail6c|tail6d|tail6e|tail7a|tail7b|tail7c|tail7d|tail7e|tail7f|tail7g|newgpu|pair2a|pair2b|pair2c|stream1|stream2|gputests}
+PART=${1:?usage: gpu_session.sh colo2|split2|modes1|checks1|update|tuned2|modes4|split4|cold4|fp32vllm|soak1|flagship1|ppo|sweep4a|sweep4b|sweep4c|sweep4d|proc4|sweep4h|sweep4i|sweep4j|tail4a|tail4b|tail4c|tail4d|tail4e|tail4f|tail5a|tail5b|tail5c|tail5d|tail6a|tail6b|tail6c|tail6d|tail6e|tail7a|tail7b|tail7c|tail7d|tail7e|tail7f|tail7g|newgpu|pair3a|pair3b|pair3c|pair3d|pair2a|pair2b|pair2c|stream1|stream2|gputests}
 OUT=${OUT:-/tmp/gpu_out}
 RES=/tmp/res/$PART
 MODES_RES=/tmp/res/modes2  # colo2 and split2 write one modes JSON (merged by mode) when they run on one warm machine
@@ -589,6 +589,28 @@ model.enable_gradient_checkpointing=$([ "${card_mib:-0}" -gt 120000 ] && echo fa
 sweep4g)  # part 7 (after 4a/4b on the same machine): the short end and 4k with generation on its own high-priority
   # CUDA stream (rollout.cuda_stream=high; the default shares the trainer's stream), ~450 s
   sweep_part 256,4096 overlap_stream
+  ;;
+pair3a|pair3b|pair3c|pair3d)  # issue 18's 4k point at half scale on 2 GPUs (stop 38: no 4-GPU kind was lent): 12
+  # prompts x 8 over 2 GPUs is the 4-GPU sweep's 24 x 8 over 4, GPU for GPU: sync generates and trains 6 groups a
+  # rank; split 1:1 gives its rollout GPU the 12 groups a step that each rollout GPU of split 2:2 generates, and its
+  # trainer GPU the 96 sequences each trainer GPU of 2:2 trains. Left different: the trainer's FSDP world (1, not 2)
+  # and the weight broadcast (1 to 1). A sweep of its own (_pair3). pair3a ~370 s: 4k sync (3 measured) and 256
+  # sync. pair3b ~520 s: 4k split 1:1 + partial rollouts at ahead 3.0 (4 warm-up + 8 measured, the steady state).
+  # pair3c ~330 s: the short end, overlap colocated and split 1:1 + partial at ahead 3.0. pair3d ~520 s: pair3b with
+  # rollout.reuse_stale_kv=true (tag _pair3_reusekv).
+  card_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  W="--prompts 12 --split-ratios 1:1 actor.ppo_mini_batch_size=12 \
+model.enable_gradient_checkpointing=$([ "${card_mib:-0}" -gt 120000 ] && echo false || echo true)"
+  export SWEEP_GPUS=2 SWEEP_TAG=${PAIR_TAG:-_pair3}
+  case $PART in
+    pair3a)
+      sweep_part 4096 sync "$W --warmup 2 --measure 3"
+      sweep_part 256 sync "$W --warmup 2 --measure 4" ;;
+    pair3b) sweep_part 4096 split_partial "$W --warmup 4 --measure 8 --partial-aheads 3" ;;
+    pair3c) sweep_part 256 overlap_colocated,split_partial "$W --warmup 4 --measure 8 --partial-aheads 3" ;;
+    pair3d) SWEEP_TAG=${PAIR_TAG:-_pair3}_reusekv sweep_part 4096 split_partial \
+      "$W --split-override rollout.reuse_stale_kv=true --warmup 4 --measure 8 --partial-aheads 3" ;;
+  esac
   ;;
 newgpu)  # on 1 GPU, ~150 s: the GPU tests of what no GPU has run yet (the fp8 KV cache, rollout.reuse_stale_kv)
   new_gpu_tests
