@@ -596,7 +596,7 @@ pair3a|pair3b|pair3c|pair3d)  # issue 18's 4k point at half scale on 2 GPUs (sto
   # trainer GPU the 96 sequences each trainer GPU of 2:2 trains. Left different: the trainer's FSDP world (1, not 2)
   # and the weight broadcast (1 to 1). A sweep of its own (_pair3). pair3a ~370 s: 4k sync (3 measured) and 256
   # sync. pair3b ~520 s: 4k split 1:1 + partial rollouts at ahead 3.0 (4 warm-up + 8 measured, the steady state).
-  # pair3c ~330 s: the short end, overlap colocated and split 1:1 + partial at ahead 3.0. pair3d ~520 s: pair3b with
+  # pair3c ~200 s: the short end, sync, overlap colocated and split 1:1 + partial at ahead 3.0. pair3d ~520 s: pair3b with
   # rollout.reuse_stale_kv=true (tag _pair3_reusekv).
   card_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
   W="--prompts 12 --split-ratios 1:1 actor.ppo_mini_batch_size=12 \
@@ -607,7 +607,7 @@ model.enable_gradient_checkpointing=$([ "${card_mib:-0}" -gt 120000 ] && echo fa
       sweep_part 4096 sync "$W --warmup 2 --measure 3"
       sweep_part 256 sync "$W --warmup 2 --measure 4" ;;
     pair3b) sweep_part 4096 split_partial "$W --warmup 4 --measure 8 --partial-aheads 3" ;;
-    pair3c) sweep_part 256 overlap_colocated,split_partial "$W --warmup 4 --measure 8 --partial-aheads 3" ;;
+    pair3c) sweep_part 256 sync,overlap_colocated,split_partial "$W --warmup 4 --measure 8 --partial-aheads 3" ;;
     pair3d) SWEEP_TAG=${PAIR_TAG:-_pair3}_reusekv sweep_part 4096 split_partial \
       "$W --split-override rollout.reuse_stale_kv=true --warmup 4 --measure 8 --partial-aheads 3" ;;
   esac

@@ -128,6 +128,9 @@ def test_budget_skips_what_cannot_fit():
     assert b.timeout() == 50.0 and "--run-timeout" in b.why_not(20.0, 3)
     rows = [{"length_mean": 256, "mode": "sync", "step_s": 4.0, "gen_share_own": 0.75}]
     assert ms.expected_step(1024, rows) == 16.0 and ms.expected_step(256, rows) == 4.0
+    # only a longer point measured: scaled down by length, to a quarter at least
+    longer = [{"length_mean": 4096, "mode": "sync", "step_s": 32.0}]
+    assert ms.expected_step(2048, longer) == 16.0 and ms.expected_step(256, longer) == 8.0
     # an overlap run: its warm-up step is a sync step, a measured one about the longer side (+30%, at most 1.1)
     args = SimpleNamespace(warmup=1, measure=2, stop_after=3)
     assert ms.steps_in_sync_steps("sync", 256, rows, args) == 3
