@@ -144,7 +144,8 @@ class RolloutConfig:
     scales of 1.0 (no calibration; the weights arrive after start-up): half the KV memory and half the KV reads per
     decode step, which bound decoding many long sequences at once (split placement with partial rollouts at mean 4k
     keeps ~400 running per rollout GPU). The engine's log-probs then differ more from the trainer's: the decoupled loss
-    takes the engine's as the behaviour policy, and ``rollout/logprob_diff`` shows the gap. Not measured yet."""
+    takes the engine's as the behaviour policy, and ``rollout/logprob_diff`` shows the gap: 0.040 on average against
+    ~0.014 with a bf16 cache (``tests/gpu/test_vllm_fp8kv_gpu.py``, 1xH200). Its speed in training: not measured yet."""
     reuse_stale_kv: bool = False
     """vLLM, partial rollouts: keep the prefix cache across weight pushes for the rounds, so that a carried sample
     resumes on the keys and values its earlier tokens left (computed under the weights they were sampled with)
@@ -155,7 +156,10 @@ class RolloutConfig:
     ``trainer.max_staleness`` pushes (no cached key or value is older than the staleness bound allows; a shared
     opening would otherwise keep its first weights' for good), and by validation and foreground generation.
     ``benchmarks/partial_model.py`` (``--reuse-kv``) puts the saving at ~8% of a step at ahead 3, mean 4k, split
-    2:2 (23.8 → 22.0 s); not measured on a GPU yet."""
+    2:2 (23.8 → 22.0 s); ``rollout/prefix_cache_hit`` shows the share served from the cache. On 1xH200
+    (``tests/gpu/test_gpu_partial.py``) continuations read 91% of their context from it after a push, and after a
+    deliberately large step their log-probs were 0.48 from the new weights' (0.003 with the cache reset). Its speed
+    in training: not measured yet."""
     cuda_stream: Literal["shared", "own", "high"] = "shared"
     """Which CUDA stream generation runs on (``hybrid_rl.rollout.base.GenerationStream``): ``shared``, the calling
     thread's, which in overlap mode colocated is the trainer's too (vLLM 0.26's runner caches one stream), so the two

@@ -228,17 +228,21 @@ def require_vllm_gpu():
     return pytest.importorskip("vllm")
 
 
-def raise_sampled_log_probs(h, batch: Batch) -> None:
-    """One real AdamW step of ``vllm_hybrid``'s actor that raises the sampled tokens' log-probs, and a version bump
-    (the next push moves the engine)."""
-    mask = batch.tensors["response_mask"]
+def actor_step(h, loss) -> None:
+    """One real AdamW step of ``vllm_hybrid``'s actor on ``loss()`` and a version bump (the next push moves the
+    engine)."""
     h.actor.model.train()
     h.actor.zero_grad()
-    lp, _ = h.actor.forward(batch, 1.0)
-    (-(lp * mask).sum() / mask.sum()).backward()
+    loss().backward()
     _, stepped = h.actor.optimizer_step(grad_clip=1.0)
     assert stepped
     h.version[0] += 1
+
+
+def raise_sampled_log_probs(h, batch: Batch) -> None:
+    """``actor_step`` raising the sampled tokens' log-probs."""
+    mask = batch.tensors["response_mask"]
+    actor_step(h, lambda: -(h.actor.forward(batch, 1.0)[0] * mask).sum() / mask.sum())
 
 
 # --------------------------------------------------------------------------- shared by the vLLM GPU test modules

@@ -36,7 +36,7 @@ from helpers import require_vllm_gpu  # noqa: E402
 vllm = require_vllm_gpu()
 
 from hybrid_rl.batch import Batch  # noqa: E402
-from helpers import AfterPolls, raise_sampled_log_probs, vllm_hybrid  # noqa: E402
+from helpers import AfterPolls, actor_step, raise_sampled_log_probs, vllm_hybrid  # noqa: E402
 from hybrid_rl.partial import CarryOver, assemble_groups  # noqa: E402
 from hybrid_rl.rollout.base import Continuation, SamplingParams  # noqa: E402
 
@@ -194,14 +194,13 @@ def test_reuse_stale_kv_resumes_on_the_old_weights_cache(hybrid, reuse):
 
 
 def _one_step(h, contexts: list[list[int]]) -> None:
-    """A real AdamW step of the actor on the contexts (raise their log-likelihood), and a version bump."""
-    h.actor.model.train()
-    h.actor.zero_grad()
-    for c in contexts:
-        toks = torch.tensor(c, device=h.dist.device)[None]
-        logits = h.actor.model(input_ids=toks, use_cache=False).logits[0, :-1].float()
-        (-torch.log_softmax(logits, -1).gather(1, toks[0, 1:, None]).mean() / len(contexts)).backward()
-    _, stepped = h.actor.optimizer_step(grad_clip=1.0)
-    assert stepped
-    h.actor.model.eval()
-    h.version[0] += 1
+    """``actor_step`` raising the contexts' log-likelihood."""
+    def loss():
+        total = 0.0
+        for c in contexts:
+            toks = torch.tensor(c, device=h.dist.device)[None]
+            logits = h.actor.model(input_ids=toks, use_cache=False).logits[0, :-1].float()
+            total = total - torch.log_softmax(logits, -1).gather(1, toks[0, 1:, None]).mean() / len(contexts)
+        return total
+
+    actor_step(h, loss)
