@@ -39,19 +39,19 @@ def combine(res: Path) -> dict:
                 if base.get("trained_tokens_per_s") and ok[peer].get("trained_tokens_per_s"):
                     ratios[f"hybrid_rl_vs_{peer}_trained_tokens_per_s"] = (base["trained_tokens_per_s"]
                                                                           / ok[peer]["trained_tokens_per_s"])
-    leases = {k: v.get("lease") for k, v in ok.items()}
+    machines = {k: v.get("machine") for k, v in ok.items()}
     workloads = {json.dumps(v["workload"], sort_keys=True) for v in ok.values() if v.get("workload")}
     if len(workloads) > 1:
         raise SystemExit(f"the results in {res} ran different workloads (PEERS_PROMPTS?): "
                          + "; ".join(f"{k}: {v.get('workload', {}).get('prompts_per_step')} prompts" for k, v in ok.items())
                          + ". Rerun them with one PEERS_PROMPTS")
     workload = json.loads(workloads.pop()) if workloads else WORKLOAD
-    same = len(set(leases.values())) <= 1 and None not in leases.values()
+    same = len(set(machines.values())) <= 1 and None not in machines.values()
     return {"device": device, "model": workload["model"], "workload": workload, "pinned_versions": VERSIONS,
             "hybrid_rl_commit": (runs.get("hybrid_rl") or {}).get("commit"), "ratios": ratios,
-            "leases": leases, "same_lease": same,
-            "lease_note": None if same else "the ratios compare runs from different leases (machines) of the same "
-                                            "device kind: compare with that in mind",
+            "machines": machines, "same_machine": same,
+            "machine_note": None if same else "the ratios compare runs on different machines of the same device "
+                                              "kind: compare with that in mind",
             "target": "hybrid_rl >= 1.3x verl's throughput",
             "target_met": (ratios["hybrid_rl_vs_verl_step_time"] >= 1.3) if "hybrid_rl_vs_verl_step_time" in ratios
             else None,
@@ -94,8 +94,8 @@ def plot(doc: dict, path: Path) -> None:
     w = doc["workload"]
     fig.suptitle(f"{doc['model']} on {doc['device']}: GRPO, {w['prompts_per_step']} prompts x {w['n']}, "
                  f"{w['response_length']} tokens each, mini-batch {w['mini_batch_prompts']} prompts"
-                 + ("" if doc.get("same_lease", True) else "\nruns from different leases: "
-                    + ", ".join(f"{k} {v}" for k, v in doc["leases"].items())), fontsize=9)
+                 + ("" if doc.get("same_machine", True) else "\nruns on different machines: "
+                    + ", ".join(f"{k} {v}" for k, v in doc["machines"].items())), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -115,7 +115,7 @@ def main() -> None:
     except ImportError as e:
         print(f"no plot ({e}); run this script where matplotlib is installed", file=sys.stderr)
     print(json.dumps({"device": doc["device"], "ratios": doc["ratios"], "target_met": doc["target_met"],
-                      "same_lease": doc["same_lease"],
+                      "same_machine": doc["same_machine"],
                       "steps": {r["framework"]: r.get("step_s", r.get("error")) for r in doc["frameworks"]}}))
     print(f"wrote {stem}.json (+ .png)", file=sys.stderr)
 

@@ -227,8 +227,9 @@ def main() -> None:
                                "server per GPU, colocated hybrid engine)",
                                "lengths forced with actor_rollout_ref.rollout.ignore_eos=True, response_length 256",
                                "verl's own gsm8k scorer (data_source openai/gsm8k) is the reward",
-                               "verl defaults kept: use_remove_padding, torch.compile of its log-prob helpers, "
-                               "balance_batch"])
+                               "verl defaults kept: torch.compile of its log-prob helpers, balance_batch; "
+                               "overridden: use_remove_padding=False with SDPA attention (its padding removal needs "
+                               "flash-attn, which has no wheel for the GPU machines' torch)"])
     doc.update(device=device_name(args.gpus), commit=commit())
     write_result(doc, out / "verl.json")
 

@@ -8,7 +8,7 @@ One GRPO workload, expressed in each framework's own config:
           ``question + "\\n" + "Let's think step by step and output the final answer after \\"####\\"."`` as one user turn
           (hybrid_rl's and verl's gsm8k format), prompts capped at 512 tokens (none is longer)
   batch   64 prompts x 8 samples per step on 4 GPUs (16 prompts per GPU: ``PEERS_PROMPTS``, set by run_all.sh to
-          16 x GPUs, so a 2-GPU lease runs 32 prompts with the same work per GPU); PPO mini-batch half the step
+          16 x GPUs, so a 2-GPU machine runs 32 prompts with the same work per GPU); PPO mini-batch half the step
           (2 optimizer steps per step), 1 PPO epoch, micro-batch 8 sequences per GPU, log-prob micro-batch 16
   lengths every response exactly 256 tokens: a random model never stops, and each framework is told to ignore EOS
           (hybrid_rl ``rollout.forced_lengths=fixed:256``, verl ``rollout.ignore_eos=True``, TRL
@@ -204,8 +204,8 @@ def summarize(framework: str, version: str, rows: list[dict], gpus: int, warmup:
     }
 
 
-def lease_id() -> str:
-    """Which machine (lease) ran this: the kernel's boot id, the same for every run of one lease, and the date."""
+def machine_id() -> str:
+    """Which machine ran this: the kernel's boot id (the same for every run until a reboot) and the date."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
     except OSError:
@@ -214,7 +214,7 @@ def lease_id() -> str:
 
 
 def write_result(doc: dict, out: Path) -> None:
-    doc.setdefault("lease", lease_id())
+    doc.setdefault("machine", machine_id())
     doc.setdefault("workload", WORKLOAD)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2))

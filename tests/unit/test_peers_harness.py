@@ -76,12 +76,12 @@ def test_report_refuses_results_of_different_workloads(tmp_path):
 
     for name, w in (("hybrid_rl", WORKLOAD), ("verl", scale_batch(WORKLOAD, "32"))):
         (tmp_path / f"{name}.json").write_text(json.dumps({"framework": name, "step_s": 1.0, "workload": w,
-                                                           "device": "H200x2", "lease": "a"}))
+                                                           "device": "H200x2", "machine": "a"}))
     import pytest
 
     with pytest.raises(SystemExit, match="different workloads"):
         plot.combine(tmp_path)
     (tmp_path / "verl.json").write_text(json.dumps({"framework": "verl", "step_s": 2.0, "workload": WORKLOAD,
-                                                    "device": "H200x2", "lease": "a"}))
+                                                    "device": "H200x2", "machine": "a"}))
     doc = plot.combine(tmp_path)
-    assert doc["ratios"]["hybrid_rl_vs_verl_step_time"] == 2.0 and doc["same_lease"]
+    assert doc["ratios"]["hybrid_rl_vs_verl_step_time"] == 2.0 and doc["same_machine"]
