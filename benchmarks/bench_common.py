@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def git_commit(root: Path = ROOT) -> str:
-    """The checked-out commit, read from .git without running git (the GPU lender's tree may have no git),
+    """The checked-out commit, read from .git without running git (a copy of the tree on a GPU machine may have no .git),
     else from a ``COMMIT`` file beside the code (an export: ``git rev-parse HEAD > .clean/COMMIT``)."""
     try:
         git = root / ".git"
@@ -24,7 +24,7 @@ def git_commit(root: Path = ROOT) -> str:
         return head[:12]
     except OSError:
         pass
-    try:  # a git-archive export (benchmarks/gpu_session.sh) carries the commit in a file
+    try:  # a git-archive export keeps the commit in a file
         return (root / "COMMIT").read_text().strip()[:12]
     except OSError:
         return "unknown"

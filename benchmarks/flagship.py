@@ -1,7 +1,7 @@
 """The flagship recipe's step, commit against commit: per-phase times and MFU from each run's metrics.jsonl.
 
-Runs are made by ``benchmarks/gpu_session.sh flagship1`` (each commit's own export, the same overrides: GSM8K
-prompts, ``builtin:qwen2.5-1.5b-random``, forced ``lognormal:250:0.8`` responses) and summarised here:
+Run the recipe once per commit to compare (each from its own export, the same overrides: GSM8K prompts,
+``builtin:qwen2.5-1.5b-random``, forced ``lognormal:250:0.8`` responses), then summarise the run directories:
 
     python benchmarks/flagship.py --run cba16b7=/tmp/res/old --run new=/tmp/res/new --device H100x1 --out-dir DIR
 

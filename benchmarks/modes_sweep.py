@@ -1,4 +1,4 @@
-"""The crossover sweep (issue 18): sync vs one-step overlap across response lengths, at one prompt batch.
+"""The crossover sweep: sync vs one-step overlap across response lengths, at one prompt batch.
 
 ``modes.py`` compares the modes at one setting; whether overlap pays depends on how much of a sync step is
 generation, which grows with the response length. This script runs ``modes.py``'s runs (its ``run_mode``,
@@ -24,10 +24,10 @@ first step of an overlap run generates in the foreground and the last one genera
 a steady-state step. With partial rollouts the run is started with the pool's steps (``pool_steps`` =
 max(2, ⌈1 + ahead⌉)) beyond the measured ones instead of 1: over a run's last that many steps the pool shrinks
 (no prompts beyond the end are started), the rollout ranks only finish what they carry, and steps run faster than
-the steady state (the sixth lease's ahead-3 run: its last two measured steps). Their warm-up wants more steps too:
+the steady state (on 4xH200 at mean 4k and ahead 3, by ~13% over a run's last two steps). Their warm-up wants more steps too:
 the pool's first full round generates several steps ahead, and the steps after it live on that stock
 (``partial_model.py``: 4 warm-up and 8 measured steps come within ~3% of the steady state at mean 4k, 2 and 6
-flatter it by 13-20%). ``--budget`` bounds the whole invocation (one 600 s device call): a run whose estimate
+flatter it by 13-20%). ``--budget`` bounds the whole invocation: a run whose estimate
 (start-up + steps, scaled from the runs already measured) does not fit what is left, or that runs past
 ``--run-timeout`` or the budget, is recorded as skipped with the reason. The JSON is rewritten after every run
 and merged with the one already there (same settings), so a sweep can be cut into parts (``--lengths 8192
@@ -368,8 +368,8 @@ class Budget:
 def expected_step(mean: int, rows: list[dict]) -> float | None:
     """This point's sync step if measured, else the nearest measured shorter point's scaled up by length, or with
     only longer points measured the shortest one's scaled down by length, to a quarter at least (start-up and the
-    update's fixed costs; with no floor at all the 4k step, 33 s on 2xH200 in stop 38, sized a 256 run as 33 s a step
-    and skipped it, where it took 2.2 s)."""
+    update's fixed costs; with no floor at all the 4k step, 33 s on 2xH200, would size a 256 run as 33 s a step and skip
+    it, where it takes 2.2 s)."""
     syncs = {r["length_mean"]: r["step_s"] for r in rows if r["mode"] == "sync" and "step_s" in r}
     if mean in syncs:
         return syncs[mean]
@@ -390,9 +390,8 @@ def steps_in_sync_steps(name: str, mean: int, rows: list[dict], args) -> float:
     if name == "sync":
         return float(args.stop_after)
     if name.startswith("split_partial"):
-        # the pool fills over the first two steps (49-60 s against sync's 38 s at 4k, sixth lease, 4xH200); after
-        # them the rollout ranks' throughput sets the cadence (0.52-0.68 of a sync step there; 0.86 in the fifth
-        # lease, generation paused through each update, since fixed): 1.5 and 0.8 leave room
+        # the pool fills over the first two steps (49-60 s against sync's 38 s at 4k on 4xH200); after them the
+        # rollout ranks' throughput sets the cadence (0.52-0.68 of a sync step there): 1.5 and 0.8 leave room
         return 1.5 * min(args.warmup, 2) + 0.8 * (max(0, args.warmup - 2) + args.measure)
     share = next((r.get("gen_share_own") for r in rows if r["length_mean"] == mean and r["mode"] == "sync"
                   and "step_s" in r), None)
@@ -616,7 +615,7 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny model on CPU, 2 gloo ranks, short lengths: checks the plumbing only")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
-    args = ap.parse_intermixed_args(argv)  # key=value overrides may follow options (gpu_session.sh appends both)
+    args = ap.parse_intermixed_args(argv)  # key=value overrides may follow options
     if args.cpu_smoke:
         args.model, args.prompts, args.n = "builtin:tiny-qwen2", 8, 4
         args.gpus = args.gpus if args.gpus > 1 else 2

@@ -1,4 +1,4 @@
-"""Offload memory benchmark (issue 3): the GPU memory training holds while the engine generates, offload off vs on.
+"""Offload memory benchmark: the GPU memory training holds while the engine generates, offload off vs on.
 
     torchrun --standalone --nproc_per_node=1 benchmarks/offload_memory.py     # 0.5B random-init, HF engine
     torchrun --standalone --nproc_per_node=2 benchmarks/offload_memory.py     # FSDP2 over 2 GPUs
@@ -67,7 +67,7 @@ from hybrid_rl.phases.advantage import compute_advantage, sparse_scores  # noqa:
 from hybrid_rl.batch import Batch  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
 
-TARGET = 0.10  # issue 3: with offload on, training holds <= 10% of what it holds without
+TARGET = 0.10  # with offload on, training holds <= 10% of what it holds without
 # "on" runs first: buffers the process creates on first use and keeps (cuBLAS workspaces, ~66 MiB on an
 # H200) are then charged to the offloaded mode instead of being subtracted from it as its starting point.
 MODES = {"on": ["actor.param_offload=true", "actor.optimizer_offload=true"],

@@ -2,7 +2,7 @@
 
     python benchmarks/partial_model.py --aheads 1,2                 # one rollout GPU of split 2:2 at mean 4k
     python benchmarks/partial_model.py --aheads 1 --paused          # generation paused through each update
-    python benchmarks/partial_model.py --aheads 1,2,3 --warmup 2 --measure 6 --drained   # the sixth lease's window
+    python benchmarks/partial_model.py --aheads 1,2,3 --warmup 2 --measure 6 --drained   # a run that drains its pool
     python benchmarks/partial_model.py --aheads 1,2,3 --reuse-kv    # rollout.reuse_stale_kv: no re-prefill of carried
 
 Not a measurement. It drives ``hybrid_rl.partial``'s own ``CarryOver`` and ``Round`` (the pool, the window, the
@@ -11,15 +11,15 @@ gains one token per decode step, a decode step takes ``--decode-ms + --decode-pe
 round first prefills each continuation's context at ``--prefill-tok-s``. The trainer side is a fixed update time
 after each hand-over (``--update-s``, plus ``--exchange-s`` for the batch and the weights). Lengths are the sweep's
 (lognormal mean and sigma, capped at ``--cap-factor`` × the mean, EOS ignored). ``--paused`` stops generation from
-the round's start until the trainer is ready, which is what the NCCL stop check did (fifth lease, 4xH200).
+the round's start until the trainer is ready, which is what an NCCL stop check did on 4xH200 (fixed: it runs on gloo).
 A sync step is modelled from the same engine (``--sync-groups-per-gpu`` groups decoded to the end) plus
 ``--sync-update-s``; ``--sync-step-s`` compares with a measured one instead.
 
-The defaults are the fifth lease's 4k point on 4xH200: 24 prompts x 8 over 2 rollout GPUs (12 groups each), a 3 ms
+The defaults are the 4k point on 4xH200: 24 prompts x 8 over 2 rollout GPUs (12 groups each), a 3 ms
 decode step + 0.04 ms per running sample (which puts sync's generation of 6 groups a GPU at ~31 s, as measured:
 30.4 s), the trainer ranks' update 13.5 s. A run is ``--warmup`` + ``--measure`` steps and the pool's steps after
-them (``modes_sweep.py``'s partial runs), and the default window (6 + 48) is the steady state. The sixth lease
-measured steps 3-8 of runs that ended one step later (``--drained``): that window follows the pool's fill (step 2
+them (``modes_sweep.py``'s partial runs), and the default window (6 + 48) is the steady state. Runs that end one
+step after their measured steps 3-8 (``--drained``): that window follows the pool's fill (step 2
 generates several steps ahead) and ends in the drain, and the model puts it 13-20% faster than the steady state at
 ahead 2 and 3. Writes ``results/partial_model_<tag>[_paused][_drained].json``.
 """
@@ -98,7 +98,7 @@ def run_round(rnd: Round, engine: Engine, t: float, armed_at: float | None, trai
 
 def run_steps(args, ahead: float) -> int:
     """The modelled run's length: ``modes_sweep.py``'s for a partial run (the pool's steps beyond the measured ones,
-    so that none of them drains), or with ``--drained`` one step beyond, as the sixth lease's runs were."""
+    so that none of them drains), or with ``--drained`` one step beyond, as 8-step runs that end after their measured steps."""
     return args.warmup + args.measure + (1 if args.drained else partial_pool_steps(ahead))
 
 
@@ -184,7 +184,7 @@ def main() -> None:
     ap.add_argument("--measure", type=int, default=48, help="steps measured after the warm-up")
     ap.add_argument("--drained", action="store_true",
                     help="the run ends one step after the measured ones, so its last measured steps drain the pool "
-                         "(the sixth lease's window); default: the pool's steps after, as modes_sweep.py now runs")
+                         "(a window that drains); default: the pool's steps after, as modes_sweep.py now runs")
     ap.add_argument("--reuse-kv", action="store_true",
                     help="rollout.reuse_stale_kv: carried contexts are not prefilled again, except after the cache's "
                          "reset once every max_staleness pushes")

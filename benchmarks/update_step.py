@@ -36,7 +36,7 @@ from hybrid_rl.perf import ModelFlops, peak_flops  # noqa: E402
 from hybrid_rl.rollout.base import assemble_rollout  # noqa: E402
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker  # noqa: E402
 
-# issue 16's levers, each row explicit about every one of them (the recipe gsm8k_grpo now ships several switched on):
+# the training passes' levers, each row explicit about every one of them (the recipe gsm8k_grpo now ships several switched on):
 # the passes as they were before the levers, then each lever added
 BEFORE = ["model.enable_gradient_checkpointing=true", "actor.use_dynamic_bsz=false", "actor.accumulate_unsharded=false",
           "actor.share_prompts=false", "model.use_liger=false", "actor.use_remove_padding=true", "actor.fused_logprob=true"]
@@ -224,7 +224,7 @@ def main() -> None:
               else f"cpux{d.world_size}")
     # Liger patches transformers' modeling module (rotary function, RMSNorm and MLP classes) for the whole process,
     # so every model built after a Liger configuration has its kernels: those configurations run last, and a plain
-    # one after them is refused (the 1e7776c lease's rows after its first Liger row all ran with Liger)
+    # one after them is refused (at 1e7776c the rows after the first Liger row all ran with Liger)
     names = liger_last(args.configs.split(","))
     rows, patched = [], False
     for name in names:

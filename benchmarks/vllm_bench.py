@@ -4,7 +4,7 @@ Run on GPUs under torchrun (vLLM 0.26 installed), one process per GPU:
 
     torchrun --standalone --nproc_per_node=1 benchmarks/vllm_bench.py --standalone   # baseline: vLLM alone
     torchrun --standalone --nproc_per_node=1 benchmarks/vllm_bench.py                # the hybrid set-up
-    torchrun --standalone --nproc_per_node=1 benchmarks/vllm_bench.py --only throughput   # issue 4 alone (~1.5 min)
+    torchrun --standalone --nproc_per_node=1 benchmarks/vllm_bench.py --only throughput   # throughput alone (~1.5 min)
 
 The hybrid run builds what the worker builds — a ``TrainingEngine`` (FSDP2, fp32 masters, bf16
 compute), a ``VLLMRolloutEngine`` from the config tree and a ``ShardingManager`` — for the
@@ -36,7 +36,7 @@ alternate, the prefix cache is reset before each). The in-engine time is the wal
 garbage collector took inside it. ``--after-wake-runs`` more in-engine runs each follow a full
 sleep → wake → push with no warm-up (what every RL step sees). Reported: the median and the best
 run per mode (per run, the slowest rank's time), and ``in_engine_over_standalone`` (median over
-median; issue 4 asks ≥ 0.95) and ``in_engine_over_same_llm``.
+median; the target is ≥ 0.95) and ``in_engine_over_same_llm``.
 
 Each result is printed as one JSON line and written to ``<out>/vllm_<device>_<what>.json``
 (device like ``H100x1``), naming the device, commit, config and figures. With several ranks each
@@ -82,7 +82,7 @@ EOS, PAD = 151645, 151643
 PROMPT_ID_HIGH = 150000  # random prompt ids are drawn below this
 GiB, MiB = 2**30, 2**20
 SECTIONS = ("parity", "push", "sleep", "cycles", "throughput")
-TARGET = 0.95  # issue 4: in-engine throughput >= 95% of standalone
+TARGET = 0.95  # in-engine throughput >= 95% of standalone
 
 
 # --------------------------------------------------------------------------- bookkeeping

@@ -1,6 +1,6 @@
 """Fused training kernels from Liger (``model.use_liger``): RMSNorm, SwiGLU and rotary embeddings as Triton kernels.
 
-The training passes of a 1.5B model run at a fraction of the GPU (issue 16): with a hidden size of 1,536 the matrix
+The training passes of a 1.5B model run at a fraction of the GPU: with a hidden size of 1,536 the matrix
 products are small next to the elementwise work around them (norms, the SiLU gate, rotary embeddings, residuals),
 which eager PyTorch runs as one memory-bound kernel per operation. Liger-Kernel (linkedin/Liger-Kernel, what
 verl's ``use_liger`` and TRL's ``use_liger_kernel`` switch on) replaces those with fused Triton kernels, patched into the

@@ -300,7 +300,7 @@ def expected_engine_weight(pushed: dict[str, torch.Tensor], name: str) -> torch.
 
 
 def old_split_groups(n_rollout: int):
-    """Split placement's groups as ``split.make_layout`` made them before stop 34's fix (every rank created the
+    """Split placement's groups as ``split.make_layout`` made them before the fix (every rank created the
     gloo weight-metadata group, NCCL groups connected at their first collective): what hung 2 + 2 and 1 + 3 on CUDA.
     For ``gpu/split_groups_probe.py --unpatched`` and the CPU replay in ``unit/test_split_groups.py``."""
     import torch.distributed as dist

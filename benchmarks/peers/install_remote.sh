@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# On the GPU lender: install one peer from its staged carries (benchmarks/peers/stage.sh) into its own --target dir.
+# On the GPU machine: install one peer from its staged pieces (benchmarks/peers/stage.sh) into its own --target dir.
 #   bash benchmarks/peers/install_remote.sh trl  PS_DIR [SITE]      (SITE default /tmp/site_trl)
 #        → use with PYTHONPATH=/tmp/site_trl:/tmp/site   (TRL on top of the vLLM 0.26 set in /tmp/site)
 #   bash benchmarks/peers/install_remote.sh verl PS_DIR [SITE] [VS_DIR]   (SITE default /tmp/site_verl, VS /tmp/vs)
 #        → use with PYTHONPATH=/tmp/site_verl alone: vLLM 0.24 + transformers 5.9 + verl's deps, plus vLLM 0.26's
 #          small dependency wheels and datasets taken from VS_DIR (the unpacked .stage/c1..c6), so nothing of
 #          /tmp/site (vLLM 0.26, transformers 5.17 from the image) is mixed in except what the image itself has
-# PS_DIR: the folder the carries were copied into, flattened (cp -r .stage_peers/<name>_cK/. PS_DIR/).
+# PS_DIR: the folder the staged pieces were copied into, flattened (cp -r .stage_peers/<name>_cK/. PS_DIR/).
 set -euo pipefail
 PEER=${1:?usage: install_remote.sh trl|verl PS_DIR [SITE] [VS_DIR]}
 PS=${2:?usage: install_remote.sh trl|verl PS_DIR [SITE] [VS_DIR]}
@@ -39,7 +39,7 @@ verl)
     echo "$OURS" | grep -qx "$n" && continue
     VSW+=("$w")
   done
-  # never TRL's wheel (it shares /tmp/ps with verl's carries): with trl importable, verl 0.9.1's monkey_patch imports
+  # never TRL's wheel (it shares /tmp/ps with verl's pieces): with trl importable, verl 0.9.1's monkey_patch imports
   # AutoModelForCausalLMWithValueHead, which trl 1.x no longer has (ImportError at model init, H100 2026-11-26)
   "${PIP[@]}" --target "$SITE" $(ls ./*.whl | grep -v '^\./trl-') "${VSW[@]}"
   rm -rf "$SITE"/trl "$SITE"/trl-*.dist-info

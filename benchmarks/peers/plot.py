@@ -1,6 +1,6 @@
 """Combine the per-framework results (hybrid_rl.json, trl.json, verl.json from the run_*.py scripts) into
 ``benchmarks/results/peers_<device>_<model>.json`` and a bar plot beside it. Runs on the GPU machine at the end of
-every ``run_all.sh`` part, or here on the JSON files the device call returned:
+every ``run_all.sh`` part, or on any machine from the JSON files the runs wrote:
 
     python benchmarks/peers/plot.py --res /path/with/the/three/jsons
 """

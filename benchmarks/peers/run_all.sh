@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
-# On the GPU lender (issue 15): one framework per device call, all on one warm machine, then the combined report.
+# On a GPU machine without network access: one framework per invocation, all on one machine, then the combined report.
 #   bash benchmarks/peers/run_all.sh hybrid_rl|trl|verl|verl_bg|verl_wait|report [GPUS]   (GPUS default: every visible GPU)
-# Expects: vLLM 0.26's carries unpacked in /tmp/vs (../shared/device/README.md), the peers' carries unpacked in
+# Expects: vLLM 0.26's wheel set with its install_remote.sh unpacked in /tmp/vs, the peers' staged pieces unpacked in
 # /tmp/ps (benchmarks/peers/stage.sh; trl_c1 before 'trl', verl_c1..c7 before 'verl'), GSM8K in .devdata/ in the
 # first call (copied to /tmp/peers_data for the later ones). Each part installs what it needs once per machine,
 # writes /tmp/peers_res/<framework>.json, and rebuilds benchmarks/results/peers_<device>_<model>.json + .png from
-# every framework finished so far; all of it is copied to $OUT (the device tool returns $OUT).
+# every framework finished so far; all of it is copied to $OUT (default /tmp/peers_out).
 set -u
 PART=${1:?usage: run_all.sh hybrid_rl|trl|verl|verl_bg|verl_wait|report [GPUS]}
 GPUS=${2:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 OUT=${OUT:-/tmp/peers_out}
-# the same work per GPU on any lease: 16 prompts per GPU per step (64 on 4 GPUs), the mini-batch half of it
+# the same work per GPU on any machine: 16 prompts per GPU per step (64 on 4 GPUs), the mini-batch half of it
 export PEERS_PROMPTS=${PEERS_PROMPTS:-$((16 * GPUS))}
 RES=/tmp/peers_res
 MODEL_DIR=/tmp/peers_model
 DATA=/tmp/peers_data/train.jsonl
 mkdir -p "$OUT" "$RES" /tmp/peers_data
 exec > >(tee -a "$OUT/peers_$PART.log") 2>&1
-[ -f "$DATA" ] || cp .devdata/train.jsonl "$DATA" || { echo "no GSM8K: carry .devdata in the first call"; exit 2; }
+[ -f "$DATA" ] || cp .devdata/train.jsonl "$DATA" || { echo "no GSM8K: put train.jsonl in .devdata/ for the first part"; exit 2; }
 export HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1 \
   HYBRID_RL_CACHE=/tmp/hrc TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0
 ROOT=$PWD

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Stage the peers' pinned wheels (issue 15) for the GPU lender (CPython 3.12, manylinux x86_64, torch 2.11.0+cu130,
-# no network) as carry folders of < 60 MiB each, beside vLLM 0.26's own staging (../shared/device/vllm-stage):
-#   OUT/trl_c1            trl 1.16.0 (everything else TRL needs is on the lender or in vLLM 0.26's set)
+# Stage the peers' pinned wheels for a GPU machine without network access (CPython 3.12, manylinux x86_64, torch
+# 2.11.0+cu130) as folders of < 60 MiB each, beside vLLM 0.26's own wheel set:
+#   OUT/trl_c1            trl 1.16.0 (everything else TRL needs is on the GPU machine or in vLLM 0.26's set)
 #   OUT/verl_c1 .. c7     verl 0.9.1, vLLM 0.24.0 (its pin), transformers 5.9.0 (its vllm-extra pin), tokenizers
 #                         0.22.2, ray 2.60.0 (core, no dashboard extras), TransferQueue, hydra/omegaconf, tensordict,
 #                         torchdata, and the vLLM 0.24 serving deps that 0.26's set leaves out (verl drives vLLM through
@@ -27,7 +27,7 @@ python3 -m pip download -q "${PLAT[@]}" -d "$DL/verl" $(pins "$HERE/verl.sha256"
 python3 -m pip download -q --no-deps --no-binary=:all: -d "$DL/verl" antlr4-python3-runtime==4.9.3
 (cd "$DL/trl" && sha256sum -c --quiet "$HERE/trl.sha256")
 (cd "$DL/verl" && sha256sum -c --quiet "$HERE/verl.sha256")
-# the sdist → a py3-none-any wheel (pure Python; built here, so its own hash goes into the carry's checksum file)
+# the sdist → a py3-none-any wheel (pure Python; built here, so its own hash goes into the folder's checksum file)
 python3 -m pip wheel -q --no-deps -w "$DL/verl" "$DL/verl/antlr4-python3-runtime-4.9.3.tar.gz"
 rm "$DL/verl/antlr4-python3-runtime-4.9.3.tar.gz"
 

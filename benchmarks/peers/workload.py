@@ -1,4 +1,4 @@
-"""The shared workload of the peer comparison (issue 15) and the helpers the three run_*.py scripts share.
+"""The shared workload of the peer comparison and the helpers the three run_*.py scripts share.
 
 One GRPO workload, expressed in each framework's own config:
   model   builtin:qwen2.5-1.5b-random, written once to a HF directory in bfloat16 (``prepare_model``), so that every
@@ -80,7 +80,7 @@ def scale_batch(workload: dict, prompts: str | None) -> dict:
 WORKLOAD = scale_batch(WORKLOAD, os.environ.get("PEERS_PROMPTS"))
 GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
 
-# Pinned peer versions (issue 15): the staged wheels in benchmarks/peers/*.sha256 are these.
+# Pinned peer versions: the staged wheels in benchmarks/peers/*.sha256 are these.
 VERSIONS = {"trl": "1.16.0", "verl": "0.9.1", "vllm_trl": "0.26.0", "vllm_verl": "0.24.0",
             "transformers_verl": "5.9.0", "ray": "2.60.0"}
 
@@ -219,7 +219,7 @@ def write_result(doc: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2))
     print(json.dumps({k: v for k, v in doc.items() if k not in ("settings", "step_s_all", "log_tail")}), flush=True)
-    extra = os.environ.get("OUT")  # the device tool returns what is under $OUT
+    extra = os.environ.get("OUT")  # a copy under $OUT, where the runner collects results
     if extra:
         Path(extra).mkdir(parents=True, exist_ok=True)
         (Path(extra) / out.name).write_text(json.dumps(doc, indent=2))

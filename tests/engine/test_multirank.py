@@ -290,7 +290,7 @@ def test_update_step_benchmark_cpu_smoke(tmp_path):
     doc = json.loads((tmp_path / "update_step_cpux2_tiny-qwen2.json").read_text())
     assert doc["world_size"] == 2 and doc["configs"][0]["speedup_vs_first"] == 1.0
     assert all(r["log_prob_s"] > 0 and r["update_s"] > 0 and r["tokens"] > 0 for r in doc["configs"])
-    # --best-of hands the fastest configuration's overrides to a follow-up modes run (gpu_session.sh tuned2)
+    # --best-of hands the fastest configuration's overrides to a follow-up modes run (modes.py --tag _tuned)
     best = max(doc["configs"], key=lambda r: r["trained_tokens_per_s"])["overrides"]
     out = subprocess.run([sys.executable, "benchmarks/update_step.py", "--best-of",
                           str(tmp_path / "update_step_cpux2_tiny-qwen2.json")], cwd=ROOT, capture_output=True, text=True)

@@ -1,6 +1,6 @@
-"""PPO with a critic on GPUs with vLLM (issue 19): a few steps on 1 and 4 ranks, the critic's phases timed, memory reported.
+"""PPO with a critic on GPUs with vLLM : a few steps on 1 and 4 ranks, the critic's phases timed, memory reported.
 
-Run on a CUDA machine with vLLM 0.26 (see benchmarks/gpu_session.sh for the environment):
+Run on a CUDA machine with vLLM 0.26 (benchmarks/offline/ installs it on a machine without network access):
     pytest -m gpu -s tests/gpu/test_gpu_ppo.py
 Each run prints one JSON line per rank count with the mean of the timed phases (``timing/values``,
 ``timing/update_critic``, ``timing/update``, ``timing/gen``, ``timing/step``) and the peak memory
@@ -67,6 +67,6 @@ def test_ppo_steps_with_vllm(tmp_path, gpus, offload):
     line = json.dumps({"test": "ppo_critic_vllm", "gpus": gpus, "critic_offload": offload,
                        "device": torch.cuda.get_device_name(0), **summary})
     print(line)
-    if os.environ.get("HYBRID_RL_GPU_RESULTS"):  # gpu_session.sh collects these lines into one JSON file
+    if os.environ.get("HYBRID_RL_GPU_RESULTS"):  # one JSON line per run, appended to this file
         with open(os.environ["HYBRID_RL_GPU_RESULTS"], "a") as f:
             f.write(line + "\n")

@@ -2,7 +2,7 @@
 
     pytest -m gpu tests/gpu/test_split_groups_gpu.py        # 4 GPUs; skips with fewer
 
-On 4xH200 every 2 + 2 and 1 + 3 split run hung before its first step (stop 33, and again at 4c7d438): with a device
+On 4xH200 every 2 + 2 and 1 + 3 split run hung before its first step (until 4c7d438): with a device
 bound to the world group, torch makes every ``new_group`` an ``ncclCommSplit`` of the world's communicator, and a
 rank outside the new group makes a no-colour split even when the new group is gloo. The weight-metadata group
 (gloo, the rollout ranks and the first trainer rank) thus left the other trainer ranks in a split no one else made.

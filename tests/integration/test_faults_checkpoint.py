@@ -1,4 +1,4 @@
-"""Checkpoint faults (issue 20, items 2, 3 and 6): a broken ``latest``, a damaged checkpoint, a checkpoint write that
+"""Checkpoint faults: a broken ``latest``, a damaged checkpoint, a checkpoint write that
 fails. Each ends in one line and loses nothing complete; resume=auto continues from the newest intact checkpoint with
 the per-step metrics of an uninterrupted run. Tiny in-process runs of the CPU recipe (seconds each)."""
 

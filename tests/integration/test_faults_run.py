@@ -1,4 +1,4 @@
-"""Faults around a run (issue 20, items 4-5): two runs on one output directory, a reward function that hangs.
+"""Faults around a run: two runs on one output directory, a reward function that hangs.
 
 The lock tests build tiny in-process Trainers of the CPU recipe (no step is trained); the reward tests score a
 few strings through ``RewardScorer`` with user functions written to a file, in worker processes. Seconds each.

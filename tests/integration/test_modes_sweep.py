@@ -1,7 +1,7 @@
-"""The crossover sweep (``benchmarks/modes_sweep.py``, issue 18): its bookkeeping in-process, the process-tree
+"""The crossover sweep (``benchmarks/modes_sweep.py``): its bookkeeping in-process, the process-tree
 kill that ``benchmarks/modes.py`` stops runs with, and a CPU smoke run end to end: the tiny model on 2 gloo
-ranks at two short lengths in sync and overlap colocated, then a second invocation (as the GPU session's parts
-are) whose point the budget cannot hold: recorded as skipped and merged into the same file. Split placement is
+ranks at two short lengths in sync and overlap colocated, then a second invocation (as when a sweep is cut
+into parts) whose point the budget cannot hold: recorded as skipped and merged into the same file. Split placement is
 left out of the smoke run to keep it near a minute (each run costs ~12 s of start-up on 2 CPU cores); its runs
 are ``modes.py``'s own, which ``test_split.py`` covers, and its naming and ratios are checked in-process here.
 """
@@ -66,8 +66,8 @@ def test_partial_runs_start_with_the_pool_beyond_the_measured_steps():
     (_, plain), = ms.split_runs(4, [2], [], "overlap_split")
     assert ms.run_steps(args, plain) == args.steps
     assert ms.run_steps(args, ms.PARTIAL_MODE[1]) == args.stop_after + 2  # overlap colocated, the default ahead
-    # the budget's estimate: the pool's fill, then steps at the rollout side's pace; the sixth lease skipped 2 + 6
-    # steps at 4k against a 321 s budget by the overlap estimate (8.2 sync steps), and they took ~270 s
+    # the budget's estimate: the pool's fill, then steps at the rollout side's pace; the overlap estimate (8.2 sync
+    # steps) skipped 2 + 6 steps at 4k on 4xH200 against a 321 s budget, and they took ~270 s
     args = ms.parse_args(["--gpus", "4", "--warmup", "4", "--measure", "8"])
     assert ms.steps_in_sync_steps("split_partial_a3", 4096, [], args) == pytest.approx(1.5 * 2 + 0.8 * 10)
     assert ms.steps_in_sync_steps("overlap_split", 4096, [], args) == pytest.approx(4 + 8 * 1.1)

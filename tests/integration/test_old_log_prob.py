@@ -1,4 +1,4 @@
-"""``actor.old_log_prob``: where π_old comes from (issue 16, "Fewer passes").
+"""``actor.old_log_prob``: where π_old comes from (fewer training passes).
 
 ``auto`` takes π_old for the update's first mini-batch from that mini-batch's own forward, detached (the weights
 have not moved yet), and runs the separate no-grad pass on the other mini-batches only (none when there is one

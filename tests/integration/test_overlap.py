@@ -144,7 +144,7 @@ class _InlineExecutor:
 def test_background_generation_matches_inline_generation(tmp_path, monkeypatch):
     """The generation thread shares nothing with the trainer that changes results (RNG streams, weights, engine state):
     overlap mode with the rollout in a background thread and with the same calls made inline, in the same order, give
-    identical metrics, validation included. (Hunting the overlap plateau of issue 13: it was the learning rate, not a
+    identical metrics, validation included. (The overlap plateau at a large learning rate: it was the learning rate, not a
     race; see recipes/cpu_successor.yaml.)"""
     import threading
 

@@ -212,7 +212,7 @@ def test_modes_sweep_cpu_smoke_runs_both_partial_modes(tmp_path, tiny_model_path
 def test_overlap_with_partial_rollouts_still_learns(tmp_path, placement, ahead, steps):
     """The default CPU recipe in overlap mode with partial rollouts (staleness 2), 150 steps: reward rises; colocated
     on one rank, and split (1 rollout + 1 trainer rank, the rollout rank's round running beside the update). Split at
-    ahead 3 (four steps' groups in flight, staleness bound 4), the setting the sixth lease measured fastest at 4k:
+    ahead 3 (four steps' groups in flight, staleness bound 4), the setting measured fastest at 4k (4xH200):
     samples up to four versions old are corrected and the reward still rises, later (one run crossed a 3-step mean
     of 0.8 at step 124; others ended at 0.675 after 150 steps and at 0.799 after 200), so it gets 250 steps, the
     recipe's own (0.993 and 0.994 in two runs)."""

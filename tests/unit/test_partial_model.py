@@ -1,7 +1,7 @@
 """``benchmarks/partial_model.py`` drives the real partial-rollout scheduling with a simulated engine: it keeps
 running against ``hybrid_rl.partial``, and pausing generation through the update (the NCCL stop check's effect)
 makes the modelled steps slower and uneven, as measured on 4xH200; and a run that ends right after its measured
-steps drains the pool in them and looks faster than the steady state, as the sixth lease's runs did."""
+steps drains the pool in them and looks faster than the steady state, as 8-step runs on 4xH200 did."""
 
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ def _mean_step(seeds=4, **kw) -> float:
     return float(np.mean([np.mean(pm.simulate(_args(**kw), 3.0, 4, seed, paused=False)) for seed in range(seeds)]))
 
 
-def test_the_sixth_leases_window_is_faster_than_the_steady_state():
-    """At the 4k point (ahead 3): steps 3-8 of a run that ends after them (the sixth lease's window) follow the pool's
+def test_a_draining_window_is_faster_than_the_steady_state():
+    """At the 4k point (ahead 3): steps 3-8 of a run that ends after them (a window that drains) follow the pool's
     fill, whose second step generates several steps ahead, and end in the drain; 4 warm-up steps, 8 measured and the
     pool's steps after them (what modes_sweep.py now runs) come within a few per cent of a long run's mean."""
     at_4k = dict(per_step=12, n=8, mean=4096, prompt_len=300, update_s=13.5, exchange_s=1.0)

@@ -1,6 +1,6 @@
 """Split placement's set-up order with vLLM (``sources.meet_at_engines``): every rank meets at a barrier, then the
 trainer ranks build vLLM's twin before any model, so that no rank waits in vLLM's group creation for one still
-loading a model. (The 2 + 2 hangs of stop 33 had another cause: ``tests/unit/test_split_groups.py``.)"""
+loading a model. (The 2 + 2 hangs in set-up had another cause: ``tests/unit/test_split_groups.py``.)"""
 
 from __future__ import annotations
 
