@@ -215,10 +215,11 @@ class ActorConfig:
     """With ``use_remove_padding``: each distinct prompt of a micro-batch passes through the model once and its
     responses attend to that one copy (``workers/packed.py``'s ``pack_shared``), in the actor's passes and the
     reference's. Exact (a prompt never sees its responses); with GRPO's n samples per prompt it removes (n-1)/n of the
-    prompt tokens from every training pass (GSM8K, n=8: about half of all tokens). ``perf/mfu_*`` keep counting the
-    batch's tokens (the work the unshared passes do), so with sharing they read as effective MFU
-    (``perf/update_token_share`` gives the hardware share). Default (null): on wherever the run packs on CUDA
-    (4xH200, flagship shapes, no recomputation: update 7.3 -> 5.4 s, log-prob 2.1 -> 1.5 s), off on CPU."""
+    prompt tokens from every training pass (GSM8K, n=8: about half of all tokens). ``perf/mfu_*`` count the FLOPs the
+    shared passes run; ``perf/mfu_*_equiv`` count every sample's sequence on its own (the work the unshared passes
+    do), and ``perf/update_token_share`` is the update's tokens run per token of the batch. Default (null): on
+    wherever the run packs on CUDA (4xH200, flagship shapes, no recomputation: update 7.3 -> 5.4 s, log-prob 2.1 ->
+    1.5 s), off on CPU."""
     use_torch_compile: bool = False
     """``torch.compile`` each decoder block's forward (dynamic shapes) in the actor: fused kernels for a loop that is
     launch-bound (small models, many micro-batches); the first pass of each mode (train/eval) pays the compile."""

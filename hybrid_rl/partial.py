@@ -252,10 +252,12 @@ def groups_from_batch(batch: Batch, n: int) -> list[Group]:
     return groups
 
 
-COUNTS = ("partial_carried", "partial_resumed_tokens", "partial_context_tokens", "partial_cached_tokens")
+COUNTS = ("partial_carried", "partial_resumed_tokens", "partial_context_tokens", "partial_cached_tokens",
+          "partial_gen_tokens")
 """Batch meta that counts something on its rollout rank, logged as ``rollout/<key>`` summed over the ranks: groups
-left in the pool, tokens resumed from earlier rounds, and the rounds' context tokens (prompt + partial response)
-with those vLLM served from its prefix cache (``rollout.reuse_stale_kv``)."""
+left in the pool, tokens resumed from earlier rounds, the rounds' context tokens (prompt + partial response)
+with those vLLM served from its prefix cache (``rollout.reuse_stale_kv``), and the tokens the rounds sampled
+(``perf/gen_tokens_per_s`` divides them by the rounds' generate time)."""
 
 
 def partial_metrics(batch: Batch, trainer_version: int) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
@@ -328,7 +330,10 @@ class PartialRolloutPipeline(RolloutPipeline):
         self.pool_steps = partial_pool_steps(ahead)  # = ⌈window / per_step⌉, at least 2
         """Steps of prompts the pool is topped up to (fewer before the run's last steps)."""
         self.round: Round | None = None
-        self._last_gen_s = 0.0
+        self._gen = [0, 0.0]
+        """Tokens the rounds folded into the pool since the last take sampled, and those rounds' generate seconds
+        (the batch's ``partial_gen_tokens`` and ``gen_s``, i.e. ``timing/gen``: every round counted once, the one in
+        flight at a take, one in the foreground, and those finished for validation or a checkpoint)."""
         self._context = [0, 0]
         """Context tokens the rounds since the last take submitted, and those vLLM served from its prefix cache."""
 
@@ -361,14 +366,19 @@ class PartialRolloutPipeline(RolloutPipeline):
         self._context[1] += int(self.worker.rollout.last_generate_stats.get("cached_tokens", 0))
         return segments
 
+    def _fold(self, rnd: Round, segments: list[Segment]) -> None:
+        """A finished round's segments into the pool, its sampled tokens and generate time into ``_gen``."""
+        self.carry.apply(rnd.pending, segments, rnd.version)
+        self._gen[0] += sum(len(seg.tokens) for seg in segments)
+        self._gen[1] += rnd.gen_s
+
     def _finish_round(self) -> None:
         """Wait for the round in flight (interrupted or not) and fold its segments into the pool."""
         if self.pending is None:
             return
         segments, rnd = self.pending.result(), self.round
         self.pending, self.round = None, None
-        self.carry.apply(rnd.pending, segments, rnd.version)
-        self._last_gen_s = rnd.gen_s
+        self._fold(rnd, segments)
 
     def start(self, next_prompts: Callable[[], Batch], steps_left: int = 2) -> None:  # type: ignore[override]
         """Top the pool up (``pool_steps`` steps' prompts, at most ``steps_left``: the steps from the next one to the
@@ -398,18 +408,18 @@ class PartialRolloutPipeline(RolloutPipeline):
             with self._engine_awake():
                 rnd = self._new_round()
                 if rnd is not None:
-                    carry.apply(rnd.pending, self._run(rnd), rnd.version)
-                    self._last_gen_s = rnd.gen_s
+                    self._fold(rnd, self._run(rnd))
         taken = carry.take(trainer_version)
         (context, cached), self._context = self._context, [0, 0]
-        return self._batch(taken, partial_carried=len(carry.groups), partial_context_tokens=context,
-                           partial_cached_tokens=cached)
+        (generated, gen_s), self._gen = self._gen, [0, 0.0]
+        return self._batch(taken, gen_s=gen_s, partial_gen_tokens=generated, partial_carried=len(carry.groups),
+                           partial_context_tokens=context, partial_cached_tokens=cached)
 
     def _batch(self, groups: list[Group], **meta: Any) -> Batch:
         w = self.worker
         batch = assemble_groups(groups, self.carry.n, w.rollout.eos_token_ids, w.tokenizer.pad_token_id, w.device,
                                 self._params().logprob_temperature)
-        return batch.union(gen_s=self._last_gen_s, forced=w.cfg.rollout.forced_lengths is not None, **meta)
+        return batch.union(forced=w.cfg.rollout.forced_lengths is not None, **meta)
 
     # -- checkpoints, validation ------------------------------------------------------
     def wait(self) -> None:
@@ -427,7 +437,7 @@ class PartialRolloutPipeline(RolloutPipeline):
             with self._engine_awake():
                 rnd = self._new_round()
                 if rnd is not None:
-                    self.carry.apply(rnd.pending, self._run(rnd), rnd.version)
+                    self._fold(rnd, self._run(rnd))
         return self._batch(list(self.carry.groups))
 
     def restore(self, batch: Batch) -> None:

@@ -1,18 +1,31 @@
-"""Model FLOPs of the training passes and the device's peak, for ``perf/mfu_update`` and ``perf/mfu_log_prob``.
+"""Throughput, MFU and memory of a step (``step_perf_means`` and ``step_perf_metrics``, called by the trainer).
 
-MFU here is the FLOPs the math needs divided by what the GPUs could have done in the pass's wall time: a dense
-decoder's matmuls (2 FLOPs per parameter per token forward, 6 forward + backward), causal self-attention
-(scores and values: 4 · heads · head_dim per pair of positions forward, counted over each sequence's own
-length) and the LM head for the response tokens only (the prompt's logits are never computed). Activation
-checkpointing's recompute and padding are not counted: they are what MFU exposes. The formulas follow the
-PaLM appendix and verl's flops counter; peaks are dense bf16 tensor-core figures from the vendors' data sheets.
+``perf/mfu_update``, ``perf/mfu_log_prob``, ``perf/mfu_ref``: the hardware figure, model FLOPs the pass ran ÷ (its wall
+time × GPUs × the device's dense bf16 peak). The engine counts what each forward computed as it lays the micro-batch
+out (``Work``): the tokens through the body (with ``actor.share_prompts`` a group's prompt once per micro-batch that
+holds it, not once per sample), the (query, key) pairs causal attention computes (a shared prompt with itself, each
+response with its prompt's copy and with itself) and the rows the LM head runs on (the positions predicting response
+tokens). FLOPs: 2 per parameter of the body's matmuls per token forward, 2 × vocabulary × hidden per LM-head row,
+4 × heads × head_dim per attention pair and layer (scores and values). Backward (the update): every matmul's input
+gradient (as much as its forward), the weight gradient of the trainable ones only (LoRA: the adapters, not the frozen
+base or head), attention twice its forward. Not counted, by the definition of MFU: recomputation (activation
+checkpointing, the fused LM head's logits rebuilt in backward, flash attention's scores rebuilt in backward), padding
+(the unpacked path's pad positions, and the masked pairs a kernel's tiles compute along the diagonal), elementwise work
+(norms, softmax, entropy) and the optimizer.
+
+``perf/mfu_*_equiv``: the throughput-equivalent figure, the FLOPs of every sample's sequence run on its own (each
+prompt counted ``rollout.n`` times, the update as 3 forward passes per epoch) over the same time, for comparing runs
+by the work the batch stands for whatever sharing or adapters saved. Without sharing or LoRA the two agree (up to
+``actor.old_log_prob=auto`` leaving a mini-batch out of the log-prob pass, which the equivalent figure estimates as a
+share of rows). The formulas follow the PaLM appendix and verl's flops counter; peaks are dense bf16 tensor-core
+figures from the vendors' data sheets.
 
 Left out: MoE routing, multimodal towers, and devices missing from the table (set ``trainer.peak_tflops``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -36,61 +49,162 @@ def peak_flops(device: torch.device, override_tflops: float | None = None) -> fl
     return None
 
 
+@dataclass
+class Work:
+    """What forwards computed, summed: fields may be host numbers or device tensors (read once, at the step's end)."""
+
+    tokens: float = 0
+    """Positions through the body: each real token of a packed row once (a shared prompt once per micro-batch)."""
+    attn_pairs: float = 0
+    """(query, key) pairs causal attention computes, per layer and head."""
+    head_rows: float = 0
+    """Rows the LM head runs on (real positions only)."""
+
+    def add(self, other: "Work") -> "Work":
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return self
+
+
 @dataclass(frozen=True)
 class ModelFlops:
     body_params: int
     """Parameters of the matmuls every token goes through (all but the input embedding and the LM head)."""
     head_params: int
-    """vocabulary × hidden: the LM head, applied to response tokens only."""
+    """vocabulary × hidden: the LM head."""
     attn_width: int
     """layers × heads × head_dim: attention's cost per pair of positions is 4 × this, forward."""
+    trainable_body_params: int | None = None
+    """The body parameters that take gradients (None: all): backward computes weight gradients for these only."""
+    head_trainable: bool = True
+    """Whether the LM head's weight takes a gradient (not under LoRA, unless the adapters wrap it)."""
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelFlops":
         cfg = model.config
         cfg = getattr(cfg, "text_config", None) or cfg
-        seen, total = set(), 0
+        embed_w = model.get_input_embeddings().weight
+        head = model.get_output_embeddings()
+        head_w = head.weight if head is not None else None
+        seen, total, trainable = set(), 0, 0
         for p in model.parameters():  # tied weights counted once; DTensor numel is the global size
             if id(p) not in seen:
                 seen.add(id(p))
                 total += p.numel()
-        embed = model.get_input_embeddings().weight.numel()
-        head = model.get_output_embeddings()
-        head_separate = head is not None and head.weight is not model.get_input_embeddings().weight
-        head_params = cfg.vocab_size * cfg.hidden_size
-        body = total - embed - (head.weight.numel() if head_separate else 0)
+                if p.requires_grad and p is not embed_w and p is not head_w:
+                    trainable += p.numel()
+        head_separate = head_w is not None and head_w is not embed_w
+        body = total - embed_w.numel() - (head_w.numel() if head_separate else 0)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return cls(body, head_params, cfg.num_hidden_layers * cfg.num_attention_heads * head_dim)
+        head_trainable = bool((head_w if head_w is not None else embed_w).requires_grad)
+        return cls(body, cfg.vocab_size * cfg.hidden_size, cfg.num_hidden_layers * cfg.num_attention_heads * head_dim,
+                   trainable, head_trainable)
 
     def forward(self, seq_lengths: torch.Tensor, response_tokens: float) -> float:
-        """Forward FLOPs of a pass over sequences of ``seq_lengths`` (prompt + response) with ``response_tokens``."""
+        """Forward FLOPs of sequences of ``seq_lengths`` (prompt + response) each run on its own, with the LM head
+        over ``response_tokens``: the throughput-equivalent count (``perf/mfu_*_equiv``)."""
         lengths = seq_lengths.double()
         causal_pairs = float((lengths * (lengths + 1) / 2).sum())
         return 2.0 * self.body_params * float(lengths.sum()) + 2.0 * self.head_params * response_tokens \
             + 4.0 * self.attn_width * causal_pairs
 
+    def pass_flops(self, work: Work, backward: bool = False) -> float:
+        """FLOPs of a pass that computed ``work``: forward, and with ``backward`` its gradients (see the module's
+        docstring for what is counted)."""
+        tokens, pairs, rows = float(work.tokens), float(work.attn_pairs), float(work.head_rows)
+        fwd = 2.0 * self.body_params * tokens + 2.0 * self.head_params * rows + 4.0 * self.attn_width * pairs
+        if not backward:
+            return fwd
+        trainable = self.body_params if self.trainable_body_params is None else self.trainable_body_params
+        bwd = 2.0 * (self.body_params + trainable) * tokens + 8.0 * self.attn_width * pairs \
+            + 2.0 * self.head_params * rows * (1 + self.head_trainable)
+        return fwd + bwd
 
-PASSES = (("perf/mfu_update", "timing/update", 3.0), ("perf/mfu_log_prob", "timing/old_log_prob", 1.0),
-          ("perf/mfu_ref", "timing/ref", 1.0))
-"""(metric, the pass's timer, its FLOPs in forward passes: backward costs two)."""
+
+PASSES = (("perf/mfu_update", "timing/update", "update", 3.0), ("perf/mfu_log_prob", "timing/old_log_prob",
+                                                                "old_log_prob", 1.0),
+          ("perf/mfu_ref", "timing/ref", "ref", 1.0))
+"""(metric, the pass's timer, its ``Work`` key, its FLOPs in forward passes in the equivalent count: backward costs
+two)."""
 
 
 def pass_mfu(times: dict[str, float], forward_flops: float, peak: float | None, gpus: int,
              ppo_epochs: int = 1, log_prob_share: float = 1.0) -> dict[str, float]:
-    """MFU of each timed training pass of a step, from the batch's forward FLOPs summed over ``gpus`` ranks.
+    """``perf/mfu_*_equiv`` of each timed training pass of a step, from the batch's forward FLOPs (every sequence on
+    its own) summed over ``gpus`` ranks.
 
     ``log_prob_share``: the share of the batch the old-log-prob pass ran on (``actor.old_log_prob=auto`` leaves the
     update's first mini-batch out of it: 1 - ``actor/old_log_prob_skipped``)."""
     if not peak:
         return {}
     out = {}
-    for metric, timer, passes in PASSES:
+    for metric, timer, _, passes in PASSES:
         seconds = times.get(timer, 0.0)
         if seconds > 0:
             epochs = ppo_epochs if metric == "perf/mfu_update" else 1
             share = log_prob_share if metric == "perf/mfu_log_prob" else 1.0
-            out[metric] = passes * epochs * share * forward_flops / (seconds * gpus * peak)
+            out[metric + "_equiv"] = passes * epochs * share * forward_flops / (seconds * gpus * peak)
     return out
+
+
+def hardware_mfu(times: dict[str, float], work: dict[str, Work], flops: ModelFlops, peak: float | None,
+                 gpus: int) -> dict[str, float]:
+    """``perf/mfu_*`` of each timed pass: the FLOPs its forwards (and the update's backward) ran, ``work`` summed over
+    ``gpus`` ranks, ÷ (time × gpus × peak)."""
+    if not peak:
+        return {}
+    out = {}
+    for metric, timer, key, _ in PASSES:
+        seconds = times.get(timer, 0.0)
+        if seconds > 0 and key in work:
+            out[metric] = flops.pass_flops(work[key], backward=key == "update") / (seconds * gpus * peak)
+    return out
+
+
+def step_perf_means(batch, flops: ModelFlops | None, work: dict[str, Work]) -> dict[str, tuple[float, float]]:
+    """This rank's FLOP counts of the step as ``(value, 1)`` pairs (the trainer's mean over ranks, × ranks, is their
+    sum): the batch's equivalent forward FLOPs and the ``Work`` of each pass (zeros for a pass that did not run, so
+    every rank reduces the same keys)."""
+    if flops is None:
+        return {}
+    t = batch.tensors
+    out = {"perf/forward_flops": (flops.forward(t["attention_mask"].sum(1), float(t["response_mask"].sum())), 1.0)}
+    for _, _, key, _ in PASSES:
+        w = work.get(key, Work())
+        out.update({f"perf/work/{key}/{f.name}": (float(getattr(w, f.name)), 1.0) for f in fields(Work)})
+    return out
+
+
+def step_perf_metrics(out: dict[str, float], world: int, gpus_all: int, flops: ModelFlops | None,
+                      peak: float | None, ppo_epochs: int, device: torch.device, rollout=None) -> None:
+    """Turn the reduced step metrics ``out`` (means over the ``world`` training ranks) into throughput, MFU and
+    memory, in place. ``gpus_all``: every rank of the run (``perf/throughput_per_gpu``); ``rollout``: this rank's
+    engine (its pool is left out of ``perf/max_memory_allocated_outside_engine_gb``).
+
+    ``perf/gen_tokens_per_s``: the tokens the engines generated ÷ ``timing/gen`` (the slowest rank's generate time).
+    Whole-batch generation generates exactly the batch's responses; under partial rollouts the batch holds tokens of
+    earlier rounds, so the count is ``rollout/partial_gen_tokens``, the tokens sampled in the rounds finished since the
+    previous batch was taken, and ``timing/gen`` those rounds' generate time."""
+    total_tokens = out.pop("perf/total_tokens") * world
+    response_tokens = out.pop("perf/response_tokens") * world
+    out["perf/tokens_per_s"] = total_tokens / max(out["timing/step"], 1e-9)
+    generated = out.get("rollout/partial_gen_tokens", response_tokens)
+    out["perf/gen_tokens_per_s"] = generated / max(out["timing/gen"], 1e-9)
+    out["perf/throughput_per_gpu"] = out["perf/tokens_per_s"] / gpus_all
+    if "perf/forward_flops" in out:
+        forward = out.pop("perf/forward_flops") * world
+        work = {key: Work(*(out.pop(f"perf/work/{key}/{f.name}") * world for f in fields(Work)))
+                for _, _, key, _ in PASSES}
+        out.update(hardware_mfu(out, work, flops, peak, world))
+        out.update(pass_mfu(out, forward, peak, world, ppo_epochs, 1.0 - out.get("actor/old_log_prob_skipped", 0.0)))
+    if device.type == "cuda":
+        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 2**30
+        # both count the engine's pool (allocated once, constant) even while it sleeps: the rest's own peak
+        pool = (rollout.pool_bytes() if rollout is not None else 0) / 2**30
+        out["perf/engine_pool_gb"] = pool
+        out["perf/max_memory_allocated_outside_engine_gb"] = out["perf/max_memory_allocated_gb"] - pool
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::nonzero",

@@ -40,7 +40,7 @@ from hybrid_rl.distributed import DistInfo, all_reduce_sum, reduce_max, reduce_w
 from hybrid_rl.interrupt import GracefulStop, RunInterrupted
 from hybrid_rl.metrics import batch_metrics, outcome_sums
 from hybrid_rl.partial import COUNTS as partial_counts
-from hybrid_rl.perf import ModelFlops, host_wait_summary, pass_mfu, peak_flops
+from hybrid_rl.perf import ModelFlops, host_wait_summary, peak_flops, step_perf_means, step_perf_metrics
 from hybrid_rl.rewards import RewardScorer
 from hybrid_rl.runlock import take_run_lock
 from hybrid_rl.scoring import compute_scores, sample_records, shape_overlong
@@ -513,9 +513,7 @@ class Trainer:
             extra_means, extra_max = partial_metrics(batch, batch.meta["trainer_version"])
             means.update(extra_means)
             maxima.update(extra_max)
-        if self.model_flops is not None:  # this rank's forward FLOPs over its share, summed over ranks below
-            t = batch.tensors
-            means["perf/forward_flops"] = (self.model_flops.forward(t["attention_mask"].sum(1), float(t["response_mask"].sum())), 1.0)
+        means.update(step_perf_means(batch, self.model_flops, self.worker.take_pass_work()))
         times = timer.pop()
         if "timing/switch" in times:  # sync: what the step spent outside its named phases (host work, stalls)
             times["timing/other"] = max(0.0, times["timing/step"] - sum(
@@ -535,22 +533,8 @@ class Trainer:
                 out[key] *= world
         if out.get("rollout/partial_context_tokens"):  # share of the rounds' context read from vLLM's prefix cache
             out["rollout/prefix_cache_hit"] = out["rollout/partial_cached_tokens"] / out["rollout/partial_context_tokens"]
-        total_tokens = out.pop("perf/total_tokens") * world
-        response_tokens = out.pop("perf/response_tokens") * world
-        out["perf/tokens_per_s"] = total_tokens / max(out["timing/step"], 1e-9)
-        out["perf/gen_tokens_per_s"] = response_tokens / max(out["timing/gen"], 1e-9)
-        out["perf/throughput_per_gpu"] = out["perf/tokens_per_s"] / self.global_dist.world_size
-        if "perf/forward_flops" in out:
-            out.update(pass_mfu(out, out.pop("perf/forward_flops") * world, self.peak_flops, world,
-                                self.cfg.actor.ppo_epochs, 1.0 - out.get("actor/old_log_prob_skipped", 0.0)))
-        if self.dist.device.type == "cuda":
-            out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(self.dist.device) / 2**30
-            out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(self.dist.device) / 2**30
-            # both count the engine's pool (allocated once, constant) even while it sleeps: the rest's own peak
-            pool = (self.worker.rollout.pool_bytes() if self.worker.rollout is not None else 0) / 2**30
-            out["perf/engine_pool_gb"] = pool
-            out["perf/max_memory_allocated_outside_engine_gb"] = out["perf/max_memory_allocated_gb"] - pool
-            torch.cuda.reset_peak_memory_stats(self.dist.device)
+        step_perf_metrics(out, world, self.global_dist.world_size, self.model_flops, self.peak_flops,
+                          self.cfg.actor.ppo_epochs, self.dist.device, self.worker.rollout)
         return out
 
     @torch.no_grad()

@@ -19,6 +19,7 @@ forward, for the driver to skip the old-log-prob pass where that is exact
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +33,7 @@ from hybrid_rl.distributed import DistInfo, all_reduce_sum
 from hybrid_rl.kernels import apply_liger
 from hybrid_rl.metrics import cut_at_cap
 from hybrid_rl.models import apply_lora, load_causal_lm, load_tokenizer, resolve_dtype
+from hybrid_rl.perf import Work
 from hybrid_rl.rollout import rollout_engine_class
 from hybrid_rl.rollout.base import RolloutEngine, SamplingParams
 from hybrid_rl.weights.sharding_manager import ShardingManager
@@ -145,6 +147,8 @@ class ActorRolloutRefWorker:
         self._token_budget = cfg.actor.max_token_len_per_device if cfg.actor.use_dynamic_bsz else None
         self._shuffle_rng = np.random.default_rng(cfg.trainer.seed + 7919 * dist.rank)
         self._length_rng = np.random.default_rng(cfg.trainer.seed + 104729 * (dist.rank + 1))
+        self.pass_work: dict[str, Work] = {}
+        """What each training pass ("update", "old_log_prob", "ref") computed since ``take_pass_work`` (``perf``)."""
 
     def rng_generators(self) -> dict[str, np.random.Generator]:
         """The worker's own random streams (mini-batch shuffling, forced lengths), for checkpoints."""
@@ -192,12 +196,30 @@ class ActorRolloutRefWorker:
         draws = self._length_rng.lognormal(mu, sigma, size=count)
         return tuple(int(x) for x in np.clip(np.round(draws), 1, cap))
 
+    # -- work counted per pass ------------------------------------------------------------
+    @contextmanager
+    def _counted(self, name: str, engine: TrainingEngine):
+        """Adds what ``engine``'s forwards compute inside to ``pass_work[name]``."""
+        engine.work = Work()
+        try:
+            yield
+        finally:
+            self.pass_work.setdefault(name, Work()).add(engine.work)
+            engine.work = Work()
+
+    def take_pass_work(self) -> dict[str, Work]:
+        """The passes' work since the last call (the step's), and start counting afresh."""
+        work, self.pass_work = self.pass_work, {}
+        return work
+
     # -- log-probs ----------------------------------------------------------------------
     def compute_log_prob(self, batch: Batch) -> Batch:
         """``old_log_probs`` under the current actor weights (the PPO proximal policy)."""
         assert self.actor is not None
-        lp, ent = self.actor.compute_log_prob(batch, self.cfg.actor.log_prob_micro_batch_size_per_device,
-                                              batch.meta["temperature"], with_entropy=True, max_tokens=self._token_budget)
+        with self._counted("old_log_prob", self.actor):
+            lp, ent = self.actor.compute_log_prob(batch, self.cfg.actor.log_prob_micro_batch_size_per_device,
+                                                  batch.meta["temperature"], with_entropy=True,
+                                                  max_tokens=self._token_budget)
         return batch.union(tensors=dict(old_log_probs=lp, old_entropy=ent))
 
     def compute_log_prob_but_first_mini_batch(self, batch: Batch) -> Batch:
@@ -215,9 +237,10 @@ class ActorRolloutRefWorker:
         lp = torch.zeros(batch.tensors["responses"].shape, device=self.device)
         ent = torch.zeros_like(lp)
         if len(rest):  # every rank runs this (FSDP collectives): each skips one mini-batch of the same size
-            part_lp, part_ent = self.actor.compute_log_prob(batch.index(rest), a.log_prob_micro_batch_size_per_device,
-                                                            batch.meta["temperature"], with_entropy=True,
-                                                            max_tokens=self._token_budget)
+            with self._counted("old_log_prob", self.actor):
+                part_lp, part_ent = self.actor.compute_log_prob(
+                    batch.index(rest), a.log_prob_micro_batch_size_per_device, batch.meta["temperature"],
+                    with_entropy=True, max_tokens=self._token_budget)
             where = row_index(rest, self.device)
             lp[where, :part_lp.shape[1]] = part_lp
             ent[where, :part_ent.shape[1]] = part_ent
@@ -233,8 +256,9 @@ class ActorRolloutRefWorker:
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         assert self.ref is not None
-        lp, _ = self.ref.compute_log_prob(batch, self.cfg.ref.log_prob_micro_batch_size_per_device, batch.meta["temperature"],
-                                          max_tokens=self._token_budget)
+        with self._counted("ref", self.ref.engine):
+            lp, _ = self.ref.compute_log_prob(batch, self.cfg.ref.log_prob_micro_batch_size_per_device,
+                                              batch.meta["temperature"], max_tokens=self._token_budget)
         return batch.union(tensors=dict(ref_log_prob=lp))
 
     # -- update -------------------------------------------------------------------------
@@ -283,20 +307,22 @@ class ActorRolloutRefWorker:
         planned = batch.meta.get("update_order")  # drawn by compute_log_prob_but_first_mini_batch
         self.actor.packed_tokens = [0, 0]
         self.actor.model.train()
-        for epoch in range(a.ppo_epochs):
-            if epoch == 0 and planned is not None:
-                order = np.asarray(planned)
-            else:
-                order = self._shuffle_rng.permutation(len(batch)) if a.shuffle_mini_batches else np.arange(len(batch))
-            for start in range(0, len(batch), seqs_per_mini):
-                rows = order[start:start + seqs_per_mini]
-                capture = own_old and epoch == 0 and start == 0
-                self._update_mini_batch(batch.index(rows), stats, (rows, lps, ents) if capture else None)
+        shuffle = a.shuffle_mini_batches
+        with self._counted("update", self.actor):
+            for epoch in range(a.ppo_epochs):
+                if epoch == 0 and planned is not None:
+                    order = np.asarray(planned)
+                else:
+                    order = self._shuffle_rng.permutation(len(batch)) if shuffle else np.arange(len(batch))
+                for start in range(0, len(batch), seqs_per_mini):
+                    rows = order[start:start + seqs_per_mini]
+                    capture = own_old and epoch == 0 and start == 0
+                    self._update_mini_batch(batch.index(rows), stats, (rows, lps, ents) if capture else None)
         self.weight_version += 1
         stats.add("actor/lr", self.actor.lr)
         ran, of = self.actor.packed_tokens
-        if self.actor.share_prompts and of:  # the tokens the update computed per token of the batch (hardware MFU =
-            stats.add("perf/update_token_share", ran / of, of)  # perf/mfu_update × this; token-weighted over ranks)
+        if self.actor.share_prompts and of:  # the tokens the update computed per token of the batch (token-weighted
+            stats.add("perf/update_token_share", ran / of, of)  # over ranks); perf/mfu_update counts the FLOPs run
         return stats.pairs(), lps, ents
 
     def _loss_mask(self, t: dict[str, torch.Tensor]) -> torch.Tensor:

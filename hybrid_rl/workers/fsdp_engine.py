@@ -32,6 +32,7 @@ import torch.distributed as dist
 from hybrid_rl.algorithms import entropy_from_logits, logprobs_from_logits
 from hybrid_rl.batch import Batch, row_index
 from hybrid_rl.micro_batching import HOST_META, micro_batches
+from hybrid_rl.perf import Work
 from hybrid_rl.workers.packed import (logprob_head, pack, pack_shared, split_head_output, unpack,
                                       use_varlen_attention)
 from hybrid_rl.weights.plan import PushPlan, decoder_layer_classes
@@ -64,7 +65,10 @@ class TrainingEngine:
         """Packed rows hold each distinct prompt once, its responses attending to that copy (``pack_shared``)."""
         self.packed_tokens = [0, 0]
         """(tokens the packed forwards ran, tokens of their micro-batches): with ``share_prompts`` the first is less;
-        the update reports the ratio, which turns the batch-based (effective) MFU into the hardware's."""
+        the update reports the ratio as ``perf/update_token_share``."""
+        self.work = Work()
+        """What the forwards computed since the worker last reset it (tokens, attention pairs, LM-head rows), for
+        ``perf/mfu_*``; the worker reads it per pass."""
         self.fused_logprob = fused_logprob
         """Log-probs and entropy come from the LM head in row chunks; the [tokens × vocabulary] logits never exist."""
         self.group = group
@@ -209,10 +213,14 @@ class TrainingEngine:
         resp_len = responses.shape[1]
         kwargs = dict(input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"],
                       use_cache=False)
+        mask = t["attention_mask"]  # the work counted: real tokens only (a left-padded prompt and right-padded
+        lengths = mask.sum(1)  # response are contiguous and causal); the LM head's real rows are added below
+        self.work.add(Work(lengths.sum(), (lengths * (lengths + 1) // 2).sum()))
         if self.fused_logprob:
             # the R positions ending one before the last predict the response tokens
             width = t["input_ids"].shape[1]
             keep = torch.arange(width - resp_len - 1, width - 1, device=self.device)
+            self.work.head_rows += mask[:, keep].sum()
             with self._autocast(), logprob_head(self.model, responses.reshape(-1), temperature, with_entropy,
                                                 entropy_grad):
                 out = self._call(kwargs, keep)
@@ -227,6 +235,7 @@ class TrainingEngine:
                     self._logits_to_keep = False
             if not self._logits_to_keep:
                 out = self.model(**kwargs)
+        self.work.head_rows += mask[:, -resp_len - 1:].sum() if self._logits_to_keep else lengths.sum()
         # logits at position i predict token i+1: the response tokens are predicted
         # by the R positions ending one before the last. They stay in the compute
         # dtype; the temperature and float32 are applied chunk by chunk inside.
@@ -253,6 +262,7 @@ class TrainingEngine:
         p = pack_shared(t, host) if self.share_prompts else pack(t, host)
         self.packed_tokens[0] += p.input_ids.shape[1]
         self.packed_tokens[1] += p.shared.tokens_unshared if p.shared is not None else p.input_ids.shape[1]
+        self.work.add(p.work)
         kwargs = dict(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False,
                       hybrid_cu_seqlens=p.cu_seqlens, hybrid_max_seqlen=p.max_seqlen)
         if p.shared is not None:
@@ -383,6 +393,11 @@ class AdapterDisabledReference:
         if not hasattr(actor.model, "disable_adapter"):
             raise TypeError("AdapterDisabledReference needs a peft model (model.lora.rank > 0)")
         self.actor = actor
+
+    @property
+    def engine(self) -> TrainingEngine:
+        """The engine its passes run on (the actor's)."""
+        return self.actor
 
     @property
     def model(self) -> torch.nn.Module:

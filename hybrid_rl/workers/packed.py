@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_rl.batch import to_device
+from hybrid_rl.perf import Work
 
 ATTN_NAME = "hybrid_rl_varlen"
 LOGIT_CHUNK_ROWS = 1024
@@ -53,6 +54,7 @@ class Packed:
     valid: torch.Tensor  # [b, R] bool, on the host: which response slots the n rows fill (row-major)
     slots: torch.Tensor  # [n] the same slots as flat indices into [b * R], on the device (``unpack``)
     shared: "SharedPrompts | None" = None  # pack_shared's layout (each prompt once); None: one sequence per row
+    work: Work | None = None  # what a forward over this row computes (tokens, attention pairs, LM-head rows): ``perf``
 
 
 def _host(tensors: dict[str, torch.Tensor], host: dict[str, torch.Tensor] | None, key: str) -> torch.Tensor:
@@ -107,10 +109,11 @@ def pack(tensors: dict[str, torch.Tensor], host: dict[str, torch.Tensor] | None 
     index = (torch.cumsum(flat.long(), 0) - 1).reshape(mask.shape)  # [b, L]
     valid, slots = _response_slots(mask, prompt_width)
     keep = index[:, prompt_width - 1:prompt_width - 1 + width][valid]  # [n]
+    work = Work(int(lengths.sum()), int((lengths * (lengths + 1) // 2).sum()), len(keep))  # each sequence causal
     tokens, keep, slots, cu = _to_device([tokens, keep, slots, cu], responses.device)
     return Packed(input_ids=_gather(tensors["input_ids"], tokens), position_ids=_gather(tensors["position_ids"], tokens),
                   cu_seqlens=cu.to(torch.int32), max_seqlen=int(lengths.max()) if b else 0, keep=keep,
-                  targets=responses.reshape(-1).index_select(0, slots), valid=valid, slots=slots)
+                  targets=responses.reshape(-1).index_select(0, slots), valid=valid, slots=slots, work=work)
 
 
 def unpack(values: torch.Tensor, packed: Packed) -> torch.Tensor:
@@ -182,6 +185,10 @@ def pack_shared(tensors: dict[str, torch.Tensor], host: dict[str, torch.Tensor] 
     keep = _ranges(resp_start[by_row] - 1, n[by_row])
     keep[np.cumsum(n[by_row]) - n[by_row]] = (prompt_start + p - 1)[by_row]
     valid, slots = _response_slots(mask, prompt_width)
+    # computed: each prompt once (causal over itself), each response over its prompt's copy and causal over itself
+    heads_len = p_len[heads].astype(np.int64)
+    pairs = (heads_len * (heads_len + 1) // 2).sum() + (n * p + n * (n + 1) // 2).sum()
+    work = Work(int(cu_p[-1] + n.sum()), int(pairs), len(keep))
     take_d, keep_d, kv_d, slots_d, cu_p_d, cu_r_d, cu_kv_d = _to_device(
         [torch.from_numpy(np.asarray(x, dtype=np.int64)) for x in (take, keep, kv_idx)] + [slots]
         + [torch.from_numpy(np.asarray(x, dtype=np.int64)) for x in (cu_p, cu_r, cu_kv)], responses.device)
@@ -191,7 +198,8 @@ def pack_shared(tensors: dict[str, torch.Tensor], host: dict[str, torch.Tensor] 
         max_kv=int((p_len + r_len).max(initial=0)), tokens_unshared=int(mask.sum()))
     return Packed(input_ids=_gather(tensors["input_ids"], take_d), position_ids=_gather(tensors["position_ids"], take_d),
                   cu_seqlens=shared.cu_prompt, max_seqlen=shared.max_kv, keep=keep_d,
-                  targets=responses.reshape(-1).index_select(0, slots_d), valid=valid, slots=slots_d, shared=shared)
+                  targets=responses.reshape(-1).index_select(0, slots_d), valid=valid, slots=slots_d, shared=shared,
+                  work=work)
 
 
 # --------------------------------------------------------------------------- attention
