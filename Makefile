@@ -41,9 +41,12 @@ test-fast: $(VPY)
 test-gpu: $(VPY)
 	$(VPY) -m pytest -q -m gpu $(PYTEST_ARGS)
 
-# sync vs one-step overlap on the GPUs of this box (writes benchmarks/results/modes_<device>_<model>.json + .png)
+# the training modes (sync, overlap colocated, split placement + partial rollouts) on the GPUs of this box with vLLM,
+# ~5-6 minutes on 4 H200s: a table, and a JSON + PNG in runs/bench/<UTC time>/; exits 1 naming each mode that failed.
+# Needs GPUs and vLLM (.venv/bin/pip install -e '.[vllm]'); on CPU: make bench ARGS=--cpu-smoke (plumbing only)
 bench: $(VPY)
 	$(VPY) benchmarks/modes.py --gpus $(GPUS) $(ARGS)
 
+# runs/ holds every run's output, make bench's runs/bench/ included
 clean:
 	rm -rf runs outputs .pytest_cache

@@ -1,31 +1,49 @@
-"""Sync vs one-step-overlap: the same recipe, seed and step count in each mode, measured end to end.
+"""``make bench``: the training modes on the GPUs of this machine, the same workload in each, measured end to end.
 
-Runs the real trainer (``python -m hybrid_rl train`` under torchrun) once per
-mode, samples GPU utilisation with ``nvidia-smi`` while it runs, drops warm-up
-steps, and reports per mode: step time and its phase breakdown, generated and
-trained tokens/s, GPU busy fraction, peak memory, and ``speedup_vs_sync``.
-Modes: ``sync`` (colocated), ``overlap_colocated`` and, on 2+ GPUs,
-``overlap_split`` (half the ranks generate, half train; ``trainer.placement=split``), and with
-``--rollout-ranks R`` also ``overlap_split_r<R>`` (R ranks generate, the rest train).
-Writes ``benchmarks/results/modes_<device>_<model>.json`` (rewritten after every
-mode, so a run cut short keeps what finished) and a PNG beside it, and prints
-one JSON line per mode.
+Runs the real trainer (``python -m hybrid_rl train`` under torchrun, vLLM as the engine) once per mode on every
+visible GPU, samples GPU utilisation with ``nvidia-smi`` while it runs, drops the warm-up steps and reports per
+mode: step time and its phase breakdown, generated and trained tokens/s, GPU busy fraction, peak memory and
+``speedup_vs_sync``. The modes by default, the ones the README recommends:
 
-    python benchmarks/modes.py --model builtin:qwen2.5-0.5b-random --gpus 1 --steps 8
-    python benchmarks/modes.py --cpu-smoke            # tiny model on CPU, checks the plumbing
+  sync               trainer.mode=sync (colocated: every GPU generates, then trains)
+  overlap_colocated  trainer.mode=overlap trainer.max_staleness=1 (step N+1 generates beside step N's update)
+  split_partial      trainer.placement=split trainer.mode=overlap trainer.partial_rollouts=true
+                     trainer.partial_rollout_ahead=3 trainer.max_staleness=4 (half the GPUs generate, half train;
+                     2+ GPUs, left out on one)
 
-Random-init models never stop on their own, so response lengths are imposed
-from a long-tailed distribution (``rollout.forced_lengths``). Random-init
-models earn no reward on GSM8K, so "matched reward curves" cannot be shown
-here; the CPU tests show that each mode learns and that split 1+1 equals
-colocated exactly.
+``--modes`` picks others too: overlap_split (split without partial rollouts), overlap_split_r<R> (with
+``--rollout-ranks R``), overlap_stream, overlap_proc.
+
+The workload: ``benchmarks/bench_modes.yaml`` with a random-weight Qwen2.5-1.5B shape (built locally, no
+download), the GSM8K prompts shipped in ``benchmarks/data/``, 24 prompts x 8 samples per step, response lengths
+forced from a long-tailed draw (``rollout.forced_lengths=lognormal:256:0.8``, capped at 512: a random model never
+stops on its own), 3 warm-up + 8 measured steps. Each mode costs ~60-100 s of start-up (model, vLLM engine, CUDA
+graphs) plus its steps, and is stopped after --mode-timeout s (180): ~5-6 minutes in all on 4 H200s, 10 at most.
+Trailing ``key=value`` arguments override the recipe for every mode (e.g. ``rollout.forced_lengths=lognormal:1024:0.8
+data.max_response_length=2048``); ``--mode-override MODE:key=value`` for one mode.
+
+Output: a table on the terminal, and ``modes_<device>_<model>.json`` + ``.png`` in the run directory (default
+``runs/bench/<UTC time>/``, ``--out`` to change; never ``benchmarks/results/``, which holds curated results only),
+with each mode's run (``run_<mode>/``: metrics.jsonl, stderr.log). A mode that fails is one line naming it and
+its error, with the path of its full log; the exit status is then 1.
+
+Needs NVIDIA GPUs and vLLM (``.venv/bin/pip install -e '.[vllm]'``). On a machine without them it says so in one
+line and exits 2; ``--cpu-smoke`` runs the same plumbing on CPU instead (the built-in tiny model, the
+transformers engine, 2 gloo ranks, 2 steps per mode: it checks that every mode runs and reports, and its figures
+mean nothing).
+
+    make bench                                  # .venv/bin/python benchmarks/modes.py --gpus <visible GPUs>
+    make bench ARGS="--modes sync,split_partial --out /tmp/bench"
+    make bench ARGS=--cpu-smoke
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import copy
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -201,18 +219,43 @@ def run_mode(name: str, overrides: list[str], args, out_dir: Path) -> dict:
     wall = (done_at if done_at is not None else time.perf_counter() - start)
     sampler.stop.set()
     log.close()
-    stderr = (run_dir / "stderr.log").read_text(errors="replace")
+    log_path = run_dir / "stderr.log"
+    stderr = log_path.read_text(errors="replace")
+    failed = {"mode": name, "overrides": overrides, "stderr_tail": stderr[-3000:], "log": str(log_path)}
     if done_at is None and stalled:
-        return {"mode": name, "overrides": overrides, "stderr_tail": stderr[-3000:],
-                "error": f"stalled: no step logged for {stall:.0f} s (step {seen + 1} of {target} did not come)"}
+        return {**failed, "error": f"stalled: no step logged for {stall:.0f} s (step {seen + 1} of {target} did not come)"}
     if done_at is None and proc.returncode != 0:
         if args.mode_timeout and time.perf_counter() - start > args.mode_timeout:
-            return {"mode": name, "overrides": overrides, "error": f"timed out after {args.mode_timeout} s",
-                    "stderr_tail": stderr[-3000:]}
-        print(f"{name} failed:\n{stderr[-4000:]}", file=sys.stderr)
-        return {"mode": name, "overrides": overrides, "error": f"exit {proc.returncode}", "stderr_tail": stderr[-3000:]}
+            return {**failed, "error": f"timed out after {args.mode_timeout:g} s ({seen} of {target} steps logged)"}
+        return {**failed, "error": f"exit {proc.returncode}: {error_line(stderr)}"}
     busy = statistics.fmean(sampler.samples) if sampler.samples else None
     return summarize(name, overrides, run_dir, args, wall, busy)
+
+
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Z]\w*(?:Error|Exception|Exit|Interrupt|Failure|Failed)\b(?::.*)?$")
+_TORCHRUN_NOISE = ("ChildFailedError", "torch.distributed.elastic")
+
+
+def error_line(log: str) -> str:
+    """The line of a failed run's output that says what went wrong: the trainer's own ``error: ...`` line (a user
+    error), else the last exception a rank raised (``RuntimeError: ...``, not torchrun's ``ChildFailedError``
+    report that follows it), else the last line that mentions an error, else the last line."""
+    lines = []
+    for raw in log.splitlines():
+        line = re.sub(r"^\[(?:rank|default)\d+\]:\s?", "", raw.strip())  # torchrun's per-rank prefix
+        if line and set(line) - set("=-*~^ "):
+            lines.append(line)
+    for line in reversed(lines):
+        if line.startswith("error: "):
+            return line[len("error: "):]
+    for line in reversed(lines):
+        if _EXCEPTION_LINE.match(line) and not any(n in line for n in _TORCHRUN_NOISE):
+            return line[:400]
+    for line in reversed(lines):
+        if re.search(r"\berror\b", line, re.IGNORECASE) and not any(n in line for n in _TORCHRUN_NOISE) \
+                and "error_file" not in line:
+            return line[:400]
+    return lines[-1][:400] if lines else "no output"
 
 
 def step_time(row: dict) -> float:
@@ -314,72 +357,278 @@ def build_modes(world: int, rollout_ranks: str = "") -> list[tuple[str, list[str
     return modes
 
 
-def main() -> None:
+SPLIT_PARTIAL = ("split_partial", ["trainer.placement=split", "trainer.mode=overlap", "trainer.partial_rollouts=true",
+                                   "trainer.partial_rollout_ahead=3", "trainer.max_staleness=4"])
+"""Split placement with partial rollouts, as the README recommends it: half the GPUs generate, half train; the
+rollout side keeps generating for up to 3 steps ahead and carries the long tail (staleness bound 4)."""
+DEFAULT_MODES = ("sync", "overlap_colocated", "split_partial")
+SPLIT_OVERRIDES = ["rollout.gpu_memory_utilization=0.6"]
+"""For the split modes: their rollout GPUs hold nothing but the engine, so it gets more of the card."""
+
+DATA = ROOT / "benchmarks" / "data" / "gsm8k_train_1k.jsonl"
+RECIPE = ROOT / "benchmarks" / "bench_modes.yaml"
+CURATED = ROOT / "benchmarks" / "results"
+GPU_RUN = dict(model="builtin:qwen2.5-1.5b-random", prompts=24, n=8, steps=11, warmup=3, mode_timeout=180.0,
+               overrides=["rollout.name=vllm", "rollout.forced_lengths=lognormal:256:0.8", "data.max_response_length=512",
+                          "data.max_prompt_length=512", "model.enable_gradient_checkpointing=false",
+                          "actor.ppo_mini_batch_size=24", "actor.ppo_micro_batch_size_per_device=8",
+                          "actor.use_dynamic_bsz=true", "actor.max_token_len_per_device=16384"])
+"""``make bench`` on GPUs: the workload of the README's mean-256 point (24 x 8 per step, lognormal lengths of mean
+256 capped at 512), 3 warm-up and 8 measured steps."""
+CPU_SMOKE = dict(model="builtin:tiny-qwen2", gpus=2, prompts=8, n=4, steps=2, warmup=1, mode_timeout=300.0,
+                 overrides=["trainer.device=cpu", "rollout.name=hf", "data.max_prompt_length=384",
+                            "data.max_response_length=32", "rollout.forced_lengths=lognormal:12:0.8",
+                            "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_device=8"])
+"""``--cpu-smoke``: the tiny model on 2 gloo ranks, the transformers engine, 1 warm-up + 1 measured step."""
+
+
+def pip_install_vllm() -> str:
+    venv = ROOT / ".venv"
+    pip = ".venv/bin/pip" if Path(sys.prefix).resolve() == venv.resolve() else f"{sys.executable} -m pip"
+    return f"{pip} install -e '.[vllm]'"
+
+
+def available_modes(world: int, rollout_ranks: str = "") -> list[tuple[str, list[str]]]:
+    """Every mode this script can run on ``world`` ranks, in table order."""
+    modes = build_modes(world, rollout_ranks)
+    if world >= 2:
+        modes.insert(2, SPLIT_PARTIAL)
+    return [*modes, *EXTRA_MODES]
+
+
+def select_modes(wanted: str, world: int, rollout_ranks: str) -> tuple[list[tuple[str, list[str]]], list[str]]:
+    """(modes to run, notes on those left out): ``wanted`` (comma-separated) or the defaults."""
+    modes = available_modes(world, rollout_ranks)
+    names = [m.strip() for m in wanted.split(",") if m.strip()]
+    if not names:
+        extra = [m[0] for m in modes if m[0].startswith("overlap_split_r")]
+        names = [*DEFAULT_MODES, *extra]
+    known = {name for name, _ in available_modes(max(world, 2), rollout_ranks)}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"error: --modes: unknown mode(s) {', '.join(unknown)}; choose from {', '.join(sorted(known))}")
+    have = dict(modes)
+    missing = [n for n in names if n not in have]
+    if wanted.strip() and missing:
+        raise SystemExit(f"error: --modes: {', '.join(missing)} need(s) 2+ GPUs (some generate, the others train) "
+                         f"and {world} is visible; drop it from --modes")
+    notes = [f"{n} needs 2+ GPUs (half generate, half train): left out on {world}" for n in missing]
+    split = lambda ovr: SPLIT_OVERRIDES if "trainer.placement=split" in ovr else []
+    return [(n, [*have[n], *split(have[n])]) for n in names if n in have], notes
+
+
+def parse_mode_overrides(items: list[str], names: list[str]) -> dict[str, list[str]]:
+    """``--mode-override MODE:key=value`` (repeatable) → {mode: [key=value, ...]}."""
+    out: dict[str, list[str]] = {}
+    for item in items:
+        mode, sep, kv = item.partition(":")
+        if not sep or "=" not in kv:
+            raise SystemExit(f"error: --mode-override {item!r}: write MODE:key=value, e.g. "
+                             f"split_partial:rollout.gpu_memory_utilization=0.7")
+        if mode not in names:
+            raise SystemExit(f"error: --mode-override {item!r}: {mode!r} is not one of the modes run ({', '.join(names)})")
+        out.setdefault(mode, []).append(kv)
+    return out
+
+
+def check_machine(args) -> str | None:
+    """Why this machine cannot run the GPU benchmark (one line), or None."""
+    import importlib.util
+
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        return (f"make bench needs NVIDIA GPUs and vLLM ({pip_install_vllm()}), and this machine has no CUDA GPU; "
+                f"`make bench ARGS=--cpu-smoke` runs its plumbing on CPU instead (tiny model, figures mean nothing)")
+    if args.gpus and args.gpus > gpus:
+        return f"--gpus {args.gpus}: only {gpus} GPU(s) are visible; pass --gpus {gpus} (make bench GPUS={gpus})"
+    engine_hf = any(o.replace(" ", "") == "rollout.name=hf" for o in args.overrides)
+    if not engine_hf and importlib.util.find_spec("vllm") is None:
+        return (f"make bench runs vLLM, which is not installed: {pip_install_vllm()} (tested: vllm 0.26); "
+                f"or add rollout.name=hf to time the transformers engine")
+    return None
+
+
+def check_mode(args, overrides: list[str]) -> tuple[int | None, str | None]:
+    """(trainer steps to start the mode's run with, or None; the config's one-line error, or None)."""
+    from hybrid_rl.config import load_config
+
+    try:
+        cfg = load_config(args.recipe, [f"model.path={args.model}", *args.overrides, *overrides])
+        cfg.validate(args.gpus)
+    except Exception as e:  # noqa: BLE001  (ConfigError and any other reason the setting cannot run)
+        return None, str(e).splitlines()[0] if str(e) else type(e).__name__
+    # one step beyond the measured ones (the last step generates nothing ahead in overlap mode), or with partial
+    # rollouts the pool's steps (the pool drains over the last ones, faster than the steady state)
+    t = cfg.trainer
+    return args.steps + (t.partial_pool_steps if t.partial_rollouts else 1), None
+
+
+def default_out() -> Path:
+    return ROOT / "runs" / "bench" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    try:
+        path.resolve().relative_to(folder.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def _show(path: Path | str) -> str:
+    """``path`` relative to the current directory when it is below it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def table(results: list[dict]) -> str:
+    cols = [("mode", 19), ("step s", 8), ("vs sync", 8), ("gen tok/s", 10), ("train tok/s", 12), ("GPU busy", 9),
+            ("peak GB", 8), ("staleness", 10)]
+    lines = ["".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(cols))]
+    for r in results:
+        if "step_s" not in r:
+            lines.append(f"{r['mode']:<19}{'FAILED':>8}  (below)")
+            continue
+        busy = f"{r['gpu_busy_fraction']:.0%}" if r.get("gpu_busy_fraction") is not None else "-"
+        speed = f"{r['speedup_vs_sync']:.2f}x" if r.get("speedup_vs_sync") else "-"
+        vals = [r["mode"], f"{r['step_s']:.2f}", speed, f"{r['gen_tokens_per_s']:.0f}", f"{r['trained_tokens_per_s']:.0f}",
+                busy, f"{r['peak_memory_reserved_gb']:.1f}", f"{r['staleness_max']:.0f}"]
+        lines.append("".join(f"{v:<{w}}" if i == 0 else f"{v:>{w}}" for i, (v, (_, w)) in enumerate(zip(vals, cols))))
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="builtin:qwen2.5-0.5b-random")
-    ap.add_argument("--recipe", default=str(ROOT / "recipes" / "bench_modes.yaml"))
-    ap.add_argument("--gpus", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--prompts", type=int, default=64, help="data.train_batch_size (all ranks)")
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU: checks the plumbing only")
-    ap.add_argument("--modes", default="", help="comma-separated subset of sync,overlap_colocated,overlap_split "
-                    "(default: those), overlap_stream, overlap_proc (only when named)")
-    ap.add_argument("--mode-timeout", type=float, default=None, help="seconds before one mode's run is abandoned")
-    ap.add_argument("--device", default="", help="with --from-runs: the device name the runs were made on (e.g. H200x1)")
-    ap.add_argument("--from-runs", action="store_true",
-                    help="do not run: rebuild the JSON/PNG from the run directories already under --out (e.g. a run whose "
-                         "teardown was cut off after every step was logged); GPU busy fraction is kept from the old JSON")
+    ap.add_argument("--gpus", type=int, default=None, help="ranks (one per GPU); default: every visible GPU")
+    ap.add_argument("--modes", default="", help=f"comma-separated modes (default: {','.join(DEFAULT_MODES)}); also "
+                    "overlap_split, overlap_split_r<R> (with --rollout-ranks), overlap_stream, overlap_proc")
+    ap.add_argument("--out", default=None, help="run directory for the JSON, PNG and each mode's run and log "
+                    "(default: runs/bench/<UTC time>/ in the repository); not under benchmarks/results/")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="no GPU needed: the tiny model on 2 CPU ranks with the transformers engine, 2 steps per mode; "
+                         "checks that every mode runs and reports (its figures mean nothing)")
+    ap.add_argument("--model", default=None, help=f"default {GPU_RUN['model']} (random weights, built locally)")
+    ap.add_argument("--recipe", default=str(RECIPE), help="the recipe under every mode's overrides")
+    ap.add_argument("--steps", type=int, default=None,
+                    help=f"steps measured from the start, warm-up included (default {GPU_RUN['steps']}); the run goes "
+                         "on for one more (with partial rollouts: the pool's) and is stopped there")
+    ap.add_argument("--warmup", type=int, default=None, help=f"steps dropped (default {GPU_RUN['warmup']})")
+    ap.add_argument("--prompts", type=int, default=None, help=f"data.train_batch_size (default {GPU_RUN['prompts']})")
+    ap.add_argument("--n", type=int, default=None, help=f"rollout.n (default {GPU_RUN['n']})")
+    ap.add_argument("--mode-timeout", type=float, default=None,
+                    help=f"seconds before one mode's run is stopped and counted as failed (default {GPU_RUN['mode_timeout']:g})")
+    ap.add_argument("--mode-override", action="append", default=[], metavar="MODE:KEY=VALUE",
+                    help="an override for one mode only (repeatable), e.g. split_partial:trainer.rollout_ranks=1")
     ap.add_argument("--rollout-ranks", default="", help="comma-separated rollout rank counts for more split modes "
                     "(overlap_split_r<R>), e.g. 1 on 4 GPUs for 1 rollout + 3 trainer ranks")
     ap.add_argument("--tag", default="", help="suffix for the result files, e.g. _tuned for a run with other overrides")
-    ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every mode")
-    args = ap.parse_args()
+    ap.add_argument("--from-runs", action="store_true",
+                    help="do not run: rebuild the JSON/PNG from the run directories already under --out (e.g. a run whose "
+                         "teardown was cut off after every step was logged); GPU busy fraction is kept from the old JSON")
+    ap.add_argument("--device", default="", help="with --from-runs: the device name the runs were made on (e.g. H200x1)")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides for every mode, after the benchmark's own")
+    args = ap.parse_intermixed_args(argv)
+    base = CPU_SMOKE if args.cpu_smoke else GPU_RUN
+    for key in ("model", "steps", "warmup", "prompts", "n", "mode_timeout"):
+        if getattr(args, key) is None:
+            setattr(args, key, base[key])
     if args.cpu_smoke:
-        args.model, args.gpus, args.steps, args.warmup, args.prompts, args.n = "builtin:tiny-qwen2", 2, 4, 1, 8, 4
-        args.overrides += ["trainer.device=cpu", "data.max_response_length=32", "rollout.forced_lengths=lognormal:12:0.8",
-                           "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_device=8"]
-    args.overrides += [f"data.train_batch_size={args.prompts}", f"rollout.n={args.n}"]
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    device = device_name(args.gpus) if not args.cpu_smoke else "CPU"
+        args.gpus = args.gpus if args.gpus and args.gpus > 1 else CPU_SMOKE["gpus"]
+    if args.warmup >= args.steps:
+        raise SystemExit(f"error: --warmup {args.warmup} leaves no measured step of --steps {args.steps}; raise --steps")
+    # the shipped prompts, by absolute path (the runs start in the repository root; this may be called from anywhere)
+    args.overrides = [f"data.train_path={DATA}", *base["overrides"], *args.overrides,
+                      f"data.train_batch_size={args.prompts}", f"rollout.n={args.n}"]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(1, str(ROOT))
+    out_dir = Path(args.out) if args.out else default_out()
+    if _inside(out_dir, CURATED) and not args.from_runs:
+        raise SystemExit(f"error: --out {args.out}: benchmarks/results/ holds curated results only; write to a run "
+                         f"directory (the default runs/bench/<time>/, or another --out) and copy what is worth keeping")
+    if not args.cpu_smoke and not args.from_runs:
+        why = check_machine(args) if args.gpus is None or args.gpus > 0 else "--gpus must be at least 1"
+        if why:
+            print(f"error: {why}", file=sys.stderr)
+            return 2
+    if args.gpus is None:
+        import torch
+
+        args.gpus = torch.cuda.device_count()
+    device = "CPU" if args.cpu_smoke else device_name(args.gpus)
     model_tag = args.model.split(":")[-1].split("/")[-1]
-    modes = build_modes(2 if args.cpu_smoke else args.gpus, args.rollout_ranks)
-    if args.modes:
-        wanted = args.modes.split(",")
-        modes = [m for m in [*modes, *EXTRA_MODES] if m[0] in wanted]
-    if args.from_runs:
-        device = args.device or device
+    modes, notes = select_modes(args.modes, args.gpus, args.rollout_ranks)
+    per_mode = parse_mode_overrides(args.mode_override, [n for n, _ in modes])
+    modes = [(n, [*ovr, *per_mode.get(n, [])]) for n, ovr in modes]
     stem = out_dir / f"modes_{device}_{model_tag}{args.tag}"
+    out_dir.mkdir(parents=True, exist_ok=True)
     if args.from_runs:
-        rebuild(modes, args, device, stem, out_dir / f"modes_{device}_{model_tag}{args.tag}_runs")
-        return
-    # a subset run (--modes) keeps the other modes' figures already in the JSON, so modes can run in separate calls
+        args.device = args.device or device
+        rebuild(modes, args, args.device, stem, out_dir)
+        return 0
+    # a subset run (--modes) into an existing --out keeps the other modes' figures already in the JSON
     kept = []
     if args.modes and Path(f"{stem}.json").exists():
-        kept = [m for m in json.loads(Path(f"{stem}.json").read_text())["modes"] if m["mode"] not in args.modes.split(",")]
+        kept = [m for m in json.loads(Path(f"{stem}.json").read_text())["modes"] if m["mode"] not in dict(modes)]
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(f"bench: {', '.join(n for n, _ in modes)} on {args.gpus} {'CPU rank' if args.cpu_smoke else 'GPU'}(s), "
+          f"{args.model}, {args.prompts} prompts x {args.n} per step, {args.steps} steps ({args.warmup} warm-up), "
+          f"at most {args.mode_timeout:g} s a mode; run directory {_show(out_dir)}", file=sys.stderr, flush=True)
     results = []
-    for name, overrides in modes:
-        results.append(run_mode(name, overrides, args, out_dir / f"modes_{device}_{model_tag}{args.tag}_runs"))
-        write_results(_in_order(kept + results), args, device, stem)
-        print(json.dumps({"device": device, "commit": commit(), "model": args.model, **results[-1]}), flush=True)
-    print(f"wrote {stem}.json and .png", file=sys.stderr)
+    for i, (name, overrides) in enumerate(modes, 1):
+        steps, err = check_mode(args, overrides)
+        if err:
+            res = {"mode": name, "overrides": overrides, "error": f"invalid setting: {err}"}
+        else:
+            run_args = copy.copy(args)  # run to `steps`, stopped once the measured ones are logged
+            run_args.steps, run_args.stop_after = steps, args.steps
+            print(f"[{i}/{len(modes)}] {name}: {' '.join(overrides)}", file=sys.stderr, flush=True)
+            res = run_mode(name, overrides, run_args, out_dir)
+            res.pop("stderr_tail", None)
+        if "error" in res:
+            print(f"[{i}/{len(modes)}] {name} FAILED: {res['error']}", file=sys.stderr, flush=True)
+        else:
+            print(f"[{i}/{len(modes)}] {name}: {res['step_s']:.2f} s/step over {res['steps_measured']} steps",
+                  file=sys.stderr, flush=True)
+        results.append(res)
+        write_results(_in_order(kept + results), args, device, stem, out_dir)
+    everything = _in_order(kept + results)
+    print(table(everything))
+    print(f"wrote {_show(stem)}.json" + (" and .png" if Path(f"{stem}.png").exists() else ""))
+    failed = [r for r in results if "error" in r]
+    for r in failed:
+        log = f" (log: {_show(r['log'])})" if r.get("log") else ""
+        print(f"FAILED {r['mode']}: {r['error']}{log}", file=sys.stderr)
+    if failed:
+        print(f"error: {len(failed)} of {len(results)} modes failed: {', '.join(r['mode'] for r in failed)}",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 def _in_order(results: list[dict]) -> list[dict]:
-    order = {name: i for i, name in enumerate(["sync", "overlap_colocated", "overlap_split"])}
+    order = {name: i for i, name in enumerate(["sync", "overlap_colocated", "split_partial", "overlap_split"])}
     return sorted(results, key=lambda r: (order.get(r["mode"], len(order)), r["mode"]))
 
 
 def rebuild(modes, args, device: str, stem: Path, runs: Path) -> None:
+    if not any((runs / f"run_{name}").is_dir() for name, _ in modes):
+        runs = Path(f"{stem}_runs")  # the layout of the older result folders
     old = {}
     if Path(f"{stem}.json").exists():
         old = {m["mode"]: m for m in json.loads(Path(f"{stem}.json").read_text())["modes"]}
     results = []
     for name, overrides in modes:
         metrics = runs / f"run_{name}" / "metrics.jsonl"
+        args.stop_after = args.steps
         if not metrics.exists() or _steps_logged(metrics) < args.steps:
             results.append(old.get(name, {"mode": name, "overrides": overrides, "error": "no complete run"}))
             continue
@@ -387,22 +636,22 @@ def rebuild(modes, args, device: str, stem: Path, runs: Path) -> None:
         r = summarize(name, overrides, metrics.parent, args, prev.get("wall_s"), prev.get("gpu_busy_fraction"))
         r["rebuilt_from_runs"] = True
         results.append(r)
-    write_results(results, args, device, stem)
+    write_results(results, args, device, stem, runs)
     print(f"rebuilt {stem}.json and .png", file=sys.stderr)
 
 
-def write_results(results: list[dict], args, device: str, stem: Path) -> None:
+def write_results(results: list[dict], args, device: str, stem: Path, run_dir: Path) -> None:
     ok = [r for r in results if "step_s" in r]
     base = next((r["step_s"] for r in ok if r["mode"] == "sync"), None)
     for r in ok:
         r["speedup_vs_sync"] = base / r["step_s"] if base else None
     doc = {"device": device, "commit": commit(), "model": args.model, "gpus": args.gpus, "steps": args.steps,
            "warmup": args.warmup, "prompts_per_step": args.prompts, "n": args.n, "recipe": str(Path(args.recipe).name),
-           "overrides": args.overrides, "modes": results}
+           "overrides": args.overrides, "run_dir": str(run_dir), "modes": results}
     Path(f"{stem}.json").write_text(json.dumps(doc, indent=2))
     if ok:
         plot(ok, f"{args.model} on {device}", Path(f"{stem}.png"))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -576,7 +576,7 @@ def _brief(rows: list[dict], mean: int, name: str) -> dict:
 def parse_args(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="builtin:qwen2.5-0.5b-random")
-    ap.add_argument("--recipe", default=str(ROOT / "recipes" / "bench_modes.yaml"))
+    ap.add_argument("--recipe", default=str(ROOT / "benchmarks" / "bench_modes.yaml"))
     ap.add_argument("--gpus", type=int, default=1, help="ranks per run (torchrun --nproc_per_node)")
     ap.add_argument("--prompts", type=int, default=24, help="data.train_batch_size (all ranks), the same at every length")
     ap.add_argument("--n", type=int, default=8, help="rollout.n")
@@ -625,7 +625,8 @@ def parse_args(argv: list[str] | None = None):
             args.split_ratios = "1:1"
         args.measure = min(args.measure, 1)
         # the synthetic task's prompts: the smoke needs no GSM8K files (CI has no ../shared)
-        args.overrides = ["trainer.device=cpu", "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_device=8",
+        args.overrides = ["trainer.device=cpu", "rollout.name=hf", "actor.ppo_mini_batch_size=8",
+                          "actor.ppo_micro_batch_size_per_device=8",
                           "data.train_path=synthetic:successor", "data.task=successor", "data.max_prompt_length=32",
                           *args.overrides]
     args.overrides = [*args.overrides, f"data.train_batch_size={args.prompts}", f"rollout.n={args.n}"]

@@ -5,7 +5,7 @@
     python benchmarks/offload_memory.py --cpu-smoke                            # tiny model on CPU: plumbing only
 
 For each mode, ``on`` (``actor.param_offload=true``, ``actor.optimizer_offload=true``) then ``off``
-(both false), every rank builds the real ``ActorRolloutRefWorker`` from ``recipes/bench_modes.yaml`` (plus
+(both false), every rank builds the real ``ActorRolloutRefWorker`` from ``benchmarks/bench_modes.yaml`` (plus
 overrides: ``builtin:qwen2.5-0.5b-random``, the HF engine, short fixed-length responses, one mini-batch per
 update), generates once and runs one PPO update so that gradients and AdamW state exist, then enters
 ``worker.rollout_mode()`` (the sharding manager: it pushes the weights, then offloads when asked) and
@@ -245,7 +245,7 @@ def _init_dist(device_pref: str):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="builtin:qwen2.5-0.5b-random")
-    ap.add_argument("--recipe", default=str(ROOT / "recipes" / "bench_modes.yaml"))
+    ap.add_argument("--recipe", default=str(ROOT / "benchmarks" / "bench_modes.yaml"))
     ap.add_argument("--prompts", type=int, default=4, help="prompts per rank (2 samples each)")
     ap.add_argument("--prompt-length", type=int, default=64)
     ap.add_argument("--response-length", type=int, default=64)

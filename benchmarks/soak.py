@@ -6,8 +6,8 @@ memory on CUDA), and the plot shows both curves. Growth that a short test cannot
 shrinks, a list that keeps every batch) shows up as a slope.
 
     python benchmarks/soak.py --steps 250                                  # CPU default recipe
-    torchrun --standalone --nproc_per_node=1 benchmarks/soak.py --recipe recipes/bench_modes.yaml --steps 200 \\
-        data.train_path=.devdata/train.jsonl rollout.name=vllm            # GPU: rank 0 writes the results
+    torchrun --standalone --nproc_per_node=1 benchmarks/soak.py --recipe benchmarks/bench_modes.yaml --steps 200 \\
+        rollout.name=vllm                                             # GPU: rank 0 writes the results
 
 Writes ``benchmarks/results/soak_<device>_<model>.json`` and ``.png``. Left out: per-rank files (rank 0
 measures its own process, which holds the same parts as every other rank).

@@ -49,7 +49,7 @@ def _levers(*extra: str) -> list[str]:
 
 
 CONFIGS = {
-    "default": ["actor.accumulate_unsharded=false"],  # explicit: recipes/bench_modes.yaml turns it on
+    "default": ["actor.accumulate_unsharded=false"],  # explicit: benchmarks/bench_modes.yaml turns it on
     "accumulate_unsharded": ["actor.accumulate_unsharded=true"],
     "accumulate_unsharded+compile": ["actor.accumulate_unsharded=true", "actor.use_torch_compile=true"],
     "accumulate_unsharded+dynamic_bsz": ["actor.accumulate_unsharded=true", "actor.use_dynamic_bsz=true",
@@ -116,8 +116,18 @@ def liger_last(names: list[str]) -> list[str]:
     return [n for n in names if not _liger(n)] + [n for n in names if _liger(n)]
 
 
+def recipe_path(recipe: str) -> Path:
+    """``--recipe``: a YAML file, or the name of one in recipes/ (the user recipes) or benchmarks/ (bench_modes)."""
+    if recipe.endswith((".yaml", ".yml")):
+        return Path(recipe)
+    for folder in ("recipes", "benchmarks"):
+        if (ROOT / folder / f"{recipe}.yaml").is_file():
+            return ROOT / folder / f"{recipe}.yaml"
+    raise SystemExit(f"--recipe {recipe!r}: no recipes/{recipe}.yaml nor benchmarks/{recipe}.yaml; pass a name or a file")
+
+
 def run_config(name: str, overrides: list[str], args, d) -> dict:
-    cfg = load_config(str(ROOT / "recipes" / f"{args.recipe}.yaml"), [
+    cfg = load_config(str(recipe_path(args.recipe)), [
         f"model.path={args.model}", f"trainer.device={args.device}", "actor.use_kl_loss=false", "trainer.logger=[jsonl]",
         f"data.train_batch_size={args.prompts}", f"rollout.n={args.n}", f"actor.ppo_mini_batch_size={args.mini}",
         *args.overrides, *overrides]).validate(d.world_size)
@@ -191,7 +201,8 @@ def best_overrides(path: str) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="builtin:qwen2.5-0.5b-random")
-    ap.add_argument("--recipe", default="bench_modes", help="recipes/<name>.yaml under the benchmark's overrides "
+    ap.add_argument("--recipe", default="bench_modes", help="a recipe file, or a name in recipes/ or benchmarks/, "
+                    "under the benchmark's overrides "
                     "(gsm8k_grpo: the flagship's micro-batches and activation checkpointing)")
     ap.add_argument("--prompts", type=int, default=32, help="prompts across all ranks")
     ap.add_argument("--n", type=int, default=8)
@@ -214,7 +225,8 @@ def main() -> None:
     if args.cpu_smoke:
         args.model, args.prompts, args.n, args.mini, args.resp_mean, args.resp_cap, args.device = (
             "builtin:tiny-qwen2", 4, 2, 2, 12.0, 32, "cpu")
-        args.overrides += ["actor.ppo_micro_batch_size_per_device=2", "actor.log_prob_micro_batch_size_per_device=2",
+        args.overrides += ["rollout.name=hf", "actor.ppo_micro_batch_size_per_device=2",
+                           "actor.log_prob_micro_batch_size_per_device=2",
                            "actor.max_token_len_per_device=1024"]
     for name in args.configs.split(","):
         if name not in CONFIGS:
