@@ -890,11 +890,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if path is not None:
         p = Path(path)
         if not p.exists():
-            raise ConfigError(f"recipe {str(path)!r} does not exist; pass a file under recipes/ (e.g. recipes/cpu_successor.yaml)")
+            raise ConfigError(_missing_recipe(str(path)))
         try:
             raw = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"recipe {str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from e
+            raise ConfigError(f"recipe {str(path)!r} is not valid YAML: {_yaml_problem(e)}; fix the syntax "
+                              f"there") from e
         if not isinstance(raw, dict):
             raise ConfigError(f"recipe {str(path)!r} must be a mapping of sections (model, data, ...)")
     for item in overrides:
@@ -903,6 +904,38 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"override {item!r} must look like key.sub=value (e.g. trainer.total_steps=10)")
         _set_dotted(raw, key.strip(), _parse_scalar(value))
     return _build(Config, raw, "")
+
+
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+"""The recipes of the checkout (``make train RECIPE=<name>`` runs ``recipes/<name>.yaml``)."""
+
+
+def _missing_recipe(path: str) -> str:
+    """A missing recipe's line, naming the recipes there (in the folder ``path`` names, else the checkout's)."""
+    folder = Path(path).parent
+    if not folder.is_dir() or not any(folder.glob("*.yaml")):
+        folder = RECIPES_DIR
+    names = sorted(p.stem for p in folder.glob("*.yaml"))
+    if not names:
+        return f"recipe {path!r} does not exist; pass the path of a recipe YAML file"
+    try:
+        shown = str(folder.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        shown = str(folder)
+    example = "cpu_successor" if "cpu_successor" in names else names[0]  # the CPU default, where it is there
+    return (f"recipe {path!r} does not exist; the recipes in {shown}/ are {', '.join(names)}: pick one by name "
+            f"(make train RECIPE={example}) or pass its file ({shown}/{example}.yaml)")
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's error on one line, each part with its line and column (1-based, as editors count them)."""
+    if not isinstance(e, yaml.MarkedYAMLError):
+        return " ".join(str(e).split())
+    parts = []
+    for what, mark in ((e.context, e.context_mark), (e.problem, e.problem_mark)):
+        if what:
+            parts.append(f"line {mark.line + 1}, column {mark.column + 1}: {what}" if mark is not None else what)
+    return "; ".join(parts) or " ".join(str(e).split())
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:

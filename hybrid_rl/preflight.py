@@ -20,6 +20,7 @@ import functools
 import importlib.util
 import os
 import socket
+import sys
 import threading
 import urllib.parse
 import urllib.request
@@ -54,12 +55,40 @@ def preflight(cfg: Config, nproc: int = 1) -> None:
 
 
 # --------------------------------------------------------------------------- engine, devices
-def check_rollout_engine(cfg: Config) -> None:
-    if cfg.rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:
-        from hybrid_rl.models import ModelLoadError
-        from hybrid_rl.rollout.vllm import VLLM_MISSING
+def pip_command() -> str:
+    """pip for the interpreter running this: ``.venv/bin/pip`` in the checkout's venv, else ``<python> -m pip``."""
+    venv = Path(__file__).resolve().parents[1] / ".venv"
+    if Path(sys.prefix).resolve() == venv.resolve():
+        rel = os.path.relpath(venv / "bin" / "pip")
+        return rel if not rel.startswith("..") else str(venv / "bin" / "pip")
+    return f"{sys.executable} -m pip"
 
-        raise ModelLoadError(VLLM_MISSING)
+
+def check_rollout_engine(cfg: Config) -> None:
+    if cfg.rollout.name != "vllm" or importlib.util.find_spec("vllm") is not None:
+        return
+    import torch
+
+    from hybrid_rl.models import ModelLoadError
+
+    install = f"{pip_command()} install -e '.[vllm]'"
+    if torch.cuda.device_count() > 0:
+        raise ModelLoadError(f"rollout.name=vllm needs vLLM: {install} (tested: vllm 0.26), or use rollout.name=hf")
+    # no GPU either: rollout.name=hf only helps where the model is here; a hub model needs the hub or a copy
+    if _model_is_here(cfg.model.path):
+        fix = "with rollout.name=hf it runs on CPU (the transformers engine)"
+    else:
+        fix = f"its model.path={cfg.model.path!r} also needs hub access or a local copy (point model.path at it)"
+    raise PreflightError(f"this recipe generates with vLLM (rollout.name=vllm), which needs NVIDIA GPUs and vLLM "
+                         f"({install}), and this machine has no CUDA GPU; {fix}; to try hybrid_rl on CPU, run "
+                         f"`make train` (recipes/cpu_successor.yaml: a built-in tiny model, no download)")
+
+
+def _model_is_here(path: str) -> bool:
+    """A built-in, a local directory or a model in the Hugging Face cache: loadable without the network."""
+    from hybrid_rl.models import BUILTIN_PREFIX
+
+    return path.startswith(BUILTIN_PREFIX) or Path(path).expanduser().exists() or _hub_cached(path, "model", "config.json")
 
 
 def check_devices(cfg: Config, nproc: int) -> None:

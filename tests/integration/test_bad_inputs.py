@@ -24,13 +24,21 @@ def _setup(tmp: Path) -> dict[str, str]:
     no_field.write_text('{"prompt": "1+1?"}\n')
     raising = tmp / "raising_reward.py"
     raising.write_text("def score(response, ground_truth):\n    raise ZeroDivisionError('boom')\n")
-    return {"bad_rows": str(bad_rows), "no_field": str(no_field), "raising": f"{raising}:score", "tmp": str(tmp)}
+    broken = tmp / "broken.yaml"  # a colon inside a value, on line 3
+    broken.write_text("model:\n  path: builtin:tiny-qwen2\n  dtype: float32: x\n")
+    return {"bad_rows": str(bad_rows), "no_field": str(no_field), "raising": f"{raising}:score", "tmp": str(tmp),
+            "broken": str(broken)}
 
 
 # (what, arguments after `python -m hybrid_rl`, substrings the one-line message must contain)
 CASES = [
     ("misspelt key", ["train", "recipes/gsm8k_grpo.yaml", "algorithm.adv_estimatr=grpo"], ["algorithm.adv_estimator"]),
     ("recipe that does not exist", ["train", "recipes/nope.yaml"], ["does not exist", "recipes/"]),
+    # `make train RECIPE=nope` runs this: the recipes are listed by the names make takes
+    ("make train RECIPE= a name that is no recipe", ["train", "--nproc", "1", "recipes/nope.yaml"],
+     ["'recipes/nope.yaml' does not exist", "cpu_successor", "gsm8k_grpo", "make train RECIPE="]),
+    ("recipe that is not valid YAML", ["train", "{broken}"],
+     ["not valid YAML", "broken.yaml' is not valid YAML: line 3, column 17: mapping values are not allowed here"]),
     ("wrong type", ["train", RECIPE, "rollout.n=many"], ["rollout.n must be an integer"]),
     ("value not in the choices", ["train", RECIPE, "algorithm.adv_estimator=ppo"], ["algorithm.adv_estimator", "grpo"]),
     ("batch not divisible into mini-batches", ["train", RECIPE, "actor.ppo_mini_batch_size=48"], ["actor.ppo_mini_batch_size"]),
@@ -47,6 +55,11 @@ CASES = [
      ["ZeroDivisionError", "reward.on_error=zero"]),
     ("reward function that does not exist", ["train", RECIPE, "reward.function=no_such_module:score"], ["reward.function"]),
     ("vLLM requested but not installed", ["train", RECIPE, "rollout.name=vllm"], ["pip install", "rollout.name=hf"]),
+    # `make train RECIPE=gsm8k_grpo` on a CPU-only machine: GPUs, and the hub model (rollout.name=hf would only reach
+    # the hub's error), and the way to try the product on CPU
+    ("vLLM recipe on a machine without GPUs", ["train", "--nproc", "1", "recipes/gsm8k_grpo.yaml"],
+     ["needs NVIDIA GPUs and vLLM", "install -e '.[vllm]'", "model.path='Qwen/Qwen2.5-1.5B-Instruct' also needs hub "
+      "access or a local copy", "make train"]),
     ("vLLM engine in float32", ["train", RECIPE, "rollout.name=vllm", "rollout.dtype=float32"], ["rollout.dtype=auto"]),
     ("resume from a path that is no checkpoint", ["train", RECIPE, "trainer.resume={tmp}", "trainer.output_dir={tmp}/run"],
      ["trainer.resume", "trainer.resume=auto"]),
@@ -63,10 +76,11 @@ CASES = [
 
 # environment of a case (formatted like its arguments): an empty Hugging Face cache and no hub
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_HOME": "{tmp}/hf_home"}
-ENVS = {"hub model, not cached, hub offline": OFFLINE, "hub dataset, not cached, hub offline": OFFLINE,
+ENVS = {"hub model, not cached, hub offline": OFFLINE, "vLLM recipe on a machine without GPUs": OFFLINE, "hub dataset, not cached, hub offline": OFFLINE,
         "hub validation set, not cached, hub offline": OFFLINE}
 # a case that needs the machine to lack something
-SKIP_IF = {"trainer.device=cuda without a GPU": lambda: __import__("torch").cuda.is_available()}
+SKIP_IF = {"trainer.device=cuda without a GPU": lambda: __import__("torch").cuda.is_available(),
+           "vLLM recipe on a machine without GPUs": lambda: __import__("torch").cuda.is_available()}
 
 
 def _run(args: list[str], paths: dict[str, str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,7 @@ from hybrid_rl.data.tasks import DataError
 from hybrid_rl.models import ModelLoadError
 
 RECIPE = "recipes/cpu_successor.yaml"
+ROOT_DIR = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -82,14 +84,42 @@ def test_val_path_checked_only_when_validating(empty_hf_cache, monkeypatch):
             pf.preflight(load_config(RECIPE, off + on))
 
 
-def test_vllm_missing_reuses_the_engine_message(monkeypatch, no_network):
-    from hybrid_rl.rollout.vllm import VLLM_MISSING
+def test_vllm_missing_names_what_this_machine_lacks(monkeypatch, no_network):
+    """With GPUs: the install line (pip of this interpreter) or the transformers engine. Without: the recipe needs
+    GPUs, and a hub model the hub or a copy (rollout.name=hf would only lead to the hub's error); and `make train`."""
+    import torch
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ModelLoadError) as e:
         pf.preflight(load_config(RECIPE, ["rollout.name=vllm"]))
-    assert str(e.value) == VLLM_MISSING
+    assert str(e.value) == f"rollout.name=vllm needs vLLM: {pf.pip_command()} install -e '.[vllm]' (tested: vllm 0.26), " \
+                           f"or use rollout.name=hf"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(pf, "_hub_cached", lambda *a: False)
+    with pytest.raises(pf.PreflightError) as e:
+        pf.preflight(load_config("recipes/gsm8k_grpo.yaml"))
+    msg = str(e.value)
+    for part in ("needs NVIDIA GPUs and vLLM", "install -e '.[vllm]'", "model.path='Qwen/Qwen2.5-1.5B-Instruct' also "
+                 "needs hub access or a local copy", "`make train` (recipes/cpu_successor.yaml"):
+        assert part in msg, (part, msg)
+    assert "rollout.name=hf" not in msg and "\n" not in msg
+    with pytest.raises(pf.PreflightError, match="with rollout.name=hf it runs on CPU"):  # a built-in model is here
+        pf.preflight(load_config(RECIPE, ["rollout.name=vllm"]))
+
+
+def test_pip_command_is_this_interpreters(monkeypatch, tmp_path):
+    import sys
+
+    venv = ROOT_DIR / ".venv"
+    monkeypatch.setattr(sys, "prefix", str(venv))
+    monkeypatch.chdir(ROOT_DIR)
+    assert pf.pip_command() == ".venv/bin/pip"
+    monkeypatch.chdir(tmp_path)
+    assert pf.pip_command() == str(venv / "bin" / "pip")
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "other"))
+    assert pf.pip_command() == f"{sys.executable} -m pip"
 
 
 @pytest.mark.parametrize("device, gpus, nproc, error", [
