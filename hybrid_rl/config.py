@@ -25,6 +25,9 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from hybrid_rl.data.arith import ArithConfig
+from hybrid_rl.data.arith import check_config as check_arith
+
 
 class ConfigError(ValueError):
     """A bad recipe or override; the message names the dotted key and the fix."""
@@ -68,8 +71,8 @@ class DataConfig:
     """A local .jsonl/.parquet file, a ``datasets`` hub name (e.g. ``openai/gsm8k``), or ``synthetic:<task>``."""
     val_path: Optional[str] = None
     """Validation prompts, same forms as ``train_path``; none skips validation."""
-    task: Literal["gsm8k", "successor"] = "successor"
-    """How rows become chat prompts and ground truths."""
+    task: Literal["gsm8k", "successor", "arith"] = "successor"
+    """How rows become chat prompts and ground truths (``arith``: arithmetic with a held-out test set)."""
     hub_config: Optional[str] = None
     """``datasets`` config name for hub datasets (``main`` for openai/gsm8k)."""
     train_split: str = "train"
@@ -94,7 +97,10 @@ class DataConfig:
     system_prompt: Optional[str] = None
     """Optional system message prepended to every prompt."""
     num_synthetic: int = 2048
-    """Rows generated for ``synthetic:<task>`` training data (validation uses a quarter)."""
+    """Rows generated for ``synthetic:<task>`` training data (validation: the task's held-out test set where it has
+    one, otherwise a quarter as many rows with another seed)."""
+    arith: ArithConfig = field(default_factory=ArithConfig)
+    """The ``arith`` task's problems: families, digits, list length, test set size."""
 
 
 @dataclass
@@ -145,7 +151,8 @@ class RolloutConfig:
     decode step, which bound decoding many long sequences at once (split placement with partial rollouts at mean 4k
     keeps ~400 running per rollout GPU). The engine's log-probs then differ more from the trainer's: the decoupled loss
     takes the engine's as the behaviour policy, and ``rollout/logprob_diff`` shows the gap: 0.040 on average against
-    ~0.014 with a bf16 cache (``tests/gpu/test_vllm_fp8kv_gpu.py``, 1xH200). Its speed in training: not measured yet."""
+    ~0.014 with a bf16 cache (1xH200, ``benchmarks/results/gpu_tests_H200x1_fp8kv_reusekv.json``). Its throughput
+    in a training run has not been measured."""
     reuse_stale_kv: bool = False
     """vLLM, partial rollouts: keep the prefix cache across weight pushes for the rounds, so that a carried sample
     resumes on the keys and values its earlier tokens left (computed under the weights they were sampled with)
@@ -158,14 +165,17 @@ class RolloutConfig:
     ``benchmarks/partial_model.py`` (``--reuse-kv``) puts the saving at ~8% of a step at ahead 3, mean 4k, split
     2:2 (23.8 → 22.0 s); ``rollout/prefix_cache_hit`` shows the share served from the cache. On 1xH200
     (``tests/gpu/test_gpu_partial.py``) continuations read 91% of their context from it after a push, and after a
-    deliberately large step their log-probs were 0.48 from the new weights' (0.003 with the cache reset). Its speed
-    in training: not measured yet."""
+    deliberately large step their log-probs were 0.48 from the new weights' (0.003 with the cache reset;
+    ``benchmarks/results/gpu_tests_H200x1_fp8kv_reusekv.json``). Its throughput in a training run has not been
+    measured."""
     cuda_stream: Literal["shared", "own", "high"] = "shared"
     """Which CUDA stream generation runs on (``hybrid_rl.rollout.base.GenerationStream``): ``shared``, the calling
     thread's, which in overlap mode colocated is the trainer's too (vLLM 0.26's runner caches one stream), so the two
     never run kernels at the same time;
     ``own``, a stream of the engine's own; ``high``, that at the highest priority. Matters in overlap mode with
-    colocated placement; ``shared`` until a GPU measurement says otherwise (``benchmarks/modes_sweep.py``)."""
+    colocated placement. On SmolLM2-135M (1xH200, overlap) ``high`` was no faster than ``shared``: median step 1.44
+    against 1.37 s (``benchmarks/results/learning_smollm2_H200x1_overlong.json``); other models and lengths have not
+    been measured."""
     engine_process: bool = False
     """vLLM: run the engine core (scheduler and model runner) in a process of its own on this rank's GPU, instead of
     in the trainer's process (vLLM's multiprocessing front end, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``). In overlap
@@ -459,7 +469,8 @@ class TrainerConfig:
     them off around its own pools). Packed micro-batches change size every call, and the caching allocator fragments:
     on 4xH200 the flagship with 16k-token micro-batches peaked at ~135 GB reserved per GPU for ~68 GB allocated
     (``perf/max_memory_*`` less vLLM's sleeping 70 GB pool, which they count) and made 718 ``cudaFree`` calls in one
-    profiled step. Off by default until a GPU measures it (``gpu_session.sh flagship4c``)."""
+    profiled step. Off by default: on the flagship recipe (4xH200) it made the step slower, 19.3 against 17.3 s
+    (``benchmarks/results/flagship_H200x4.json``)."""
     collective_timeout_s: int = 1800
     """How long a rank waits in a collective for the others before it fails the run (a hung or dead rank then ends the
     run with an error instead of waiting forever); raise it if a phase is legitimately that uneven across ranks."""
@@ -680,8 +691,12 @@ class Config:
             raise ConfigError(f"trainer.profile_steps={t.profile_steps} must list step numbers >= 1, e.g. [5]")
         if self.trainer.total_steps < 0 or self.trainer.total_epochs < 1:
             raise ConfigError("trainer.total_steps must be >= 0 and trainer.total_epochs >= 1")
-        if d.task != "successor" and d.train_path.startswith("synthetic:"):
+        if d.train_path.startswith("synthetic:") and d.train_path.split(":", 1)[1] != d.task:
             raise ConfigError(f"data.train_path={d.train_path} is a synthetic task but data.task={d.task}; set data.task to the synthetic task's name")
+        try:
+            check_arith(d.arith)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         return self
 
     def _validate_partial(self) -> None:

@@ -105,15 +105,17 @@ class Trainer:
 
         self.tokenizer = tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code,
                                                     "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
-        rows = load_rows(d.train_path, d.train_split, d.hub_config, d.task, d.num_synthetic, cfg.trainer.seed)
+        options = getattr(d, d.task, None)  # a synthetic task's own section (data.arith)
+        rows = load_rows(d.train_path, d.train_split, d.hub_config, d.task, d.num_synthetic, cfg.trainer.seed,
+                         options=options)
         self.train_set = PromptDataset(rows, d.task, tokenizer, d.max_prompt_length, d.truncation, d.system_prompt)
         pl = self.placement
         self.sampler = PromptSampler(len(self.train_set), d.train_batch_size, pl.sampler_rank, pl.sampler_world,
                                      cfg.trainer.seed, d.shuffle)
         self.val_set = None
         if d.val_path and (cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train):  # read only when used
-            val_rows = load_rows(d.val_path, d.val_split, d.hub_config, d.task, max(d.num_synthetic // 4, 1), cfg.trainer.seed + 1,
-                                 key="data.val_path")
+            val_rows = load_rows(d.val_path, d.val_split, d.hub_config, d.task, max(d.num_synthetic // 4, 1),
+                                 cfg.trainer.seed + 1, key="data.val_path", options=options, held_out=True)
             if d.max_val_samples:
                 val_rows = val_rows[: d.max_val_samples]
             self.val_set = PromptDataset(val_rows, d.task, tokenizer, d.max_prompt_length, d.truncation, d.system_prompt)
@@ -554,6 +556,9 @@ class Trainer:
         names += list(self.task.answer_stats([])) if self.task is not None else []
         sums = {f"val/{k}": 0.0 for k in names}
         count = 0.0
+        # a validation set of several sources (arith's families) also reports each one's accuracy
+        sources = self.val_set.sources if len(self.val_set.sources) > 1 else []
+        by_source = {f"val/reward_mean/{src}": [0.0, 0.0] for src in sources}
         records: list[dict] | None = [] if self.cfg.trainer.validation_data_dir else None
         for s in range(0, len(idx), chunk):
             prompts = collate_prompts([self.val_set[i] for i in idx[s:s + chunk]], self.tokenizer.pad_token_id)
@@ -566,8 +571,14 @@ class Trainer:
             for k, (v, _) in stats.items():
                 sums[k] += v
             count += len(out)
+            if by_source:
+                for src, score in zip(out.non_tensors["data_source"], out.tensors["scores"].tolist()):
+                    by_source[f"val/reward_mean/{src}"][0] += score
+                    by_source[f"val/reward_mean/{src}"][1] += 1
             if records is not None:
                 records += sample_records(out, self.tokenizer)
         if records is not None:
             self._write_validation_records(records, rank)
-        return reduce_weighted_means({k: (v, count) for k, v in sums.items()}, self.dist.device, self.dist.group)
+        stats = {k: (v, count) for k, v in sums.items()}
+        stats.update({k: (v, n) for k, (v, n) in by_source.items()})
+        return reduce_weighted_means(stats, self.dist.device, self.dist.group)

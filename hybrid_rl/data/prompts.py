@@ -67,6 +67,11 @@ class PromptDataset:
             raise DataError(f"data.max_prompt_length={max_prompt_length}: all {len(rows)} prompts are longer and were filtered; "
                             f"raise data.max_prompt_length or set data.truncation=left")
 
+    @property
+    def sources(self) -> list[str]:
+        """The distinct ``data_source`` values of the rows, sorted (the same on every rank: all ranks hold all rows)."""
+        return sorted({item["data_source"] for item in self._items})
+
     def __len__(self) -> int:
         return len(self._items)
 

@@ -26,12 +26,13 @@ _DEFAULT_KEY = "data.train_path/data.val_path"
 
 
 def load_rows(path: str, split: str, hub_config: Optional[str], task: str, num_synthetic: int, seed: int,
-              key: str = _DEFAULT_KEY) -> list[dict[str, Any]]:
+              key: str = _DEFAULT_KEY, options: Any = None, held_out: bool = False) -> list[dict[str, Any]]:
     """Read all rows of ``path`` as dicts.
 
-    ``split`` and ``hub_config`` only matter for hub datasets; ``num_synthetic``
-    and ``seed`` only for ``synthetic:<task>`` (pass a different seed, or fewer
-    rows, for validation). ``key`` is the config key named in error messages.
+    ``split`` and ``hub_config`` only matter for hub datasets; ``num_synthetic``, ``seed``, ``options`` (the task's
+    config section) and ``held_out`` only for ``synthetic:<task>``: ``held_out`` asks for the task's fixed test set
+    where it has one (``arith``), and otherwise for ``num_synthetic`` rows with ``seed`` (pass a different seed, or
+    fewer rows, for validation). ``key`` is the config key named in error messages.
     """
     if path.startswith(SYNTHETIC_PREFIX):
         name = path[len(SYNTHETIC_PREFIX):]
@@ -41,7 +42,8 @@ def load_rows(path: str, split: str, hub_config: Optional[str], task: str, num_s
                             f"use one of {[f'{SYNTHETIC_PREFIX}{n}' for n in _synthetic_names()]}")
         if name != task:
             raise DataError(f"{key}={path!r} is the synthetic {name!r} task but data.task={task!r}; set data.task={name}")
-        return synth.generate(num_synthetic, seed)
+        test = synth.held_out(options) if held_out else None
+        return test if test is not None else synth.generate(num_synthetic, seed, options)
 
     local = Path(path).expanduser()
     suffix = local.suffix.lower()

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from .arith import ArithConfig, held_out_rows, training_rows
+
 
 class DataError(ValueError):
     """Bad data or data config; the one-line message names the key or file and the fix."""
@@ -42,10 +44,16 @@ class Task:
         on the responses (an empty list included): every rank all-reduces the same ones."""
         return {}
 
-    def generate(self, num: int, seed: int) -> list[dict[str, Any]]:
-        """Deterministic synthetic rows; only synthetic tasks have them."""
+    def generate(self, num: int, seed: int, options: Any = None) -> list[dict[str, Any]]:
+        """Deterministic synthetic rows; only synthetic tasks have them. ``options``: the task's own config section
+        (``data.<task>``), for the tasks that have one."""
         raise DataError(f"data.train_path: task {self.name!r} is not synthetic, so 'synthetic:{self.name}' has no rows; "
                         f"point data.train_path at a .jsonl/.parquet file or a datasets hub name")
+
+    def held_out(self, options: Any = None) -> list[dict[str, Any]] | None:
+        """The synthetic task's fixed test set, disjoint from every row ``generate`` can return, or None when the task
+        has none (validation then draws ``generate`` rows with another seed)."""
+        return None
 
     def _field(self, row: dict[str, Any], key: str, row_id: int) -> Any:
         if not isinstance(row, dict):
@@ -123,14 +131,63 @@ class SuccessorTask(Task):
             "data_source": self.name,
         }
 
-    def generate(self, num: int, seed: int) -> list[dict[str, Any]]:
+    def generate(self, num: int, seed: int, options: Any = None) -> list[dict[str, Any]]:
         if num <= 0:
             raise DataError(f"data.num_synthetic={num} must be a positive number of rows")
         rng = np.random.default_rng(seed)
         return [{"digit": int(d)} for d in rng.integers(0, 10, size=num)]
 
 
-TASKS: dict[str, Task] = {t.name: t for t in (Gsm8kTask(), SuccessorTask())}
+# the arithmetic task's instruction: SmolLM2-135M-Instruct answers "What is 37 + 45?" with a paragraph without it
+ARITH_INSTRUCTION = "Answer with just the number."
+
+
+class ArithTask(Task):
+    """Arithmetic with a held-out test set (``hybrid_rl.data.arith``): rows ``family``/``question``/``answer`` → the
+    question and the instruction to answer with just the number; the reward is the exact integer
+    (``hybrid_rl.rewards.arith``). ``data_source`` is ``arith_<family>``, so validation reports every family's
+    accuracy (``val/reward_mean/arith_add``, ...)."""
+
+    name = "arith"
+    default_reward = "arith"
+    synthetic = True
+
+    def answer_stats(self, responses: list[str]) -> dict[str, float]:
+        """``format_exact``: responses that are the number and nothing else (what the prompt asks for);
+        ``answer_found``: responses with any number in them."""
+        from hybrid_rl.rewards.arith import extract_integer
+
+        return {"format_exact": float(sum(extract_integer(r, "strict") is not None for r in responses)),
+                "answer_found": float(sum(extract_integer(r) is not None for r in responses))}
+
+    def format_row(self, row: dict[str, Any], row_id: int) -> dict[str, Any]:
+        question = self._field(row, "question", row_id)
+        answer = self._field(row, "answer", row_id)
+        family = row.get("family") or "mixed"
+        try:
+            truth = int(str(answer).strip())
+        except ValueError:
+            raise DataError(f"row {row_id}: arith 'answer' must be an integer, got {_short(str(answer))!r}; "
+                            f"fix the data") from None
+        return {"messages": [{"role": "user", "content": f"{question} {ARITH_INSTRUCTION}"}],
+                "ground_truth": str(truth), "data_source": f"arith_{family}"}
+
+    def generate(self, num: int, seed: int, options: Any = None) -> list[dict[str, Any]]:
+        if num <= 0:
+            raise DataError(f"data.num_synthetic={num} must be a positive number of rows")
+        try:
+            return training_rows(num, seed, options or ArithConfig())
+        except ValueError as e:
+            raise DataError(str(e)) from None
+
+    def held_out(self, options: Any = None) -> list[dict[str, Any]]:
+        try:
+            return held_out_rows(options or ArithConfig())
+        except ValueError as e:
+            raise DataError(str(e)) from None
+
+
+TASKS: dict[str, Task] = {t.name: t for t in (Gsm8kTask(), SuccessorTask(), ArithTask())}
 
 
 def get_task(name: str) -> Task:

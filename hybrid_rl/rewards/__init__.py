@@ -1,4 +1,4 @@
-"""Rule-based rewards: built-in scorers (``gsm8k``, ``successor``), resolution of
+"""Rule-based rewards: built-in scorers (``gsm8k``, ``successor``, ``arith``), resolution of
 ``reward.function`` and batch scoring with ``reward.on_error`` handling (``registry``), in worker processes with
 a per-call ``reward.timeout_s`` for user functions (``pool``).
 """

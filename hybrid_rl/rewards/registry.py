@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..registry import Registry
-from . import gsm8k, successor
+from . import arith, gsm8k, successor
 from .pool import PoolFailure, RewardPool, _InitError, score_one, worker_count
 
 RewardFn = Callable[[str, str], float]
@@ -50,6 +50,8 @@ def register_reward(name: str, fn: RewardFn | None = None) -> Any:
 
 register_reward("gsm8k", gsm8k.compute_score)
 register_reward("successor", successor.compute_score)
+register_reward("arith", arith.compute_score)
+register_reward("arith_strict", arith.compute_score_strict)
 
 
 def get_reward_fn(name: str, task: str) -> RewardFn:

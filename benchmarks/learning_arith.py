@@ -1,0 +1,253 @@
+"""Does a real model learn, and as well in every mode? SmolLM2-135M-Instruct on held-out arithmetic.
+
+Runs ``recipes/arith_grpo_smollm2.yaml`` once per mode, one after the other on the same GPUs, with the same seed,
+data and number of steps, and writes one JSON and one PNG: greedy accuracy on the 1,000 held-out problems before
+and after training with its standard error sqrt(p(1-p)/n), each family's accuracy (200 problems each), the
+validation curve against steps and against wall-clock, and per step the training reward, response length, the
+share of answers given as the number alone (``format_exact``), the engine-vs-trainer log-prob gap
+(``rollout/logprob_diff``) and the samples' staleness. Wall-clock is the loop's own time (the sum of
+``timing/iteration``: steps, validations, checkpoints), start-up excluded; each run's whole time is recorded beside
+it. Where two modes' validation samples are saved (the recipe's ``trainer.validation_data_dir``), their final
+accuracies are also compared per question: the paired difference and its standard error.
+
+Modes (``--modes``, comma-separated; the defaults are the ones the README's chooser recommends):
+
+- ``sync``: generate, then train, every step;
+- ``overlap``: one-step overlap, colocated (``trainer.max_staleness=1``);
+- ``split_partial``: split placement (half the GPUs generate, half train) with partial rollouts,
+  ``trainer.partial_rollout_ahead=3``, ``trainer.max_staleness=4``.
+
+    python benchmarks/learning_arith.py --gpus 2 --steps 60 --out runs/learning_arith
+    python benchmarks/learning_arith.py --collect runs/learning_arith --json out.json   # from finished runs only
+
+On 2×H200 each mode's run takes ~2-4 minutes (vLLM start-up ~1 minute). Any further ``key=value`` arguments
+override the recipe in every mode. A run cut by ``--mode-timeout`` keeps what it logged; the JSON says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_common import ROOT, git_commit, gpu_short_name  # noqa: E402
+
+RECIPE = "recipes/arith_grpo_smollm2.yaml"
+MODES = {
+    "sync": ["trainer.mode=sync"],
+    "overlap": ["trainer.mode=overlap", "trainer.max_staleness=1"],
+    "split_partial": ["trainer.placement=split", "trainer.mode=overlap", "trainer.partial_rollouts=true",
+                      "trainer.partial_rollout_ahead=3", "trainer.max_staleness=4"],
+}
+STEP_CURVES = ["reward/mean", "rollout/response_length_mean", "reward/format_exact", "reward/answer_found",
+               "rollout/logprob_diff", "rollout/staleness_mean", "rollout/staleness_max",
+               "rollout/token_staleness_mean", "rollout/token_staleness_max", "timing/step", "timing/iteration",
+               "timing/gen", "timing/update", "actor/ppo_kl", "actor/pg_clipfrac"]
+
+
+def run_mode(mode: str, gpus: int, steps: int, out: Path, overrides: list[str], timeout: float) -> dict:
+    """Train one mode into ``out/mode``; returns how the run ended and its whole wall time."""
+    run_dir = out / mode
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "hybrid_rl", "train", "--nproc", str(gpus), RECIPE,
+           f"trainer.output_dir={run_dir}", f"trainer.total_steps={steps}", *MODES[mode], *overrides]
+    start = time.time()
+    with open(run_dir / "train.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = "timeout"
+    wall = time.time() - start
+    print(json.dumps({"mode": mode, "rc": rc, "wall_s": round(wall, 1), "log": str(run_dir / "train.log")}), flush=True)
+    return {"rc": rc, "wall_s": wall, "command": " ".join(cmd[1:])}
+
+
+def read_rows(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    by_step: dict[int, dict] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            by_step.setdefault(int(r["step"]), {}).update(r)
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def se(p: float, n: int) -> float:
+    return math.sqrt(max(p * (1 - p), 0.0) / n) if n else float("nan")
+
+
+def val_scores(run: Path, step: int) -> dict[int, float]:
+    """Per test problem (dataset index) its greedy score at ``step``, from the saved validation samples."""
+    scores = {}
+    for path in sorted((run / "validation").glob(f"step_{step:08d}_rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                scores[int(r["index"])] = float(r["score"])
+    return scores
+
+
+def summarize(mode: str, run: Path, n_test: int, meta: dict | None) -> dict | None:
+    rows = read_rows(run)
+    if not rows:
+        return None
+    wall, clock = 0.0, {}
+    for r in rows:
+        wall += r.get("timing/iteration", 0.0)
+        clock[r["step"]] = wall
+    vals = [r for r in rows if "val/reward_mean" in r]
+    curve = [{"step": r["step"], "wall_s": round(clock[r["step"]], 2), "acc": r["val/reward_mean"],
+              "families": {k.rsplit("/", 1)[1]: v for k, v in r.items() if k.startswith("val/reward_mean/")},
+              "format_exact": r.get("val/format_exact"), "response_length": r.get("val/response_length_mean")}
+             for r in vals]
+    steps = [r for r in rows if "reward/mean" in r]
+    first, last = (curve[0], curve[-1]) if curve else (None, None)
+    out = {
+        "steps_run": max((r["step"] for r in steps), default=0),
+        "acc_before": first["acc"] if first else None, "acc_after": last["acc"] if last else None,
+        "se_after": se(last["acc"], n_test) if last else None, "step_after": last["step"] if last else None,
+        "families_after": {f: {"acc": a, "se": se(a, n_test // max(len(last["families"]), 1))}
+                           for f, a in last["families"].items()} if last else {},
+        "train_wall_s": round(wall, 1),
+        "mean_step_s": sum(r.get("timing/iteration", 0.0) for r in steps) / max(len(steps), 1),
+        "curve": curve,
+        "per_step": [{"step": r["step"], **{k: r[k] for k in STEP_CURVES if k in r}} for r in steps],
+    }
+    if meta:
+        out.update({"run_wall_s": round(meta["wall_s"], 1), "rc": meta["rc"], "command": meta["command"]})
+    return out
+
+
+def paired(run_a: Path, run_b: Path, step_a: int, step_b: int) -> dict | None:
+    """Per-question difference of two runs' final greedy scores: mean and standard error (None without samples)."""
+    a, b = val_scores(run_a, step_a), val_scores(run_b, step_b)
+    common = sorted(set(a) & set(b))
+    if not common:
+        return None
+    d = [b[i] - a[i] for i in common]
+    mean = sum(d) / len(d)
+    var = sum((x - mean) ** 2 for x in d) / max(len(d) - 1, 1)
+    return {"diff": mean, "se": math.sqrt(var / len(d)), "n": len(d),
+            "gained": sum(x > 0 for x in d), "lost": sum(x < 0 for x in d)}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    for mode, m in result["modes"].items():
+        xs = [c["wall_s"] for c in m["curve"]]
+        ys = [100 * c["acc"] for c in m["curve"]]
+        axes[0].plot(xs, ys, marker="o", label=mode)
+        axes[1].plot([c["step"] for c in m["curve"]], ys, marker="o", label=mode)
+        axes[2].plot([r["step"] for r in m["per_step"]], [r.get("reward/mean", float("nan")) for r in m["per_step"]],
+                     label=mode)
+    axes[0].set(xlabel="training wall-clock (s)", ylabel="held-out greedy accuracy (%)", title="accuracy vs time")
+    axes[1].set(xlabel="step", ylabel="held-out greedy accuracy (%)", title="accuracy vs steps")
+    axes[2].set(xlabel="step", ylabel="training reward (mean)", title="training reward")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"SmolLM2-135M-Instruct, held-out arithmetic ({result['n_test']} problems), {result['device']}, "
+                 f"commit {result['commit']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def device_name(gpus: int) -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{gpu_short_name(torch.cuda.get_device_name(0))}x{gpus}"
+    except Exception:
+        pass
+    return f"cpux{gpus}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpus", type=int, default=1, help="ranks per run (split_partial needs at least 2)")
+    ap.add_argument("--modes", default="sync,overlap,split_partial")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--out", default="runs/learning_arith", help="run directory (one folder per mode)")
+    ap.add_argument("--collect", metavar="DIR", help="only summarise the finished runs in DIR")
+    ap.add_argument("--mode-timeout", type=float, default=600.0, help="seconds per mode's run")
+    ap.add_argument("--device", help="device tag for the JSON (default: read from torch)")
+    ap.add_argument("--json", help="where to write the JSON (default: OUT/learning_arith_smollm2_<device>.json)")
+    ap.add_argument("--n-test", type=int, default=1000, help="test problems validated (data.arith.test_size)")
+    args, overrides = ap.parse_known_args()
+    bad = [o for o in overrides if "=" not in o or o.startswith("-")]
+    if bad:
+        ap.error(f"unknown arguments {bad}: recipe overrides are key=value")
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        ap.error(f"--modes: unknown {unknown}; choose from {list(MODES)}")
+    if "split_partial" in modes and args.gpus < 2 and not args.collect:
+        ap.error("--modes split_partial needs --gpus 2 or more (one rank generates, the others train)")
+    out = Path(args.collect or args.out)
+    meta_path = out / "runs.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    if not args.collect:
+        out.mkdir(parents=True, exist_ok=True)
+        for mode in modes:
+            meta[mode] = run_mode(mode, args.gpus, args.steps, out, overrides, args.mode_timeout)
+            meta_path.write_text(json.dumps(meta, indent=1))
+    device = args.device or meta.get("_device") or device_name(args.gpus)
+    if not args.collect:
+        meta["_device"] = device
+        meta_path.write_text(json.dumps(meta, indent=1))
+    result = {"benchmark": "learning_arith", "model": "builtin:smollm2-135m-instruct", "recipe": RECIPE,
+              "device": device, "gpus_per_run": args.gpus, "commit": git_commit(), "n_test": args.n_test,
+              "held_out": "data.val_path=synthetic:arith: 1,000 problems (200 each of add, sub, mul, max, word), "
+                          "never in training",
+              "settings": {"steps": args.steps, "overrides": overrides,
+                           "modes": {m: MODES[m] for m in modes}},
+              "modes": {}}
+    for mode in modes:
+        s = summarize(mode, out / mode, args.n_test, meta.get(mode))
+        if s is not None:
+            result["modes"][mode] = s
+    sync = result["modes"].get("sync")
+    if sync:
+        result.update(acc_before=sync["acc_before"], acc_after=sync["acc_after"], se=sync["se_after"],
+                      se_before=se(sync["acc_before"], args.n_test) if sync["acc_before"] is not None else None)
+        for mode, m in result["modes"].items():
+            if mode != "sync" and m["step_after"] is not None:
+                m["vs_sync"] = paired(out / "sync", out / mode, sync["step_after"], m["step_after"])
+    json_path = Path(args.json) if args.json else out / f"learning_arith_smollm2_{device}.json"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result, indent=1))
+    if result["modes"]:
+        plot(result, json_path.with_suffix(".png"))
+    print(f"{'mode':<14} {'steps':>5} {'acc before':>10} {'acc after':>10} {'train s':>8} {'step s':>7}")
+    for mode, m in result["modes"].items():
+        fmt = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+        print(f"{mode:<14} {m['steps_run']:>5} {fmt(m['acc_before']):>10} {fmt(m['acc_after']):>10} "
+              f"{m['train_wall_s']:>8.0f} {m['mean_step_s']:>7.2f}")
+    print(f"wrote {json_path}")
+    failed = [m for m in modes if not args.collect and meta.get(m, {}).get("rc") not in (0,)]
+    if failed:
+        print(f"modes that did not finish: {', '.join(failed)} (see each mode's train.log)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
