@@ -383,9 +383,10 @@ CPU_SMOKE = dict(model="builtin:tiny-qwen2", gpus=2, prompts=8, n=4, steps=2, wa
 
 
 def pip_install_vllm() -> str:
-    venv = ROOT / ".venv"
-    pip = ".venv/bin/pip" if Path(sys.prefix).resolve() == venv.resolve() else f"{sys.executable} -m pip"
-    return f"{pip} install -e '.[vllm]'"
+    from hybrid_rl.preflight import pip_command  # .venv/bin/pip, or this interpreter's pip
+
+    here = Path.cwd().resolve() == ROOT
+    return f"{pip_command()} install -e '{'.' if here else ROOT}[vllm]'"
 
 
 def available_modes(world: int, rollout_ranks: str = "") -> list[tuple[str, list[str]]]:
