@@ -42,7 +42,7 @@ test-gpu: $(VPY)
 	$(VPY) -m pytest -q -m gpu $(PYTEST_ARGS)
 
 # the training modes (sync, overlap colocated, split placement + partial rollouts) on the GPUs of this box with vLLM,
-# ~5-6 minutes on 4 H200s: a table, and a JSON + PNG in runs/bench/<UTC time>/; exits 1 naming each mode that failed.
+# ~4.5 minutes on 4 H200s: a table, and a JSON + PNG in runs/bench/<UTC time>/; exits 1 naming each mode that failed.
 # Needs GPUs and vLLM (.venv/bin/pip install -e '.[vllm]'); on CPU: make bench ARGS=--cpu-smoke (plumbing only)
 bench: $(VPY)
 	$(VPY) benchmarks/modes.py --gpus $(GPUS) $(ARGS)

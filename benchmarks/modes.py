@@ -17,8 +17,10 @@ mode: step time and its phase breakdown, generated and trained tokens/s, GPU bus
 The workload: ``benchmarks/bench_modes.yaml`` with a random-weight Qwen2.5-1.5B shape (built locally, no
 download), the GSM8K prompts shipped in ``benchmarks/data/``, 24 prompts x 8 samples per step, response lengths
 forced from a long-tailed draw (``rollout.forced_lengths=lognormal:256:0.8``, capped at 512: a random model never
-stops on its own), 3 warm-up + 8 measured steps. Each mode costs ~60-100 s of start-up (model, vLLM engine, CUDA
-graphs) plus its steps, and is stopped after --mode-timeout s (180): ~5-6 minutes in all on 4 H200s, 10 at most.
+stops on its own), 3 warm-up + 8 measured steps. Each mode costs ~40-60 s of start-up (vLLM engine, CUDA graphs;
+the first run on a machine also builds the model, ~40 s) plus its steps, and is stopped after --mode-timeout s
+(180): on 4 H200s 4.5 minutes in all (sync 118 s with the build, overlap colocated 78 s, split_partial 59 s;
+1.97 / 2.05 / 1.07 s a step), 10 at most.
 Trailing ``key=value`` arguments override the recipe for every mode (e.g. ``rollout.forced_lengths=lognormal:1024:0.8
 data.max_response_length=2048``); ``--mode-override MODE:key=value`` for one mode.
 
