@@ -10,7 +10,7 @@ dummy weights and pushes the actor's tensors under the push plan's names (as tra
 checkpoint, which separates a naming/tying problem from plain numerics. Writes
 ``benchmarks/results/logprob_parity_smollm2_<device>.json``.
 
-    python benchmarks/logprob_parity_smollm2.py --data .devdata/train.jsonl --prompts 64 --n 8 [--eos-ids 1] [--load push]
+    python benchmarks/logprob_parity_smollm2.py --prompts 64 --n 8 [--eos-ids 1] [--load push]
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def push_into(llm, model) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default=str(ROOT.parent / "shared/data/gsm8k/train.jsonl"))
+    ap.add_argument("--data", default=str(ROOT / "benchmarks" / "data" / "gsm8k_train_1k.jsonl"),
+                    help="GSM8K rows (question/answer); default: the 1,024 shipped in benchmarks/data/")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=256)

@@ -624,7 +624,7 @@ def parse_args(argv: list[str] | None = None):
         if args.split_ratios == "auto":
             args.split_ratios = "1:1"
         args.measure = min(args.measure, 1)
-        # the synthetic task's prompts: the smoke needs no GSM8K files (CI has no ../shared)
+        # the synthetic task's prompts, short: the smoke checks the plumbing, on 2 CPU ranks
         args.overrides = ["trainer.device=cpu", "rollout.name=hf", "actor.ppo_mini_batch_size=8",
                           "actor.ppo_micro_batch_size_per_device=8",
                           "data.train_path=synthetic:successor", "data.task=successor", "data.max_prompt_length=32",
