@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,3 +38,51 @@ def gpu_short_name(name: str) -> str:
     """``NVIDIA H100 80GB HBM3`` → ``H100``: the part of a GPU's name the result files are tagged with."""
     m = re.search(r"(GH200|H100|H200|H20|A100|A10G|L40S|L4|B200|MI300X)", name)
     return m.group(1) if m else re.sub(r"[^A-Za-z0-9]", "", name)[:16]
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process below it, by the parent links in /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")"
+            ppid = int(stat.read_text().rpartition(")")[2].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def signal_pid(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """torchrun and every process it started, and nothing else (other runs on the machine are left alone).
+
+    Workers sit in their own process groups, so killpg alone misses them: the tree is found by parent links
+    and stopped first, so that nothing forks a child while it is being collected, then killed.
+    """
+    stopped: set[int] = set()
+    for _ in range(5):
+        new = [pid for pid in process_tree(proc.pid) if pid not in stopped]
+        if not new:
+            break
+        for pid in new:
+            signal_pid(pid, signal.SIGSTOP)
+        stopped.update(new)
+    for pid in stopped:
+        signal_pid(pid, signal.SIGKILL)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+    time.sleep(3)  # let the driver release the GPU memory

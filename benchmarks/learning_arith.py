@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -37,7 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_common import ROOT, git_commit, gpu_short_name  # noqa: E402
+from benchmarks.bench_common import ROOT, git_commit, gpu_short_name, kill_tree  # noqa: E402
 
 RECIPE = "recipes/arith_grpo_smollm2.yaml"
 MODES = {
@@ -64,8 +63,13 @@ def run_mode(mode: str, gpus: int, steps: int, out: Path, overrides: list[str], 
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            # SIGTERM to the launcher: torchrun passes it to the ranks, which finish their step and exit; the whole
+            # process tree is killed only if they have not within a minute (each rank sits in a group of its own)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                kill_tree(proc)
             rc = "timeout"
     wall = time.time() - start
     print(json.dumps({"mode": mode, "rc": rc, "wall_s": round(wall, 1), "log": str(run_dir / "train.log")}), flush=True)

@@ -55,6 +55,9 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import git_commit, gpu_short_name, kill_tree, process_tree, signal_pid  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ["gen", "wait_gen", "sync_weights", "reward", "old_log_prob", "ref", "adv", "update"]
 
@@ -67,16 +70,10 @@ def device_name(gpus: int) -> str:
         out = []
     if not out:
         return "CPU"
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_common import gpu_short_name
-
     return f"{gpu_short_name(out[0])}x{gpus}"
 
 
 def commit() -> str:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_common import git_commit
-
     return git_commit(ROOT)
 
 
@@ -111,37 +108,13 @@ def _steps_logged(path: Path) -> int:
         return 0
 
 
-def _process_tree(root: int) -> list[int]:
-    """``root`` and every process below it, by the parent links in /proc (Linux)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:  # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")"
-            ppid = int(stat.read_text().rpartition(")")[2].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += children.get(pid, [])
-    return tree
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def _dump_rank_stacks(proc: subprocess.Popen, wait_s: float = 3.0) -> int:
     """SIGUSR1 to the training processes below torchrun (``hybrid_rl`` in their command line; not torchrun itself,
     which the signal would end, nor the engine or reward processes they spawned): each prints every thread's stack
     into the run's log (``watchdog.dump_stacks_on_signal``), even a rank stuck in C with the GIL held. Returns how
     many were signalled."""
     ranks = []
-    for pid in _process_tree(proc.pid)[1:]:
+    for pid in process_tree(proc.pid)[1:]:
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
@@ -149,34 +122,10 @@ def _dump_rank_stacks(proc: subprocess.Popen, wait_s: float = 3.0) -> int:
         if b"hybrid_rl" in cmdline and b"train" in cmdline:
             ranks.append(pid)
     for pid in ranks:
-        _signal(pid, signal.SIGUSR1)
+        signal_pid(pid, signal.SIGUSR1)
     if ranks:
         time.sleep(wait_s)
     return len(ranks)
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    """torchrun and every process it started, and nothing else (other runs on the machine are left alone).
-
-    Workers sit in their own process groups, so killpg alone misses them: the tree is found by parent links
-    and stopped first, so that nothing forks a child while it is being collected, then killed.
-    """
-    stopped: set[int] = set()
-    for _ in range(5):
-        new = [pid for pid in _process_tree(proc.pid) if pid not in stopped]
-        if not new:
-            break
-        for pid in new:
-            _signal(pid, signal.SIGSTOP)
-        stopped.update(new)
-    for pid in stopped:
-        _signal(pid, signal.SIGKILL)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
-    time.sleep(3)  # let the driver release the GPU memory
 
 
 def run_mode(name: str, overrides: list[str], args, out_dir: Path) -> dict:
@@ -216,7 +165,7 @@ def run_mode(name: str, overrides: list[str], args, out_dir: Path) -> dict:
                 or stalled:
             if done_at is None:  # hung or out of time: where each rank is, before it goes
                 _dump_rank_stacks(proc)
-            _kill(proc)
+            kill_tree(proc)
             break
     wall = (done_at if done_at is not None else time.perf_counter() - start)
     sampler.stop.set()
