@@ -47,7 +47,8 @@ MODES = {
 }
 STEP_CURVES = ["reward/mean", "rollout/response_length_mean", "reward/format_exact", "reward/answer_found",
                "rollout/logprob_diff", "rollout/staleness_mean", "rollout/staleness_max",
-               "rollout/token_staleness_mean", "rollout/token_staleness_max", "timing/step", "timing/iteration",
+               "rollout/token_staleness_mean", "rollout/token_staleness_max", "rollout/is_ratio_mean",
+               "rollout/is_ratio_max", "rollout/is_truncated_frac", "timing/step", "timing/iteration",
                "timing/gen", "timing/update", "actor/ppo_kl", "actor/pg_clipfrac"]
 
 
