@@ -2,10 +2,11 @@
 # On a GPU machine without network access: one framework per invocation, all on one machine, then the combined report.
 #   bash benchmarks/peers/run_all.sh hybrid_rl|trl|verl|verl_bg|verl_wait|report [GPUS]   (GPUS default: every visible GPU)
 # Expects: vLLM 0.26's wheel set with its install_remote.sh unpacked in /tmp/vs, the peers' staged pieces unpacked in
-# /tmp/ps (benchmarks/peers/stage.sh; trl_c1 before 'trl', verl_c1..c7 before 'verl'), GSM8K in .devdata/ in the
-# first call (copied to /tmp/peers_data for the later ones). Each part installs what it needs once per machine,
-# writes /tmp/peers_res/<framework>.json, and rebuilds benchmarks/results/peers_<device>_<model>.json + .png from
-# every framework finished so far; all of it is copied to $OUT (default /tmp/peers_out).
+# /tmp/ps (benchmarks/peers/stage.sh; trl_c1 before 'trl', verl_c1..c7 before 'verl'). The prompts are the GSM8K rows
+# the benchmarks ship (benchmarks/data/gsm8k_train_1k.jsonl; PEERS_DATA names another GSM8K jsonl, fields
+# question/answer). Each part installs what it needs once per machine, writes /tmp/peers_res/<framework>.json, and
+# rebuilds benchmarks/results/peers_<device>_<model>.json + .png from every framework finished so far; all of it is
+# copied to $OUT (default /tmp/peers_out).
 set -u
 PART=${1:?usage: run_all.sh hybrid_rl|trl|verl|verl_bg|verl_wait|report [GPUS]}
 GPUS=${2:-$(nvidia-smi -L 2>/dev/null | wc -l)}
@@ -14,10 +15,10 @@ OUT=${OUT:-/tmp/peers_out}
 export PEERS_PROMPTS=${PEERS_PROMPTS:-$((16 * GPUS))}
 RES=/tmp/peers_res
 MODEL_DIR=/tmp/peers_model
-DATA=/tmp/peers_data/train.jsonl
-mkdir -p "$OUT" "$RES" /tmp/peers_data
+DATA=${PEERS_DATA:-$PWD/benchmarks/data/gsm8k_train_1k.jsonl}
+mkdir -p "$OUT" "$RES"
 exec > >(tee -a "$OUT/peers_$PART.log") 2>&1
-[ -f "$DATA" ] || cp .devdata/train.jsonl "$DATA" || { echo "no GSM8K: put train.jsonl in .devdata/ for the first part"; exit 2; }
+[ -f "$DATA" ] || { echo "no GSM8K prompts at $DATA: run from the checkout's root or set PEERS_DATA"; exit 2; }
 export HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1 \
   HYBRID_RL_CACHE=/tmp/hrc TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0
 ROOT=$PWD

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import (ROOT, WORKLOAD as W, commit, device_name, prepare_model, run_watched, summarize, tail,  # noqa: E402
-                      write_result)
+from workload import (DATA, ROOT, WORKLOAD as W, commit, device_name, prepare_model, run_watched,  # noqa: E402
+                      summarize, tail, write_result)
 
 PHASES = ["gen", "switch", "sync_weights", "reward", "old_log_prob", "ref", "adv", "update", "other"]
 
@@ -75,7 +75,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--model-dir", default="/tmp/peers_model", help="the shared bf16 HF directory (made if missing)")
-    ap.add_argument("--data", default=str(ROOT / ".devdata" / "train.jsonl"))
+    ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--steps", type=int, default=W["steps"])
     ap.add_argument("--warmup", type=int, default=W["warmup"])
     ap.add_argument("--out", default="/tmp/peers_res")

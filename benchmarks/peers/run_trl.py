@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import (ROOT, VERSIONS, WORKLOAD as W, commit, device_name, gsm8k_reward, gsm8k_rows,  # noqa: E402
-                      prepare_model, run_watched, summarize, tail, write_result)
+from workload import (DATA, ROOT, VERSIONS, WORKLOAD as W, commit, device_name, gsm8k_reward,  # noqa: E402
+                      gsm8k_rows, prepare_model, run_watched, summarize, tail, write_result)
 
 TRL_VERSION = VERSIONS["trl"]
 ACCELERATE_FSDP2 = """compute_environment: LOCAL_MACHINE
@@ -209,7 +209,7 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--model-dir", default="/tmp/peers_model")
     ap.add_argument("--model", default=None, help="(worker) the model directory")
-    ap.add_argument("--data", default=str(ROOT / ".devdata" / "train.jsonl"))
+    ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--steps", type=int, default=W["steps"])
     ap.add_argument("--warmup", type=int, default=W["warmup"])
     ap.add_argument("--out", default="/tmp/peers_res")

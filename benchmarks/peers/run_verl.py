@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import (ROOT, VERSIONS, WORKLOAD as W, commit, device_name, gsm8k_rows, prepare_model,  # noqa: E402
+from workload import (DATA, VERSIONS, WORKLOAD as W, commit, device_name, gsm8k_rows, prepare_model,  # noqa: E402
                       run_watched, summarize, tail, write_result)
 
 VERL_VERSION = VERSIONS["verl"]
@@ -163,7 +163,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--model-dir", default="/tmp/peers_model")
-    ap.add_argument("--data", default=str(ROOT / ".devdata" / "train.jsonl"))
+    ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--steps", type=int, default=W["steps"])
     ap.add_argument("--warmup", type=int, default=W["warmup"])
     ap.add_argument("--out", default="/tmp/peers_res")

@@ -4,7 +4,8 @@ One GRPO workload, expressed in each framework's own config:
   model   builtin:qwen2.5-1.5b-random, written once to a HF directory in bfloat16 (``prepare_model``), so that every
           engine (hybrid_rl's, TRL's and verl's vLLM) loads bf16 weights and every trainer keeps fp32 masters with
           bf16 compute; its generation_config names one EOS id, so vLLM's ``ignore_eos`` leaves no stop id active
-  data    GSM8K train prompts from ``.devdata/train.jsonl`` (``../shared/data/gsm8k``), the prompt
+  data    GSM8K train prompts from ``benchmarks/data/gsm8k_train_1k.jsonl`` (``DATA``: the split's first 1,024 rows,
+          shipped with the benchmarks; 12 steps of 64 prompts use 768 of them; ``--data`` takes another), the prompt
           ``question + "\\n" + "Let's think step by step and output the final answer after \\"####\\"."`` as one user turn
           (hybrid_rl's and verl's gsm8k format), prompts capped at 512 tokens (none is longer)
   batch   64 prompts x 8 samples per step on 4 GPUs (16 prompts per GPU: ``PEERS_PROMPTS``, set by run_all.sh to
@@ -40,6 +41,7 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
+DATA = BENCH / "data" / "gsm8k_train_1k.jsonl"  # the GSM8K prompts the benchmarks ship (benchmarks/data/README.md)
 
 WORKLOAD = {
     "model": "builtin:qwen2.5-1.5b-random",

@@ -13,7 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 from hybrid_rl.data import (TASKS, DataError, PromptDataset, PromptSampler, collate_prompts,  # noqa: E402
                             load_rows)
 
-GSM8K_TEST = Path(__file__).resolve().parents[2].parent / "shared/data/gsm8k/test.jsonl"
+# 1,024 rows of the GSM8K train split, shipped with the benchmarks (benchmarks/data/README.md)
+GSM8K_1K = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "gsm8k_train_1k.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -104,20 +105,20 @@ def test_synthetic_source_and_errors():
 
 
 # --------------------------------------------------------------------------- tasks
-@pytest.mark.skipif(not GSM8K_TEST.exists(), reason="GSM8K test split not present")
 def test_gsm8k_format_real_file():
-    rows = load_rows(str(GSM8K_TEST), "test", None, "gsm8k", 0, 0)
-    assert len(rows) == 1319
+    rows = load_rows(str(GSM8K_1K), "train", None, "gsm8k", 0, 0)
+    assert len(rows) == 1024
     out = TASKS["gsm8k"].format_row(rows[0], 0)
-    assert out["ground_truth"] == "18"
+    assert out["ground_truth"] == "72"
     assert out["data_source"] == "gsm8k"
     (msg,) = out["messages"]
     assert msg["role"] == "user"
-    assert msg["content"].startswith("Janet")
+    assert msg["content"].startswith("Natalia")
     assert msg["content"].endswith("\nLet's think step by step and output the final answer after \"####\".")
     truths = [TASKS["gsm8k"].format_row(r, i)["ground_truth"] for i, r in enumerate(rows)]
     assert all("," not in t and t == t.strip() for t in truths)
     assert all(float(t) == float(t) for t in truths)  # every ground truth is a number
+    assert truths[345] == "1080"  # "#### 1,080" in the file
 
 
 def test_gsm8k_commas_and_missing_field():
