@@ -72,7 +72,8 @@ def compute_score(response: str, ground_truth: str, method: Literal["strict", "f
         return 0.0
     a, b = _to_float(answer), _to_float(ground_truth)
     if a is not None and b is not None:
-        return 1.0 if math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6) else 0.0
+        # an absolute tolerance only: "18.0" answers "18", but 192,000,001 does not answer 192,000,000
+        return 1.0 if abs(a - b) <= 1e-6 else 0.0
     return 1.0 if _norm(answer) == _norm(ground_truth) else 0.0
 
 
