@@ -93,6 +93,18 @@ def run_checked(cmd: list[str], timeout: int = 300, **env: str) -> subprocess.Co
     return proc
 
 
+class LazyFuture:
+    """The round runs when the trainer takes it (after arming the interrupt): a deterministic interleaving."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args, self.done = fn, args, None
+
+    def result(self):
+        if self.done is None:
+            self.done = (self.fn(*self.args),)
+        return self.done[0]
+
+
 class LazyExecutor:
     """Stands in for the rollout thread's executor: a submitted round runs when its result is asked for, i.e. when
     the trainer takes it (after arming the interrupt): the order of events of a trainer that is always faster than

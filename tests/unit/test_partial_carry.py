@@ -17,6 +17,7 @@ import torch
 from hybrid_rl.batch import Batch
 from hybrid_rl.partial import CarryOver, Group, PartialRolloutPipeline, Sample, assemble_groups, groups_from_batch
 from hybrid_rl.rollout.base import SamplingParams, Segment, assemble_rollout
+from helpers import LazyFuture
 
 EOS, PAD = 2, 0
 
@@ -86,18 +87,6 @@ def test_take_is_oldest_first_and_respects_the_bound():
 
 
 # --------------------------------------------------------------------------- the pipeline, scripted
-class LazyFuture:
-    """The round runs when the trainer takes it (after arming the interrupt): a deterministic interleaving."""
-
-    def __init__(self, fn, *args):
-        self.fn, self.args, self.done = fn, args, None
-
-    def result(self):
-        if self.done is None:
-            self.done = (self.fn(*self.args),)
-        return self.done[0]
-
-
 class ScriptedEngine:
     """Lock-step decoding: each step every unfinished request gets one token; EOS with probability p."""
 

@@ -21,6 +21,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hybrid_rl.batch import Batch
 from hybrid_rl.perf import ModelFlops, Work, step_perf_metrics
+from helpers import LazyFuture
 
 # two GRPO groups of n = 3: prompt lengths P and each sample's response length R_i
 PROMPTS = {"g0": (5, (4, 2, 3)), "g1": (3, (1, 5, 2))}
@@ -171,16 +172,6 @@ class ClockedEngine:
                 break
         self.rounds.append((sum(len(s.tokens) for s in segs), self.clock[0] - start))
         return segs
-
-
-class LazyFuture:
-    def __init__(self, fn, *args):
-        self.fn, self.args, self.done = fn, args, None
-
-    def result(self):
-        if self.done is None:
-            self.done = (self.fn(*self.args),)
-        return self.done[0]
 
 
 def test_partial_rollouts_gen_throughput_counts_the_steps_rounds(monkeypatch):
