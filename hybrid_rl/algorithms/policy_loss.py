@@ -1,4 +1,4 @@
-"""Policy-gradient losses: PPO's clipped surrogate and AReaL's decoupled PPO.
+"""Policy-gradient losses: PPO's clipped surrogate, AReaL's decoupled PPO and GSPO's sequence-ratio clip.
 
 Both return ``(loss, metrics)`` where ``loss`` is a scalar to *minimise*
 (the negated surrogate objective) and ``metrics`` holds detached 0-dim
@@ -9,8 +9,9 @@ the mini-batch ``num_tokens``/``num_seqs`` when gradient-accumulating, and
 (possibly trimmed) tensor and so changes with the micro-batch split.
 
 ``POLICY_LOSSES`` is the one registry of losses, by name; the actor loss is
-chosen by ``Config.policy_loss`` (``decoupled_ppo`` when the rollout correction
-is on, else ``ppo``). The worker calls the registered function once, with the
+``Config.policy_loss``, from ``actor.policy_loss`` (``auto``: ``decoupled_ppo``
+when the rollout correction is on, else ``ppo``). The worker calls the
+registered function once, with the
 keyword arguments every loss shares (``log_prob``, ``advantages``,
 ``response_mask``, the clip ratios, ``loss_agg_mode``, ``num_tokens``,
 ``num_seqs``, ``norm_length``) plus what the registration's ``inputs(tensors,
@@ -19,8 +20,8 @@ and the config (e.g. decoupled PPO's behaviour log-probs). A new loss is one
 function plus one ``register_policy_loss(...)``.
 
 Left out: entropy bonus and KL loss (separate terms the caller adds, see
-``core.entropy_from_logits`` and ``kl.kl_loss``), value loss, GSPO /
-CISPO and other variants, and anything distributed.
+``core.entropy_from_logits`` and ``kl.kl_loss``), value loss, CISPO
+and other variants, and anything distributed.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from hybrid_rl.registry import Registry
 
 from .core import Number, _check_same_shape, _select, agg_loss, masked_mean, masked_sum
 
-__all__ = ["POLICY_LOSSES", "PolicyLossInfo", "decoupled_ppo_loss", "ppo_clip_loss", "register_policy_loss"]
+__all__ = ["POLICY_LOSSES", "PolicyLossInfo", "decoupled_ppo_loss", "gspo_loss", "ppo_clip_loss", "register_policy_loss"]
 
 Metrics = dict[str, Tensor]
 PolicyLoss = Callable[..., tuple[Tensor, Metrics]]
@@ -51,7 +52,7 @@ class PolicyLossInfo:
     """``inputs(tensors, cfg)``: the loss's own keyword arguments from the micro-batch's tensors and the ``Config``."""
 
 
-POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy_loss")
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("actor.policy_loss")
 """Every policy loss by name; ``POLICY_LOSSES.info(name)`` is its ``PolicyLossInfo``."""
 
 
@@ -256,5 +257,86 @@ def decoupled_ppo_loss(
         metrics["is_truncated_frac"] = masked_mean(exceeded.to(raw_w.dtype), response_mask)
 
     loss = agg_loss(pg_losses * weights, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                    norm_length=norm_length)
+    return loss, metrics
+
+
+# ---------------------------------------------------------------------------
+# GSPO (Qwen): one importance ratio per sequence
+# ---------------------------------------------------------------------------
+
+
+@register_policy_loss("gspo", inputs=lambda t, cfg: {"old_log_prob": t["old_log_probs"]})
+def gspo_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float = 4e-4,
+    clip_ratio_c: Optional[float] = None,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    num_tokens: Optional[Number] = None,
+    num_seqs: Optional[Number] = None,
+    norm_length: Optional[int] = None,
+) -> tuple[Tensor, Metrics]:
+    """Group Sequence Policy Optimization, in its GSPO-token form (as verl and TRL ship it).
+
+    All inputs [B, R]. The sequence ratio is the length-normalised log-ratio
+    s_i = exp( (1/|y_i|) sum_t (log_prob - old_log_prob) ), and each token
+    carries s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]: its value is s_i, its
+    gradient flows through the token's own log-prob. Per token
+    loss_t = max(-A s_i,t, -A clip(s_i,t, 1 - low, 1 + high)); since every
+    token of a sequence holds the same value s_i, a sequence is clipped as a
+    whole (no gradient from any of its tokens) or not at all.
+
+    Clip ranges: the sequence ratio is a geometric mean over tokens, so it
+    stays far closer to 1 than a token ratio; the paper uses
+    ``clip_ratio_low=3e-4``, ``clip_ratio_high=4e-4`` (these defaults). The
+    trainer passes ``actor.clip_ratio_low/high`` (0.2 by default, PPO's), so
+    set them: ``actor.clip_ratio_low=3e-4 actor.clip_ratio_high=4e-4``.
+    ``clip_ratio_c`` (dual clip) is not part of GSPO and must be None.
+
+    Aggregation: ``loss_agg_mode`` is honoured like every other loss's. GSPO's
+    objective is the mean over sequences of each sequence's token mean,
+    ``seq-mean-token-mean`` (this default; set
+    ``actor.loss_agg_mode=seq-mean-token-mean``): then a token's gradient is
+    -s_i A_i / (|y_i| num_seqs), exactly the gradient of GSPO's sequence loss
+    -min(s_i A_i, clip(s_i) A_i) / num_seqs. Under ``token-mean`` each
+    sequence weighs by its length instead (gradient -s_i A_i / num_tokens).
+
+    Metrics: pg_clipfrac (the fraction of sequences clipped, empty rows not
+    counted), pg_clipfrac_lower (0: no dual clip), ppo_kl (masked mean of
+    old_log_prob - log_prob, per token).
+    """
+    if clip_ratio_c is not None:
+        raise ValueError(f"gspo has no dual clip: clip_ratio_c must be None, got {clip_ratio_c}")
+    _validate_clip(clip_ratio_low, clip_ratio_high, None)
+    _check_same_shape(
+        log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages, response_mask=response_mask
+    )
+    log_ratio = log_prob - old_log_prob  # [B, R]
+    lengths = response_mask.bool().sum(dim=-1)  # [B]
+    seq_log_ratio = masked_sum(log_ratio, response_mask, dim=-1) / lengths.clamp(min=1).to(log_ratio.dtype)  # [B]
+    seq_log_ratio = torch.clamp(seq_log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    # Value sg[log s_i]; gradient d/d log_prob_t = 1 (the token's own log-prob).
+    token_log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)  # [B, R]
+    ratio = torch.exp(token_log_ratio)
+
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    pg_losses = torch.maximum(unclipped, clipped)
+
+    with torch.no_grad():
+        # A sequence is clipped when its (shared) clipped term wins; read it off any real token.
+        seq_clipped = masked_sum((clipped > unclipped).to(log_prob.dtype), response_mask, dim=-1) > 0  # [B]
+        real = lengths > 0
+        clipfrac = (seq_clipped & real).sum().to(log_prob.dtype) / real.sum().clamp(min=1).to(log_prob.dtype)
+        metrics = {
+            "pg_clipfrac": clipfrac,
+            "pg_clipfrac_lower": torch.zeros((), dtype=log_prob.dtype, device=log_prob.device),
+            "ppo_kl": masked_mean(-log_ratio, response_mask),
+        }
+    loss = agg_loss(pg_losses, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
                     norm_length=norm_length)
     return loss, metrics

@@ -45,6 +45,7 @@ from hybrid_rl.algorithms import (
     reinforce_pp_advantage,
     rloo_advantage,
 )
+from hybrid_rl.algorithms.policy_loss import gspo_loss
 
 LN = math.log
 
@@ -558,7 +559,7 @@ def test_decoupled_weights_are_detached():
 
 
 def test_policy_losses_registry():
-    assert POLICY_LOSSES == {"ppo": ppo_clip_loss, "decoupled_ppo": decoupled_ppo_loss}
+    assert POLICY_LOSSES == {"ppo": ppo_clip_loss, "decoupled_ppo": decoupled_ppo_loss, "gspo": gspo_loss}
 
 
 # ---------------------------------------------------------------------------
