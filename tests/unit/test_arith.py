@@ -129,16 +129,9 @@ def test_a_test_set_larger_than_the_held_out_problems_is_refused():
 
 
 @pytest.mark.slow
-def test_recipe_runs_two_steps_on_cpu(tmp_path):
+def test_recipe_runs_two_steps_on_cpu(tmp_path, smollm2_path):
     """The shipped recipe with the transformers engine on CPU, the real model, 2 small steps: validation reports every
-    family and the answer shape. Skipped, with the reason, only where the model cannot be had."""
-    pytest.importorskip("gguf", reason="builtin:smollm2-135m-instruct needs the gguf package (pip install gguf)")
-    from hybrid_rl.models import ModelLoadError, resolve_model_path
-
-    try:
-        resolve_model_path("builtin:smollm2-135m-instruct")
-    except ModelLoadError as e:
-        pytest.skip(f"builtin:smollm2-135m-instruct cannot be built here: {e}")
+    family and the answer shape. Skipped, with the reason, only where the model cannot be had (conftest.py)."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "hybrid_rl", "train", "recipes/arith_grpo_smollm2.yaml", "rollout.name=hf",
            "trainer.device=cpu", f"trainer.output_dir={out}", "trainer.total_steps=2", "trainer.test_freq=2",
