@@ -1,10 +1,12 @@
-"""Command line: ``hybrid-rl train [--nproc N] RECIPE.yaml [key.sub=value ...]`` (or ``python -m hybrid_rl``).
+"""Command line: ``hybrid-rl train [--nproc N] [--import MODULE ...] RECIPE.yaml [key.sub=value ...]`` (or ``python -m hybrid_rl``).
 
 ``train --nproc N`` is the launcher: it loads and validates the config and runs the
 preflight checks (``preflight.py``) in this one process, before any rank starts,
 then starts N ranks through torchrun's own ``torch.distributed.run``. Without
 ``--nproc`` this process is the trainer: a world of one, or one rank when torchrun
-started it. Every rank runs the same command.
+started it. Every rank runs the same command, ``--import`` flags included: each
+process imports the plug-in modules they name (and those of ``trainer.imports``)
+before it reads the config, so their registered names are valid on every rank.
 
 User errors (a bad recipe, a missing file, a reward function that raises) end the
 run with one line on stderr and exit code 2, also through the launcher: ranks hand
@@ -42,10 +44,11 @@ def _is_user_error(e: BaseException) -> bool:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    if args.nproc is not None:
-        return launch(args.recipe, args.overrides, args.nproc)
-    from hybrid_rl.config import load_config
+    from hybrid_rl.config import import_plugins, load_config
 
+    import_plugins(args.imports, "--import")
+    if args.nproc is not None:
+        return launch(args.recipe, args.overrides, args.nproc, args.imports)
     cfg = load_config(args.recipe, args.overrides)
     cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
     if not os.environ.get(ENV_PREFLIGHT_DONE):
@@ -97,8 +100,9 @@ def _nproc(value: str, cfg) -> int:
     return int(value)
 
 
-def launch(recipe: str, overrides: list[str], nproc_arg: str) -> int:
-    """Validate + preflight here, then run ``torchrun --standalone --nproc_per_node=N -m hybrid_rl train ...``."""
+def launch(recipe: str, overrides: list[str], nproc_arg: str, imports: list[str] = ()) -> int:
+    """Validate + preflight here, then run ``torchrun --standalone --nproc_per_node=N -m hybrid_rl train ...``
+    (``imports``: the ``--import`` modules, imported here already and passed on to every rank)."""
     import tempfile
 
     from hybrid_rl.config import load_config
@@ -119,7 +123,7 @@ def launch(recipe: str, overrides: list[str], nproc_arg: str) -> int:
         os.environ[ENV_PREFLIGHT_DONE] = "1"
         os.environ[ENV_ERROR_DIR] = error_dir
         torchrun_args = parse_args(["--standalone", f"--nproc_per_node={nproc}", "--module", "hybrid_rl",
-                                    "train", recipe, *overrides])
+                                    "train", *(f"--import={m}" for m in imports), recipe, *overrides])
         _quiet_elastic_agent()
         try:
             run(torchrun_args)
@@ -216,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", metavar="N", default=None,
                    help="check the config, then launch N ranks through torchrun ('auto': one per visible GPU, "
                         "one on CPU); without it this process trains alone, or is one rank under torchrun")
+    p.add_argument("--import", dest="imports", metavar="MODULE", action="append", default=[],
+                   help="import a plug-in module (a module name or path/to/file.py) before the config is read, on "
+                        "every rank, so that what it registers can be named in the config (repeatable; the config's "
+                        "own list is trainer.imports)")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory (LoRA merged by default)")
     p.add_argument("checkpoint", help="<output_dir>/checkpoints/step_N, or a run directory (its newest checkpoint)")

@@ -240,6 +240,9 @@ class ActorConfig:
     micro-batch only). The reference policy's pass keeps its blocks gathered likewise. Costs a full compute-dtype
     copy of the parameters and full fp32 gradients per GPU during a pass: right for small models and many
     micro-batches, wrong where sharding is what makes the model fit."""
+    policy_loss: str = "auto"
+    """The actor's loss, a name in ``hybrid_rl.algorithms.POLICY_LOSSES`` (``ppo``, ``decoupled_ppo``, or one a
+    plug-in registers); ``auto`` = ``decoupled_ppo`` when the rollout correction is on, else ``ppo``."""
     clip_ratio_low: float = 0.2
     """PPO clip ε below 1."""
     clip_ratio_high: float = 0.2
@@ -359,6 +362,24 @@ class CriticConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    enable: bool = False
+    """DAPO's dynamic sampling: drop the GRPO groups whose ``rollout.n`` rewards are all equal (zero advantage, no
+    policy gradient) and generate more groups until every rank holds its share of ``data.train_batch_size``
+    informative ones. Needs ``trainer.mode=sync`` with colocated placement and no partial rollouts (the reward must be
+    known before the step's batch is final), and a group estimator (grpo, dr_grpo, rloo). Metrics:
+    ``rollout/filtered_groups`` (groups dropped), ``rollout/filter_rounds`` (refill generations),
+    ``rollout/filter_short_groups`` (target slots still holding an all-equal group after ``max_rounds``)."""
+    metric: Literal["seq_reward", "score"] = "seq_reward"
+    """What must differ within a group: ``seq_reward``, the sequence's training reward (the score plus the overlong
+    penalty, what the advantage sees), or ``score``, the reward function's own value."""
+    max_rounds: int = 10
+    """Refill generations per step at most (each of a full step's prompts, on every rank); past them the step trains
+    on the informative groups it has, the remaining slots keeping all-equal groups (counted in
+    ``rollout/filter_short_groups``), so the batch's shape is the same as every step's."""
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator registered in ``hybrid_rl.algorithms.ADV_ESTIMATORS``: grpo, dr_grpo, rloo, reinforce_pp, gae."""
@@ -382,6 +403,8 @@ class AlgorithmConfig:
     """β of the reward penalty: fixed, or adapted towards a target KL."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Off-policy correction between the rollout engine's policy and the trainer's."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO's dynamic sampling: train only on groups whose rewards differ, generating more to fill the batch."""
 
 
 @dataclass
@@ -482,6 +505,12 @@ class TrainerConfig:
     allow_config_change: bool = False
     """Resume a checkpoint even though settings that change what is trained differ from the run that wrote it
     (model, data, algorithm, optimiser, sampling, mode, placement, seed); off, such a resume stops and lists them."""
+    imports: list[str] = field(default_factory=list)
+    """Plug-in modules every process imports before the rest of the config is read: module names (on
+    ``sys.path``/``PYTHONPATH``) or ``path/to/file.py``. Their registrations (``register_estimator``,
+    ``register_policy_loss``, ``register_rollout_engine``, ``register_reward``) make their names valid in
+    ``algorithm.adv_estimator``, ``actor.policy_loss``, ``rollout.name`` and ``reward.function``, on every rank that
+    ``train --nproc`` starts (the command line's ``--import MODULE`` does the same)."""
 
     @property
     def partial_pool_steps(self) -> int:
@@ -541,7 +570,10 @@ class Config:
 
     @property
     def policy_loss(self) -> str:
-        """The actor's loss, a name in ``hybrid_rl.algorithms.POLICY_LOSSES``: decoupled PPO under rollout correction."""
+        """The actor's loss, a name in ``hybrid_rl.algorithms.POLICY_LOSSES``: ``actor.policy_loss``, where ``auto``
+        is decoupled PPO under rollout correction, else PPO."""
+        if self.actor.policy_loss != "auto":
+            return self.actor.policy_loss
         return "decoupled_ppo" if self.use_rollout_correction else "ppo"
 
     @property
@@ -572,6 +604,7 @@ class Config:
                          "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size_per_device", "actor.ppo_epochs",
                          "actor.log_prob_micro_batch_size_per_device", "ref.log_prob_micro_batch_size_per_device",
                          "rollout.max_num_seqs", "rollout.weight_sync_bucket_mb"])
+        import_plugins(self.trainer.imports, "trainer.imports")  # a Config built in code never went through the loader
         _check_registered(self)
         estimators = _registry("algorithm.adv_estimator")
         est = estimators.info(self.algorithm.adv_estimator)
@@ -658,6 +691,18 @@ class Config:
         if self.trainer.save_freq < -1 or self.trainer.keep_last < 0 or self.trainer.max_skipped_updates < 1:
             raise ConfigError("trainer.save_freq must be >= -1 (-1 = never), trainer.keep_last >= 0, "
                               "trainer.max_skipped_updates >= 1")
+        fg = self.algorithm.filter_groups
+        if fg.enable:
+            if self.trainer.mode != "sync" or self.trainer.placement != "colocated" or self.trainer.partial_rollouts:
+                raise ConfigError("algorithm.filter_groups.enable=true needs trainer.mode=sync (colocated, no "
+                                  "partial rollouts): refills are generated after the step's rewards are known")
+            if not est.needs_groups:
+                raise ConfigError(f"algorithm.filter_groups.enable=true drops groups of equal rewards, which only a group "
+                                  f"estimator gives no gradient; algorithm.adv_estimator={self.algorithm.adv_estimator} "
+                                  f"is not one: use grpo, dr_grpo or rloo, or algorithm.filter_groups.enable=false")
+            if fg.max_rounds < 0:
+                raise ConfigError(f"algorithm.filter_groups.max_rounds={fg.max_rounds} must be >= 0 (refill generations "
+                                  f"per step; 0 = none, the batch trains as generated and the counts are logged)")
         if self.trainer.partial_rollouts:
             self._validate_partial()
         elif self.trainer.max_staleness not in (0, 1):
@@ -792,9 +837,11 @@ def parse_forced_lengths(spec: str) -> tuple[str, list[float]]:
 
 # Keys whose valid values are the names in an extension point's registry (``hybrid_rl.registry.Registry``),
 # checked when a value is loaded (like a Literal) and again by ``validate``; imported lazily, so that loading a
-# config imports neither torch nor any engine.
+# config imports neither torch nor any engine. A key in _AUTO_KEYS also takes ``auto`` (never looked up).
 _REGISTERED_KEYS = {"algorithm.adv_estimator": ("hybrid_rl.algorithms.advantages", "ADV_ESTIMATORS"),
-                    "rollout.name": ("hybrid_rl.rollout", "ROLLOUT_ENGINES")}
+                    "rollout.name": ("hybrid_rl.rollout", "ROLLOUT_ENGINES"),
+                    "actor.policy_loss": ("hybrid_rl.algorithms.policy_loss", "POLICY_LOSSES")}
+_AUTO_KEYS = frozenset({"actor.policy_loss"})
 
 
 def _registry(key: str) -> Any:
@@ -805,9 +852,74 @@ def _registry(key: str) -> Any:
 
 
 def _check_choice(key: str, value: Any) -> None:
+    if key in _AUTO_KEYS and value == "auto":
+        return
     registry = _registry(key)
     if value not in registry:
-        raise ConfigError(registry.unknown_message(value))
+        if key not in _AUTO_KEYS:
+            raise ConfigError(registry.unknown_message(value))
+        names = ["auto", *registry.names()]
+        close = difflib.get_close_matches(str(value), names, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"{key}={value!r} is not one of {names}{hint}")
+
+
+_IMPORTED_FILES: dict[Path, types.ModuleType] = {}
+"""Plug-in files already imported, by resolved path: a file is executed once per process, however often a config
+naming it is loaded or validated."""
+
+
+def import_plugins(modules: list[str] | tuple[str, ...], source: str = "trainer.imports") -> None:
+    """Import each plug-in module (a module name, or ``path/to/file.py``) so that its registrations run.
+
+    ``source`` is where the names came from (``trainer.imports`` or ``--import``), named in the error. A module
+    already imported is not imported again. Raises ConfigError with one line naming the module and the fix.
+    """
+    import importlib
+    import importlib.util
+    import sys
+
+    for name in modules:
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError(f"{source}: {name!r} is not a module name or a path/to/file.py; fix {source}")
+        name = name.strip()
+        try:
+            if name.endswith(".py"):
+                path = Path(name).expanduser().resolve()
+                if path in _IMPORTED_FILES:
+                    continue
+                if not path.is_file():
+                    raise ConfigError(f"{source}: no such file {name!r}; fix the path in {source}")
+                # a private module name, so that the file cannot shadow an installed package of the same stem
+                spec = importlib.util.spec_from_file_location(f"hybrid_rl_plugin_{path.stem}", path)
+                if spec is None or spec.loader is None:
+                    raise ConfigError(f"{source}: cannot load {name!r} as Python; give a .py file or a module name")
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[spec.name] = module
+                try:
+                    spec.loader.exec_module(module)
+                except BaseException:
+                    sys.modules.pop(spec.name, None)
+                    raise
+                _IMPORTED_FILES[path] = module
+            else:
+                importlib.import_module(name)
+        except ConfigError:
+            raise
+        except ModuleNotFoundError as e:
+            if e.name and (name == e.name or name.startswith(e.name + ".")):  # the plug-in itself is missing, not a module it imports
+                raise ConfigError(f"{source}: cannot import module {name!r} ({_line(e)}); put its directory on "
+                                  f"PYTHONPATH, give its file as path/to/{name.rsplit('.', 1)[-1]}.py, or fix {source}") from e
+            raise ConfigError(f"{source}: importing {name!r} failed ({type(e).__name__}: {_line(e)}); install what it "
+                              f"imports or fix that module") from e
+        except Exception as e:  # the module exists but raised while importing (e.g. a duplicate registration)
+            raise ConfigError(f"{source}: importing {name!r} failed ({type(e).__name__}: {_line(e)}); fix that "
+                              f"module") from e
+
+
+def _line(e: BaseException) -> str:
+    """An exception's message on one line."""
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def _check_registered(cfg: Config) -> None:
@@ -837,7 +949,7 @@ RESUME_HARMLESS = frozenset({
     # how long, how often, where to log and what to diagnose
     "trainer.total_steps", "trainer.total_epochs", "trainer.test_freq", "trainer.val_before_train", "trainer.logger",
     "trainer.save_freq", "trainer.keep_last", "trainer.max_skipped_updates", "trainer.stale_policy",
-    "trainer.profile_steps", "trainer.validation_data_dir", "trainer.stall_dump_s", "trainer.peak_tflops", "trainer.collective_timeout_s", "trainer.expandable_segments", "trainer.device", "reward.on_error",
+    "trainer.profile_steps", "trainer.validation_data_dir", "trainer.imports", "trainer.stall_dump_s", "trainer.peak_tflops", "trainer.collective_timeout_s", "trainer.expandable_segments", "trainer.device", "reward.on_error",
     "reward.timeout_s", "reward.num_workers",
     # validation only
     "data.val_path", "data.val_split", "data.max_val_samples", "data.val_batch_size", "rollout.val_temperature",
@@ -918,6 +1030,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like key.sub=value (e.g. trainer.total_steps=10)")
         _set_dotted(raw, key.strip(), _parse_scalar(value))
+    trainer = raw.get("trainer")
+    if isinstance(trainer, dict) and "imports" in trainer:  # plug-ins register their names before the keys are checked
+        import_plugins(_coerce(list[str], trainer["imports"], "trainer.imports"), "trainer.imports")
     return _build(Config, raw, "")
 
 

@@ -6,8 +6,10 @@ one registration. A registry maps a name to the registered object (a function or
 metadata the caller needs (``info``: e.g. an estimator's "needs groups") next to it. An object may be given as
 ``"module:attr"``, imported on first lookup, so that registering an optional backend (vLLM) imports nothing.
 
-Left out on purpose: entry points / plug-in discovery (register from your own module, imported before the
-config is loaded), and overriding a built-in (a duplicate name is an error; ``unregister`` first).
+Plug-ins: a module of your own registers its names when imported. Name it in ``trainer.imports`` (a module name
+or ``path/to/file.py``) or pass ``--import MODULE`` to ``hybrid-rl train``: every process (the launcher and each
+rank that ``train --nproc`` starts) imports it before the config's names are checked. Left out on purpose: entry
+points / automatic plug-in discovery, and overriding a built-in (a duplicate name is an error; ``unregister`` first).
 """
 
 from __future__ import annotations
