@@ -69,10 +69,17 @@ def summarise(run_dir: Path, flops: ModelFlops, peak: float, gpus: int, skip: in
         t = out["phases_s"].get(phase)
         if t:
             out[name] = passes * fwd / (t * gpus * peak)
-    if "mfu_update" in out and any("perf/update_token_share" in r for r in rows):
-        # actor.share_prompts: the update ran fewer tokens than the batch holds; MFU above counts the batch's (effective)
-        out["update_token_share"] = mean("perf/update_token_share")
-        out["mfu_update_hardware"] = out["mfu_update"] * out["update_token_share"]
+    if any("perf/mfu_update_equiv" in r for r in rows):
+        # the trainer logs both: perf/mfu_* from the FLOPs the passes ran (a shared prompt once per group), and
+        # perf/mfu_*_equiv with every sequence counted whole (what the estimate above gives)
+        for name in ("mfu_update", "mfu_log_prob", "mfu_ref"):
+            if any(f"perf/{name}" in r for r in rows):
+                out[f"{name}_equiv"] = mean(f"perf/{name}_equiv")
+                out[name] = mean(f"perf/{name}")
+    else:  # runs of older commits logged only the batch-equivalent figure
+        for name in ("mfu_update", "mfu_log_prob", "mfu_ref"):
+            if name in out:
+                out[f"{name}_equiv"] = out.pop(name)
     out["peak_memory_allocated_gb"] = max(r.get("perf/max_memory_allocated_gb", 0.0) for r in rows)
     if any("perf/engine_pool_gb" in r for r in rows):  # the figure above counts vLLM's sleeping pool too
         out["peak_memory_outside_engine_gb"] = max(r["perf/max_memory_allocated_outside_engine_gb"] for r in rows)
@@ -101,8 +108,6 @@ def plot(doc: dict, path: Path) -> None:
             labelled.add(p)
             left += w
         mfu = f", update MFU {r['mfu_update']:.0%}" if "mfu_update" in r else ""
-        if "mfu_update_hardware" in r:
-            mfu += f" ({r['mfu_update_hardware']:.0%} on the tokens run)"
         ax.text(left, i, f" {r['step_s']:.1f} s{mfu}", va="center", fontsize=8)
         right = max(right, left)
     ax.set_xlim(0, right * 1.6)
