@@ -61,7 +61,11 @@ def test_two_rank_update_equals_single_process_update(runs):
         # micro-batches group rows by length per rank, so the sums run in another order than in one process:
         # rounding only (zero-initialised biases make this relative to a single Adam step)
         assert ((got - want).norm() / want.norm()).item() < 5e-5, name
-        assert (got - want).abs().max().item() < 1e-3 * lr, name  # a thousandth of one Adam step
+        # element by element where the gradient is well above Adam's eps (1e-8): there the first step is ±lr whatever
+        # the rounding. Where |g| is near eps the step g/(|g| + eps)·lr turns the gradient's rounding into a
+        # visible share of lr (1.2e-3 of a step seen on one CPU), so those elements count only in the norm above.
+        firm = single["exp_avg"][name].abs() > 0.1 * 1e-6  # (1-β1)·|g| > (1-β1)·100·eps
+        assert (got - want)[firm].abs().max().item() < 1e-3 * lr, name  # a thousandth of one Adam step
 
 
 def test_accumulate_unsharded_gathers_once_per_pass_and_matches(runs):
