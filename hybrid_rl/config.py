@@ -1068,10 +1068,6 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return "; ".join(parts) or " ".join(str(e).split())
 
 
-def config_from_dict(raw: dict[str, Any]) -> Config:
-    return _build(Config, raw, "")
-
-
 def save_config(cfg: Config, path: str | Path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

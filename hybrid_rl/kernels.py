@@ -42,9 +42,3 @@ def apply_liger(model: torch.nn.Module, device: torch.device) -> str:
                          f"({type(model).__name__}); set model.use_liger=false for this model")
     apply_fn(model=model, **LIGER_KERNELS)
     return model_type
-
-
-def liger_patched(model: torch.nn.Module) -> list[str]:
-    """Names of the modules whose ``forward`` Liger replaced on the instance (for tests and the run log)."""
-    return [name for name, m in model.named_modules()
-            if "forward" in vars(m) and getattr(vars(m)["forward"], "__module__", "").startswith("liger_kernel")]

@@ -401,9 +401,9 @@ def _is_disk_error(e: BaseException) -> bool:
     return isinstance(e, OSError) or type(e).__name__ == "SafetensorError"
 
 
-def _check_local(path: str, key: str) -> None:
-    # A path that looks local but is missing would otherwise turn into a
-    # confusing hub lookup (and a network error on an offline machine).
+def check_local_path(path: str, key: str) -> None:
+    """Raise ModelLoadError naming ``key`` for a path that looks local but is missing: it would otherwise turn
+    into a confusing hub lookup (and a network error on an offline machine)."""
     looks_local = path.startswith((".", "/", "~")) or os.sep in path.rstrip(os.sep) and path.count("/") > 1
     if looks_local and not Path(path).expanduser().exists():
         raise ModelLoadError(f"{key}: {path!r} does not exist; point it at a model directory or a hub id such as 'Qwen/Qwen2.5-0.5B-Instruct'")
@@ -421,7 +421,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model
     from transformers import AutoTokenizer
 
     path = resolve_model_path(path)
-    _check_local(path, key)
+    check_local_path(path, key)
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as e:
@@ -439,7 +439,7 @@ def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool = Fals
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(path)
-    _check_local(path, "model.path")
+    check_local_path(path, "model.path")
     kwargs: dict[str, Any] = dict(dtype=dtype, trust_remote_code=trust_remote_code)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation

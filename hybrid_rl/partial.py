@@ -344,7 +344,7 @@ class PartialRolloutPipeline(RolloutPipeline):
     def _add(self, prompts: Batch) -> None:
         forced = None
         if self.worker.cfg.rollout.forced_lengths:  # the worker's own length stream, as worker.generate draws it
-            forced = self.worker._forced_lengths(len(prompts) * self.carry.n)
+            forced = self.worker.forced_lengths(len(prompts) * self.carry.n)
         self.carry.add_prompts(prompts, forced)
 
     def _new_round(self, window: int | None = None) -> Round | None:

@@ -17,14 +17,9 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
-
-
-def rank0_print(*args: Any, rank: int = 0) -> None:
-    if rank == 0:
-        print(*args, file=sys.stderr, flush=True)
 
 
 class Timer:

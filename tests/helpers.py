@@ -9,6 +9,7 @@ module only stays in that module.
   ``ActorRolloutRefWorker`` on the tiny model (prompts -> rollout -> scores/advantages -> update).
 - ``ROOT``, ``subprocess_env``, ``run_checked``: launch ``python``/``torchrun`` from the checkout and
   fail with the tail of its output (one retry when torchrun's free port was taken).
+- ``liger_patched``: the modules whose ``forward`` Liger's kernels replaced (``model.use_liger``).
 """
 
 from __future__ import annotations
@@ -172,6 +173,12 @@ def assert_bf16_parity(batch: Batch, lp_a: torch.Tensor, lp_b: torch.Tensor, g_a
     assert set(g_a) == set(g_b)
     cos = [torch.nn.functional.cosine_similarity(g_a[n].flatten(), g_b[n].flatten(), dim=0) for n in g_a]
     assert min(float(c) for c in cos) > 0.98
+
+
+def liger_patched(model: torch.nn.Module) -> list[str]:
+    """Names of the modules whose ``forward`` Liger replaced on the instance (``model.use_liger``)."""
+    return [name for name, m in model.named_modules()
+            if "forward" in vars(m) and getattr(vars(m)["forward"], "__module__", "").startswith("liger_kernel")]
 
 
 class AfterPolls:

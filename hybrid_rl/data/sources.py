@@ -21,7 +21,7 @@ from .tasks import TASKS, DataError
 SYNTHETIC_PREFIX = "synthetic:"
 LOCAL_FORMATS = (".jsonl", ".parquet")
 # Extensions that mark a path as meant to be a local file even when it is missing.
-_FILE_LIKE = LOCAL_FORMATS + (".json", ".csv", ".arrow", ".txt")
+FILE_LIKE = LOCAL_FORMATS + (".json", ".csv", ".arrow", ".txt")
 _DEFAULT_KEY = "data.train_path/data.val_path"
 
 
@@ -53,7 +53,7 @@ def load_rows(path: str, split: str, hub_config: Optional[str], task: str, num_s
         if suffix == ".parquet":
             return _read_parquet(local, key)
         raise DataError(f"{key}={path!r}: unsupported file type {suffix or '(none)'}; convert it to .jsonl or .parquet")
-    if suffix in _FILE_LIKE or path.startswith((".", "/", "~")):
+    if suffix in FILE_LIKE or path.startswith((".", "/", "~")):
         raise DataError(f"{key}={path!r}: no such file; fix {key} to point at an existing .jsonl/.parquet file")
     # Anything else (a hub name such as "openai/gsm8k", or a local directory
     # that ``datasets`` knows how to read) goes to ``datasets.load_dataset``.

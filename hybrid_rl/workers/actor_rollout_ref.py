@@ -43,7 +43,7 @@ ROLES = ("actor", "rollout", "ref", "actor_ref", "actor_rollout", "actor_rollout
 
 
 @dataclass
-class _Stats:
+class UpdateStats:
     """Per-update metric accumulators: (sum, count) pairs reduced across ranks by the driver.
 
     Values and weights may be device tensors: they are summed on the device and read back once in
@@ -177,7 +177,7 @@ class ActorRolloutRefWorker:
         assert self.rollout is not None
         params = self.sampling_params(validate)
         if self.cfg.rollout.forced_lengths and not validate:
-            params = dataclasses.replace(params, response_lengths=self._forced_lengths(len(prompts) * params.n))
+            params = dataclasses.replace(params, response_lengths=self.forced_lengths(len(prompts) * params.n))
         version = self.rollout.weights_version
         out = self.rollout.generate(prompts, params)
         # every sample records the weight version that produced it (staleness accounting)
@@ -185,7 +185,7 @@ class ActorRolloutRefWorker:
         return out.union(tensors=dict(weight_version=versions.to(out.tensors["responses"].device)),
                          weight_version=version, temperature=params.logprob_temperature)
 
-    def _forced_lengths(self, count: int) -> tuple[int, ...]:
+    def forced_lengths(self, count: int) -> tuple[int, ...]:
         """Benchmark response lengths: a long-tailed draw (lognormal with the given mean), capped."""
         kind, nums = parse_forced_lengths(self.cfg.rollout.forced_lengths)
         cap = self.cfg.data.max_response_length
@@ -294,7 +294,7 @@ class ActorRolloutRefWorker:
         assert self.actor is not None
         a = self.cfg.actor
         seqs_per_mini = self._seqs_per_mini()
-        stats = _Stats()
+        stats = UpdateStats()
         lps = ents = None
         if own_old:
             # [B, R] π_old in the batch's row order, the first mini-batch's rows filled by its forward below; the
@@ -333,7 +333,7 @@ class ActorRolloutRefWorker:
             mask = mask * ~cut_at_cap(mask, self.cfg.data.max_response_length)[:, None]
         return mask
 
-    def _update_mini_batch(self, mini: Batch, stats: _Stats,
+    def _update_mini_batch(self, mini: Batch, stats: UpdateStats,
                            capture: tuple[np.ndarray, torch.Tensor, torch.Tensor] | None = None) -> None:
         """``capture`` = (the mini-batch's rows in the batch, [B, R] log-prob and entropy buffers): π_old is the
         forward's own detached log-probs, written into the buffers."""

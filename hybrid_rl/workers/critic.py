@@ -37,7 +37,7 @@ from hybrid_rl.config import Config
 from hybrid_rl.distributed import DistInfo, all_reduce_sum
 from hybrid_rl.micro_batching import micro_batches
 from hybrid_rl.models import load_causal_lm, resolve_dtype
-from hybrid_rl.workers.actor_rollout_ref import _Stats
+from hybrid_rl.workers.actor_rollout_ref import UpdateStats
 from hybrid_rl.workers.fsdp_engine import TrainingEngine
 
 
@@ -161,7 +161,7 @@ class CriticWorker:
         """Clipped value regression onto ``returns``; (sum, count) metric pairs, reduced across ranks by the driver."""
         c = self.cfg.critic
         seqs_per_mini = c.ppo_mini_batch_size // self.dist.world_size * self.cfg.rollout.n
-        stats = _Stats()
+        stats = UpdateStats()
         with self.resident():
             self.engine.model.train()
             for _ in range(c.ppo_epochs):
@@ -180,7 +180,7 @@ class CriticWorker:
         stats.add("critic/lr", self.engine.lr)
         return stats.pairs()
 
-    def _update_mini_batch(self, mini: Batch, stats: _Stats) -> None:
+    def _update_mini_batch(self, mini: Batch, stats: UpdateStats) -> None:
         c = self.cfg.critic
         mask = mini.tensors["response_mask"].float()
         denom = torch.tensor([mask.sum().item(), float(len(mini))], dtype=torch.float64, device=self.device)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_bf16_parity, gpu_actor_pass
+from helpers import assert_bf16_parity, gpu_actor_pass, liger_patched
 
 pytestmark = pytest.mark.gpu
 
@@ -17,8 +17,6 @@ pytest.importorskip("liger_kernel", reason="needs liger-kernel (pip install 'hyb
 
 
 def test_liger_kernels_are_patched_and_agree(tiny_model_path):
-    from hybrid_rl.kernels import liger_patched
-
     _, batch, lp_ref, g_ref = gpu_actor_pass("model.use_liger=false", "actor.use_kl_loss=true")
     w, _, lp_liger, g_liger = gpu_actor_pass("model.use_liger=true", "actor.use_kl_loss=true", batch=batch)
     patched = liger_patched(w.actor.model)

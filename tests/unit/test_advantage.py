@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid_rl import algorithms as alg
 from hybrid_rl.phases.advantage import compute_advantage, sparse_scores
 from hybrid_rl.batch import Batch
 from hybrid_rl.config import load_config
@@ -21,22 +20,28 @@ def _batch() -> Batch:
                  dict(uid=np.array(["a", "a", "b", "b"], dtype=object)))
 
 
+# _batch's sequence scores are 1, 0 (group a) and 1, 1 (group b), on the last real token of each response.
+_STD = (1.74 / 7) ** 0.5  # reinforce_pp: see the arithmetic below
+EXPECTED = {
+    # no std division: score − group mean = 1 − 0.5, 0 − 0.5 (group a) and 1 − 1 twice (group b), on real tokens
+    "grpo": [[0.5, 0.5, 0.0], [-0.5, -0.5, -0.5], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]],
+    "dr_grpo": [[0.5, 0.5, 0.0], [-0.5, -0.5, -0.5], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]],
+    # score − mean of the others in the group: 1 − 0 = 1, 0 − 1 = −1 (group a); 1 − 1 = 0 twice (group b)
+    "rloo": [[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]],
+    # reward-to-go with γ = 0.9 on the real tokens: [0.9, 1], [0, 0, 0], [1], [0.9, 1]; their mean is 4.8 / 8 = 0.6,
+    # deviations 0.3, 0.4 | −0.6 ×3 | 0.4 | 0.3, 0.4, squared sum 2·0.09 + 3·0.16 + 3·0.36 = 1.74, unbiased
+    # variance 1.74 / 7; advantage = deviation / std (1e-8 of eps is below the tolerance)
+    "reinforce_pp": [[0.3 / _STD, 0.4 / _STD, 0.0], [-0.6 / _STD] * 3, [0.4 / _STD, 0.0, 0.0],
+                     [0.3 / _STD, 0.4 / _STD, 0.0]],
+}
+
+
 @pytest.mark.parametrize("est", ["grpo", "dr_grpo", "rloo", "reinforce_pp"])
 def test_each_estimator_is_dispatched(est):
     cfg = load_config(None, [f"algorithm.adv_estimator={est}", "algorithm.norm_adv_by_std_in_grpo=false",
                              "algorithm.gamma=0.9"]).algorithm
-    b = _batch()
-    out, metrics = compute_advantage(b, cfg)
-    mask = b["response_mask"].float()
-    expected = {
-        "grpo": lambda: alg.grpo_advantage(b["token_level_scores"], mask, b["uid"], norm_by_std=False),
-        "dr_grpo": lambda: alg.dr_grpo_advantage(b["token_level_scores"], mask, b["uid"]),
-        "rloo": lambda: alg.rloo_advantage(b["token_level_scores"], mask, b["uid"]),
-        "reinforce_pp": lambda: alg.reinforce_pp_advantage(b["token_level_scores"], mask, gamma=0.9),
-    }[est]()[0]
-    assert torch.equal(out["advantages"], expected) and metrics == {}
-    if est == "grpo":  # group a: scores 1, 0 → ±0.5 without std normalisation, on the real tokens only
-        assert out["advantages"][0].tolist() == [0.5, 0.5, 0.0] and out["advantages"][1].tolist() == [-0.5] * 3
+    out, metrics = compute_advantage(_batch(), cfg)
+    assert torch.allclose(out["advantages"], torch.tensor(EXPECTED[est]), atol=1e-6) and metrics == {}
 
 
 @pytest.mark.parametrize("uid", [np.array(["0-1", "0-1", "0-2", "0-2"], dtype=object), np.array([3, 3, 4, 4]),

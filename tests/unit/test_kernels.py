@@ -10,7 +10,8 @@ import types
 import pytest
 import torch
 
-from hybrid_rl.kernels import LIGER_KERNELS, apply_liger, liger_patched
+from helpers import liger_patched
+from hybrid_rl.kernels import LIGER_KERNELS, apply_liger
 
 CUDA = torch.device("cuda", 0)
 

@@ -127,7 +127,7 @@ def scripted_pipeline(per_step: int, n: int, max_len: int, seed: int, p_eos: flo
                              tokenizer=SimpleNamespace(pad_token_id=PAD),
                              sampling_params=lambda validate=False: SamplingParams(n=n, max_tokens=max_len))
     lengths = random.Random(seed + 1)
-    worker._forced_lengths = lambda count: tuple(lengths.randint(1, max_len) for _ in range(count))
+    worker.forced_lengths = lambda count: tuple(lengths.randint(1, max_len) for _ in range(count))
 
     def push():
         engine.weights_version = worker.weight_version
