@@ -6,16 +6,20 @@ score sits on the last real response token, as in verl), counts failures
 when ``reward.on_error=zero`` and shapes the training reward of overlong responses
 (``reward.overlong_buffer_len``). The scoring itself (in this process, or in worker
 processes with ``reward.timeout_s`` for user functions) is ``RewardScorer``'s.
+``fill_informative`` is DAPO's dynamic sampling on scored batches (``algorithm.filter_groups``).
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import torch
 
 from hybrid_rl.phases.advantage import sparse_scores
 from hybrid_rl.batch import Batch
+from hybrid_rl.distributed import all_reduce_max, all_reduce_sum
+from hybrid_rl.micro_batching import pad_widths
 from hybrid_rl.data.tasks import Task
 from hybrid_rl.rewards import RewardScorer, score_responses
 from hybrid_rl.rewards.overlong import overlong_penalty
@@ -71,3 +75,68 @@ def shape_overlong(batch: Batch, max_response_length: int, buffer_len: int,
     shaped = batch.tensors["token_level_scores"] + sparse_scores(penalty, mask)
     return batch.union(tensors=dict(token_level_scores=shaped)), {"reward/overlong_penalty": (float(penalty.sum()),
                                                                                               float(len(batch)))}
+
+
+# --------------------------------------------------------------------------- dynamic sampling (DAPO)
+def informative_groups(batch: Batch, metric: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The rows of each group (samples sharing a ``uid``), split into (groups whose values differ, groups whose values
+    are all equal), each in order of first appearance. ``metric``: ``seq_reward`` (the sum of
+    ``token_level_scores``, the reward the advantage sees) or ``score`` (the reward function's value)."""
+    t = batch.tensors
+    values = t["token_level_scores"].sum(-1) if metric == "seq_reward" else t["scores"]
+    values = values.detach().double().cpu().numpy()
+    uids = np.asarray(batch.non_tensors["uid"])
+    _, first, inverse = np.unique(uids, return_index=True, return_inverse=True)
+    informative, equal = [], []
+    for g in np.argsort(first):  # groups in batch order
+        rows = np.flatnonzero(inverse == g)
+        (informative if values[rows].max() > values[rows].min() else equal).append(rows)
+    return informative, equal
+
+
+def fill_informative(batch: Batch, more: Callable[[], Batch], target: int, max_rounds: int, metric: str,
+                     pad_token_id: int, device: torch.device, group=None) -> tuple[Batch, dict[str, float]]:
+    """Keep ``target`` informative groups of ``batch`` (scored), calling ``more()`` (a new scored batch of fresh
+    prompts) while this rank is short, at most ``max_rounds`` times.
+
+    A collective: every rank of ``group`` calls ``more()`` equally often (the rounds go on while any rank is short,
+    all-reduce max), so the generate calls and the prompt samplers stay in step; a rank already full discards what it
+    generates. Groups never straddle ranks, so each rank fills its own share. Past ``max_rounds`` the remaining slots
+    keep all-equal groups (zero advantage under a group estimator): the batch always holds ``target`` groups, and the
+    mini-batches and collectives of the update are those of any step. A refill round's ``uid``s get ``/r<round>``
+    appended, so that a prompt drawn again (a new epoch) is never merged with an earlier group. The returned batch
+    has the first batch's ``meta``, its parts padded to their widest prompt and response (``pad_token_id``).
+
+    Stats (every rank the same): ``rollout/filtered_groups`` (all-equal groups seen, summed over ranks),
+    ``rollout/filter_rounds`` (calls of ``more``), ``rollout/filter_short_groups`` (slots left to all-equal groups,
+    summed over ranks).
+    """
+    meta = dict(batch.meta)
+    kept: list[Batch] = []
+    fillers: list[Batch] = []  # all-equal groups, one batch each, as many as could still be needed
+    have = dropped = rounds = 0
+    while True:
+        informative, equal = informative_groups(batch, metric)
+        take = informative[:target - have]
+        if take:
+            kept.append(batch.index(np.concatenate(take)))
+            have += len(take)
+        dropped += len(equal)
+        fillers += [batch.index(rows) for rows in equal[:max(target - have - len(fillers), 0)]]
+        short = torch.tensor([float(have < target)], device=device)
+        if not all_reduce_max(short, group).item() or rounds == max_rounds:
+            break
+        rounds += 1
+        batch = more()
+        tag = f"/r{rounds}"
+        batch = batch.union(non_tensors=dict(uid=np.array([f"{u}{tag}" for u in batch.non_tensors["uid"]],
+                                                          dtype=object)))
+    missing = target - have
+    parts = kept + fillers[:missing]  # the first all-equal groups fill the slots still open
+    widths = (max(p.tensors["prompts"].shape[1] for p in parts), max(p.tensors["responses"].shape[1] for p in parts))
+    out = Batch.concat([pad_widths(p, *widths, pad_token_id) for p in parts])
+    out.meta = meta
+    counts = torch.tensor([float(dropped), float(missing)], dtype=torch.float64, device=device)
+    all_reduce_sum(counts, group)
+    return out, {"rollout/filtered_groups": float(counts[0]), "rollout/filter_rounds": float(rounds),
+                 "rollout/filter_short_groups": float(counts[1])}

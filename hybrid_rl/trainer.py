@@ -8,9 +8,11 @@ one-step overlap, split placement) hands over the batch, and ``train_on`` runs
 reward → log-probs → (values) → advantage → (critic update) → actor update on it
 (the old-log-prob pass is skipped where ``actor.old_log_prob`` allows);
 the critic phases run when the estimator needs a critic (gae, ``workers/critic.py``),
-and the first ``critic.warmup_steps`` steps update the critic only. Metrics are reduced across
-ranks (weighted means, maxima) and logged by one rank (under split placement
-the first trainer rank). Partial rollouts (``trainer.partial_rollouts``,
+and the first ``critic.warmup_steps`` steps update the critic only. With
+``algorithm.filter_groups`` (sync mode) the reward phase drops the groups of
+equal rewards and generates more (DAPO's dynamic sampling). Metrics are reduced
+across ranks (weighted means, maxima) and logged by one rank (under split
+placement the first trainer rank). Partial rollouts (``trainer.partial_rollouts``,
 ``partial.py``) add per-token staleness metrics, always recompute π_old, and
 checkpoint nothing partial: saving waits for the round in flight to finish
 uninterrupted. Left out on purpose: a single controller (there is none:
@@ -43,7 +45,7 @@ from hybrid_rl.partial import COUNTS as partial_counts
 from hybrid_rl.perf import ModelFlops, host_wait_summary, peak_flops, step_perf_means, step_perf_metrics
 from hybrid_rl.rewards import RewardScorer
 from hybrid_rl.runlock import take_run_lock
-from hybrid_rl.scoring import compute_scores, sample_records, shape_overlong
+from hybrid_rl.scoring import compute_scores, fill_informative, sample_records, shape_overlong
 from hybrid_rl.sources import make_placement, make_source, meet_at_engines
 from hybrid_rl.tracking import Timer, Tracker, run_summary
 from hybrid_rl.watchdog import StallWatchdog
@@ -256,11 +258,9 @@ class Trainer:
         w, cfg, critic = self.worker, self.cfg, self.critic
         batch = self.source.check_staleness(batch, w.weight_version)
         with timer("reward"):
-            batch, reward_stats = compute_scores(batch, self.tokenizer, self.reward_fn, cfg.reward.on_error, self.task)
-            if cfg.reward.overlong_buffer_len > 0:
-                batch, penalty_stats = shape_overlong(batch, cfg.data.max_response_length, cfg.reward.overlong_buffer_len,
-                                                      cfg.reward.overlong_penalty_factor)
-                reward_stats.update(penalty_stats)
+            batch, reward_stats = self._score(batch)
+        if cfg.algorithm.filter_groups.enable:
+            batch, reward_stats = self._filter_groups(batch, reward_stats, timer)
         old_source = self._old_log_prob_source(batch)
         if old_source == "recompute":
             with timer("old_log_prob"):
@@ -295,6 +295,45 @@ class Trainer:
                     stats = w.update_actor(batch)
                 update_stats.update(stats)
         return dict(batch=batch, reward_stats=reward_stats, update_stats=update_stats, adv_metrics=adv_metrics)
+
+    def _score(self, batch: Batch) -> tuple[Batch, dict]:
+        """The reward phase: scores on the last response tokens, the overlong penalty; (sum, count) stats."""
+        cfg = self.cfg
+        batch, reward_stats = compute_scores(batch, self.tokenizer, self.reward_fn, cfg.reward.on_error, self.task)
+        if cfg.reward.overlong_buffer_len > 0:
+            batch, penalty_stats = shape_overlong(batch, cfg.data.max_response_length, cfg.reward.overlong_buffer_len,
+                                                  cfg.reward.overlong_penalty_factor)
+            reward_stats.update(penalty_stats)
+        return batch, reward_stats
+
+    def _filter_groups(self, batch: Batch, reward_stats: dict, timer: Timer) -> tuple[Batch, dict]:
+        """``algorithm.filter_groups`` (DAPO's dynamic sampling, ``trainer.mode=sync`` only): drop the groups of equal
+        rewards and refill with groups of fresh prompts (generated under the same θ_k, scored) until this rank holds
+        its share of ``data.train_batch_size`` informative groups, every rank taking the same number of refill rounds
+        (``scoring.fill_informative``). The reward stats count every scored sample; ``reward/mean`` and the other
+        batch metrics describe the batch trained on."""
+        cfg = self.cfg
+        fg = cfg.algorithm.filter_groups
+        switch = timer.times.get("timing/switch", 0.0)
+
+        def more() -> Batch:
+            nonlocal switch
+            fresh = self.source.next_batch(timer, last=False)  # sync: push θ_k (already there), generate
+            switch += timer.times.get("timing/switch", 0.0)
+            with timer("reward"):
+                fresh, stats = self._score(fresh)
+            for k, (v, c) in stats.items():  # errors: a count per step; the rest: (sum, samples)
+                v0, c0 = reward_stats.get(k, (0.0, 0.0))
+                reward_stats[k] = (v0 + v, c0 if k == "reward/errors" else c0 + c)
+            return fresh
+
+        # the refills' generation and scoring count in timing/gen and timing/reward
+        batch, counts = fill_informative(batch, more, cfg.data.train_batch_size // self.dist.world_size, fg.max_rounds,
+                                         fg.metric, self.tokenizer.pad_token_id, self.dist.device, self.dist.group)
+        if "timing/switch" in timer.times:
+            timer.times["timing/switch"] = switch
+        reward_stats.update({k: (v, 1.0) for k, v in counts.items()})
+        return batch, reward_stats
 
     def _actor_updates(self) -> bool:
         """Whether the actor updates this step (during the critic's warm-up it waits)."""
