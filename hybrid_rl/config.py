@@ -241,8 +241,10 @@ class ActorConfig:
     copy of the parameters and full fp32 gradients per GPU during a pass: right for small models and many
     micro-batches, wrong where sharding is what makes the model fit."""
     policy_loss: str = "auto"
-    """The actor's loss, a name in ``hybrid_rl.algorithms.POLICY_LOSSES`` (``ppo``, ``decoupled_ppo``, or one a
-    plug-in registers); ``auto`` = ``decoupled_ppo`` when the rollout correction is on, else ``ppo``."""
+    """The actor's loss, a name in ``hybrid_rl.algorithms.POLICY_LOSSES`` (``ppo``, ``decoupled_ppo``, ``gspo``, or
+    one a plug-in registers); ``auto`` = ``decoupled_ppo`` when the rollout correction is on, else ``ppo``. ``gspo``
+    clips one length-normalised ratio per sequence: set ``actor.clip_ratio_low=3e-4 actor.clip_ratio_high=4e-4
+    actor.loss_agg_mode=seq-mean-token-mean`` (the paper's)."""
     clip_ratio_low: float = 0.2
     """PPO clip ε below 1."""
     clip_ratio_high: float = 0.2
@@ -680,6 +682,9 @@ class Config:
         if a.use_dynamic_bsz and a.max_token_len_per_device < d.max_prompt_length + d.max_response_length:
             raise ConfigError(f"actor.max_token_len_per_device={a.max_token_len_per_device} must hold one full sequence: raise it "
                               f"to at least data.max_prompt_length + data.max_response_length = {d.max_prompt_length + d.max_response_length}")
+        if self.policy_loss == "gspo" and a.clip_ratio_c is not None:
+            raise ConfigError(f"actor.clip_ratio_c={a.clip_ratio_c}: actor.policy_loss=gspo has no dual clip; set "
+                              f"actor.clip_ratio_c=null")
         if a.clip_ratio_c is not None and a.clip_ratio_c <= 1:
             raise ConfigError(f"actor.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual clip), or null to turn it off")
         if not (0 <= a.clip_ratio_low < 1 and a.clip_ratio_high >= 0):

@@ -13,7 +13,7 @@ import torch
 
 from helpers import cpu_dist, generate_batch, make_cfg, score_batch
 from hybrid_rl.algorithms.policy_loss import POLICY_LOSSES, gspo_loss
-from hybrid_rl.config import Config
+from hybrid_rl.config import ConfigError
 
 # Four sequences, response width 3; clip 1 - 0.1 .. 1 + 0.2.
 LOW, HIGH = 0.1, 0.2
@@ -95,13 +95,29 @@ def test_equal_policies_and_argument_checks():
         gspo_loss(old, old[:, :2], adv, mask)
 
 
-def test_worker_trains_with_gspo(monkeypatch):
-    """The worker's one loss call picks gspo by name and reports its sequence clip fraction."""
+def test_worker_trains_with_gspo():
+    """actor.policy_loss=gspo: the worker's one loss call picks it by name and reports its sequence clip fraction."""
     from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 
-    monkeypatch.setattr(Config, "policy_loss", property(lambda self: "gspo"))
-    worker = ActorRolloutRefWorker(make_cfg("actor.clip_ratio_low=3e-4", "actor.clip_ratio_high=4e-4",
-                                            "actor.loss_agg_mode=seq-mean-token-mean"), cpu_dist())
-    metrics = worker.update_actor(score_batch(worker, generate_batch(worker)))
+    seen = []
+    info = POLICY_LOSSES.info("gspo")
+    POLICY_LOSSES.unregister("gspo")  # a spy in its place, with its registration's inputs
+    POLICY_LOSSES.register("gspo", lambda **kw: seen.append(1) or gspo_loss(**kw), info)
+    try:
+        cfg = make_cfg("actor.policy_loss=gspo", "actor.clip_ratio_low=3e-4", "actor.clip_ratio_high=4e-4",
+                       "actor.loss_agg_mode=seq-mean-token-mean")
+        assert cfg.policy_loss == "gspo"
+        worker = ActorRolloutRefWorker(cfg, cpu_dist())
+        metrics = worker.update_actor(score_batch(worker, generate_batch(worker)))
+    finally:
+        POLICY_LOSSES.unregister("gspo")
+        POLICY_LOSSES.register("gspo", gspo_loss, info)
+    assert seen == [1]
     total, weight = metrics["actor/pg_clipfrac"]  # (weighted sum, weight), reduced by the driver
     assert "actor/pg_loss" in metrics and weight > 0 and 0.0 <= total / weight <= 1.0
+
+
+def test_dual_clip_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"actor.clip_ratio_c=3.0: actor.policy_loss=gspo has no dual clip; set "
+                                          r"actor.clip_ratio_c=null"):
+        make_cfg("actor.policy_loss=gspo", "actor.clip_ratio_c=3.0")
