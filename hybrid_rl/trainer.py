@@ -60,8 +60,6 @@ def _trim_metrics(path: Path, last_step: int) -> None:
     """Keep only the lines of steps <= ``last_step`` (a fresh run: none), so a resumed log has no duplicates."""
     if not path.exists():
         return
-    import json
-
     keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= last_step]
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(line + "\n" for line in keep) if last_step > 0 else "")
