@@ -86,6 +86,7 @@ def test_a_stalled_benchmark_run_gets_its_ranks_stacks_before_it_is_killed():
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import modes
+    from bench_common import kill_tree
 
     launcher = ("import subprocess, sys; subprocess.run([sys.executable, '-c', sys.argv[1], 'hybrid_rl', 'train'])")
     child = CHILD.format(root=str(ROOT)).replace('"a" * 27', '"a" * 29')  # stays stuck past the dump
@@ -97,6 +98,6 @@ def test_a_stalled_benchmark_run_gets_its_ranks_stacks_before_it_is_killed():
         assert modes._dump_rank_stacks(proc, wait_s=1.0) == 1  # the child; the launcher would die of SIGUSR1
         assert proc.poll() is None
     finally:
-        modes._kill(proc)
+        kill_tree(proc)
     err = proc.stderr.read()
     assert "most recent call first" in err and "stuck_in_c" in err, err[-2000:]

@@ -21,6 +21,7 @@ import pytest
 from helpers import ROOT, subprocess_env
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_common  # noqa: E402
 import modes  # noqa: E402
 import modes_sweep as ms  # noqa: E402
 
@@ -139,17 +140,17 @@ def test_budget_skips_what_cannot_fit():
 
 
 def test_kill_takes_the_whole_tree_and_nothing_else(monkeypatch):
-    """modes.py stops a run by its process tree (workers in other process groups included), not by name."""
-    monkeypatch.setattr(modes, "time", SimpleNamespace(sleep=lambda s: None, perf_counter=time.perf_counter))
+    """The benchmarks stop a run by its process tree (workers in other process groups included), not by name."""
+    monkeypatch.setattr(bench_common, "time", SimpleNamespace(sleep=lambda s: None, perf_counter=time.perf_counter))
     bystander = subprocess.Popen(["sleep", "60"])
     proc = subprocess.Popen(["bash", "-c", "setsid sleep 61 & sleep 62 & wait"], start_new_session=True)
     try:
         deadline = time.time() + 10
-        while len(modes._process_tree(proc.pid)) < 3 and time.time() < deadline:
+        while len(bench_common.process_tree(proc.pid)) < 3 and time.time() < deadline:
             time.sleep(0.05)
-        tree = modes._process_tree(proc.pid)
+        tree = bench_common.process_tree(proc.pid)
         assert len(tree) == 3 and bystander.pid not in tree
-        modes._kill(proc)
+        bench_common.kill_tree(proc)
         time.sleep(0.2)
         for pid in tree[1:]:  # the children, reparented once bash died: gone (or zombies of init)
             try:
@@ -161,7 +162,7 @@ def test_kill_takes_the_whole_tree_and_nothing_else(monkeypatch):
     finally:
         bystander.kill()
         bystander.wait()
-        for pid in modes._process_tree(proc.pid)[1:]:
+        for pid in bench_common.process_tree(proc.pid)[1:]:
             os.kill(pid, signal.SIGKILL)
 
 
