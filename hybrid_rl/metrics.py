@@ -2,7 +2,10 @@
 
 Returned in reducible form so the driver can combine ranks exactly: means are
 weighted by samples or tokens, maxima are all-reduced with MAX. Names follow
-verl's grouping (``reward/*``, ``rollout/*``, ``actor/*``).
+verl's grouping (``reward/*``, ``rollout/*``, ``actor/*``). ``step_metrics``
+gathers a step's pairs and maxima on one rank, ``step_times`` its timers;
+``finish_step_metrics`` completes them once reduced over the ranks (throughput,
+MFU and memory: ``perf.step_perf_metrics``).
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import torch
 
 from hybrid_rl.batch import Batch
+from hybrid_rl.partial import COUNTS as PARTIAL_COUNTS
+from hybrid_rl.partial import partial_metrics
 
 
 def cut_at_cap(response_mask: torch.Tensor, max_response_length: int) -> torch.Tensor:
@@ -65,3 +70,42 @@ def batch_metrics(batch: Batch, max_response_length: int, trainer_version: int) 
         "rollout/staleness_max": float(staleness.max()),
     }
     return means, maxima
+
+
+def step_metrics(batch: Batch, max_response_length: int, pairs: dict[str, tuple[float, float]],
+                 values: dict[str, float]) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
+    """This rank's (sum, count) pairs and maxima of a step: the batch trained on (``batch_metrics``, and under partial
+    rollouts the per-token staleness and carry-over counts) and the phases' ``pairs`` and plain ``values``."""
+    means, maxima = batch_metrics(batch, max_response_length, batch.meta["trainer_version"])
+    means.update(pairs)
+    means.update({k: (v, 1.0) for k, v in values.items()})
+    if "token_weight_version" in batch.tensors:  # partial rollouts: staleness per token, carry-over counts
+        extra_means, extra_max = partial_metrics(batch, batch.meta["trainer_version"])
+        means.update(extra_means)
+        maxima.update(extra_max)
+    return means, maxima
+
+
+def step_times(times: dict[str, float], sync_s: float) -> dict[str, float]:
+    """The step's timers with ``timing/other`` (sync mode, where ``timing/switch`` is timed: what the step spent
+    outside its named phases, host work and stalls) and ``timing/sync_weights`` (the push alone, ``sync_s``)."""
+    if "timing/switch" in times:
+        times["timing/other"] = max(0.0, times["timing/step"] - sum(
+            v for k, v in times.items() if k not in ("timing/step", "timing/sync_weights")))
+    times["timing/sync_weights"] = sync_s
+    return times
+
+
+def finish_step_metrics(out: dict[str, float], meta: dict, sync_bytes: int, world: int) -> None:
+    """Complete the step metrics ``out``, reduced over the ``world`` training ranks, in place: ``reward/min``, the
+    weight push and version of the batch (``meta``), the counts of partial rollouts summed over the ranks (each
+    rank's count was reduced as a mean) and the share of their rounds' context read from vLLM's prefix cache."""
+    out["reward/min"] = -out.pop("reward/min_neg")
+    out["rollout/weight_sync_bytes"] = float(sync_bytes)
+    out["rollout/weight_version"] = float(meta.get("weight_version") or 0)
+    out["rollout/dropped_batches"] = float(meta.get("dropped_batches", 0))
+    for key in (f"rollout/{k}" for k in PARTIAL_COUNTS):
+        if key in out:
+            out[key] *= world
+    if out.get("rollout/partial_context_tokens"):
+        out["rollout/prefix_cache_hit"] = out["rollout/partial_cached_tokens"] / out["rollout/partial_context_tokens"]

@@ -5,14 +5,15 @@ Set-up (data, reward function, worker, trackers) happens in ``__init__``;
 validation is greedy pass@1 on the validation prompts. Every mode and
 placement runs the same ``step``: a ``RolloutSource`` (``sources.py``: sync,
 one-step overlap, split placement) hands over the batch, and ``train_on`` runs
-reward → log-probs → (values) → advantage → (critic update) → actor update on it
-(the old-log-prob pass is skipped where ``actor.old_log_prob`` allows);
+reward → log-probs → (values) → advantage → (critic update) → actor update on it,
+one call per phase (``phases/``: the reward phase, where π_old comes from, the
+advantage); the old-log-prob pass is skipped where ``actor.old_log_prob`` allows,
 the critic phases run when the estimator needs a critic (gae, ``workers/critic.py``),
 and the first ``critic.warmup_steps`` steps update the critic only. With
 ``algorithm.filter_groups`` (sync mode) the reward phase drops the groups of
-equal rewards and generates more (DAPO's dynamic sampling). Metrics are reduced
-across ranks (weighted means, maxima) and logged by one rank (under split
-placement the first trainer rank). Partial rollouts (``trainer.partial_rollouts``,
+equal rewards and generates more (DAPO's dynamic sampling). Metrics are gathered
+per rank, reduced across ranks (weighted means, maxima; ``metrics.py``, ``perf.py``)
+and logged by one rank (under split placement the first trainer rank). Partial rollouts (``trainer.partial_rollouts``,
 ``partial.py``) add per-token staleness metrics, always recompute π_old, and
 checkpoint nothing partial: saving waits for the round in flight to finish
 uninterrupted. Left out on purpose: a single controller (there is none:
@@ -31,7 +32,6 @@ import numpy as np
 import torch
 
 from hybrid_rl import algorithms as alg
-from hybrid_rl.phases.advantage import compute_advantage, kl_in_reward_stats
 from hybrid_rl.batch import Batch
 from hybrid_rl.checkpoint import (CHECKPOINT_SUBDIR, CheckpointError, CorruptCheckpointError, capture_rng, find_latest,
                                   find_resumable, is_complete, load_checkpoint, read_checkpoint_config, restore_rng,
@@ -40,12 +40,14 @@ from hybrid_rl.config import Config, ConfigError, resume_config_diff, save_confi
 from hybrid_rl.data import TASKS, PromptDataset, PromptSampler, collate_prompts, load_rows
 from hybrid_rl.distributed import DistInfo, all_reduce_sum, reduce_max, reduce_weighted_means
 from hybrid_rl.interrupt import GracefulStop, RunInterrupted
-from hybrid_rl.metrics import batch_metrics, outcome_sums
-from hybrid_rl.partial import COUNTS as partial_counts
+from hybrid_rl.metrics import finish_step_metrics, outcome_sums, step_metrics, step_times
 from hybrid_rl.perf import ModelFlops, host_wait_summary, peak_flops, step_perf_means, step_perf_metrics
+from hybrid_rl.phases.advantage import compute_advantage, kl_in_reward_stats
+from hybrid_rl.phases.old_log_prob import old_log_prob_source, old_log_probs
+from hybrid_rl.phases.reward import RewardPhase
 from hybrid_rl.rewards import RewardScorer
 from hybrid_rl.runlock import take_run_lock
-from hybrid_rl.scoring import compute_scores, fill_informative, sample_records, shape_overlong
+from hybrid_rl.scoring import compute_scores, sample_records
 from hybrid_rl.sources import make_placement, make_source, meet_at_engines
 from hybrid_rl.tracking import Timer, Tracker, run_summary
 from hybrid_rl.watchdog import StallWatchdog
@@ -121,6 +123,7 @@ class Trainer:
             self.val_set = PromptDataset(val_rows, d.task, tokenizer, d.max_prompt_length, d.truncation, d.system_prompt)
         self.reward_fn = RewardScorer.from_config(cfg.reward, d.task)  # user functions score in worker processes
         self.task = TASKS.get(d.task)  # its answer-shape counts are logged beside the reward (None: an unknown task)
+        self.reward = RewardPhase(cfg, tokenizer, self.reward_fn, self.task, self.dist)
         t = cfg.trainer
         self.total_steps = t.total_steps or t.total_epochs * self.sampler.steps_per_epoch
         self.engine_twin = meet_at_engines(cfg, pl, dist, tokenizer)  # split + vLLM: before any model is built
@@ -252,24 +255,13 @@ class Trainer:
         return self._finish_metrics(metrics, timer)
 
     def train_on(self, batch: Batch, timer: Timer) -> dict:
-        """reward → old log-prob → ref log-prob → values → advantage → critic update → actor update, on one batch."""
+        """reward → (filter groups) → old log-prob → ref log-prob → values → advantage → critic update → actor update,
+        on one batch."""
         w, cfg, critic = self.worker, self.cfg, self.critic
         batch = self.source.check_staleness(batch, w.weight_version)
-        with timer("reward"):
-            batch, reward_stats = self._score(batch)
-        if cfg.algorithm.filter_groups.enable:
-            batch, reward_stats = self._filter_groups(batch, reward_stats, timer)
-        old_source = self._old_log_prob_source(batch)
-        if old_source == "recompute":
-            with timer("old_log_prob"):
-                batch = w.compute_log_prob(batch)
-        elif old_source == "first_mini":  # the pass without the first mini-batch, which the update fills below
-            with timer("old_log_prob"):
-                batch = w.compute_log_prob_but_first_mini_batch(batch)
-        else:  # π_old from the update's own forward (filled in below) or from the engine: the pass takes 0 s
-            timer.times["timing/old_log_prob"] = 0.0
-            if old_source == "engine":
-                batch = w.engine_log_probs_as_old(batch)
+        batch, reward_stats = self.reward(batch, timer, self.source.next_batch)
+        old_source = old_log_prob_source(cfg, w.num_mini_batches(batch), self._actor_updates())
+        batch, skipped = old_log_probs(w, batch, old_source, timer)
         if cfg.need_ref:
             with timer("ref"):
                 batch = w.compute_ref_log_prob(batch)
@@ -277,85 +269,31 @@ class Trainer:
             with timer("values"):
                 batch = critic.compute_values(batch)
         with timer("adv"):
-            batch, adv_metrics = compute_advantage(batch, cfg.algorithm, kl_coef=self.kl_ctrl.value)
-            if cfg.algorithm.use_kl_in_reward:
-                self._update_kl_ctrl(batch)
-        skipped = {"recompute": 0.0, "first_mini": 1.0 / w.num_mini_batches(batch)}.get(old_source, 1.0)
+            batch, adv_metrics = self._advantage(batch)
         update_stats: dict = {"actor/old_log_prob_skipped": (skipped, 1.0)}  # the share of the pass not run
         if critic is not None:
             with timer("update_critic"):
                 update_stats.update(critic.update_critic(batch))
         if self._actor_updates():
             with timer("update"):
-                if old_source in ("update", "first_mini"):  # back with the complete old_log_probs the metrics read
-                    stats, batch = w.update_actor_own_old(batch)
-                else:
-                    stats = w.update_actor(batch)
+                stats, batch = w.update_policy(batch, old_source)
                 update_stats.update(stats)
         return dict(batch=batch, reward_stats=reward_stats, update_stats=update_stats, adv_metrics=adv_metrics)
-
-    def _score(self, batch: Batch) -> tuple[Batch, dict]:
-        """The reward phase: scores on the last response tokens, the overlong penalty; (sum, count) stats."""
-        cfg = self.cfg
-        batch, reward_stats = compute_scores(batch, self.tokenizer, self.reward_fn, cfg.reward.on_error, self.task)
-        if cfg.reward.overlong_buffer_len > 0:
-            batch, penalty_stats = shape_overlong(batch, cfg.data.max_response_length, cfg.reward.overlong_buffer_len,
-                                                  cfg.reward.overlong_penalty_factor)
-            reward_stats.update(penalty_stats)
-        return batch, reward_stats
-
-    def _filter_groups(self, batch: Batch, reward_stats: dict, timer: Timer) -> tuple[Batch, dict]:
-        """``algorithm.filter_groups`` (DAPO's dynamic sampling, ``trainer.mode=sync`` only): drop the groups of equal
-        rewards and refill with groups of fresh prompts (generated under the same θ_k, scored) until this rank holds
-        its share of ``data.train_batch_size`` informative groups, every rank taking the same number of refill rounds
-        (``scoring.fill_informative``). The reward stats count every scored sample; ``reward/mean`` and the other
-        batch metrics describe the batch trained on."""
-        cfg = self.cfg
-        fg = cfg.algorithm.filter_groups
-        switch = timer.times.get("timing/switch", 0.0)
-
-        def more() -> Batch:
-            nonlocal switch
-            fresh = self.source.next_batch(timer, last=False)  # sync: push θ_k (already there), generate
-            switch += timer.times.get("timing/switch", 0.0)
-            with timer("reward"):
-                fresh, stats = self._score(fresh)
-            for k, (v, c) in stats.items():  # errors: a count per step; the rest: (sum, samples)
-                v0, c0 = reward_stats.get(k, (0.0, 0.0))
-                reward_stats[k] = (v0 + v, c0 if k == "reward/errors" else c0 + c)
-            return fresh
-
-        # the refills' generation and scoring count in timing/gen and timing/reward
-        batch, counts = fill_informative(batch, more, cfg.data.train_batch_size // self.dist.world_size, fg.max_rounds,
-                                         fg.metric, self.tokenizer.pad_token_id, self.dist.device, self.dist.group)
-        if "timing/switch" in timer.times:
-            timer.times["timing/switch"] = switch
-        reward_stats.update({k: (v, 1.0) for k, v in counts.items()})
-        return batch, reward_stats
 
     def _actor_updates(self) -> bool:
         """Whether the actor updates this step (during the critic's warm-up it waits)."""
         return self.critic is None or self.current_step > self.cfg.critic.warmup_steps
 
-    def _old_log_prob_source(self, batch: Batch) -> str:
-        """Where this step's π_old comes from (``actor.old_log_prob``): ``recompute`` (the separate pass), ``engine``
-        (the rollout's log-probs), or under ``auto`` the update's own forward, detached, for its first mini-batch,
-        where that is exact: the weights have not moved when that forward runs (in overlap mode it is under θ_k, the
-        proximal policy), the actor updates this step, and nothing reads π_old before the update (KL-in-reward
-        does; the step's metrics read it after). ``update``: one mini-batch per epoch, no pass at all;
-        ``first_mini``: the pass runs on the other mini-batches only."""
-        cfg = self.cfg
-        if cfg.actor.old_log_prob != "auto":
-            return cfg.actor.old_log_prob
-        if cfg.algorithm.use_kl_in_reward or not self._actor_updates():
-            return "recompute"
-        return "update" if self.worker.num_mini_batches(batch) == 1 else "first_mini"
-
-    def _update_kl_ctrl(self, batch: Batch) -> None:
-        """Feed the KL controller this step's per-sequence mean KL over every rank (so β stays the same on all)."""
-        kl = torch.tensor(kl_in_reward_stats(batch, self.cfg.algorithm), dtype=torch.float64, device=self.dist.device)
-        all_reduce_sum(kl, self.dist.group)
-        self.kl_ctrl.update(float(kl[0] / kl[1].clamp(min=1)), int(kl[1]))
+    def _advantage(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """The advantage phase under the KL controller's β, then (KL-in-reward) the controller fed this step's
+        per-sequence mean KL over every rank (so β stays the same on all)."""
+        acfg = self.cfg.algorithm
+        batch, metrics = compute_advantage(batch, acfg, kl_coef=self.kl_ctrl.value)
+        if acfg.use_kl_in_reward:
+            kl = torch.tensor(kl_in_reward_stats(batch, acfg), dtype=torch.float64, device=self.dist.device)
+            all_reduce_sum(kl, self.dist.group)
+            self.kl_ctrl.update(float(kl[0] / kl[1].clamp(min=1)), int(kl[1]))
+        return batch, metrics
 
     # -- checkpoints ---------------------------------------------------------------------
     def _rng_generators(self) -> dict:
@@ -541,39 +479,18 @@ class Trainer:
         return freq > 0 and step % freq == 0
 
     def _finish_metrics(self, parts: dict, timer: Timer) -> dict[str, float]:
-        batch = parts["batch"]
-        means, maxima = batch_metrics(batch, self.cfg.data.max_response_length, batch.meta["trainer_version"])
-        means.update(parts["reward_stats"])
-        means.update(parts["update_stats"])
-        means.update({k: (v, 1.0) for k, v in parts["adv_metrics"].items()})
-        if "token_weight_version" in batch.tensors:  # partial rollouts: staleness per token, carry-over counts
-            from hybrid_rl.partial import partial_metrics
-
-            extra_means, extra_max = partial_metrics(batch, batch.meta["trainer_version"])
-            means.update(extra_means)
-            maxima.update(extra_max)
+        """The step's metrics: gathered on this rank, reduced over the training ranks, completed (``metrics``, ``perf``)."""
+        batch, dist = parts["batch"], self.dist
+        means, maxima = step_metrics(batch, self.cfg.data.max_response_length,
+                                     {**parts["reward_stats"], **parts["update_stats"]}, parts["adv_metrics"])
         means.update(step_perf_means(batch, self.model_flops, self.worker.take_pass_work()))
         times = timer.pop()
-        if "timing/switch" in times:  # sync: what the step spent outside its named phases (host work, stalls)
-            times["timing/other"] = max(0.0, times["timing/step"] - sum(
-                v for k, v in times.items() if k not in ("timing/step", "timing/sync_weights")))
         sync_s, sync_bytes = self.source.sync_stats()
-        times["timing/sync_weights"] = sync_s
-        out = reduce_weighted_means(means, self.dist.device, self.dist.group)
-        out.update(reduce_max({**maxima, **times}, self.dist.device, self.dist.group))
-        out["reward/min"] = -out.pop("reward/min_neg")
-        out["rollout/weight_sync_bytes"] = float(sync_bytes)
-        out["rollout/weight_version"] = float(batch.meta.get("weight_version") or 0)
-        out["rollout/dropped_batches"] = float(batch.meta.get("dropped_batches", 0))
-        # per-step token counts are global sums (count 1 per rank), recover them from the means
-        world = self.dist.world_size
-        for key in (f"rollout/{k}" for k in partial_counts):
-            if key in out:  # this rank's count, summed over ranks
-                out[key] *= world
-        if out.get("rollout/partial_context_tokens"):  # share of the rounds' context read from vLLM's prefix cache
-            out["rollout/prefix_cache_hit"] = out["rollout/partial_cached_tokens"] / out["rollout/partial_context_tokens"]
-        step_perf_metrics(out, world, self.global_dist.world_size, self.model_flops, self.peak_flops,
-                          self.cfg.actor.ppo_epochs, self.dist.device, self.worker.rollout)
+        out = reduce_weighted_means(means, dist.device, dist.group)
+        out.update(reduce_max({**maxima, **step_times(times, sync_s)}, dist.device, dist.group))
+        finish_step_metrics(out, batch.meta, sync_bytes, dist.world_size)
+        step_perf_metrics(out, dist.world_size, self.global_dist.world_size, self.model_flops, self.peak_flops,
+                          self.cfg.actor.ppo_epochs, dist.device, self.worker.rollout)
         return out
 
     @torch.no_grad()

@@ -1,5 +1,6 @@
-"""Driver phases: the thin glue between a ``Batch`` and the pure functions of ``hybrid_rl.algorithms``.
+"""The driver's phases of a step, each one call from ``Trainer.train_on``: ``reward`` (scoring, DAPO's group
+filtering), ``old_log_prob`` (where π_old comes from), ``advantage`` (the glue to the pure estimators of
+``hybrid_rl.algorithms``).
 
-Each phase reads a batch's tensors and the config, runs registered functions, and returns a batch with its
-results added. No communication: a prompt's samples live on one rank.
+Each phase takes a batch and returns it with its results added, and its metrics as (sum, count) pairs or values.
 """

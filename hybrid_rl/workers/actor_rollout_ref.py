@@ -13,7 +13,10 @@ the *mini-batch's global* token/sequence counts so that any micro-batch split
 (and any number of ranks) gives the same gradient up to rounding.
 ``update_actor_own_old`` is the same update with π_old taken from its own
 forward, for the driver to skip the old-log-prob pass where that is exact
-(``actor.old_log_prob=auto``: one epoch of one mini-batch).
+(``actor.old_log_prob=auto``). The driver makes two calls keyed on the step's
+π_old source (``phases/old_log_prob.py``): ``prepare_old_log_probs`` (the
+pass, part of it, the engine's log-probs, or nothing) and ``update_policy``
+(the update that reads π_old, or the one that fills the rest of it).
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ from hybrid_rl.weights.sharding_manager import ShardingManager
 from hybrid_rl.workers.fsdp_engine import AdapterDisabledReference, FrozenReference, TrainingEngine
 
 ROLES = ("actor", "rollout", "ref", "actor_ref", "actor_rollout", "actor_rollout_ref")
+OLD_LOG_PROB_PASSES = ("recompute", "first_mini")
+"""π_old sources that run the separate no-grad pass: over the whole batch, or all but the update's first mini-batch."""
+OWN_OLD_SOURCES = ("update", "first_mini")
+"""π_old sources the update's own first forward completes (``update_actor_own_old``)."""
 
 
 @dataclass
@@ -213,6 +220,21 @@ class ActorRolloutRefWorker:
         return work
 
     # -- log-probs ----------------------------------------------------------------------
+    def prepare_old_log_probs(self, batch: Batch, source: str) -> tuple[Batch, float]:
+        """π_old from ``source`` (``phases.old_log_prob``): ``recompute`` runs the pass, ``first_mini`` runs it on
+        every mini-batch but the update's first, ``update`` leaves it all to the update's own forward, ``engine``
+        takes the rollout's log-probs. Returns the batch for ``update_policy(batch, source)`` and the share of the
+        pass not run (``actor/old_log_prob_skipped``)."""
+        if source == "recompute":
+            return self.compute_log_prob(batch), 0.0
+        if source == "first_mini":
+            return self.compute_log_prob_but_first_mini_batch(batch), 1.0 / self.num_mini_batches(batch)
+        if source == "engine":
+            return self.engine_log_probs_as_old(batch), 1.0
+        if source == "update":
+            return batch, 1.0
+        raise ValueError(f"unknown π_old source {source!r}: one of recompute, first_mini, update, engine")
+
     def compute_log_prob(self, batch: Batch) -> Batch:
         """``old_log_probs`` under the current actor weights (the PPO proximal policy)."""
         assert self.actor is not None
@@ -268,6 +290,14 @@ class ActorRolloutRefWorker:
 
     def _seqs_per_mini(self) -> int:
         return self.cfg.actor.ppo_mini_batch_size // self.dist.world_size * self.cfg.rollout.n
+
+    def update_policy(self, batch: Batch, source: str) -> tuple[dict[str, tuple[float, float]], Batch]:
+        """The PPO update after ``prepare_old_log_probs(batch, source)``: where the update's own forward completes
+        π_old (``update``, ``first_mini``) ``update_actor_own_old``, else ``update_actor``. Returns the metric pairs
+        and the batch with ``old_log_probs`` complete (for the step's metrics)."""
+        if source in OWN_OLD_SOURCES:
+            return self.update_actor_own_old(batch)
+        return self.update_actor(batch), batch
 
     def update_actor(self, batch: Batch) -> dict[str, tuple[float, float]]:
         """PPO update on this rank's share of ``batch``; returns (sum, count) metric pairs."""

@@ -4,7 +4,8 @@
 have not moved yet), and runs the separate no-grad pass on the other mini-batches only (none when there is one
 mini-batch per epoch; later epochs read what the first forward left). That must give the same weights and the
 same metrics as ``recompute`` (sync and overlap mode, several update shapes); KL-in-reward, which reads π_old
-before the update, still runs the whole pass; ``engine`` uses the rollout's log-probs. Tiny in-process runs of the CPU recipe (seconds each).
+before the update, still runs the whole pass; ``engine`` uses the rollout's log-probs. The driver's choice of
+source is ``phases.old_log_prob``. Tiny in-process runs of the CPU recipe (seconds each).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from hybrid_rl.batch import Batch
 from hybrid_rl.config import ConfigError, load_config
+from hybrid_rl.phases.old_log_prob import old_log_prob_source
 from hybrid_rl.trainer import Trainer
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 
@@ -184,6 +186,22 @@ def test_pass_but_first_mini_batch_leaves_exactly_those_rows(tiny_model_path):
     for key in ("old_log_probs", "old_entropy"):
         torch.testing.assert_close(part[key][rest][mask[rest]], full[key][rest][mask[rest]], rtol=0, atol=1e-6)
         assert not part[key][first].any()
+
+
+@pytest.mark.parametrize("setting, kl_in_reward, actor_updates, mini_batches, source", [
+    ("auto", False, True, 1, "update"), ("auto", False, True, 3, "first_mini"),
+    ("auto", True, True, 1, "recompute"),  # KL-in-reward reads π_old before the update
+    ("auto", False, False, 1, "recompute"),  # the critic's warm-up: no update to take π_old from
+    ("recompute", False, True, 1, "recompute"), ("engine", False, True, 3, "engine")])
+def test_source_choice(setting, kl_in_reward, actor_updates, mini_batches, source):
+    cfg = SimpleNamespace(actor=SimpleNamespace(old_log_prob=setting),
+                          algorithm=SimpleNamespace(use_kl_in_reward=kl_in_reward))
+    assert old_log_prob_source(cfg, mini_batches, actor_updates) == source
+
+
+def test_unknown_source_is_an_error():
+    with pytest.raises(ValueError, match="unknown π_old source 'reuse'"):
+        ActorRolloutRefWorker.prepare_old_log_probs(SimpleNamespace(), Batch({}, {}, {}), "reuse")
 
 
 def test_bad_value_is_a_config_error():

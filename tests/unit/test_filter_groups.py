@@ -1,6 +1,6 @@
 """``algorithm.filter_groups``: DAPO's dynamic sampling. Groups whose ``rollout.n`` rewards are all equal are dropped
 after the reward phase and fresh groups generated until the batch holds ``data.train_batch_size`` informative ones
-(``scoring.fill_informative``, called by ``Trainer._filter_groups`` in sync mode)."""
+(``scoring.fill_informative``, called by ``RewardPhase.filter_groups`` in sync mode)."""
 
 from __future__ import annotations
 
@@ -122,6 +122,7 @@ SCRIPT = [[[1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0], [0, 1, 1, 0]],   # informat
 
 
 def test_trainer_step_trains_only_informative_groups(tmp_path, monkeypatch):
+    import hybrid_rl.phases.reward as reward_phase
     import hybrid_rl.trainer as trainer_mod
     from hybrid_rl.phases.advantage import sparse_scores
     from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
@@ -145,7 +146,7 @@ def test_trainer_step_trains_only_informative_groups(tmp_path, monkeypatch):
     generate = ActorRolloutRefWorker.generate
     monkeypatch.setattr(ActorRolloutRefWorker, "generate",
                         lambda self, prompts, *a, **k: generated.append(len(prompts)) or generate(self, prompts, *a, **k))
-    monkeypatch.setattr(trainer_mod, "compute_scores", scripted)
+    monkeypatch.setattr(reward_phase, "compute_scores", scripted)
     cfg = load_config(RECIPE, [*SMALL, f"trainer.output_dir={tmp_path / 'run'}"]).validate()
     trainer = trainer_mod.Trainer(cfg, cpu_dist())
     try:
