@@ -13,11 +13,11 @@ and the first ``critic.warmup_steps`` steps update the critic only. With
 ``algorithm.filter_groups`` (sync mode) the reward phase drops the groups of
 equal rewards and generates more (DAPO's dynamic sampling). Metrics are gathered
 per rank, reduced across ranks (weighted means, maxima; ``metrics.py``, ``perf.py``)
-and logged by one rank (under split placement the first trainer rank). Partial rollouts (``trainer.partial_rollouts``,
-``partial.py``) add per-token staleness metrics, always recompute π_old, and
-checkpoint nothing partial: saving waits for the round in flight to finish
-uninterrupted. Left out on purpose: a single controller (there is none:
-torch.distributed is the engine).
+and logged by one rank (under split placement the first trainer rank). Partial
+rollouts (``trainer.partial_rollouts``, ``partial.py``) add per-token staleness
+metrics, always recompute π_old, and checkpoint nothing partial: saving waits for
+the round in flight to finish uninterrupted. Left out on purpose: a single
+controller (there is none: torch.distributed is the engine).
 """
 
 from __future__ import annotations
@@ -479,7 +479,8 @@ class Trainer:
         return freq > 0 and step % freq == 0
 
     def _finish_metrics(self, parts: dict, timer: Timer) -> dict[str, float]:
-        """The step's metrics: gathered on this rank, reduced over the training ranks, completed (``metrics``, ``perf``)."""
+        """The step's metrics: gathered on this rank, reduced over the training ranks, completed (``metrics.py``,
+        ``perf.py``)."""
         batch, dist = parts["batch"], self.dist
         means, maxima = step_metrics(batch, self.cfg.data.max_response_length,
                                      {**parts["reward_stats"], **parts["update_stats"]}, parts["adv_metrics"])

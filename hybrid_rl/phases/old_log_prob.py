@@ -1,4 +1,5 @@
-"""The driver's old-log-prob phase: where a step's π_old comes from (``actor.old_log_prob``), under ``timing/old_log_prob``.
+"""The driver's old-log-prob phase: where a step's π_old comes from (``actor.old_log_prob``), timed as
+``timing/old_log_prob``.
 
 A source is one of ``recompute`` (the separate no-grad pass over the whole batch), ``first_mini`` (that pass
 without the update's first mini-batch, which the update's own forward fills), ``update`` (no pass at all: the
