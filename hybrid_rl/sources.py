@@ -100,7 +100,8 @@ def meet_at_engines(cfg: Config, placement: Placement, global_dist: DistInfo, to
     """Split placement: every rank starts vLLM's set-up at the same point, before any rank has built a model.
 
     vLLM's external launcher creates its process groups over the whole world, so for such an engine (its
-    ``EngineInfo.split_twin``) the trainer ranks build one too (a twin, released at once: sleep level 2 frees its weights and KV cache) for those collectives to pair up.
+    ``EngineInfo.split_twin``) the trainer ranks build one too (a twin, released at once: sleep level 2 frees its
+    weights and KV cache) for those collectives to pair up.
     All ranks meet at a barrier (gloo), then the trainer ranks build the twin first and the rollout ranks their
     worker, whose first GPU work is the engine: nobody waits in vLLM's group creation for a rank still loading a
     model. (The 2 + 2 hangs on 4xH200 were first put down to that wait, the second trainer rank arriving 15-34 s
