@@ -229,7 +229,7 @@ def summarize(name: str, overrides: list[str], run_dir: Path, args, wall: float 
     if any("rollout/logprob_diff" in r for r in rows):  # engine vs trainer log-probs (an fp8 KV cache, stale keys)
         extra["logprob_diff"] = mean("rollout/logprob_diff")
     context = sum(r.get("rollout/partial_context_tokens", 0.0) for r in rows)
-    if context:  # partial rollouts: the rounds' context read from vLLM's prefix cache (rollout.reuse_stale_kv)
+    if context:  # partial rollouts: the rounds' context read from vLLM's prefix cache (rollout.vllm.reuse_stale_kv)
         extra["prefix_cache_hit"] = sum(r.get("rollout/partial_cached_tokens", 0.0) for r in rows) / context
     return {
         "mode": name,
@@ -285,8 +285,8 @@ STREAM_MODE = ("overlap_stream", ["trainer.mode=overlap", "trainer.max_staleness
 """Overlap colocated with generation on a CUDA stream of its own at high priority (``rollout.cuda_stream``): with the
 default ``shared`` the engine's kernels queue on the trainer's stream and the two sides never run at once. Run only
 when named in ``--modes``."""
-PROC_MODE = ("overlap_proc", ["trainer.mode=overlap", "trainer.max_staleness=1", "rollout.engine_process=true"])
-"""Overlap colocated with vLLM's engine core in a process of its own (``rollout.engine_process``): generation no longer
+PROC_MODE = ("overlap_proc", ["trainer.mode=overlap", "trainer.max_staleness=1", "rollout.vllm.engine_process=true"])
+"""Overlap colocated with vLLM's engine core in a process of its own (``rollout.vllm.engine_process``): generation no longer
 runs in a thread of the trainer's interpreter. Run only when named in ``--modes``."""
 EXTRA_MODES = (STREAM_MODE, PROC_MODE)
 
@@ -313,7 +313,7 @@ SPLIT_PARTIAL = ("split_partial", ["trainer.placement=split", "trainer.mode=over
 """Split placement with partial rollouts, as the README recommends it: half the GPUs generate, half train; the
 rollout side keeps generating for up to 3 steps ahead and carries the long tail (staleness bound 4)."""
 DEFAULT_MODES = ("sync", "overlap_colocated", "split_partial")
-SPLIT_OVERRIDES = ["rollout.gpu_memory_utilization=0.6"]
+SPLIT_OVERRIDES = ["rollout.vllm.gpu_memory_utilization=0.6"]
 """For the split modes: their rollout GPUs hold nothing but the engine, so it gets more of the card."""
 
 DATA = ROOT / "benchmarks" / "data" / "gsm8k_train_1k.jsonl"
@@ -376,7 +376,7 @@ def parse_mode_overrides(items: list[str], names: list[str]) -> dict[str, list[s
         mode, sep, kv = item.partition(":")
         if not sep or "=" not in kv:
             raise SystemExit(f"error: --mode-override {item!r}: write MODE:key=value, e.g. "
-                             f"split_partial:rollout.gpu_memory_utilization=0.7")
+                             f"split_partial:rollout.vllm.gpu_memory_utilization=0.7")
         if mode not in names:
             raise SystemExit(f"error: --mode-override {item!r}: {mode!r} is not one of the modes run ({', '.join(names)})")
         out.setdefault(mode, []).append(kv)

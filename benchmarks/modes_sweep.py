@@ -8,7 +8,7 @@ lognormal draw capped at ``--cap-factor`` × the mean (``rollout.forced_lengths`
 ``overlap_partial`` (overlap colocated with partial rollouts: the long tail is interrupted at the step boundary
 and carried into the next round, ``trainer.max_staleness=2``), ``overlap_stream`` (overlap colocated with generation
 on its own high-priority CUDA stream, ``rollout.cuda_stream=high``), ``overlap_proc`` (overlap colocated with
-vLLM's engine core in a process of its own, ``rollout.engine_process=true``), ``split_partial`` (split placement
+vLLM's engine core in a process of its own, ``rollout.vllm.engine_process=true``), ``split_partial`` (split placement
 with partial rollouts on the rollout ranks: they generate until the trainer ranks are ready, the tail is carried;
 at the same ratios as ``overlap_split``, run last), and keeps the fastest split ratio per length. Per length it
 reports the sync step, the generation share of the sync step, each overlap mode's step time and speed-up over sync,
@@ -590,7 +590,7 @@ def parse_args(argv: list[str] | None = None):
                     help="ROLLOUT:TRAINER GPU counts for overlap_split, e.g. 1:3,2:2; 'auto' picks R = round(GPUs x the "
                          "point's sync generation share) (half the GPUs if sync did not run); both may be given")
     ap.add_argument("--split-override", dest="split_overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="an override for the split runs only (repeatable), e.g. rollout.gpu_memory_utilization=0.6: "
+                    help="an override for the split runs only (repeatable), e.g. rollout.vllm.gpu_memory_utilization=0.6: "
                          "their rollout GPUs hold nothing but the engine")
     ap.add_argument("--partial-aheads", default="",
                     help="split_partial: one run per trainer.partial_rollout_ahead value at each ratio, e.g. 0.25,1.0 "

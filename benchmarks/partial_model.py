@@ -3,7 +3,7 @@
     python benchmarks/partial_model.py --aheads 1,2                 # one rollout GPU of split 2:2 at mean 4k
     python benchmarks/partial_model.py --aheads 1 --paused          # generation paused through each update
     python benchmarks/partial_model.py --aheads 1,2,3 --warmup 2 --measure 6 --drained   # a run that drains its pool
-    python benchmarks/partial_model.py --aheads 1,2,3 --reuse-kv    # rollout.reuse_stale_kv: no re-prefill of carried
+    python benchmarks/partial_model.py --aheads 1,2,3 --reuse-kv    # rollout.vllm.reuse_stale_kv: no re-prefill of carried
 
 Not a measurement. It drives ``hybrid_rl.partial``'s own ``CarryOver`` and ``Round`` (the pool, the window, the
 interrupt rule, what a step must train, staleness) with a simulated clock and a simple engine: every running sample
@@ -62,7 +62,7 @@ def run_round(rnd: Round, engine: Engine, t: float, armed_at: float | None, trai
               prompt_len: int, cached: bool = False) -> tuple[float, list[Segment]]:
     """Generate ``rnd``'s continuations from time ``t``; the trainer (at ``trainer_version``) arms it at ``armed_at``
     (None: never, the round runs to the end). Returns the time it stops and its segments. ``cached``: the carried
-    contexts' keys and values are still in the engine's cache (``rollout.reuse_stale_kv``), so only new prompts are
+    contexts' keys and values are still in the engine's cache (``rollout.vllm.reuse_stale_kv``), so only new prompts are
     prefilled."""
     left = np.array([c.max_tokens for c in rnd.requests], dtype=np.int64)
     made = np.zeros_like(left)
@@ -130,7 +130,7 @@ def simulate(args, ahead: float, staleness: int, seed: int, paused: bool) -> lis
         t_start = handovers[-1] + args.exchange_s
         rnd = Round(carry, version, window)
         ready_at = t_start + args.update_s
-        # rollout.reuse_stale_kv: the cache is reset once every max_staleness pushes (here: this round's version)
+        # rollout.vllm.reuse_stale_kv: the cache is reset once every max_staleness pushes (here: this round's version)
         cached = args.reuse_kv and version % staleness != 0
         t, segs = run_round(rnd, engine, t_start, ready_at, version + 1, paused, args.prompt_len, cached)
         carry.apply(rnd.pending, segs, version)
@@ -186,7 +186,7 @@ def main() -> None:
                     help="the run ends one step after the measured ones, so its last measured steps drain the pool "
                          "(a window that drains); default: the pool's steps after, as modes_sweep.py now runs")
     ap.add_argument("--reuse-kv", action="store_true",
-                    help="rollout.reuse_stale_kv: carried contexts are not prefilled again, except after the cache's "
+                    help="rollout.vllm.reuse_stale_kv: carried contexts are not prefilled again, except after the cache's "
                          "reset once every max_staleness pushes")
     ap.add_argument("--seeds", type=int, default=4)
     ap.add_argument("--tag", default="4k_split2")

@@ -40,7 +40,7 @@ median; the target is ≥ 0.95) and ``in_engine_over_same_llm``.
 
 Each result is printed as one JSON line and written to ``<out>/vllm_<device>_<what>.json``
 (device like ``H100x1``), naming the device, commit, config and figures. With several ranks each
-rank has its own engine (tensor_parallel_size=1, data parallel) or ``--tp`` ranks share one.
+rank has its own engine (rollout.vllm.tensor_parallel_size=1, data parallel) or ``--tp`` ranks share one.
 Left out: workloads other than fixed-length sampling at T=1 (no top-p/top-k, no EOS stops).
 """
 
@@ -140,9 +140,9 @@ def build_model_dir(path: Path, dist) -> None:
 def make_cfg(args, path: Path):
     return load_config(None, [
         f"model.path={path}", "model.dtype=bfloat16", "trainer.device=cuda", "rollout.name=vllm",
-        f"rollout.gpu_memory_utilization={args.gpu_util}", f"rollout.enforce_eager={str(args.enforce_eager).lower()}",
-        f"rollout.max_num_seqs={args.max_num_seqs}", f"rollout.max_num_batched_tokens={args.max_num_batched_tokens}",
-        f"rollout.tensor_parallel_size={args.tp}", f"rollout.sleep_level={args.sleep_level}",
+        f"rollout.vllm.gpu_memory_utilization={args.gpu_util}", f"rollout.vllm.enforce_eager={str(args.enforce_eager).lower()}",
+        f"rollout.max_num_seqs={args.max_num_seqs}", f"rollout.vllm.max_num_batched_tokens={args.max_num_batched_tokens}",
+        f"rollout.vllm.tensor_parallel_size={args.tp}", f"rollout.sleep_level={args.sleep_level}",
         f"rollout.weight_sync_bucket_mb={args.bucket_mb}",
         f"data.max_prompt_length={args.prompt_length}", f"data.max_response_length={args.response_length}"])
 

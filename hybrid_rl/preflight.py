@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 from hybrid_rl.config import Config
+from hybrid_rl.rollout import engine_info
 
 HUB_TIMEOUT_S = 3.0
 """How long the one connect to the hub (or the https proxy) may take before the hub counts as unreachable."""
@@ -65,23 +66,27 @@ def pip_command() -> str:
 
 
 def check_rollout_engine(cfg: Config) -> None:
-    if cfg.rollout.name != "vllm" or importlib.util.find_spec("vllm") is not None:
+    """The package the engine ``rollout.name`` picks needs (its ``EngineInfo``) is installed."""
+    name, info = cfg.rollout.name, engine_info(cfg.rollout.name)
+    if info.package is None or importlib.util.find_spec(info.package) is not None:
         return
     import torch
 
     from hybrid_rl.models import ModelLoadError
 
-    install = f"{pip_command()} install -e '.[vllm]'"
-    if torch.cuda.device_count() > 0:
-        raise ModelLoadError(f"rollout.name=vllm needs vLLM: {install} (tested: vllm 0.26), or use rollout.name=hf")
+    install = f"{pip_command()} install -e '.[{info.pip_extra}]'"
+    if not info.gpu_only or torch.cuda.device_count() > 0:
+        raise ModelLoadError(f"rollout.name={name} needs {info.package_label}: {install} (tested: {info.tested_with}), "
+                             f"or use rollout.name=hf")
     # no GPU either: rollout.name=hf only helps where the model is here; a hub model needs the hub or a copy
     if _model_is_here(cfg.model.path):
         fix = "with rollout.name=hf it runs on CPU (the transformers engine)"
     else:
         fix = f"its model.path={cfg.model.path!r} also needs hub access or a local copy (point model.path at it)"
-    raise PreflightError(f"this recipe generates with vLLM (rollout.name=vllm), which needs NVIDIA GPUs and vLLM "
-                         f"({install}), and this machine has no CUDA GPU; {fix}; to try hybrid_rl on CPU, run "
-                         f"`make train` (recipes/cpu_successor.yaml: a built-in tiny model, no download)")
+    raise PreflightError(f"this recipe generates with {info.package_label} (rollout.name={name}), which needs NVIDIA "
+                         f"GPUs and {info.package_label} ({install}), and this machine has no CUDA GPU; {fix}; to try "
+                         f"hybrid_rl on CPU, run `make train` (recipes/cpu_successor.yaml: a built-in tiny model, no "
+                         f"download)")
 
 
 def _model_is_here(path: str) -> bool:

@@ -34,6 +34,7 @@ from hybrid_rl.batch import Batch
 from hybrid_rl.config import Config
 from hybrid_rl.distributed import DistInfo
 from hybrid_rl.pipeline import RolloutPipeline
+from hybrid_rl.rollout import engine_info, rollout_engine_class
 from hybrid_rl.tracking import Timer
 
 NextPrompts = Callable[[], Batch]
@@ -98,8 +99,9 @@ def make_placement(cfg: Config, dist: DistInfo) -> Placement:
 def meet_at_engines(cfg: Config, placement: Placement, global_dist: DistInfo, tokenizer) -> Any:
     """Split placement: every rank starts vLLM's set-up at the same point, before any rank has built a model.
 
-    vLLM's external launcher creates its process groups over the whole world, so the trainer ranks build an engine
-    too (a twin, released at once: sleep level 2 frees its weights and KV cache) for those collectives to pair up.
+    vLLM's external launcher creates its process groups over the whole world, so for such an engine (its
+    ``EngineInfo.split_twin``) the trainer ranks build one too (a twin, released at once: sleep level 2 frees its
+    weights and KV cache) for those collectives to pair up.
     All ranks meet at a barrier (gloo), then the trainer ranks build the twin first and the rollout ranks their
     worker, whose first GPU work is the engine: nobody waits in vLLM's group creation for a rank still loading a
     model. (The 2 + 2 hangs on 4xH200 were first put down to that wait, the second trainer rank arriving 15-34 s
@@ -112,11 +114,9 @@ def meet_at_engines(cfg: Config, placement: Placement, global_dist: DistInfo, to
     import torch.distributed as tdist
 
     tdist.barrier(group=sp.obj_group)
-    if cfg.rollout.name != "vllm" or sp.is_rollout:
+    if not engine_info(cfg.rollout.name).split_twin or sp.is_rollout:
         return None
-    from hybrid_rl.rollout.vllm import VLLMRolloutEngine
-
-    twin = VLLMRolloutEngine.from_config(cfg, global_dist, tokenizer)
+    twin = rollout_engine_class(cfg.rollout.name).from_config(cfg, global_dist, tokenizer)
     twin.sleep(level=2)
     return twin
 

@@ -161,7 +161,7 @@ class Trainer:
         finally:
             self.reward_fn.close()
             rollout = getattr(self.worker, "rollout", None)
-            if rollout is not None and not rollout.in_process:  # an engine process (rollout.engine_process): a
+            if rollout is not None and not rollout.in_process:  # an engine process (rollout.vllm.engine_process): a
                 rollout.shutdown()  # finished rank leaves through os._exit, which skips the finalizers that end it
             self.run_lock.release()
 

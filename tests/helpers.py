@@ -223,7 +223,7 @@ def vllm_hybrid(tmp_path_factory, overrides: list[str], free_cache_engine: bool,
     path = write_random_model(tmp_path_factory.mktemp("qwen25_05b_arch"), RANDOM_ARCHS["qwen2.5-0.5b-random"],
                               dist.device, eos_token_id=eos, pad_token_id=pad)
     cfg = load_config(None, [f"model.path={path}", "model.dtype=bfloat16", "trainer.device=cuda", "rollout.name=vllm",
-                             "rollout.enforce_eager=true", "rollout.max_num_seqs=64", "rollout.max_model_len=256",
+                             "rollout.vllm.enforce_eager=true", "rollout.max_num_seqs=64", "rollout.vllm.max_model_len=256",
                              "data.max_prompt_length=64", *overrides])
     actor = TrainingEngine(load_causal_lm(str(path), torch.float32), dist.device, torch.bfloat16, trainable=True)
     actor.configure_optimizer(1e-3, (0.9, 0.999), 0.0, 0, "constant", 100, 0.0)

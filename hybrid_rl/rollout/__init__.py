@@ -5,10 +5,16 @@ names, and config validation accepts exactly the registered names. The built-ins
 so importing this package imports neither an engine module nor vLLM (vLLM itself is imported only when its
 engine is built, and a missing vLLM is a one-line error there). A new engine is one class plus one
 ``register_rollout_engine("name")`` decorator on it (or ``register_rollout_engine("name", "module:Class")``).
+
+What the rest of the system must know of an engine before importing it is its registry entry's ``EngineInfo``
+(the package it needs, its dtype for a float32 model, whether split placement needs a twin of it); an engine with
+options of its own has them as the section ``rollout.<name>`` of the config tree, whose ``validate`` checks them.
+A plug-in engine needs none of that: ``EngineInfo()`` describes an engine that needs nothing.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
 from hybrid_rl.registry import Registry
@@ -18,14 +24,37 @@ if TYPE_CHECKING:
 
 E = TypeVar("E", bound=type)
 
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """An engine's needs, read without importing it."""
+
+    package: Optional[str] = None
+    """The package it imports (checked before a run starts), e.g. ``vllm``; None: nothing beyond hybrid_rl's own."""
+    package_label: str = ""
+    """That package's name in messages, e.g. ``vLLM``."""
+    pip_extra: str = ""
+    """The extra of ``pip install -e '.[extra]'`` that installs it."""
+    tested_with: str = ""
+    """The version it was tested with, e.g. ``vllm 0.26``."""
+    gpu_only: bool = False
+    """It generates on NVIDIA GPUs only."""
+    float32_as: Optional[str] = None
+    """The dtype it runs a float32 model in under ``rollout.dtype=auto`` (None: the model's own)."""
+    split_twin: bool = False
+    """Split placement: its set-up creates process groups over the whole world, so the trainer ranks build one too
+    (a twin, released at once) for those collectives to pair up."""
+
+
 ROLLOUT_ENGINES: "Registry[type[RolloutEngine]]" = Registry("rollout.name")
 """Every rollout engine class by the name ``rollout.name`` takes (``"module:Class"`` entries import on lookup)."""
 
 
-def register_rollout_engine(name: str, cls: Optional[str | type] = None) -> Callable[[E], E] | str | type:
+def register_rollout_engine(name: str, cls: Optional[str | type] = None,
+                            info: Optional[EngineInfo] = None) -> Callable[[E], E] | str | type:
     """Register an engine class as ``rollout.name=name``: as a decorator, or with the class or a ``"module:Class"``
-    path (imported on first use). A duplicate name is an error."""
-    return ROLLOUT_ENGINES.add(name, cls)
+    path (imported on first use). ``info``: what it needs (default: nothing). A duplicate name is an error."""
+    return ROLLOUT_ENGINES.add(name, cls, info or EngineInfo())
 
 
 def rollout_engine_class(name: str) -> "type[RolloutEngine]":
@@ -33,5 +62,13 @@ def rollout_engine_class(name: str) -> "type[RolloutEngine]":
     return ROLLOUT_ENGINES[name]
 
 
+def engine_info(name: str) -> EngineInfo:
+    """The ``EngineInfo`` registered with ``rollout.name=name`` (imports nothing)."""
+    return ROLLOUT_ENGINES.info(name) or EngineInfo()
+
+
 register_rollout_engine("hf", "hybrid_rl.rollout.hf:HFRolloutEngine")
-register_rollout_engine("vllm", "hybrid_rl.rollout.vllm:VLLMRolloutEngine")
+register_rollout_engine("vllm", "hybrid_rl.rollout.vllm:VLLMRolloutEngine",
+                        EngineInfo(package="vllm", package_label="vLLM", pip_extra="vllm", tested_with="vllm 0.26",
+                                   gpu_only=True, split_twin=True,
+                                   float32_as="bfloat16"))  # vLLM 0.26 in float32 crashed on H200 (not on H100)

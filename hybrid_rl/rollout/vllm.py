@@ -2,7 +2,7 @@
 
 One ``vllm.LLM`` per rank, started inside torchrun with
 ``distributed_executor_backend="external_launcher"``: torchrun's ranks are cut
-into tensor-parallel groups of ``rollout.tensor_parallel_size`` consecutive
+into tensor-parallel groups of ``rollout.vllm.tensor_parallel_size`` consecutive
 ranks, each group one engine replica (vLLM's "external DP"), seeded per
 data-parallel rank. The engine starts from ``load_format="dummy"`` weights and
 refuses to generate until the sharding manager has pushed real ones.
@@ -47,13 +47,8 @@ keeping the tokens and sampled log-probs of their latest ``CUMULATIVE``
 output. Tensor parallelism is refused there (the ranks of an engine would have
 to agree on the step of the interrupt).
 
-With ``rollout.engine_process=true`` the engine core runs in a process of its own (vLLM's ``SyncMPClient`` over
-ZMQ; ``distributed_executor_backend="uni"`` in the child, which sees only this rank's GPU, and torchrun's variables
-are hidden from it while it is spawned). The trainer then shares no Python interpreter with the engine's scheduler
-and model runner. The cycle is the same calls; a push sends each bucket as CUDA IPC handles
-(``torch.multiprocessing.reductions.reduce_tensor``: the tensors stay where they are, the child maps them, waits on
-the producer's event and copies them in through the model's ``load_weights``), which needs
-``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (pickled handles and functions between the trainer's own processes).
+With ``rollout.vllm.engine_process=true`` the engine core runs in a process of its own, handed the weights as
+CUDA IPC handles: ``vllm_process``.
 
 Left out: vLLM's native LoRA (with LoRA the trainer pushes merged, HF-named
 full weights), quantised or multimodal models, pipeline parallelism,
@@ -66,7 +61,6 @@ untruncated one: they then differ by log(kept mass) per token.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import gc
@@ -84,6 +78,8 @@ from hybrid_rl.batch import Batch
 from hybrid_rl.models import ModelLoadError, resolve_dtype, resolve_model_path
 from hybrid_rl.rollout.base import (Continuation, GenerationStream, Interrupt, OnFinish, RolloutEngine, SamplingParams,
                                     Segment, assemble_rollout, on_generation_stream)
+from hybrid_rl.rollout.vllm_process import (_rpc_die_with_parent, cuda_ipc_handle, engine_process_env, rebuild_ipc,
+                                            signals_blocked)
 
 VLLM_MISSING = "rollout.name=vllm needs vLLM: pip install -e '.[vllm]' (tested: vllm 0.26), or use rollout.name=hf"
 
@@ -171,53 +167,12 @@ def _rpc_load_weights(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> i
     return len(loaded) if loaded is not None else len(weights)
 
 
-def cuda_ipc_handle(tensor: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tuple]:
-    """A picklable handle another process on the same GPU can open (``rebuild_ipc``): ``reduce_tensor``'s rebuild
-    function and arguments. The tensor must stay alive, unchanged, until the other side has copied it."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    if tensor.device.type != "cuda":
-        raise ValueError(f"a CUDA IPC handle needs a CUDA tensor, got one on {tensor.device}")
-    return reduce_tensor(tensor.detach())
-
-
-_IPC_DEVICE_ARG = 6
-"""Position of the storage's device index among ``rebuild_cuda_tensor``'s arguments (torch 2.x)."""
-
-
-def rebuild_ipc(handle: tuple[Callable[..., torch.Tensor], tuple], device_index: int) -> torch.Tensor:
-    """Open ``cuda_ipc_handle``'s handle in this process, with the device index it has here (the engine process
-    sees only its GPU, as device 0, where the trainer may call it cuda:3)."""
-    rebuild, args = handle
-    args = list(args)
-    args[_IPC_DEVICE_ARG] = device_index
-    return rebuild(*args)
-
-
 def _rpc_load_ipc_weights(worker: Any, weights: list[tuple[str, tuple]]) -> int:
     """Runs on the vLLM worker of an engine process: open the pushed tensors' IPC handles, copy them in, let go."""
     device = torch.cuda.current_device()
     count = _rpc_load_weights(worker, [(name, rebuild_ipc(handle, device)) for name, handle in weights])
     torch.cuda.current_stream().synchronize()  # the copies are done before the trainer may free or reuse its buffers
     return count
-
-
-def _rpc_die_with_parent(worker: Any, parent_pid: int) -> bool:
-    """Runs in an engine process: the kernel kills it when the trainer's process dies, however that happens (Linux
-    ``PR_SET_PDEATHSIG``; False where it cannot be set). Its SIGTERM and SIGINT are blocked from birth
-    (``signals_blocked``), so a signal to the whole process group stops the trainer's run gracefully instead of
-    killing the engine under it; the trainer ends it (``shutdown``)."""
-    import ctypes
-    import signal
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        ok = libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return False
-    if ok and os.getppid() != parent_pid:  # the trainer died before the line above: go now
-        os.kill(os.getpid(), signal.SIGKILL)
-    return ok
 
 
 def _rpc_read_weights(worker: Any, names: list[str] | None) -> bytes:
@@ -417,11 +372,12 @@ def segment_of(output: Any, finished: bool) -> Segment:
 
 
 def engine_kwargs(cfg, dist) -> dict[str, Any]:
-    """``vllm.LLM`` arguments for this rank from the config tree (pure: no vLLM needed)."""
-    r, d = cfg.rollout, cfg.data
-    tp = r.tensor_parallel_size
+    """``vllm.LLM`` arguments for this rank from the config tree (pure: no vLLM needed); ``rollout.vllm.engine_kwargs``
+    is given over them."""
+    r, o, d = cfg.rollout, cfg.rollout.vllm, cfg.data
+    tp = o.tensor_parallel_size
     if tp < 1 or dist.world_size % tp:
-        raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the {dist.world_size} ranks")
+        raise ValueError(f"rollout.vllm.tensor_parallel_size={tp} must divide the {dist.world_size} ranks")
     dtype = resolve_dtype(cfg.rollout_dtype, dist.device)
     dp_rank = dist.rank // tp
     return dict(
@@ -431,19 +387,20 @@ def engine_kwargs(cfg, dist) -> dict[str, Any]:
         dtype=str(dtype).replace("torch.", ""),
         load_format="dummy",  # the sharding manager pushes the real weights
         # in this process inside torchrun, or one engine process on this rank's GPU alone
-        distributed_executor_backend="uni" if r.engine_process else "external_launcher",
+        distributed_executor_backend="uni" if o.engine_process else "external_launcher",
         tensor_parallel_size=tp,
         enable_sleep_mode=True,
-        gpu_memory_utilization=r.gpu_memory_utilization,
+        gpu_memory_utilization=o.gpu_memory_utilization,
         max_num_seqs=r.max_num_seqs,
-        max_num_batched_tokens=r.max_num_batched_tokens,
-        max_model_len=r.max_model_len or (d.max_prompt_length + d.max_response_length),
-        enforce_eager=r.enforce_eager,
-        enable_prefix_caching=r.enable_prefix_caching,
-        kv_cache_dtype=r.kv_cache_dtype,
+        max_num_batched_tokens=o.max_num_batched_tokens,
+        max_model_len=o.max_model_len or (d.max_prompt_length + d.max_response_length),
+        enforce_eager=o.enforce_eager,
+        enable_prefix_caching=o.enable_prefix_caching,
+        kv_cache_dtype=o.kv_cache_dtype,
         logprobs_mode="processed_logprobs",  # temperature-scaled, as the trainer recomputes
         generation_config="vllm",  # stop on our EOS only; no sampling defaults from the checkpoint
         seed=cfg.trainer.seed + 1000 * dp_rank,  # one stream per engine replica, shared inside a TP group
+        **o.engine_kwargs,
     )
 
 
@@ -453,73 +410,9 @@ def check_memory_budget(utilization: float, free_bytes: int, total_bytes: int) -
     if want > free_bytes:
         fits = max(0.05, int(free_bytes / total_bytes * 100 - 5) / 100)
         raise ModelLoadError(
-            f"rollout.gpu_memory_utilization={utilization} asks for {want / 2**30:.1f} GiB but only {free_bytes / 2**30:.1f} GiB "
+            f"rollout.vllm.gpu_memory_utilization={utilization} asks for {want / 2**30:.1f} GiB but only {free_bytes / 2**30:.1f} GiB "
             f"of {total_bytes / 2**30:.1f} GiB is free next to the actor; lower it (e.g. {fits}) or set "
             f"actor.param_offload=true / ref.offload=true")
-
-
-_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                  "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-_TORCHRUN_PREFIX = "TORCHELASTIC_"
-"""...and every ``TORCHELASTIC_*`` variable: with torchrun's ``TORCHELASTIC_USE_AGENT_STORE=True`` a child's
-``init_process_group`` connects to a store that nobody serves, so the engine process hung in its world-of-one
-set-up (seen on 4xH200)."""
-
-
-def torchrun_vars(env: Any) -> list[str]:
-    """The names of torchrun's variables set in ``env``: hidden from an engine process."""
-    return [k for k in env if k in _TORCHRUN_VARS or k.startswith(_TORCHRUN_PREFIX)]
-
-
-def physical_gpu(device: torch.device, visible: str | None) -> str:
-    """What ``CUDA_VISIBLE_DEVICES`` must say for a child process to see exactly ``device`` (this process's numbering,
-    under this process's ``visible`` list, if any)."""
-    index = device.index if device.index is not None else 0
-    if not visible:
-        return str(index)
-    ids = [v.strip() for v in visible.split(",") if v.strip()]
-    if index >= len(ids):
-        raise RuntimeError(f"device {device} is not among CUDA_VISIBLE_DEVICES={visible!r}")
-    return ids[index]
-
-
-@contextlib.contextmanager
-def engine_process_env(device: torch.device):
-    """The environment while vLLM spawns the engine process: multiprocessing on, pickled handles allowed (kept on:
-    every later call is serialised with it), only ``device`` visible, torchrun's variables hidden (the child is a
-    world of one). Restored afterwards."""
-    env = os.environ
-    hidden = torchrun_vars(env)
-    saved = {k: env.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "CUDA_VISIBLE_DEVICES", *hidden)}
-    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    env["CUDA_VISIBLE_DEVICES"] = physical_gpu(device, saved["CUDA_VISIBLE_DEVICES"])
-    for key in hidden:
-        env.pop(key)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                env.pop(key, None)
-            else:
-                env[key] = value
-
-
-@contextlib.contextmanager
-def signals_blocked():
-    """SIGTERM and SIGINT blocked in this thread (so in a process spawned from it, from birth: the mask survives fork
-    and exec, and Python does not clear it); pending ones arrive when the block ends."""
-    import signal
-
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _ensure_launcher_env(dist) -> None:
@@ -552,7 +445,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._asleep: set[str] = set()  # tags currently released
         self._weights_real = False  # False while the engine holds dummy or discarded weights
         self._prefix_cache_stale = False
-        self.stale_kv_versions = 0  # rollout.reuse_stale_kv: rounds keep the prefix cache for this many pushes (0: off)
+        self.stale_kv_versions = 0  # rollout.vllm.reuse_stale_kv: rounds keep the prefix cache for this many pushes (0: off)
         self._cache_since: int | None = None  # the weight version at the prefix cache's last reset
         self.last_generate_stats: dict[str, float] = {}
         self.runner_stream_pinned = False  # vLLM's runner generates on gen_stream's stream (use_stream)
@@ -561,7 +454,7 @@ class VLLMRolloutEngine(RolloutEngine):
     def from_config(cls, cfg, dist, tokenizer, **llm_overrides: Any) -> "VLLMRolloutEngine":
         vllm = import_vllm()
         kwargs = {**engine_kwargs(cfg, dist), **llm_overrides}
-        own_process = cfg.rollout.engine_process
+        own_process = cfg.rollout.vllm.engine_process
         if not own_process:
             _ensure_launcher_env(dist)
         if dist.device.type == "cuda":
@@ -588,7 +481,7 @@ class VLLMRolloutEngine(RolloutEngine):
         engine = cls(llm, [tokenizer.eos_token_id], tokenizer.pad_token_id, dist.device, vllm.SamplingParams, tp_group,
                      flat_logprobs=supports_flat_logprobs(vllm.SamplingParams))
         engine.in_process = not own_process
-        engine.stale_kv_versions = cfg.trainer.max_staleness if cfg.rollout.reuse_stale_kv else 0
+        engine.stale_kv_versions = cfg.trainer.max_staleness if cfg.rollout.vllm.reuse_stale_kv else 0
         if engine.in_process:  # an engine process runs on its own streams: nothing to pin
             engine.use_stream(GenerationStream(dist.device, cfg.rollout.cuda_stream))
         return engine
@@ -709,15 +602,15 @@ class VLLMRolloutEngine(RolloutEngine):
                                interrupt: Interrupt | None = None, on_finish: OnFinish | None = None) -> list[Segment]:
         """Step vLLM's engine over one request per continuation; on interrupt abort the unfinished ones, keeping
         what they sampled. ``on_finish`` is called from this thread as requests finish. With ``stale_kv_versions``
-        (``rollout.reuse_stale_kv``) the prefix cache a weight push left stands until that many pushes since its last
+        (``rollout.vllm.reuse_stale_kv``) the prefix cache a weight push left stands until that many pushes since its last
         reset, so no cached key or value is older than the staleness bound allows."""
         v, since = self.weights_version, self._cache_since
         keep = self.stale_kv_versions > 0 and v is not None and since is not None and v - since < self.stale_kv_versions
         self._check_ready(reset_stale_cache=not keep)
         if self.tp_group is not None:
-            raise NotImplementedError("trainer.partial_rollouts=true with rollout.tensor_parallel_size > 1: the ranks of "
+            raise NotImplementedError("trainer.partial_rollouts=true with rollout.vllm.tensor_parallel_size > 1: the ranks of "
                                       "one vLLM engine would have to agree on the step of the interrupt; use "
-                                      "rollout.tensor_parallel_size=1 or trainer.partial_rollouts=false")
+                                      "rollout.vllm.tensor_parallel_size=1 or trainer.partial_rollouts=false")
         short = [i for i, r in enumerate(requests) if r.max_tokens < 1]
         if short:
             raise ValueError(f"continuations {short[:8]} have max_tokens < 1: they are finished, leave them out")

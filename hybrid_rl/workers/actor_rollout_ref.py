@@ -30,7 +30,7 @@ import torch
 
 from hybrid_rl import algorithms as alg
 from hybrid_rl.batch import Batch, row_index
-from hybrid_rl.config import Config, parse_forced_lengths
+from hybrid_rl.config import Config, lr_schedule_steps, mini_batch_seqs, parse_forced_lengths
 from hybrid_rl.micro_batching import micro_batches
 from hybrid_rl.distributed import DistInfo, all_reduce_sum
 from hybrid_rl.kernels import apply_liger
@@ -121,9 +121,9 @@ class ActorRolloutRefWorker:
                                         remove_padding=self.remove_padding, fused_logprob=self.fused_logprob,
                                         share_prompts=self.share_prompts)
             a = cfg.actor
-            updates_per_step = a.ppo_epochs * (cfg.data.train_batch_size // a.ppo_mini_batch_size)
-            self.actor.configure_optimizer(a.lr, (a.betas[0], a.betas[1]), a.weight_decay, a.warmup_steps,
-                                           a.lr_scheduler, total_training_steps * updates_per_step, a.min_lr_ratio)
+            self.actor.configure_optimizer(a.lr, (a.betas[0], a.betas[1]), a.weight_decay, a.warmup_steps, a.lr_scheduler,
+                                           lr_schedule_steps(a, cfg.data.train_batch_size, total_training_steps),
+                                           a.min_lr_ratio)
         self.ref: FrozenReference | AdapterDisabledReference | None = None
         if self.is_ref:
             if mcfg.lora.rank > 0 and self.actor is not None:
@@ -289,7 +289,7 @@ class ActorRolloutRefWorker:
         return len(range(0, len(batch), self._seqs_per_mini()))
 
     def _seqs_per_mini(self) -> int:
-        return self.cfg.actor.ppo_mini_batch_size // self.dist.world_size * self.cfg.rollout.n
+        return mini_batch_seqs(self.cfg.actor, self.dist.world_size, self.cfg.rollout.n)
 
     def update_policy(self, batch: Batch, source: str) -> tuple[dict[str, tuple[float, float]], Batch]:
         """The PPO update after ``prepare_old_log_probs(batch, source)``: where the update's own forward completes

@@ -33,7 +33,7 @@ from torch import nn
 
 from hybrid_rl import algorithms as alg
 from hybrid_rl.batch import Batch, row_index
-from hybrid_rl.config import Config
+from hybrid_rl.config import Config, lr_schedule_steps, mini_batch_seqs
 from hybrid_rl.distributed import DistInfo, all_reduce_sum
 from hybrid_rl.micro_batching import micro_batches
 from hybrid_rl.models import load_causal_lm, resolve_dtype
@@ -100,9 +100,9 @@ class CriticWorker:
         model = build_value_model(c.model_path or cfg.model.path, cfg.model.trust_remote_code)
         self.engine = TrainingEngine(model, self.device, resolve_dtype(cfg.model.dtype, self.device), trainable=True,
                                      gradient_checkpointing=c.enable_gradient_checkpointing, group=dist.group)
-        updates_per_step = c.ppo_epochs * (cfg.data.train_batch_size // c.ppo_mini_batch_size)
         self.engine.configure_optimizer(c.lr, (c.betas[0], c.betas[1]), c.weight_decay, c.lr_warmup_steps, c.lr_scheduler,
-                                        total_training_steps * updates_per_step, c.min_lr_ratio)
+                                        lr_schedule_steps(c, cfg.data.train_batch_size, total_training_steps),
+                                        c.min_lr_ratio)
         self._token_budget = c.max_token_len_per_device if c.use_dynamic_bsz else None
         self._release()
 
@@ -160,7 +160,7 @@ class CriticWorker:
     def update_critic(self, batch: Batch) -> dict[str, tuple[float, float]]:
         """Clipped value regression onto ``returns``; (sum, count) metric pairs, reduced across ranks by the driver."""
         c = self.cfg.critic
-        seqs_per_mini = c.ppo_mini_batch_size // self.dist.world_size * self.cfg.rollout.n
+        seqs_per_mini = mini_batch_seqs(c, self.dist.world_size, self.cfg.rollout.n)
         stats = UpdateStats()
         with self.resident():
             self.engine.model.train()

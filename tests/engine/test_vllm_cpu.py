@@ -41,6 +41,7 @@ from hybrid_rl.config import ConfigError, load_config  # noqa: E402
 from hybrid_rl.distributed import DistInfo  # noqa: E402
 from hybrid_rl.models import ModelLoadError  # noqa: E402
 from hybrid_rl.rollout import vllm as vr  # noqa: E402
+from hybrid_rl.rollout import vllm_process as vp  # noqa: E402
 from hybrid_rl.rollout.base import Continuation, GenerationStream, SamplingParams, assemble_rollout  # noqa: E402
 from hybrid_rl.weights.sharding_manager import ShardingManager  # noqa: E402
 
@@ -543,8 +544,8 @@ def test_forced_lengths_share_one_sampling_params_per_length():
 
 
 def test_engine_kwargs_from_config():
-    cfg = _cfg("data.max_prompt_length=100", "data.max_response_length=28", "rollout.tensor_parallel_size=2",
-               "rollout.gpu_memory_utilization=0.4", "rollout.enforce_eager=true", "trainer.seed=5")
+    cfg = _cfg("data.max_prompt_length=100", "data.max_response_length=28", "rollout.vllm.tensor_parallel_size=2",
+               "rollout.vllm.gpu_memory_utilization=0.4", "rollout.vllm.enforce_eager=true", "trainer.seed=5")
     dist = DistInfo(rank=3, world_size=4, local_rank=3, device=torch.device("cpu"))
     kw = vr.engine_kwargs(cfg, dist)
     assert kw["max_model_len"] == 128 and kw["tensor_parallel_size"] == 2
@@ -556,8 +557,8 @@ def test_engine_kwargs_from_config():
     assert kw["logprobs_mode"] == "processed_logprobs" and kw["generation_config"] == "vllm"
     assert kw["dtype"] == "bfloat16" and kw["gpu_memory_utilization"] == 0.4
     assert kw["kv_cache_dtype"] == "auto"
-    assert vr.engine_kwargs(_cfg("rollout.kv_cache_dtype=fp8"), dist)["kv_cache_dtype"] == "fp8"
-    assert vr.engine_kwargs(_cfg("rollout.max_model_len=4096"), DistInfo(0, 1, 0, torch.device("cpu")))["max_model_len"] == 4096
+    assert vr.engine_kwargs(_cfg("rollout.vllm.kv_cache_dtype=fp8"), dist)["kv_cache_dtype"] == "fp8"
+    assert vr.engine_kwargs(_cfg("rollout.vllm.max_model_len=4096"), DistInfo(0, 1, 0, torch.device("cpu")))["max_model_len"] == 4096
     with pytest.raises(ValueError, match="must divide"):
         vr.engine_kwargs(cfg, DistInfo(0, 3, 0, torch.device("cpu")))
 
@@ -731,7 +732,7 @@ def test_named_weights_reads_through_collective_rpc():
 def test_memory_budget_is_checked_before_vllm_starts():
     gib = 2**30
     vr.check_memory_budget(0.5, free_bytes=60 * gib, total_bytes=80 * gib)  # 40 GiB of 60 free: fine
-    with pytest.raises(ModelLoadError, match=r"rollout.gpu_memory_utilization=0.9 asks for 72.0 GiB but only 30.0 GiB") as e:
+    with pytest.raises(ModelLoadError, match=r"rollout.vllm.gpu_memory_utilization=0.9 asks for 72.0 GiB but only 30.0 GiB") as e:
         vr.check_memory_budget(0.9, free_bytes=30 * gib, total_bytes=80 * gib)
     assert "lower it (e.g. 0.32)" in str(e.value) and "\n" not in str(e.value)
 
@@ -1051,29 +1052,29 @@ def test_both_engines_generate_inside_the_generation_stream(tiny_model_path):
     assert out.tensors["responses"].shape == (2, 2) and len(segs[0].tokens) == 2
 
 
-# --------------------------------------------------------------------------- rollout.engine_process
+# --------------------------------------------------------------------------- rollout.vllm.engine_process
 def test_engine_process_config_errors_name_the_key():
-    for over, key in ((["rollout.name=hf", "rollout.engine_process=true"], "rollout.engine_process=true is for"),
-                      (["rollout.name=vllm", "rollout.engine_process=true", "rollout.cuda_stream=high"],
+    for over, key in ((["rollout.name=hf", "rollout.vllm.engine_process=true"], "rollout.vllm.engine_process=true is for"),
+                      (["rollout.name=vllm", "rollout.vllm.engine_process=true", "rollout.cuda_stream=high"],
                        "rollout.cuda_stream=high"),
-                      (["rollout.name=vllm", "rollout.engine_process=true", "rollout.tensor_parallel_size=2"],
-                       "tensor_parallel_size=1")):
+                      (["rollout.name=vllm", "rollout.vllm.engine_process=true", "rollout.vllm.tensor_parallel_size=2"],
+                       "rollout.vllm.tensor_parallel_size=1")):
         with pytest.raises(ConfigError, match=key) as ei:
             load_config(None, ["model.dtype=bfloat16", *over]).validate(world_size=2)
         assert "\n" not in str(ei.value)
-    _cfg("rollout.engine_process=true").validate()
+    _cfg("rollout.vllm.engine_process=true").validate()
 
 
 def test_physical_gpu_follows_the_parents_visible_list():
-    assert vr.physical_gpu(torch.device("cuda", 2), None) == "2"
-    assert vr.physical_gpu(torch.device("cuda", 1), "4, 6") == "6"
-    assert vr.physical_gpu(torch.device("cuda", 0), "GPU-abc,GPU-def") == "GPU-abc"
+    assert vp.physical_gpu(torch.device("cuda", 2), None) == "2"
+    assert vp.physical_gpu(torch.device("cuda", 1), "4, 6") == "6"
+    assert vp.physical_gpu(torch.device("cuda", 0), "GPU-abc,GPU-def") == "GPU-abc"
     with pytest.raises(RuntimeError, match="not among"):
-        vr.physical_gpu(torch.device("cuda", 3), "0,1")
+        vp.physical_gpu(torch.device("cuda", 3), "0,1")
 
 
 def test_engine_process_is_spawned_alone_on_its_gpu_and_the_environment_restored(monkeypatch):
-    """from_config with rollout.engine_process: vLLM is built with the uni executor while multiprocessing is on, only
+    """from_config with rollout.vllm.engine_process: vLLM is built with the uni executor while multiprocessing is on, only
     this rank's GPU is visible and torchrun's variables are hidden; afterwards the environment is as it was (but for
     the serialisation switch the later calls need), and no stream is pinned in a process the engine is not in."""
     seen = {}
@@ -1084,7 +1085,7 @@ def test_engine_process_is_spawned_alone_on_its_gpu_and_the_environment_restored
             seen.update(kwargs=kwargs, env=dict(__import__("os").environ))
 
         def collective_rpc(self, fn, args=(), kwargs=None):
-            if fn is vr._rpc_die_with_parent:  # runs in the engine process; here it would bind this test process
+            if fn is vp._rpc_die_with_parent:  # runs in the engine process; here it would bind this test process
                 seen["die_with"] = args
                 return [True]
             return super().collective_rpc(fn, args, kwargs)
@@ -1095,8 +1096,8 @@ def test_engine_process_is_spawned_alone_on_its_gpu_and_the_environment_restored
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
     dist = DistInfo(rank=1, world_size=4, local_rank=1, device=torch.device("cpu"))
-    monkeypatch.setattr(vr, "physical_gpu", lambda device, visible: visible.split(",")[1])  # cuda:1 on a CPU box
-    eng = vr.VLLMRolloutEngine.from_config(_cfg("rollout.engine_process=true"), dist,
+    monkeypatch.setattr(vp, "physical_gpu", lambda device, visible: visible.split(",")[1])  # cuda:1 on a CPU box
+    eng = vr.VLLMRolloutEngine.from_config(_cfg("rollout.vllm.engine_process=true"), dist,
                                            SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD))
     assert seen["kwargs"]["distributed_executor_backend"] == "uni"
     env = seen["env"]
@@ -1113,9 +1114,9 @@ def test_engine_process_is_spawned_alone_on_its_gpu_and_the_environment_restored
     eng = vr.VLLMRolloutEngine.from_config(_cfg(), dist, SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD))
     assert seen["kwargs"]["distributed_executor_backend"] == "external_launcher" and eng.in_process
     assert seen["env"]["RANK"] == "1" and seen["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    assert eng.stale_kv_versions == 0  # rollout.reuse_stale_kv off: every round after a push resets the cache
+    assert eng.stale_kv_versions == 0  # rollout.vllm.reuse_stale_kv off: every round after a push resets the cache
     reuse = _cfg("trainer.mode=overlap", "trainer.max_staleness=3", "trainer.partial_rollouts=true",
-                 "trainer.partial_rollout_ahead=2", "rollout.reuse_stale_kv=true")
+                 "trainer.partial_rollout_ahead=2", "rollout.vllm.reuse_stale_kv=true")
     reuse.validate()
     eng = vr.VLLMRolloutEngine.from_config(reuse, dist, SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD))
     assert eng.stale_kv_versions == 3  # kept for at most trainer.max_staleness pushes
@@ -1138,7 +1139,7 @@ def test_an_engine_process_under_torchrun_sets_up_its_own_world_of_one(monkeypat
                         TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RUN_ID="r", TORCHELASTIC_RESTART_COUNT="0")
     for key, value in torchrun_env.items():
         monkeypatch.setenv(key, value)
-    with vr.engine_process_env(torch.device("cuda", 1)):
+    with vp.engine_process_env(torch.device("cuda", 1)):
         hidden = {k for k in torchrun_env if k in os.environ}
         child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert {k: os.environ[k] for k in torchrun_env} == torchrun_env  # the trainer's own environment is back
@@ -1149,10 +1150,10 @@ def test_an_engine_process_under_torchrun_sets_up_its_own_world_of_one(monkeypat
 def test_ipc_handles_are_opened_with_the_engine_process_device_index():
     """A handle's storage device is the trainer's index (cuda:3); the engine process sees the GPU as 0."""
     args = tuple(range(15))
-    out = vr.rebuild_ipc((lambda *a: a, args), device_index=0)
-    assert out[vr._IPC_DEVICE_ARG] == 0 and out[:6] == args[:6] and out[7:] == args[7:]
+    out = vp.rebuild_ipc((lambda *a: a, args), device_index=0)
+    assert out[vp._IPC_DEVICE_ARG] == 0 and out[:6] == args[:6] and out[7:] == args[7:]
     with pytest.raises(ValueError, match="CUDA tensor"):
-        vr.cuda_ipc_handle(torch.zeros(2))
+        vp.cuda_ipc_handle(torch.zeros(2))
 
 
 def test_an_engine_process_is_born_deaf_to_sigterm_and_sigint():
@@ -1162,7 +1163,7 @@ def test_an_engine_process_is_born_deaf_to_sigterm_and_sigint():
     import subprocess
 
     before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    with vr.signals_blocked():
+    with vp.signals_blocked():
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         blocked = int(next(line.split()[1] for line in open(f"/proc/{child.pid}/status") if line.startswith("SigBlk")), 16)
@@ -1177,7 +1178,7 @@ def test_an_engine_process_dies_with_its_parent():
     """``_rpc_die_with_parent`` sets the kernel's parent-death signal to SIGKILL (read back with PR_GET_PDEATHSIG)."""
     import subprocess
 
-    code = ("import ctypes, os; from hybrid_rl.rollout.vllm import _rpc_die_with_parent as f; ok = f(None, os.getppid()); "
+    code = ("import ctypes, os; from hybrid_rl.rollout.vllm_process import _rpc_die_with_parent as f; ok = f(None, os.getppid()); "
             "v = ctypes.c_int(); ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0); print(ok, v.value)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[2])

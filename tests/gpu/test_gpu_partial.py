@@ -14,7 +14,7 @@ engine colocated as in ``test_vllm_gpu.py``.
 2. a real optimizer step and a push between the segments: the stitched batch (``partial.assemble_groups``) has
    the trainer's layout, per-token versions 0 then 1, and the continuation's log-probs match the trainer's
    recomputation under the new weights (the first segment's match the old weights).
-3. ``rollout.reuse_stale_kv``: after a push the continuation reads its context (prompt + first segment) from the
+3. ``rollout.vllm.reuse_stale_kv``: after a push the continuation reads its context (prompt + first segment) from the
    prefix cache the old weights left (``RequestOutput.num_cached_tokens``); with it off the push resets the cache
    and nothing is read from it, and the log-probs match the new weights. Prints what the stale keys cost.
 """
@@ -59,7 +59,7 @@ def random_prompts(num: int, lo: int, hi: int, seed: int) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
     # overlap mode: the engine stays awake (free_cache_engine off), as partial rollouts run it
-    h = vllm_hybrid(tmp_path_factory, ["rollout.gpu_memory_utilization=0.3", f"data.max_response_length={MAX_NEW}"],
+    h = vllm_hybrid(tmp_path_factory, ["rollout.vllm.gpu_memory_utilization=0.3", f"data.max_response_length={MAX_NEW}"],
                     free_cache_engine=False, sleep_level=1)
     yield h
     h.engine.shutdown()

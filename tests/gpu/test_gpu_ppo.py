@@ -49,7 +49,7 @@ def test_ppo_steps_with_vllm(tmp_path, gpus, offload):
     cmd = [sys.executable, "-m", "hybrid_rl", "train", "--nproc", str(gpus), str(ROOT / "recipes/cpu_successor_gae.yaml"),
            "trainer.device=auto", "rollout.name=vllm", f"trainer.total_steps={STEPS}", "trainer.test_freq=0",
            "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.logger=[jsonl]", f"trainer.output_dir={out}",
-           "rollout.gpu_memory_utilization=0.3", f"critic.param_offload={str(offload).lower()}",
+           "rollout.vllm.gpu_memory_utilization=0.3", f"critic.param_offload={str(offload).lower()}",
            f"critic.optimizer_offload={str(offload).lower()}", *MODEL]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -37,7 +37,7 @@ def test_default_recipe_with_vllm_trains_in_float32(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "hybrid_rl", "train", str(ROOT / "recipes/cpu_successor.yaml"), "trainer.device=auto",
            "rollout.name=vllm", "trainer.total_steps=6", "trainer.test_freq=3", f"trainer.output_dir={out}",
-           "rollout.gpu_memory_utilization=0.3"]
+           "rollout.vllm.gpu_memory_utilization=0.3"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -46,7 +46,7 @@ def test_default_recipe_with_vllm_trains_in_float32(tmp_path):
     for r in steps:
         assert math.isfinite(r["actor/pg_loss"]) and math.isfinite(r["actor/grad_norm"])
         assert r["rollout/logprob_diff"] < 0.05, r["rollout/logprob_diff"]  # bf16 engine vs fp32 trainer
-        # vLLM's sleep-mode pool (weights + KV cache, within gpu_memory_utilization=0.3 of the card) is counted by
+        # vLLM's sleep-mode pool (weights + KV cache, within rollout.vllm.gpu_memory_utilization=0.3 of the card) is counted by
         # torch's peak statistics, asleep or not; the trainer's own peak is what is left
         total = torch.cuda.get_device_properties(0).total_memory / 2**30
         assert 0.05 * total < r["perf/engine_pool_gb"] <= 0.3 * total, (r["perf/engine_pool_gb"], total)
@@ -65,7 +65,7 @@ def test_split_two_plus_two_with_vllm_starts_and_trains(tmp_path, partial):
            "train", str(ROOT / "recipes/cpu_successor.yaml"), "trainer.device=auto", "rollout.name=vllm",
            "trainer.placement=split", "trainer.rollout_ranks=2", "trainer.mode=overlap", "trainer.total_steps=4",
            "trainer.test_freq=0", "trainer.val_before_train=false", f"trainer.output_dir={out}",
-           "rollout.gpu_memory_utilization=0.3", "trainer.stall_dump_s=120", "trainer.collective_timeout_s=300"]
+           "rollout.vllm.gpu_memory_utilization=0.3", "trainer.stall_dump_s=120", "trainer.collective_timeout_s=300"]
     if partial:
         cmd += ["trainer.partial_rollouts=true", "trainer.max_staleness=2"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=600)

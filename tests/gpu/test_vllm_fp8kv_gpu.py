@@ -1,4 +1,4 @@
-"""GPU test of the vLLM engine with an fp8 KV cache (``rollout.kv_cache_dtype=fp8``), in a module of its own: vLLM's
+"""GPU test of the vLLM engine with an fp8 KV cache (``rollout.vllm.kv_cache_dtype=fp8``), in a module of its own: vLLM's
 cuMem allocator allows one engine per process, and the other modules' engine keeps the default cache dtype.
 
 Run on a CUDA machine with vLLM 0.26 installed:  pytest -m gpu tests/gpu/test_vllm_fp8kv_gpu.py
@@ -36,7 +36,7 @@ FP8_TOL = 1e-1
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-    h = vllm_hybrid(tmp_path_factory, ["rollout.gpu_memory_utilization=0.3", "rollout.kv_cache_dtype=fp8",
+    h = vllm_hybrid(tmp_path_factory, ["rollout.vllm.gpu_memory_utilization=0.3", "rollout.vllm.kv_cache_dtype=fp8",
                                        "data.max_response_length=64"], free_cache_engine=True, sleep_level=1)
     yield h
     h.engine.shutdown()

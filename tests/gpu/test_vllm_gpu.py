@@ -46,7 +46,7 @@ GPU_UTIL = 0.3
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
     """trainer (FSDP2, world of one) + vLLM engine + sharding manager, as the worker builds them."""
-    h = vllm_hybrid(tmp_path_factory, [f"rollout.gpu_memory_utilization={GPU_UTIL}", "rollout.sleep_level=2",
+    h = vllm_hybrid(tmp_path_factory, [f"rollout.vllm.gpu_memory_utilization={GPU_UTIL}", "rollout.sleep_level=2",
                                        "data.max_response_length=64"], free_cache_engine=True, sleep_level=2)
     yield h
     h.engine.shutdown()

@@ -1,4 +1,4 @@
-"""GPU tests of ``rollout.engine_process=true``: the vLLM engine core in a process of its own beside the FSDP2 trainer.
+"""GPU tests of ``rollout.vllm.engine_process=true``: the vLLM engine core in a process of its own beside the FSDP2 trainer.
 
 Run on a CUDA machine with vLLM 0.26:  pytest -m gpu tests/gpu/test_vllm_process_gpu.py   (skips without either)
 
@@ -37,8 +37,8 @@ TOL = 2e-2  # mean |Δ log-prob| allowed between engine and trainer in bf16
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-    h = vllm_hybrid(tmp_path_factory, ["rollout.gpu_memory_utilization=0.3", "rollout.sleep_level=2",
-                                       "data.max_response_length=64", "rollout.engine_process=true"],
+    h = vllm_hybrid(tmp_path_factory, ["rollout.vllm.gpu_memory_utilization=0.3", "rollout.sleep_level=2",
+                                       "data.max_response_length=64", "rollout.vllm.engine_process=true"],
                     free_cache_engine=True, sleep_level=2)
     yield h
     h.engine.shutdown()

@@ -41,8 +41,8 @@ def test_split_ratios_and_auto_ratio():
     assert [ms.auto_rollout_ranks(s, 4) for s in (0.05, 0.3, 0.5, 0.7, 0.99)] == [1, 1, 2, 3, 3]
     assert ms.split_mode(4, 2) == ("overlap_split", ["trainer.mode=overlap", "trainer.max_staleness=1",
                                                       "trainer.placement=split", "trainer.rollout_ranks=2"])
-    name, ovr = ms.split_runs(4, [1], ["rollout.gpu_memory_utilization=0.6"])[0]
-    assert name == "overlap_split_r1" and ovr[-2:] == ["trainer.rollout_ranks=1", "rollout.gpu_memory_utilization=0.6"]
+    name, ovr = ms.split_runs(4, [1], ["rollout.vllm.gpu_memory_utilization=0.6"])[0]
+    assert name == "overlap_split_r1" and ovr[-2:] == ["trainer.rollout_ranks=1", "rollout.vllm.gpu_memory_utilization=0.6"]
     # --partial-aheads: one split_partial run per trainer.partial_rollout_ahead at each ratio, named for it
     runs = ms.split_runs(2, [1], [], "split_partial", ms.parse_aheads("0.25,1"))
     assert [n for n, _ in runs] == ["split_partial_a0.25", "split_partial_a1"]

@@ -110,7 +110,7 @@ def test_two_ranks_checkpoint_and_resume(tmp_path, tiny_model_path):
     (["trainer.partial_rollouts=true", "trainer.max_staleness=2"], "needs trainer.mode=overlap"),
     (["trainer.partial_rollouts=true", "trainer.mode=overlap"], "needs trainer.max_staleness >= 2"),
     ([*PARTIAL, "actor.old_log_prob=engine"], "set actor.old_log_prob=auto"),
-    ([*PARTIAL, "rollout.name=vllm", "rollout.tensor_parallel_size=2"], "rollout.tensor_parallel_size=1"),
+    ([*PARTIAL, "rollout.name=vllm", "rollout.vllm.tensor_parallel_size=2"], "rollout.vllm.tensor_parallel_size=1"),
     (["trainer.mode=overlap", "trainer.max_staleness=2"], "only with trainer.partial_rollouts=true"),
     ([*PARTIAL, "trainer.partial_rollout_ahead=25"], "must be in \\(0, 4\\].*not a percentage"),
     ([*PARTIAL, "trainer.partial_rollout_ahead=0"], "partial_rollout_ahead=0.0 must be in"),

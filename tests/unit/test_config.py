@@ -60,14 +60,37 @@ def test_bad_overrides_name_the_key(override, message):
     (["trainer.rollout_ranks=-1"], "trainer.rollout_ranks=-1 must be >= 0"),
     (["trainer.stall_dump_s=-5"], "trainer.stall_dump_s=-5.0 must be >= 0"),
     (["trainer.profile_steps=[0]"], "trainer.profile_steps"),
-    (["rollout.name=hf", "rollout.kv_cache_dtype=fp8"], "rollout.kv_cache_dtype=fp8 is for rollout.name=vllm"),
-    (["rollout.name=vllm", "rollout.reuse_stale_kv=true"], "set trainer.partial_rollouts=true, or rollout.reuse"),
+    (["rollout.name=hf", "rollout.vllm.kv_cache_dtype=fp8"], "rollout.vllm.kv_cache_dtype=fp8 is for rollout.name=vllm"),
+    (["rollout.name=vllm", "rollout.vllm.reuse_stale_kv=true"], "set trainer.partial_rollouts=true, or rollout.vllm.reuse"),
     (["rollout.name=vllm", "trainer.mode=overlap", "trainer.max_staleness=2", "trainer.partial_rollouts=true",
-      "rollout.enable_prefix_caching=false", "rollout.reuse_stale_kv=true"], "set rollout.enable_prefix_caching=true"),
+      "rollout.vllm.enable_prefix_caching=false", "rollout.vllm.reuse_stale_kv=true"], "set rollout.vllm.enable_prefix_caching=true"),
 ])
 def test_inconsistent_sizes_are_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides).validate()
+
+
+def test_a_moved_engine_key_names_its_new_place():
+    """The vLLM-only keys are the vLLM engine's own section, ``rollout.vllm``: the old flat spelling says where."""
+    for key in ("gpu_memory_utilization", "tensor_parallel_size", "engine_process"):
+        with pytest.raises(ConfigError, match=rf"^rollout\.{key} is now rollout\.vllm\.{key};"):
+            load_config(None, [f"rollout.{key}=1"])
+    cfg = load_config(None, ["rollout.vllm.gpu_memory_utilization=0.3", "rollout.vllm.engine_kwargs.swap_space=4"])
+    assert cfg.rollout.vllm.gpu_memory_utilization == 0.3 and cfg.rollout.vllm.engine_kwargs == {"swap_space": 4}
+    with pytest.raises(ConfigError, match="rollout.vllm.engine_kwargs must be a mapping"):
+        load_config(None, ["rollout.vllm.engine_kwargs=4"])
+
+
+def test_a_checkpoint_saved_with_the_flat_engine_keys_resumes_under_the_new_ones():
+    from hybrid_rl.config import resume_config_diff
+
+    cfg = load_config(None, ["rollout.vllm.tensor_parallel_size=2", "rollout.vllm.engine_kwargs.swap_space=4"])
+    saved = cfg.to_dict()
+    assert resume_config_diff(saved, cfg) == ([], [])
+    del saved["rollout"]["vllm"]
+    saved["rollout"]["tensor_parallel_size"] = 2
+    strict, _ = resume_config_diff(saved, cfg)
+    assert strict == ["rollout.vllm.engine_kwargs (checkpoint: {}, now: {'swap_space': 4})"]
 
 
 def test_a_token_budget_leaves_the_micro_batch_size_unchecked():

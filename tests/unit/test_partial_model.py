@@ -53,7 +53,7 @@ def test_a_draining_window_is_faster_than_the_steady_state():
 
 
 def test_keeping_the_carried_contexts_cache_saves_their_prefill():
-    """``--reuse-kv`` (``rollout.reuse_stale_kv``): carried contexts are prefilled again only after the cache's reset
+    """``--reuse-kv`` (``rollout.vllm.reuse_stale_kv``): carried contexts are prefilled again only after the cache's reset
     once every max_staleness pushes, so the steady state at 4k, ahead 3 gets faster; with an instant prefill there is
     nothing to save."""
     at_4k = dict(per_step=12, n=8, mean=4096, prompt_len=300, update_s=13.5, exchange_s=1.0, warmup=6, measure=16)

@@ -124,7 +124,7 @@ def test_refusals(engine):
     with pytest.raises(ValueError, match="max_tokens < 1"):
         eng.generate_interruptible([Continuation([5], (), 0)], SamplingParams())
     eng.tp_group = object()
-    with pytest.raises(NotImplementedError, match="rollout.tensor_parallel_size"):
+    with pytest.raises(NotImplementedError, match="rollout.vllm.tensor_parallel_size"):
         eng.generate_interruptible([Continuation([5], (), 1)], SamplingParams())
 
 
@@ -153,7 +153,7 @@ def test_interruptible_generation_runs_inside_the_generation_stream(engine):
 
 @pytest.mark.parametrize("versions, resets", [(0, [1, 2, 3, 4, 5, 6, 7]), (3, [1, 4, 7])])
 def test_reuse_stale_kv_keeps_the_prefix_cache_for_max_staleness_pushes(engine, versions, resets):
-    """``rollout.reuse_stale_kv`` (``stale_kv_versions`` = trainer.max_staleness): a round after a push resumes on
+    """``rollout.vllm.reuse_stale_kv`` (``stale_kv_versions`` = trainer.max_staleness): a round after a push resumes on
     the prefix cache the older weights left, until that many pushes since its last reset; off, every round after
     a push starts on a reset cache. A foreground ``generate`` still resets a stale cache."""
     eng = engine()

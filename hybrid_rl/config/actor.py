@@ -1,0 +1,189 @@
+"""The ``actor``, ``ref`` and ``critic`` sections: the trained policy, its frozen reference, and the value model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from hybrid_rl.config.errors import ConfigError, require_positive
+
+
+@dataclass
+class ActorConfig:
+    lr: float = 1e-6
+    """AdamW peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    """Schedule after warm-up."""
+    min_lr_ratio: float = 0.0
+    """Cosine floor as a fraction of ``lr``."""
+    ppo_epochs: int = 1
+    """Passes over each batch."""
+    ppo_mini_batch_size: int = 16
+    """Prompts per optimizer step, across all ranks (each brings ``rollout.n`` samples)."""
+    ppo_micro_batch_size_per_device: int = 8
+    """Sequences per forward/backward on one device (gradient accumulation fills the mini-batch); unused with
+    ``use_dynamic_bsz``, whose token budget cuts the micro-batches instead."""
+    log_prob_micro_batch_size_per_device: int = 16
+    """Sequences per forward when computing log-probs (likewise unused with ``use_dynamic_bsz``)."""
+    use_dynamic_bsz: bool = False
+    """Cut micro-batches by padded tokens (``max_token_len_per_device``) instead of a sequence count, in every pass."""
+    max_token_len_per_device: int = 16384
+    """Token budget of one micro-batch with ``use_dynamic_bsz`` (prompt + response, padded)."""
+    use_remove_padding: Optional[bool] = None
+    """Pack each micro-batch's sequences into one row without padding (per-sequence positions, attention that never
+    crosses sequences: flash-attention varlen on CUDA, one SDPA call per sequence elsewhere); token budgets count real
+    tokens. Also used by the reference policy. Default (null): on for CUDA, off on CPU, where the per-sequence attention
+    costs more than the padding (the CPU recipe's update: 0.9 s packed vs 0.3 s padded)."""
+    fused_logprob: Optional[bool] = None
+    """Log-probs and entropy straight from the last hidden states and the LM head, in row chunks recomputed in
+    backward: the [tokens × vocabulary] logits are never materialised (the reference policy too). Default (null): on
+    for CUDA, off on CPU (a small vocabulary gains nothing there and the recomputation costs)."""
+    share_prompts: Optional[bool] = None
+    """With ``use_remove_padding``: each distinct prompt of a micro-batch passes through the model once and its
+    responses attend to that one copy (``workers/packed.py``'s ``pack_shared``), in the actor's passes and the
+    reference's. Exact (a prompt never sees its responses); with GRPO's n samples per prompt it removes (n-1)/n of the
+    prompt tokens from every training pass (GSM8K, n=8: about half of all tokens). ``perf/mfu_*`` count the FLOPs the
+    shared passes run; ``perf/mfu_*_equiv`` count every sample's sequence on its own (the work the unshared passes
+    do), and ``perf/update_token_share`` is the update's tokens run per token of the batch. Default (null): on
+    wherever the run packs on CUDA (4xH200, flagship shapes, no recomputation: update 7.3 -> 5.4 s, log-prob 2.1 ->
+    1.5 s), off on CPU."""
+    use_torch_compile: bool = False
+    """``torch.compile`` each decoder block's forward (dynamic shapes) in the actor: fused kernels for a loop that is
+    launch-bound (small models, many micro-batches); the first pass of each mode (train/eval) pays the compile."""
+    accumulate_unsharded: bool = False
+    """FSDP2: keep the parameters gathered and the gradients unreduced across the micro-batches of a pass, so a
+    mini-batch costs one all-gather and one reduce-scatter per block instead of two all-gathers and one
+    reduce-scatter per micro-batch (``reshard_after_forward=False``; gradient sync and resharding on the last
+    micro-batch only). The reference policy's pass keeps its blocks gathered likewise. Costs a full compute-dtype
+    copy of the parameters and full fp32 gradients per GPU during a pass: right for small models and many
+    micro-batches, wrong where sharding is what makes the model fit."""
+    policy_loss: str = "auto"
+    """The actor's loss, a name in ``hybrid_rl.algorithms.POLICY_LOSSES`` (``ppo``, ``decoupled_ppo``, ``gspo``, or
+    one a plug-in registers); ``auto`` = ``decoupled_ppo`` when the rollout correction is on, else ``ppo``. ``gspo``
+    clips one length-normalised ratio per sequence: set ``actor.clip_ratio_low=3e-4 actor.clip_ratio_high=4e-4
+    actor.loss_agg_mode=seq-mean-token-mean`` (the paper's)."""
+    clip_ratio_low: float = 0.2
+    """PPO clip ε below 1."""
+    clip_ratio_high: float = 0.2
+    """PPO clip ε above 1 (DAPO uses 0.28)."""
+    clip_ratio_c: Optional[float] = None
+    """Dual-clip bound for negative advantages (> 1; none = off)."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How token losses are averaged."""
+    mask_truncated_completions: bool = False
+    """Leave the responses cut at ``data.max_response_length`` out of the actor's loss and its denominators (DAPO's
+    overlong filtering; TRL's ``GRPOConfig.mask_truncated_completions``): a ramble cut at the cap is neither
+    rewarded nor punished, where ``reward.overlong_buffer_len`` punishes it. They still count in their group's
+    advantage baseline. A response of exactly the cap's length counts as cut, as in ``rollout/response_clip_ratio``."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient."""
+    use_kl_loss: bool = False
+    """Add a KL(π‖π_ref) term to the loss (needs the reference policy)."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss term."""
+    kl_loss_type: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator for the loss term."""
+    param_offload: bool = False
+    """Move actor parameters (and gradients) to CPU while the engine generates."""
+    optimizer_offload: bool = False
+    """Move AdamW state to CPU while the engine generates."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (0 = off)."""
+    shuffle_mini_batches: bool = False
+    """Shuffle samples before cutting mini-batches (seeded)."""
+    old_log_prob: Literal["auto", "recompute", "engine"] = "auto"
+    """Where π_old (PPO's ratio denominator; the proximal policy in overlap mode) comes from. ``recompute``: a separate
+    no-grad forward of the actor over the batch before the update. ``auto``: the update's first mini-batch takes π_old
+    from its own forward, detached (the weights have not moved yet: ratio 1, the same gradient), and the pass runs on
+    the other mini-batches only: none with one mini-batch per epoch (``ppo_mini_batch_size = data.train_batch_size``),
+    1/M less with M; later epochs read what that forward left. Exact, so it is the default; it falls back to the whole
+    pass when π_old is read before the update (KL-in-reward) or the actor does not update this step. With stale
+    samples (overlap mode, partial rollouts) that forward is θ_k's, the proximal policy, as the pass's would be.
+    ``engine``: never run the pass, use the rollout engine's log-probs (an approximation: engine and trainer numerics
+    differ; in overlap mode proximal = behaviour). Metric ``actor/old_log_prob_skipped``: the share skipped."""
+
+    def validate(self) -> None:
+        require_positive(self, "actor", ["ppo_mini_batch_size", "ppo_micro_batch_size_per_device", "ppo_epochs",
+                                         "log_prob_micro_batch_size_per_device"])
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
+            raise ConfigError(f"actor.clip_ratio_c={self.clip_ratio_c} must be > 1 (dual clip), or null to turn it off")
+        if not (0 <= self.clip_ratio_low < 1 and self.clip_ratio_high >= 0):
+            raise ConfigError("actor.clip_ratio_low must be in [0, 1) and actor.clip_ratio_high >= 0")
+        if len(self.betas) != 2:
+            raise ConfigError(f"actor.betas must hold two numbers, got {self.betas}")
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_device: int = 16
+    """Sequences per forward when computing reference log-probs."""
+    offload: bool = False
+    """Keep the frozen reference on CPU between uses (full fine-tuning only; LoRA reuses the base)."""
+
+
+    def validate(self) -> None:
+        require_positive(self, "ref", ["log_prob_micro_batch_size_per_device"])
+
+
+@dataclass
+class CriticConfig:
+    model_path: Optional[str] = None
+    """Where the value model's backbone comes from: null = the actor's ``model.path``; a causal LM (its LM head is
+    dropped and a fresh scalar value head added)."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute the critic's activations in the backward pass."""
+    lr: float = 1e-5
+    """AdamW peak learning rate of the critic."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    lr_warmup_steps: int = 0
+    """Linear LR warm-up, in critic optimizer steps."""
+    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    """LR schedule after warm-up."""
+    min_lr_ratio: float = 0.0
+    """Cosine floor as a fraction of ``lr``."""
+    warmup_steps: int = 0
+    """Critic warm-up: the first N trainer steps update only the critic (the actor does not move)."""
+    ppo_epochs: int = 1
+    """Passes of the critic over each batch."""
+    ppo_mini_batch_size: int = 16
+    """Prompts per critic optimizer step, across all ranks (each brings ``rollout.n`` samples)."""
+    ppo_micro_batch_size_per_device: int = 8
+    """Sequences per critic forward/backward on one device."""
+    forward_micro_batch_size_per_device: int = 16
+    """Sequences per no-grad forward when computing values."""
+    use_dynamic_bsz: bool = False
+    """Cut the critic's micro-batches by padded tokens (``max_token_len_per_device``) instead of a sequence count."""
+    max_token_len_per_device: int = 16384
+    """Token budget of one critic micro-batch with ``use_dynamic_bsz``."""
+    cliprange_value: Optional[float] = 0.5
+    """Value clipping: a prediction may move at most this far from the values the batch was scored with (null = off)."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How the per-token value losses are averaged."""
+    grad_clip: float = 1.0
+    """Max global gradient norm of the critic (0 = off)."""
+    param_offload: bool = False
+    """Move the critic's parameters (and gradients) to CPU between its phases (e.g. while the engine generates)."""
+    optimizer_offload: bool = False
+    """Move the critic's AdamW state to CPU between its updates."""
+
+
+    def validate(self) -> None:
+        """Checked only where a critic is built (``Config.need_critic``)."""
+        require_positive(self, "critic", ["ppo_mini_batch_size", "ppo_micro_batch_size_per_device", "ppo_epochs",
+                                          "forward_micro_batch_size_per_device"])
+        if self.cliprange_value is not None and self.cliprange_value <= 0:
+            raise ConfigError(f"critic.cliprange_value={self.cliprange_value} must be > 0, or null to turn value "
+                              f"clipping off")
+        if self.warmup_steps < 0 or self.lr_warmup_steps < 0:
+            raise ConfigError("critic.warmup_steps and critic.lr_warmup_steps must be >= 0")
+        if len(self.betas) != 2:
+            raise ConfigError(f"critic.betas must hold two numbers, got {self.betas}")

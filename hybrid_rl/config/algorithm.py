@@ -1,0 +1,137 @@
+"""The ``algorithm`` and ``reward`` sections: advantages, KL terms, off-policy correction, and the reward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from hybrid_rl.config.errors import ConfigError
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    apply: Literal["auto", "always", "never"] = "auto"
+    """Decoupled PPO (π_θ/π_prox clipped, weighted by π_prox/π_behav); ``auto`` = only in overlap mode with staleness ≥ 1."""
+    level: Literal["token", "sequence"] = "token"
+    """Importance weight per token, or one per sequence (product of token ratios)."""
+    mode: Literal["truncate", "mask"] = "truncate"
+    """Weights above ``cap`` are cut to ``cap`` (truncate) or drop their tokens/sequences (mask)."""
+    cap: Optional[float] = 2.0
+    """Upper bound on π_prox/π_behav (null = none)."""
+
+
+    def validate(self) -> None:
+        if self.cap is not None and self.cap <= 1:
+            raise ConfigError(f"algorithm.rollout_correction.cap={self.cap} must be > 1 (or null for no cap)")
+
+
+@dataclass
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """``fixed``: β stays ``kl_coef``. ``adaptive``: β is scaled after every step towards ``target_kl`` (Ziegler et al.)."""
+    kl_coef: float = 0.001
+    """β for the reward penalty (the starting value under ``adaptive``)."""
+    target_kl: float = 0.1
+    """``adaptive``: the per-sequence mean KL β steers towards."""
+    horizon: int = 10000
+    """``adaptive``: sequences over which β may change by the full ±20% proportional error."""
+
+
+    def validate(self) -> None:
+        if self.kl_coef < 0:
+            raise ConfigError(f"algorithm.kl_ctrl.kl_coef={self.kl_coef} must be >= 0")
+        if self.type == "adaptive" and (self.target_kl <= 0 or self.horizon <= 0):
+            raise ConfigError(f"algorithm.kl_ctrl.type=adaptive needs algorithm.kl_ctrl.target_kl > 0 and "
+                              f"algorithm.kl_ctrl.horizon > 0 (got {self.target_kl} and {self.horizon})")
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = False
+    """DAPO's dynamic sampling: drop the GRPO groups whose ``rollout.n`` rewards are all equal (zero advantage, no
+    policy gradient) and generate more groups until every rank holds its share of ``data.train_batch_size``
+    informative ones. Needs ``trainer.mode=sync`` with colocated placement and no partial rollouts (the reward must be
+    known before the step's batch is final), and a group estimator (grpo, dr_grpo, rloo). Metrics:
+    ``rollout/filtered_groups`` (groups dropped), ``rollout/filter_rounds`` (refill generations),
+    ``rollout/filter_short_groups`` (target slots still holding an all-equal group after ``max_rounds``)."""
+    metric: Literal["seq_reward", "score"] = "seq_reward"
+    """What must differ within a group: ``seq_reward``, the sequence's training reward (the score plus the overlong
+    penalty, what the advantage sees), or ``score``, the reward function's own value."""
+    max_rounds: int = 10
+    """Refill generations per step at most (each of a full step's prompts, on every rank); past them the step trains
+    on the informative groups it has, the remaining slots keeping all-equal groups (counted in
+    ``rollout/filter_short_groups``), so the batch's shape is the same as every step's."""
+
+
+    def validate(self) -> None:
+        if self.enable and self.max_rounds < 0:
+            raise ConfigError(f"algorithm.filter_groups.max_rounds={self.max_rounds} must be >= 0 (refill generations "
+                              f"per step; 0 = none, the batch trains as generated and the counts are logged)")
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    """Advantage estimator registered in ``hybrid_rl.algorithms.ADV_ESTIMATORS``: grpo, dr_grpo, rloo, reinforce_pp, gae."""
+    norm_adv_by_std_in_grpo: bool = True
+    """Divide GRPO advantages by the group's std."""
+    gamma: float = 1.0
+    """Discount."""
+    lam: float = 1.0
+    """GAE λ."""
+    gae_whiten: Literal["std", "mean", "none"] = "std"
+    """How GAE advantages are normalised over the batch's tokens: ``std`` whitens (verl), ``mean`` only subtracts the
+    mean (keeps the critic's small errors small when a batch holds no reward at all), ``none`` leaves them raw."""
+    gae_std_floor: float = 0.0
+    """With ``gae_whiten=std``: divide by max(std, this) so that a batch whose advantages are only the critic's noise
+    (no reward in it) is not blown up to unit scale; 0 = plain whitening."""
+    use_kl_in_reward: bool = False
+    """Subtract β·KL(π_old‖π_ref) from the token rewards (needs the reference policy)."""
+    kl_penalty: Literal["k1", "k2", "k3"] = "k1"
+    """KL estimator for the reward penalty."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """β of the reward penalty: fixed, or adapted towards a target KL."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Off-policy correction between the rollout engine's policy and the trainer's."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO's dynamic sampling: train only on groups whose rewards differ, generating more to fill the batch."""
+
+
+    def validate(self) -> None:
+        if self.gae_std_floor < 0:
+            raise ConfigError(f"algorithm.gae_std_floor={self.gae_std_floor} must be >= 0 (0 = plain whitening)")
+        self.kl_ctrl.validate()
+        self.rollout_correction.validate()
+        self.filter_groups.validate()
+
+
+@dataclass
+class RewardConfig:
+    function: str = "auto"
+    """``auto`` (the task's own), a built-in name (``gsm8k``, ``successor``), or ``module:function``."""
+    on_error: Literal["raise", "zero"] = "raise"
+    """A raising reward function (or one past ``timeout_s``) stops the run (``raise``) or scores 0 and is counted
+    (``zero``, metric ``reward/errors``)."""
+    timeout_s: float = 30.0
+    """Seconds one reward call may run before it is abandoned and fails as ``on_error`` says (0 = no limit). Needs
+    worker processes: with ``num_workers=0`` a long call is only reported."""
+    num_workers: int = -1
+    """Processes that score a batch: -1 = auto (min(8, CPUs per rank) for a ``module:function``, none for the
+    built-ins, which take microseconds), 0 = the training process, N = N processes. Scores are the same either way."""
+    overlong_buffer_len: int = 0
+    """DAPO's soft overlong punishment on the training reward (verl ``overlong_buffer.len``): a response within this
+    many tokens of ``data.max_response_length`` loses reward linearly, up to ``overlong_penalty_factor`` at the cap
+    (0 = off). Validation scores are left as they are."""
+    overlong_penalty_factor: float = 1.0
+    """The reward a response cut at the length cap loses (with ``overlong_buffer_len`` > 0)."""
+
+
+    def validate(self) -> None:
+        if self.overlong_penalty_factor < 0:
+            raise ConfigError(f"reward.overlong_penalty_factor={self.overlong_penalty_factor} must be >= 0 "
+                              f"(the reward a response cut at the cap loses)")
+        if self.timeout_s < 0:
+            raise ConfigError(f"reward.timeout_s={self.timeout_s} must be >= 0 seconds (0 = no limit)")
+        if self.num_workers < -1:
+            raise ConfigError(f"reward.num_workers={self.num_workers} must be -1 (auto), 0 (score in the training "
+                              f"process) or a number of worker processes")

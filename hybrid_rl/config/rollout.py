@@ -1,0 +1,85 @@
+"""The ``rollout`` section: which engine generates, how it samples, and each engine's own options."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from hybrid_rl.config.errors import ConfigError, require_positive
+from hybrid_rl.rollout.vllm_options import VLLMOptions
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "hf"
+    """Rollout engine registered in ``hybrid_rl.rollout.ROLLOUT_ENGINES``: ``hf`` (transformers, anywhere) or ``vllm`` (GPU)."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """The engine's weight dtype (the push casts the actor's weights to it): ``auto`` = ``model.dtype``, except that
+    vLLM runs a float32 model in bfloat16 (vLLM 0.26 in float32 crashed in generate on H200)."""
+    n: int = 8
+    """Samples per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs are computed at this temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    val_temperature: float = 0.0
+    """Temperature for validation (0 = greedy pass@1)."""
+    max_num_seqs: int = 256
+    """Sequences generated at once by the engine (the hf engine chunks by this)."""
+    weight_sync_bucket_mb: int = 512
+    """Bucket size for pushing weights into the engine."""
+    weight_load_replay: bool = True
+    """Record where the engine's ``load_weights`` copies each tensor on the first push and replay later pushes
+    as one fused copy per bucket (falls back to the real loader whenever the recording is not a plain copy)."""
+    free_cache_engine: bool = True
+    """Put the engine to sleep between rollouts (frees its memory for training)."""
+    forced_lengths: Optional[str] = None
+    """Benchmarks only: ignore EOS and draw response lengths from ``lognormal:MEAN:SIGMA`` or ``fixed:N`` (capped at max_response_length)."""
+    sleep_level: Literal[1, 2] = 1
+    """Engine sleep depth: 1 offloads its weights to CPU, 2 discards them (re-pushed on wake)."""
+    cuda_stream: Literal["shared", "own", "high"] = "shared"
+    """Which CUDA stream generation runs on (``hybrid_rl.rollout.base.GenerationStream``): ``shared``, the calling
+    thread's, which in overlap mode colocated is the trainer's too (vLLM 0.26's runner caches one stream), so the two
+    never run kernels at the same time;
+    ``own``, a stream of the engine's own; ``high``, that at the highest priority. Matters in overlap mode with
+    colocated placement. On SmolLM2-135M (1xH200, overlap) ``high`` was no faster than ``shared``: median step 1.44
+    against 1.37 s (``benchmarks/results/learning_smollm2_H200x1_overlong.json``); other models and lengths have not
+    been measured."""
+    vllm: VLLMOptions = field(default_factory=VLLMOptions)
+    """The vLLM engine's own options (``hybrid_rl/rollout/vllm_options.py``)."""
+
+    def validate(self) -> None:
+        require_positive(self, "rollout", ["n", "max_num_seqs", "weight_sync_bucket_mb"])
+        if self.forced_lengths is not None:
+            parse_forced_lengths(self.forced_lengths)
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
+        if self.temperature <= 0:
+            raise ConfigError(f"rollout.temperature={self.temperature} must be > 0 for training rollouts; "
+                              "use rollout.val_temperature=0 for greedy validation")
+
+    def engine_options(self) -> dict[str, object]:
+        """Each engine's options section by its ``rollout.name`` (the sections of this one)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if dataclasses.is_dataclass(getattr(self, f.name))}
+
+
+MOVED_KEYS = {f"rollout.{f.name}": f"rollout.vllm.{f.name}" for f in dataclasses.fields(VLLMOptions)
+              if f.name != "engine_kwargs"}
+"""Keys that once sat directly under ``rollout`` and are now an engine's own (a recipe naming the old key is told
+the new one; a checkpoint's saved config is read under the new one)."""
+
+
+def parse_forced_lengths(spec: str) -> tuple[str, list[float]]:
+    """``lognormal:MEAN:SIGMA`` or ``fixed:N`` → (kind, numbers); ConfigError naming the key otherwise."""
+    kind, _, rest = spec.partition(":")
+    try:
+        nums = [float(x) for x in rest.split(":")] if rest else []
+    except ValueError:
+        nums = []
+    if (kind, len(nums)) not in (("lognormal", 2), ("fixed", 1)) or any(x <= 0 for x in nums):
+        raise ConfigError(f"rollout.forced_lengths={spec!r} must be 'lognormal:MEAN:SIGMA' or 'fixed:N' with positive numbers")
+    return kind, nums

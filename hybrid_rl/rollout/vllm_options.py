@@ -1,0 +1,110 @@
+"""``VLLMOptions``: the vLLM engine's own keys, the ``rollout.vllm`` section, and the checks the engine owns.
+
+Importable without vLLM (and without torch): the config tree holds this section whichever engine ``rollout.name``
+picks, and validation calls ``validate``. Errors are ``ValueError``s naming the dotted key; the config turns them
+into ``ConfigError``s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Optional
+
+if TYPE_CHECKING:
+    from hybrid_rl.config import Config
+
+
+@dataclass
+class VLLMOptions:
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory the engine may take (weights + KV cache)."""
+    tensor_parallel_size: int = 1
+    """GPUs per engine; ranks form data-parallel groups of this size."""
+    max_num_batched_tokens: int = 8192
+    """Tokens per scheduler step."""
+    max_model_len: Optional[int] = None
+    """Context length (default: max_prompt_length + max_response_length)."""
+    enforce_eager: bool = False
+    """Skip CUDA graphs (faster start, slower decode)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV for shared prompt prefixes (the n samples of a prompt)."""
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    """The KV cache's dtype (``auto``: the engine's). ``fp8`` stores keys and values in 8 bits with per-tensor
+    scales of 1.0 (no calibration; the weights arrive after start-up): half the KV memory and half the KV reads per
+    decode step, which bound decoding many long sequences at once (split placement with partial rollouts at mean 4k
+    keeps ~400 running per rollout GPU). The engine's log-probs then differ more from the trainer's: the decoupled loss
+    takes the engine's as the behaviour policy, and ``rollout/logprob_diff`` shows the gap: 0.040 on average against
+    ~0.014 with a bf16 cache (1xH200, ``benchmarks/results/gpu_tests_H200x1_fp8kv_reusekv.json``). Its throughput
+    in a training run has not been measured."""
+    reuse_stale_kv: bool = False
+    """Partial rollouts: keep the prefix cache across weight pushes for the rounds, so that a carried sample
+    resumes on the keys and values its earlier tokens left (computed under the weights they were sampled with)
+    instead of re-prefilling its whole context under the new ones (PipelineRL's in-flight updates keep the cache the
+    same way; AReaL recomputes it). The tokens a round samples then come from old keys and new weights: the engine's
+    log-probs are still those it sampled with, and the decoupled loss takes them as the behaviour policy. A new
+    prompt may hit an older prompt's cached opening too, so the cache is still reset once every
+    ``trainer.max_staleness`` pushes (no cached key or value is older than the staleness bound allows; a shared
+    opening would otherwise keep its first weights' for good), and by validation and foreground generation.
+    ``benchmarks/partial_model.py`` (``--reuse-kv``) puts the saving at ~8% of a step at ahead 3, mean 4k, split
+    2:2 (23.8 → 22.0 s); ``rollout/prefix_cache_hit`` shows the share served from the cache. On 1xH200
+    (``tests/gpu/test_gpu_partial.py``) continuations read 91% of their context from it after a push, and after a
+    deliberately large step their log-probs were 0.48 from the new weights' (0.003 with the cache reset;
+    ``benchmarks/results/gpu_tests_H200x1_fp8kv_reusekv.json``). Its throughput in a training run has not been
+    measured."""
+    engine_process: bool = False
+    """Run the engine core (scheduler and model runner) in a process of its own on this rank's GPU, instead of
+    in the trainer's process (vLLM's multiprocessing front end, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``). In overlap
+    mode the trainer then no longer shares one Python interpreter with the engine: on SmolLM2-135M the trainer's
+    passes ran 2.3-5x slower beside the in-process engine thread. Weights are pushed as CUDA IPC handles (no copy
+    through the host); the engine's own memory is not in this process's ``perf/`` figures. Needs
+    ``tensor_parallel_size=1`` and ``rollout.cuda_stream=shared``; costs a second CUDA context (~0.5 GB) per GPU."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """More keyword arguments for ``vllm.LLM(...)`` (e.g. ``swap_space``, ``quantization``), given over the ones built
+    from this tree (as verl's ``engine_kwargs.vllm``); unchecked, passed as they are."""
+
+    def validate(self, cfg: "Config", world_size: int, in_use: bool) -> None:
+        """These keys, and the rest of ``cfg`` as vLLM needs it when ``in_use`` (``rollout.name`` picks vLLM); otherwise
+        only that the keys which change nothing but vLLM's behaviour are off. ``world_size``: all ranks."""
+        if not 0 < self.gpu_memory_utilization < 1:
+            raise ValueError(f"rollout.vllm.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1); "
+                             "0.3-0.6 leaves room for training")
+        tp, r, t = self.tensor_parallel_size, cfg.rollout, cfg.trainer
+        if tp < 1 or world_size % tp:
+            raise ValueError(f"rollout.vllm.tensor_parallel_size={tp} must divide the {world_size} ranks")
+        if not in_use:
+            self._validate_unused(r.name)
+            return
+        if r.dtype == "float32":
+            raise ValueError("rollout.dtype=float32 with rollout.name=vllm: vLLM 0.26 in float32 crashed in step 2's "
+                             "generate (CUDA illegal memory access, on H200); use rollout.dtype=auto (a bfloat16 engine, "
+                             "the actor keeps model.dtype) or rollout.name=hf")
+        if t.placement == "split" and cfg.split_layout(world_size)[0] % tp:
+            raise ValueError(f"rollout.vllm.tensor_parallel_size={tp} must divide the {cfg.split_layout(world_size)[0]} "
+                             f"rollout ranks")
+        if self.reuse_stale_kv and not (t.partial_rollouts and self.enable_prefix_caching):
+            missing = [k for k, ok in (("trainer.partial_rollouts=true", t.partial_rollouts),
+                                       ("rollout.vllm.enable_prefix_caching=true", self.enable_prefix_caching)) if not ok]
+            raise ValueError(f"rollout.vllm.reuse_stale_kv=true keeps vLLM's prefix cache for partial rollouts' carried "
+                             f"samples: set {' '.join(missing)}, or rollout.vllm.reuse_stale_kv=false")
+        if self.engine_process and tp != 1:
+            raise ValueError(f"rollout.vllm.engine_process=true needs rollout.vllm.tensor_parallel_size=1 (got {tp}): one "
+                             f"engine process per GPU; set rollout.vllm.engine_process=false")
+        if self.engine_process and r.cuda_stream != "shared":
+            raise ValueError(f"rollout.cuda_stream={r.cuda_stream} with rollout.vllm.engine_process=true: the engine "
+                             f"runs on its own streams in its own process; set rollout.cuda_stream=shared")
+        if t.partial_rollouts and tp > 1:
+            raise ValueError(f"trainer.partial_rollouts=true with rollout.name=vllm needs rollout.vllm.tensor_parallel_"
+                             f"size=1 (got {tp}): the ranks of one engine cannot agree on an interrupt yet; set "
+                             "trainer.partial_rollouts=false")
+
+    def _validate_unused(self, engine: str) -> None:
+        """Another engine generates: a key that would only change what vLLM does is an error where it is set."""
+        if self.reuse_stale_kv:
+            raise ValueError(f"rollout.vllm.reuse_stale_kv=true keeps vLLM's prefix cache for partial rollouts' carried "
+                             f"samples: set rollout.name=vllm (got {engine!r}), or rollout.vllm.reuse_stale_kv=false")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"rollout.vllm.kv_cache_dtype={self.kv_cache_dtype} is for rollout.name=vllm (got "
+                             f"{engine!r}); set rollout.vllm.kv_cache_dtype=auto")
+        if self.engine_process:
+            raise ValueError(f"rollout.vllm.engine_process=true is for rollout.name=vllm (got {engine!r}); set "
+                             f"rollout.vllm.engine_process=false")
