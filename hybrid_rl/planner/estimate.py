@@ -1,0 +1,274 @@
+"""The memory model: the peak bytes one GPU holds in each phase of a step, as named terms.
+
+Every term is a closed formula of the model shape (``shape.py``) and the config; ``P`` is the parameter count,
+``W`` the ranks the trainer shards over, ``T`` the tokens of one micro-batch, ``h``/``I``/``kv`` the hidden, MLP and
+key/value widths, ``L`` the layers, ``V`` the vocabulary, ``c`` the compute dtype's bytes (2 for bf16).
+
+What the trainer keeps (``workers/fsdp_engine.py``): trainable models hold fp32 masters, sharded (``4P/W``), fp32
+gradients, sharded, which live from the first backward until the next mini-batch's ``zero_grad`` and so through
+the engine's phase too (``4P/W``; LoRA: adapters only), and AdamW's two fp32 moments (``8P/W``). The frozen
+reference is sharded in the compute dtype (``cP/W``; LoRA reuses the actor). A pass gathers two blocks at a time
+(the current one and the prefetched next) and the root (embeddings) in the compute dtype; with
+``actor.accumulate_unsharded`` the whole model stays gathered (``cP``) and the update accumulates full fp32
+gradients (``4P``).
+
+Activations kept for backward, bytes per token per layer at c = 2, counted from what autograd saves in a
+Qwen2/Llama block: the two RMSNorms save their fp32 input and bf16 output (6h each), q/k/v's input (2h), attention's
+q, k, v and output (4h + 4kv), o_proj's input (2h), gate/up's input (2h), SiLU's input, the product's two factors
+and down_proj's input (8I): ``A = 22h + 4kv + 8I``; Liger's kernels save less (RMSNorm 2h, SwiGLU 6I):
+``A = 14h + 4kv + 6I``. With recomputation a layer keeps only its input (``c·h``) and one layer's ``A`` is rebuilt
+at a time. A no-grad pass holds one layer's temporaries: ``16h + 6I`` (the residual, an fp32 norm, gate, up and
+their product). ``actor.share_prompts`` adds, per layer, the concatenated attention output (2h) and each response's
+gathered copy of its prompt's keys and values (4kv × the unshared/shared token ratio, ``n(p+r)/(p+nr)``). Logits:
+the fused head computes ``LOGIT_CHUNK_ROWS`` rows at a time (bf16 logits, fp32 softmax, fp32 gradient: 10 bytes an
+entry) and accumulates the head's gradient in fp32 (4Vh); the unfused head keeps ``rows × V`` bf16 logits (2 bytes
+an entry) and in the update their gradient (2 more), rows being the micro-batch's response tokens; the padded path
+slices them out of the whole width and copies them, one more bf16 copy (2 more).
+
+Micro-batches are taken at their worst: every sequence at ``max_prompt_length + max_response_length`` (a token
+budget: the budget itself). The engine takes ``rollout.vllm.gpu_memory_utilization × GPU memory`` (weights and KV
+cache); a sleeping engine (sync mode) holds nothing. Not modelled: the caching allocator's fragmentation (reserved
+above allocated: ``trainer.expandable_segments``), NCCL's buffers and the CUDA context (``CONTEXT_GIB``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from hybrid_rl.planner.shape import ModelShape
+from hybrid_rl.workers.packed import LOGIT_CHUNK_ROWS
+
+if TYPE_CHECKING:
+    from hybrid_rl.config import Config
+
+GIB = 2**30
+CONTEXT_GIB = 1.0
+"""What a GPU process holds beyond its tensors (CUDA context, NCCL's buffers, the sleeping engine's CUDA graphs)."""
+FUSED_LOGIT_BYTES = 10
+"""Bytes per logit entry of one fused-head chunk: bf16 logits, fp32 softmax, fp32 gradient (recomputed in backward)."""
+LOGIT_BYTES = 2
+"""Bytes per logit entry of the unfused head, per copy: bf16 (the logits; in the update their gradient; padded, the
+slice's copy)."""
+PUSH_GATHER_BYTES = 256 * 2**20
+"""``TrainingEngine.push_gather_bytes``: one all-gather of the weight push."""
+
+
+@dataclass
+class Phase:
+    name: str
+    terms: dict[str, float] = field(default_factory=dict)
+    """Term name → bytes on one GPU."""
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+    def biggest(self, k: int = 3) -> list[tuple[str, float]]:
+        return sorted(self.terms.items(), key=lambda kv: -kv[1])[:k]
+
+
+def activation_bytes_per_token_layer(shape: ModelShape, liger: bool) -> int:
+    """``A`` at bf16: what one block saves for backward per token (see the module docstring)."""
+    h, kv, i = shape.hidden, shape.kv_dim, shape.intermediate
+    return (14 * h + 4 * kv + 6 * i) if liger else (22 * h + 4 * kv + 8 * i)
+
+
+def no_grad_bytes_per_token(shape: ModelShape) -> int:
+    """One block's live temporaries per token in a no-grad pass, at bf16."""
+    return 16 * shape.hidden + 6 * shape.intermediate
+
+
+def shared_bytes_per_token_layer(shape: ModelShape, unshared_ratio: float) -> float:
+    """What ``actor.share_prompts`` adds to ``A``: the concatenated attention output and the gathered prompt K/V."""
+    return 2 * shape.hidden + 4 * shape.kv_dim * unshared_ratio
+
+
+def grad_activations(shape: ModelShape, tokens: int, c: int, liger: bool, recompute: bool,
+                     unshared_ratio: float | None = None) -> float:
+    """Bytes kept for backward over a micro-batch of ``tokens`` (``unshared_ratio``: prompts shared, see above)."""
+    a = activation_bytes_per_token_layer(shape, liger)
+    if unshared_ratio is not None:
+        a += shared_bytes_per_token_layer(shape, unshared_ratio)
+    a *= c / 2
+    if recompute:
+        return tokens * (shape.layers * shape.hidden * c + a)
+    return tokens * shape.layers * a
+
+
+def logits_bytes(shape: ModelShape, rows: int, fused: bool, grad: bool, packed: bool) -> float:
+    """The LM head's output over ``rows`` response tokens (see the module docstring)."""
+    if fused:
+        head_grad = 4 * shape.vocab * shape.hidden if grad else 0
+        return min(rows, LOGIT_CHUNK_ROWS) * shape.vocab * FUSED_LOGIT_BYTES + head_grad
+    copies = 1 + int(grad) + int(not packed)
+    return rows * shape.vocab * LOGIT_BYTES * copies + min(rows, LOGIT_CHUNK_ROWS) * shape.vocab * 4
+
+
+@dataclass
+class Layout:
+    """Resolved settings the formulas read (the defaults that depend on the device taken as on CUDA)."""
+    gpus: int
+    train_ranks: int
+    engine_ranks_separate: bool
+    c: int
+    fused: bool
+    packed: bool
+    shared: bool
+    engine_awake_in_training: bool
+
+    @classmethod
+    def of(cls, cfg: "Config", gpus: int) -> "Layout":
+        a = cfg.actor
+        split = cfg.trainer.placement == "split"
+        train_ranks = cfg.split_layout(gpus)[1] if split else gpus
+        dtype = cfg.model.dtype if cfg.model.dtype != "auto" else "bfloat16"
+        packed = True if a.use_remove_padding is None else a.use_remove_padding
+        return cls(gpus=gpus, train_ranks=max(train_ranks, 1), engine_ranks_separate=split,
+                   c=4 if dtype == "float32" else 2, fused=True if a.fused_logprob is None else a.fused_logprob,
+                   packed=packed, shared=packed if a.share_prompts is None else a.share_prompts,
+                   engine_awake_in_training=not split and not cfg.engine_sleeps)
+
+
+def seq_len(cfg: "Config") -> int:
+    return cfg.data.max_prompt_length + cfg.data.max_response_length
+
+
+def micro_tokens(cfg: "Config", seqs: int, budget: int | None, rank_seqs: int) -> int:
+    """Tokens of the largest micro-batch: the budget (a longer sequence goes alone), else ``seqs`` sequences at
+    full length, never more than the rank holds."""
+    if budget is not None:
+        return max(budget, seq_len(cfg))
+    return min(seqs, rank_seqs) * seq_len(cfg)
+
+
+def unshared_ratio(cfg: "Config") -> float:
+    """Tokens of a micro-batch's sequences each whole, per token of its packed row with prompts shared, at full
+    lengths: ``n(p + r) / (p + n·r)``."""
+    p, r, n = cfg.data.max_prompt_length, cfg.data.max_response_length, cfg.rollout.n
+    return n * (p + r) / (p + n * r)
+
+
+def response_rows(cfg: "Config", tokens: int) -> int:
+    """Rows through the LM head: the micro-batch's response tokens."""
+    return tokens * cfg.data.max_response_length // seq_len(cfg)
+
+
+def engine_bytes(cfg: "Config", shape: ModelShape, gpu_bytes: float, rank_seqs: int) -> float:
+    """The awake engine: vLLM's share of the GPU, or the transformers engine's weights, KV cache and one step's logits."""
+    if cfg.rollout.name == "vllm":
+        return cfg.rollout.vllm.gpu_memory_utilization * gpu_bytes
+    wb = 4 if cfg.rollout_dtype == "float32" or (cfg.rollout_dtype == "auto" and cfg.model.dtype == "float32") else 2
+    seqs = min(cfg.rollout.max_num_seqs, rank_seqs)
+    kv = seqs * seq_len(cfg) * shape.layers * 2 * shape.kv_dim * wb
+    return shape.params * wb + kv + seqs * shape.vocab * 4
+
+
+def critic_params(shape: ModelShape) -> int:
+    """The value model: the backbone without the LM head, plus a scalar head."""
+    head = 0 if shape.tied else shape.vocab * shape.hidden
+    return shape.params - head + shape.hidden + 1
+
+
+def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> list[Phase]:
+    """The phases of one step on the busiest GPU, each with its terms."""
+    lay = Layout.of(cfg, gpus)
+    a, d, W, c = cfg.actor, cfg.data, lay.train_ranks, lay.c
+    P = shape.params
+    lora = cfg.model.lora.rank > 0
+    P_train = shape.lora_params(cfg.model.lora.rank, cfg.model.lora.target_modules) if lora else P
+    rank_seqs = max(d.train_batch_size * cfg.rollout.n // W, 1)
+    mini_seqs = max(a.ppo_mini_batch_size * cfg.rollout.n // W, 1)
+    budget = a.max_token_len_per_device if a.use_dynamic_bsz else None
+
+    actor = {"actor params (fp32, sharded)": 4 * P / W, "actor grads (fp32, sharded)": 4 * P_train / W,
+             "actor AdamW (2 x fp32, sharded)": 8 * P_train / W}
+    ref = {"ref params (sharded)": c * P / W} if cfg.need_ref and not lora else {}
+    critic: dict[str, float] = {}
+    if cfg.need_critic:
+        Pc = critic_params(shape)
+        critic = {"critic params + grads (fp32, sharded)": 8 * Pc / W, "critic AdamW (sharded)": 8 * Pc / W}
+    engine = engine_bytes(cfg, shape, gpu_bytes, rank_seqs)
+    awake = {"engine (awake)": engine} if lay.engine_awake_in_training else {}
+
+    def kept(*, ref_on: bool = False, critic_on: bool = False) -> dict[str, float]:
+        """What stays on the GPU between passes, given the offload settings."""
+        out = dict(actor)
+        if ref and (ref_on or not cfg.ref.offload):
+            out.update(ref)
+        if critic:
+            if critic_on or not cfg.critic.param_offload:
+                out["critic params + grads (fp32, sharded)"] = critic["critic params + grads (fp32, sharded)"]
+            if critic_on or not cfg.critic.optimizer_offload:
+                out["critic AdamW (sharded)"] = critic["critic AdamW (sharded)"]
+        return out
+
+    def gathered(params: int, trainable: int, grad: bool) -> dict[str, float]:
+        """The compute-dtype copies a pass gathers, and in backward the gradients not yet reduce-scattered."""
+        if a.accumulate_unsharded:
+            out = {"gathered params (whole model)": c * params}
+            if grad:
+                out["unsharded grads (fp32, whole model)"] = 4 * trainable
+            return out
+        root = shape.embedding_params
+        out = {"gathered params (2 blocks + root)": c * (2 * shape.layer_params + root)}
+        if grad:
+            out["unsharded grads (2 blocks + root)"] = 4 * (2 * shape.layer_params + root) if not lora else 0
+        return out
+
+    def no_grad_pass(name: str, seqs: int, extra: dict[str, float], logits: bool = True) -> Phase:
+        t = micro_tokens(cfg, seqs, budget, rank_seqs)
+        terms = {**extra, **awake, **gathered(P, P_train, grad=False),
+                 f"activations, no grad ({t} tokens)": t * no_grad_bytes_per_token(shape) * c / 2}
+        if logits:
+            terms["logits"] = logits_bytes(shape, response_rows(cfg, t), lay.fused, grad=False, packed=lay.packed)
+        return Phase(name, terms)
+
+    out: list[Phase] = []
+    # -- the engine's phase: the push (engine weights in, the trainer still whole), then generation
+    if lay.engine_ranks_separate:
+        out.append(Phase("generation (rollout ranks)", {"engine (awake)": engine,
+                                                        "push buckets": cfg.rollout.weight_sync_bucket_mb * 2**20}))
+    else:
+        wb = 2 if cfg.rollout_dtype != "float32" else 4
+        in_engine = engine if lay.engine_awake_in_training else (min(shape.params * wb, engine)
+                                                                  if cfg.rollout.name == "vllm" else shape.params * wb)
+        push = {**kept(), "engine weights": in_engine, "push gather + bucket":
+                PUSH_GATHER_BYTES + cfg.rollout.weight_sync_bucket_mb * 2**20}
+        out.append(Phase("weight push", push))
+        gen = {"engine (awake)": engine, **kept()}
+        if cfg.engine_sleeps:
+            if a.param_offload:
+                gen.pop("actor params (fp32, sharded)")
+                gen.pop("actor grads (fp32, sharded)")
+            if a.optimizer_offload:
+                gen.pop("actor AdamW (2 x fp32, sharded)")
+        out.append(Phase("generation", gen))
+    # -- the no-grad passes
+    if a.old_log_prob != "engine":
+        out.append(no_grad_pass("old log-prob", a.log_prob_micro_batch_size_per_device, kept()))
+    if ref:
+        out.append(no_grad_pass("ref log-prob", cfg.ref.log_prob_micro_batch_size_per_device, kept(ref_on=True)))
+    # -- the actor's update
+    t = micro_tokens(cfg, min(a.ppo_micro_batch_size_per_device, mini_seqs), budget, rank_seqs)
+    recompute = cfg.model.enable_gradient_checkpointing
+    out.append(Phase("actor update", {
+        **kept(), **awake, **gathered(P, P_train, grad=True),
+        f"activations ({t} tokens{', recomputed' if recompute else ''})":
+            grad_activations(shape, t, c, cfg.model.use_liger, recompute, unshared_ratio(cfg) if lay.shared else None),
+        "logits": logits_bytes(shape, response_rows(cfg, t), lay.fused, grad=True, packed=lay.packed)}))
+    # -- the critic's passes
+    if critic:
+        cr, Pc = cfg.critic, critic_params(shape)
+        cbudget = cr.max_token_len_per_device if cr.use_dynamic_bsz else None
+        tv = micro_tokens(cfg, cr.forward_micro_batch_size_per_device, cbudget, rank_seqs)
+        out.append(Phase("critic values", {**kept(critic_on=True), **awake, **gathered(Pc, Pc, grad=False),
+                                           f"activations, no grad ({tv} tokens)":
+                                               tv * no_grad_bytes_per_token(shape) * c / 2}))
+        cmini = max(cr.ppo_mini_batch_size * cfg.rollout.n // W, 1)
+        tc = micro_tokens(cfg, min(cr.ppo_micro_batch_size_per_device, cmini), cbudget, rank_seqs)
+        out.append(Phase("critic update", {
+            **kept(critic_on=True), **awake, **gathered(Pc, Pc, grad=True),
+            f"activations ({tc} tokens{', recomputed' if cr.enable_gradient_checkpointing else ''})":
+                grad_activations(shape, tc, c, False, cr.enable_gradient_checkpointing)}))
+    return out
