@@ -1,5 +1,8 @@
 """Command line: ``hybrid-rl train [--nproc N] [--import MODULE ...] RECIPE.yaml [key.sub=value ...]`` (or ``python -m hybrid_rl``).
 
+``plan RECIPE.yaml [key=value ...] [--gpus N] [--gpu-memory-gb G | --gpu NAME]`` prints the predicted peak memory
+per GPU of each phase and whether the config fits (exit 0) or not (exit 1, naming the one setting to change).
+
 ``train --nproc N`` is the launcher: it loads and validates the config and runs the
 preflight checks (``preflight.py``) in this one process, before any rank starts,
 then starts N ranks through torchrun's own ``torch.distributed.run``. Without
@@ -36,7 +39,7 @@ _USER_ERRORS = (("hybrid_rl.config", "ConfigError"), ("hybrid_rl.data.tasks", "D
                 ("hybrid_rl.models", "ModelLoadError"), ("hybrid_rl.rewards.registry", "RewardError"),
                 ("hybrid_rl.checkpoint", "CheckpointError"), ("hybrid_rl.pipeline", "StalenessError"),
                 ("hybrid_rl.trainer", "TrainingDiverged"), ("hybrid_rl.preflight", "PreflightError"),
-                ("hybrid_rl.runlock", "RunLockError"))
+                ("hybrid_rl.runlock", "RunLockError"), ("hybrid_rl.planner.shape", "ShapeError"))
 
 
 def _is_user_error(e: BaseException) -> bool:
@@ -186,6 +189,37 @@ def _report_user_error(e: BaseException) -> None:
         print(f"error: {e}", file=sys.stderr)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from hybrid_rl.config import ConfigError, import_plugins, load_config
+    from hybrid_rl.planner.estimate import GIB
+    from hybrid_rl.planner.gpus import card_memory_gib, visible_gpu, visible_gpu_count
+    from hybrid_rl.planner.report import table
+    from hybrid_rl.planner.shape import read_shape
+    from hybrid_rl.planner.verdict import judge
+
+    import_plugins(args.imports, "--import")
+    cfg = load_config(args.recipe, args.overrides)
+    gpus = args.gpus if args.gpus is not None else max(visible_gpu_count(), 1)
+    if gpus < 1:
+        raise ConfigError(f"--gpus {gpus} must be a positive number of GPUs")
+    cfg.validate(gpus)
+    if args.gpu_memory_gb is not None:
+        name, gib = f"{args.gpu_memory_gb:g} GiB", args.gpu_memory_gb
+    elif args.gpu is not None:
+        try:
+            name, gib = args.gpu, card_memory_gib(args.gpu)
+        except ValueError as e:
+            raise ConfigError(f"--gpu: {e}") from None
+    elif (seen := visible_gpu()) is not None:
+        name, gib = seen
+    else:
+        raise ConfigError("no GPU is visible: give the card with --gpu H200|H100|A100-80GB|A100-40GB or its memory "
+                          "with --gpu-memory-gb G")
+    all_phases, verdict = judge(cfg, read_shape(cfg.model.path), gpus, gib * GIB)
+    print(table(all_phases, verdict, f"{args.recipe}: {cfg.model.path} on {gpus} x {name} ({gib:.1f} GiB)"))
+    return 0 if verdict.fits else 1
+
+
 def cmd_build_tiny_model(args: argparse.Namespace) -> int:
     from hybrid_rl.models import build_tiny_model
 
@@ -225,6 +259,16 @@ def main(argv: list[str] | None = None) -> int:
                         "every rank, so that what it registers can be named in the config (repeatable; the config's "
                         "own list is trainer.imports)")
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("plan", help="predict the peak GPU memory of each phase and whether the config fits")
+    p.add_argument("recipe", help="path to a recipe YAML (see recipes/)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.ppo_micro_batch_size_per_device=4")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs of the run (default: the visible ones, else 1)")
+    p.add_argument("--gpu-memory-gb", type=float, default=None, metavar="G",
+                   help="memory of one GPU in GiB (default: the visible GPU's, or --gpu's)")
+    p.add_argument("--gpu", default=None, metavar="NAME", help="a known card: H200, H100, A100-80GB, A100-40GB")
+    p.add_argument("--import", dest="imports", metavar="MODULE", action="append", default=[],
+                   help="import a plug-in module before the config is read (as train's)")
+    p.set_defaults(func=cmd_plan)
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory (LoRA merged by default)")
     p.add_argument("checkpoint", help="<output_dir>/checkpoints/step_N, or a run directory (its newest checkpoint)")
     p.add_argument("out_dir")

@@ -6,7 +6,8 @@ retries. ``preflight`` looks only at the config, the installed packages, the vis
 GPUs, the file system and the local Hugging Face cache, and it reaches for the network
 only once, with a short timeout, when a hub model or dataset is not cached. Each
 failure is one ``PreflightError`` line naming the key and the fix. ``builtin:`` models
-and ``synthetic:`` data pass without building anything.
+and ``synthetic:`` data pass without building anything. On CUDA the memory planner
+(``hybrid_rl.planner``) refuses a config predicted not to fit the GPU.
 
 Left out on purpose: whatever needs the model or data loaded (a tokenizer without a
 chat template, a malformed row, prompts that are too long) stays with the trainer,
@@ -53,6 +54,7 @@ def preflight(cfg: Config, nproc: int = 1) -> None:
     check_model(cfg)
     check_data(cfg)
     check_outputs(cfg)
+    check_gpu_memory(cfg, nproc)
 
 
 # --------------------------------------------------------------------------- engine, devices
@@ -110,6 +112,15 @@ def check_devices(cfg: Config, nproc: int) -> None:
     if 0 < gpus < nproc:
         raise PreflightError(f"{nproc} processes need one GPU each (trainer.device={device}) but {gpus} GPU(s) are "
                              f"visible; launch {gpus} (make train GPUS={gpus}, or --nproc {gpus})")
+
+
+def check_gpu_memory(cfg: Config, nproc: int) -> None:
+    """The config's predicted peak fits this GPU (``hybrid_rl.planner.check``; CUDA and ``trainer.check_memory`` only)."""
+    from hybrid_rl.planner.check import check_memory
+
+    refusal = check_memory(cfg, nproc)
+    if refusal:
+        raise PreflightError(refusal)
 
 
 # --------------------------------------------------------------------------- model

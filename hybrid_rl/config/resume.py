@@ -15,7 +15,7 @@ RESUME_HARMLESS = frozenset({
     # how long, how often, where to log and what to diagnose
     "trainer.total_steps", "trainer.total_epochs", "trainer.test_freq", "trainer.val_before_train", "trainer.logger",
     "trainer.save_freq", "trainer.keep_last", "trainer.max_skipped_updates", "trainer.stale_policy",
-    "trainer.profile_steps", "trainer.validation_data_dir", "trainer.imports", "trainer.stall_dump_s", "trainer.peak_tflops", "trainer.collective_timeout_s", "trainer.expandable_segments", "trainer.device", "reward.on_error",
+    "trainer.profile_steps", "trainer.validation_data_dir", "trainer.imports", "trainer.stall_dump_s", "trainer.peak_tflops", "trainer.collective_timeout_s", "trainer.expandable_segments", "trainer.check_memory", "trainer.device", "reward.on_error",
     "reward.timeout_s", "reward.num_workers",
     # validation only
     "data.val_path", "data.val_split", "data.max_val_samples", "data.val_batch_size", "rollout.val_temperature",

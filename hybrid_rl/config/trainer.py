@@ -75,6 +75,9 @@ class TrainerConfig:
     (``perf/max_memory_*`` less vLLM's sleeping 70 GB pool, which they count) and made 718 ``cudaFree`` calls in one
     profiled step. Off by default: on the flagship recipe (4xH200) it made the step slower, 19.3 against 17.3 s
     (``benchmarks/results/flagship_H200x4.json``)."""
+    check_memory: bool = True
+    """On CUDA, before any rank starts: refuse a config whose predicted peak memory per GPU (``hybrid-rl plan``,
+    ``hybrid_rl/planner/``) exceeds the GPU's by more than 5%, naming the one setting to change; false skips it."""
     collective_timeout_s: int = 1800
     """How long a rank waits in a collective for the others before it fails the run (a hung or dead rank then ends the
     run with an error instead of waiting forever); raise it if a phase is legitimately that uneven across ranks."""

@@ -1,0 +1,144 @@
+"""Fits or not, and the one setting to change: each candidate change is planned again and the first that fits is named.
+
+Candidates come in the order of what they cost: for the engine's phases the engine's share, then offloading the
+trainer's states; for the training passes the fused head (free), the micro-batch of the phase at its peak (the
+largest value that fits), ``actor.accumulate_unsharded=false``, recomputation, offloading the reference. When no
+single change fits, the one that lowers the peak most is named, with what it leaves.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+from hybrid_rl.planner.estimate import CONTEXT_GIB, GIB, Phase, phases, seq_len
+from hybrid_rl.planner.shape import ModelShape
+
+if TYPE_CHECKING:
+    from hybrid_rl.config import Config
+
+ENGINE_PHASES = ("weight push", "generation", "generation (rollout ranks)")
+
+
+@dataclass
+class Verdict:
+    fits: bool
+    peak: Phase
+    gpu_bytes: float
+    fix: str | None
+    """The one setting to change (``None`` when it fits)."""
+
+    @property
+    def line(self) -> str:
+        gib, mem = self.peak.total / GIB, self.gpu_bytes / GIB
+        if self.fits:
+            return f"fits: peak {gib:.1f} GiB ({self.peak.name}) + {CONTEXT_GIB:g} GiB context of {mem:.1f} GiB per GPU"
+        return f"does not fit: {self.peak.name} needs {gib:.1f} GiB + {CONTEXT_GIB:g} GiB context of {mem:.1f} GiB per GPU; {self.fix}"
+
+
+def peak_of(all_phases: list[Phase]) -> Phase:
+    return max(all_phases, key=lambda p: p.total)
+
+
+def fits(all_phases: list[Phase], gpu_bytes: float) -> bool:
+    return peak_of(all_phases).total + CONTEXT_GIB * GIB <= gpu_bytes
+
+
+def with_settings(cfg: "Config", settings: dict[str, object]) -> "Config":
+    """A copy of ``cfg`` with dotted keys set."""
+    out = copy.deepcopy(cfg)
+    for key, value in settings.items():
+        *path, last = key.split(".")
+        node = out
+        for part in path:
+            node = getattr(node, part)
+        setattr(node, last, value)
+    return out
+
+
+def _halvings(value: int, floor: int) -> Iterator[int]:
+    while value // 2 >= floor:
+        value //= 2
+        yield value
+
+
+def _lower(key: str, value: int, floor: int) -> list[dict[str, object]]:
+    return [{key: v} for v in _halvings(value, floor)]
+
+
+def _micro_batch_keys(cfg: "Config", phase: str) -> list[dict[str, object]]:
+    """The phase's micro-batch (or token budget) lowered step by step, largest first."""
+    a, cr = cfg.actor, cfg.critic
+    if phase.startswith("critic"):
+        if cr.use_dynamic_bsz:
+            return _lower("critic.max_token_len_per_device", cr.max_token_len_per_device, seq_len(cfg))
+        key = "ppo_micro_batch_size_per_device" if phase == "critic update" else "forward_micro_batch_size_per_device"
+        return _lower(f"critic.{key}", getattr(cr, key), 1)
+    if a.use_dynamic_bsz:
+        return _lower("actor.max_token_len_per_device", a.max_token_len_per_device, seq_len(cfg))
+    if phase == "actor update":
+        return _lower("actor.ppo_micro_batch_size_per_device", a.ppo_micro_batch_size_per_device, 1)
+    if phase == "ref log-prob":
+        return _lower("ref.log_prob_micro_batch_size_per_device", cfg.ref.log_prob_micro_batch_size_per_device, 1)
+    return _lower("actor.log_prob_micro_batch_size_per_device", a.log_prob_micro_batch_size_per_device, 1)
+
+
+def _engine_share(cfg: "Config") -> list[dict[str, object]]:
+    if cfg.rollout.name != "vllm":
+        return []
+    steps = int(round(cfg.rollout.vllm.gpu_memory_utilization * 20))
+    return [{"rollout.vllm.gpu_memory_utilization": k / 20} for k in range(steps - 1, 1, -1)]
+
+
+def candidates(cfg: "Config", peak: str) -> Iterator[list[dict[str, object]]]:
+    """Groups of alternative single-setting changes, in the order they are tried; inside a group, the mildest first."""
+    a, sync = cfg.actor, cfg.engine_sleeps
+    offloads = [[{k: True}] for k, on in (("actor.param_offload", a.param_offload and sync),
+                                          ("actor.optimizer_offload", a.optimizer_offload and sync),
+                                          ("ref.offload", cfg.ref.offload or not cfg.need_ref or cfg.model.lora.rank > 0))
+                if not on and (sync or k == "ref.offload")]
+    if peak in ENGINE_PHASES:
+        yield _engine_share(cfg)
+        yield from offloads
+        return
+    if a.fused_logprob is False and not peak.startswith("critic"):
+        yield [{"actor.fused_logprob": True}]
+    yield _micro_batch_keys(cfg, peak)
+    if a.accumulate_unsharded:
+        yield [{"actor.accumulate_unsharded": False}]
+    if peak == "actor update" and not cfg.model.enable_gradient_checkpointing:
+        yield [{"model.enable_gradient_checkpointing": True}]
+    if peak == "critic update" and not cfg.critic.enable_gradient_checkpointing:
+        yield [{"critic.enable_gradient_checkpointing": True}]
+    yield offloads[-1] if offloads and "ref.offload" in offloads[-1][0] else []
+    if not sync:
+        yield _engine_share(cfg)
+
+
+def _describe(settings: dict[str, object]) -> str:
+    (key, value), = settings.items()
+    if isinstance(value, bool):
+        return f"set {key}={str(value).lower()}"
+    return f"lower {key} to {value:g}"
+
+
+def judge(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> tuple[list[Phase], Verdict]:
+    """The phases and the verdict; a config that does not fit gets the first candidate change that fits."""
+    base = phases(cfg, shape, gpus, gpu_bytes)
+    peak = peak_of(base)
+    if fits(base, gpu_bytes):
+        return base, Verdict(True, peak, gpu_bytes, None)
+    best: tuple[float, dict[str, object]] | None = None
+    for group in candidates(cfg, peak.name):
+        for settings in group:
+            trial = phases(with_settings(cfg, settings), shape, gpus, gpu_bytes)
+            if fits(trial, gpu_bytes):
+                return base, Verdict(False, peak, gpu_bytes, _describe(settings))
+            left = peak_of(trial).total
+            if best is None or left < best[0]:
+                best = (left, settings)
+    if best is None:
+        return base, Verdict(False, peak, gpu_bytes, "no single setting makes it fit: use more GPUs or a smaller model")
+    return base, Verdict(False, peak, gpu_bytes, f"{_describe(best[1])} (alone it still needs "
+                                                 f"{best[0] / GIB:.1f} GiB: use more GPUs as well)")
