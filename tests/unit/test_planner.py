@@ -1,0 +1,129 @@
+"""The memory planner (hybrid_rl/planner/): terms checked against hand-computed bytes, the verdict, the CLI, train's check."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hybrid_rl.__main__ import main
+from hybrid_rl.config import load_config
+from hybrid_rl.planner import check
+from hybrid_rl.planner.estimate import phases
+from hybrid_rl.planner.shape import ShapeError, read_shape
+from hybrid_rl.planner.verdict import judge
+
+RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "cpu_successor.yaml")
+GIB = 2**30
+# the tiny built-in: hidden 64, MLP 128, 2 layers, 4 heads of 16 with 2 key/value heads (kv width 32), tied
+# embeddings over a vocabulary of 103 (3 special tokens + 100 printable characters)
+H, I, L, KV, V = 64, 128, 2, 32, 103
+LAYER = (H * H + H) + 2 * (H * KV + KV) + H * H + 3 * H * I + 2 * H  # q+bias, k/v+bias, o, gate/up/down, 2 norms
+PARAMS = L * LAYER + V * H + H  # blocks, tied embedding, final norm
+
+
+BASE = ["trainer.device=cuda", "model.dtype=bfloat16", "rollout.name=hf", "data.max_prompt_length=32",
+        "data.max_response_length=32"]
+
+
+def _cfg(*overrides: str, world: int = 1):
+    return load_config(RECIPE, [*BASE, *overrides]).validate(world)
+
+
+def test_tiny_shape_param_count():
+    assert PARAMS == 80896  # 2 × 37,120 + 6,592 + 64, added up by hand
+    assert read_shape("builtin:tiny-qwen2").params == PARAMS
+
+
+def test_states_and_activations_match_hand_computed_bytes():
+    cfg = _cfg("actor.use_remove_padding=false", "actor.share_prompts=false", "actor.fused_logprob=true",
+               "actor.ppo_micro_batch_size_per_device=4", "actor.ppo_mini_batch_size=32", world=2)
+    update = {p.name: p for p in phases(cfg, read_shape(cfg.model.path), 2, 80 * GIB)}["actor update"].terms
+    assert update["actor params (fp32, sharded)"] == 4 * PARAMS / 2
+    assert update["actor grads (fp32, sharded)"] == 4 * PARAMS / 2
+    assert update["actor AdamW (2 x fp32, sharded)"] == 8 * PARAMS / 2
+    tokens = 4 * (32 + 32)  # 4 sequences at full length
+    per_token_layer = 22 * H + 4 * KV + 8 * I  # bf16 norms' fp32 copies, attention, the gated MLP's four I-wide tensors
+    assert update[f"activations ({tokens} tokens)"] == tokens * L * per_token_layer
+
+
+def test_recomputation_keeps_layer_inputs_and_one_layer():
+    cfg = _cfg("actor.use_remove_padding=false", "actor.share_prompts=false", "model.enable_gradient_checkpointing=true",
+               "actor.ppo_micro_batch_size_per_device=2", "actor.ppo_mini_batch_size=32")
+    update = {p.name: p for p in phases(cfg, read_shape(cfg.model.path), 1, 80 * GIB)}["actor update"].terms
+    tokens = 2 * 64
+    assert update[f"activations ({tokens} tokens, recomputed)"] == tokens * (L * H * 2 + 22 * H + 4 * KV + 8 * I)
+
+
+# a 0.5B shape on one 16 GiB card: 16 bytes per parameter of states, and the update's activations decide
+BIG = ["model.path=builtin:qwen2.5-0.5b-random", "data.max_prompt_length=512", "data.max_response_length=512",
+       "actor.log_prob_micro_batch_size_per_device=1"]
+
+
+def _fits(*overrides: str, gib: float = 16.0) -> bool:
+    cfg = _cfg(*BIG, *overrides)
+    return judge(cfg, read_shape(cfg.model.path), 1, gib * GIB)[1].fits
+
+
+def test_verdict_flips_with_micro_batch_and_recomputation():
+    assert not _fits("actor.ppo_micro_batch_size_per_device=8")
+    assert _fits("actor.ppo_micro_batch_size_per_device=1")
+    assert _fits("actor.ppo_micro_batch_size_per_device=8", "model.enable_gradient_checkpointing=true")
+
+
+def test_verdict_names_one_setting_that_fits():
+    cfg = _cfg(*BIG, "actor.ppo_micro_batch_size_per_device=8")
+    _, verdict = judge(cfg, read_shape(cfg.model.path), 1, 16 * GIB)
+    assert verdict.peak.name == "actor update"
+    assert verdict.fix == "lower actor.ppo_micro_batch_size_per_device to 2"
+    assert _fits("actor.ppo_micro_batch_size_per_device=2") and not _fits("actor.ppo_micro_batch_size_per_device=4")
+
+
+def test_cli_prints_the_table_and_exits_0_when_it_fits(capsys):
+    code = main(["plan", RECIPE, *BASE, "--gpus", "1", "--gpu-memory-gb", "80"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "actor update" in out and "old log-prob" in out and "generation" in out
+    assert out.strip().splitlines()[-1].startswith("fits: peak")
+
+
+def test_cli_exits_1_naming_the_setting_when_it_does_not_fit(capsys):
+    code = main(["plan", RECIPE, *BASE, *BIG, "actor.ppo_micro_batch_size_per_device=8", "--gpus", "1",
+                 "--gpu-memory-gb", "16"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert code == 1
+    assert last.startswith("does not fit: actor update") and last.endswith("actor.ppo_micro_batch_size_per_device to 2")
+
+
+def test_cli_unknown_model_path_is_one_line(capsys, tmp_path):
+    code = main(["plan", RECIPE, f"model.path={tmp_path / 'nowhere'}", "--gpus", "1", "--gpu", "H100"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "no config.json here" in err[0]
+
+
+def test_local_config_json_is_read(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=103,
+                                                          tie_word_embeddings=True)))
+    assert read_shape(str(tmp_path)).params == PARAMS
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ShapeError, match="hidden_size"):
+        read_shape(str(tmp_path))
+
+
+def test_train_check_refuses_clearly_too_big_and_names_the_setting():
+    cfg = _cfg(*BIG, "actor.ppo_micro_batch_size_per_device=8")
+    line = check.memory_refusal(cfg, 1, 16 * GIB)
+    assert line is not None and "actor.ppo_micro_batch_size_per_device to 2" in line
+    assert "trainer.check_memory=false" in line
+    assert check.memory_refusal(_cfg(*BIG, "actor.ppo_micro_batch_size_per_device=1"), 1, 16 * GIB) is None
+
+
+def test_train_check_is_off_on_cpu_and_when_disabled(monkeypatch):
+    monkeypatch.setattr(check, "visible_gpu", lambda: ("small", 1.0))  # any real config is too big for 1 GiB
+    assert check.check_memory(_cfg(*BIG), 1) is not None
+    assert check.check_memory(_cfg(*BIG, "trainer.check_memory=false"), 1) is None
+    assert check.check_memory(_cfg(*BIG, "trainer.device=cpu"), 1) is None
+    monkeypatch.setattr(check, "visible_gpu", lambda: None)
+    assert check.check_memory(_cfg(*BIG), 1) is None
