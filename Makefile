@@ -10,7 +10,7 @@ GPUS    ?= $(shell nvidia-smi -L 2>/dev/null | wc -l | awk '{print ($$1>0)?$$1:1
 # CPU-only machines get the CPU torch build (no multi-GB CUDA download)
 TORCH_SPEC ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install train test test-learning test-fast test-gpu bench clean
+.PHONY: install train plan test test-learning test-fast test-gpu bench clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,11 @@ install: $(VPY)
 # the same as .venv/bin/hybrid-rl train --nproc N recipes/X.yaml key=value ...
 train: $(VPY)
 	$(VPY) -m hybrid_rl train --nproc $(GPUS) recipes/$(RECIPE).yaml $(ARGS)
+
+# the predicted peak memory per GPU of each phase of the recipe and whether it fits; exits 1 naming the one setting to
+# change when it does not (ARGS: overrides and --gpus N, --gpu H100 or --gpu-memory-gb G; default: the visible GPUs)
+plan: $(VPY)
+	$(VPY) -m hybrid_rl plan recipes/$(RECIPE).yaml $(ARGS)
 
 test: $(VPY)
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
