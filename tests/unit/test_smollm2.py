@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_rl.builtin_gguf import GGUF_BUILTINS
+from hybrid_rl.gguf_fetch import GGUF_BUILTINS
 from hybrid_rl.models import ModelLoadError
 
 NAME = "builtin:smollm2-135m-instruct"
