@@ -22,7 +22,7 @@ their deadline take, enough of them are trained early. The loss needs nothing ne
 per-token log-probs (stitched from every segment), proximal = θ_k's ``old_log_probs`` (the pass, or the update's own
 first forward under ``actor.old_log_prob=auto``).
 
-Under split placement (``sources.SplitSource``) the same pipeline runs on each rollout rank, which has no actor: the
+Under split placement (``rollout_source.SplitSource``) the same pipeline runs on each rollout rank, which has no actor: the
 weights arrive by broadcast before a round starts, and the step boundary is the moment every trainer rank is ready
 for the next batch, so a rollout GPU keeps generating the whole time the trainer GPUs update (AReaL's layout).
 

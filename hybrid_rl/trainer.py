@@ -3,7 +3,7 @@
 ``fit`` reads top to bottom: one call per phase, each under a named timer.
 Set-up (data, reward function, worker, trackers) happens in ``__init__``;
 validation is greedy pass@1 on the validation prompts. Every mode and
-placement runs the same ``step``: a ``RolloutSource`` (``sources.py``: sync,
+placement runs the same ``step``: a ``RolloutSource`` (``rollout_source.py``: sync,
 one-step overlap, split placement) hands over the batch, and ``train_on`` runs
 reward → log-probs → (values) → advantage → (critic update) → actor update on it
 (the old-log-prob pass is skipped where ``actor.old_log_prob`` allows);
@@ -43,10 +43,11 @@ from hybrid_rl.interrupt import GracefulStop, RunInterrupted
 from hybrid_rl.metrics import batch_metrics, outcome_sums
 from hybrid_rl.partial import COUNTS as partial_counts
 from hybrid_rl.perf import ModelFlops, host_wait_summary, peak_flops, step_perf_means, step_perf_metrics
+from hybrid_rl.placement import make_placement, meet_at_engines
 from hybrid_rl.rewards import RewardScorer
+from hybrid_rl.rollout_source import make_source
 from hybrid_rl.runlock import take_run_lock
 from hybrid_rl.scoring import compute_scores, fill_informative, sample_records, shape_overlong
-from hybrid_rl.sources import make_placement, make_source, meet_at_engines
 from hybrid_rl.tracking import Timer, Tracker, run_summary
 from hybrid_rl.watchdog import StallWatchdog
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
