@@ -15,6 +15,7 @@ import torch
 
 from hybrid_rl.config import Config
 from hybrid_rl.distributed import DistInfo
+from hybrid_rl.split import make_layout
 
 
 @dataclass
@@ -57,8 +58,6 @@ def make_placement(cfg: Config, dist: DistInfo) -> Placement:
     """Colocated: every rank does everything. Split: build the groups and pick this rank's side."""
     if cfg.trainer.placement != "split":
         return Placement(None, "actor_rollout_ref", dist.rank, dist.world_size, dist, dist, dist.is_main)
-    from hybrid_rl.split import make_layout
-
     sp = make_layout(cfg.split_layout(dist.world_size)[0])
     is_logger = sp.rank == sp.leader
     if sp.is_rollout:  # global rank and world (vLLM's launcher needs them), reductions among the rollout ranks

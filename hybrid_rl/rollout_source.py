@@ -29,9 +29,13 @@ from typing import Callable
 from hybrid_rl.batch import Batch
 from hybrid_rl.config import Config
 from hybrid_rl.distributed import DistInfo
+from hybrid_rl.partial import PartialRolloutPipeline
 from hybrid_rl.pipeline import RolloutPipeline
 from hybrid_rl.placement import Placement
+from hybrid_rl.split import send_batch
 from hybrid_rl.tracking import Timer
+from hybrid_rl.weights.broadcast import broadcast_weights, receive_weights
+from hybrid_rl.weights.replay import WeightReplayer
 
 NextPrompts = Callable[[], Batch]
 OnEngine = Callable[[int, int], dict]
@@ -138,16 +142,12 @@ class SplitSource(RolloutSource):
         self._sent_version: int | None = None
         self._replayer = None
         if self.layout.is_rollout and cfg.rollout.weight_load_replay:
-            from hybrid_rl.weights.replay import WeightReplayer
-
             engine = worker.rollout
             self._replayer = WeightReplayer(lambda bucket: engine.load_weights(bucket))
 
     # -- the two exchanges -----------------------------------------------------------
     def _exchange_weights(self) -> None:
         """θ from the trainer ranks to the rollout ranks (skipped when the rollout already has this version)."""
-        from hybrid_rl.weights.broadcast import broadcast_weights, receive_weights
-
         w = self.worker
         if self.layout.is_rollout:
             self._sync = receive_weights(self.layout, w.rollout, self.global_dist.device, self._replayer)
@@ -170,8 +170,6 @@ class SplitSource(RolloutSource):
         return parts[self.layout.leader]
 
     def _exchange_batch(self, batch: Batch | None) -> Batch | None:
-        from hybrid_rl.split import send_batch
-
         d = self.cfg.data
         return send_batch(self.layout, batch, (d.max_prompt_length, d.max_response_length), self.pad_token_id)
 
@@ -255,8 +253,6 @@ def make_source(cfg: Config, placement: Placement, worker, next_prompts: NextPro
     ``steps_left()``: the steps from the next one to the run's end (partial rollouts size their pool by it)."""
     split = placement.layout
     if cfg.trainer.partial_rollouts and cfg.trainer.mode == "overlap" and (split is None or split.is_rollout):
-        from hybrid_rl.partial import PartialRolloutPipeline
-
         per_step = cfg.data.train_batch_size // placement.sampler_world  # this rank's groups (a rollout rank's)
         pipe = PartialRolloutPipeline(worker, cfg.staleness_bound, cfg.trainer.stale_policy, per_step,
                                       cfg.trainer.partial_rollout_ahead)

@@ -41,7 +41,8 @@ from hybrid_rl.data import TASKS, PromptDataset, PromptSampler, collate_prompts,
 from hybrid_rl.distributed import DistInfo, all_reduce_sum, reduce_max, reduce_weighted_means
 from hybrid_rl.interrupt import GracefulStop, RunInterrupted
 from hybrid_rl.metrics import batch_metrics, outcome_sums
-from hybrid_rl.partial import COUNTS as partial_counts
+from hybrid_rl.models import load_tokenizer
+from hybrid_rl.partial import COUNTS as partial_counts, partial_metrics
 from hybrid_rl.perf import ModelFlops, host_wait_summary, peak_flops, step_perf_means, step_perf_metrics
 from hybrid_rl.placement import make_placement, meet_at_engines
 from hybrid_rl.rewards import RewardScorer
@@ -51,6 +52,7 @@ from hybrid_rl.scoring import compute_scores, fill_informative, sample_records, 
 from hybrid_rl.tracking import Timer, Tracker, run_summary
 from hybrid_rl.watchdog import StallWatchdog
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
+from hybrid_rl.workers.critic import CriticWorker
 
 
 class TrainingDiverged(RuntimeError):
@@ -102,8 +104,6 @@ class Trainer:
         self.tracker_notes: list[str] = []
         resume_from = self._resume_target()  # before anything costly is built: a mismatched resume fails at once
         d = cfg.data
-        from hybrid_rl.models import load_tokenizer
-
         self.tokenizer = tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code,
                                                     "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
         options = getattr(d, d.task, None)  # a synthetic task's own section (data.arith)
@@ -129,8 +129,6 @@ class Trainer:
                                             tokenizer=tokenizer)
         self.critic = None  # the critic role, beside actor/rollout/ref in this process (trainer ranks only)
         if cfg.need_critic and pl.role != "rollout":
-            from hybrid_rl.workers.critic import CriticWorker
-
             self.critic = CriticWorker(cfg, pl.worker_dist, total_training_steps=self.total_steps)
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = alg.make_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon)  # β of KL-in-reward
@@ -548,8 +546,6 @@ class Trainer:
         means.update(parts["update_stats"])
         means.update({k: (v, 1.0) for k, v in parts["adv_metrics"].items()})
         if "token_weight_version" in batch.tensors:  # partial rollouts: staleness per token, carry-over counts
-            from hybrid_rl.partial import partial_metrics
-
             extra_means, extra_max = partial_metrics(batch, batch.meta["trainer_version"])
             means.update(extra_means)
             maxima.update(extra_max)
