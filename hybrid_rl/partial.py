@@ -22,7 +22,7 @@ their deadline take, enough of them are trained early. The loss needs nothing ne
 per-token log-probs (stitched from every segment), proximal = θ_k's ``old_log_probs`` (the pass, or the update's own
 first forward under ``actor.old_log_prob=auto``).
 
-Under split placement (``sources.SplitSource``) the same pipeline runs on each rollout rank, which has no actor: the
+Under split placement (``rollout_source.SplitSource``) the same pipeline runs on each rollout rank, which has no actor: the
 weights arrive by broadcast before a round starts, and the step boundary is the moment every trainer rank is ready
 for the next batch, so a rollout GPU keeps generating the whole time the trainer GPUs update (AReaL's layout).
 
@@ -50,6 +50,7 @@ from hybrid_rl.batch import Batch
 from hybrid_rl.config import partial_pool_steps
 from hybrid_rl.pipeline import RolloutPipeline
 from hybrid_rl.rollout.base import Continuation, SamplingParams, Segment, assemble_rollout
+from hybrid_rl.rollout.vllm import pad_rows  # a pure helper: importing the module does not import vLLM
 
 
 # --------------------------------------------------------------------------- the pool
@@ -204,8 +205,6 @@ def assemble_groups(groups: list[Group], n: int, eos_token_ids: list[int], pad_t
     The prompts are left-padded again and every response (all its segments, concatenated) goes through
     ``assemble_rollout``, so masks and position ids are laid out exactly as for an uninterrupted rollout.
     """
-    from hybrid_rl.rollout.vllm import pad_rows  # pure helper; importing it does not import vLLM
-
     samples = [s for g in groups for s in g.samples]
     unfinished = sum(not s.finished for s in samples)
     if unfinished:

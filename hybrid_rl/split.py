@@ -21,7 +21,7 @@ its process groups over the whole world, so with ``rollout.name=vllm`` the
 trainer ranks build an engine too and put it to sleep at level 2 (weights and
 KV cache released) right away; it only exists so the group creation pairs up.
 Every rank meets at a barrier first and the trainer ranks build it before
-their models (``sources.meet_at_engines``). The groups themselves are made so
+their models (``placement.meet_at_engines``). The groups themselves are made so
 that every rank takes part in the same NCCL splits (``make_layout``: 2 + 2 and
 1 + 3 layouts hung on 4xH200 before).
 
@@ -30,7 +30,7 @@ the reduced figures to the logging trainer rank. Checkpoints: the trainer ranks
 save the actor through DCP over their own group, every rank writes its extra
 (the rollout ranks: sampler, RNGs and the batch generated ahead), and a resumed
 run re-sends θ before its first step. With ``trainer.partial_rollouts`` the rollout
-ranks run partial rollouts' pool (``sources.SplitSource``; staleness up to 2).
+ranks run partial rollouts' pool (``rollout_source.SplitSource``; staleness up to 2).
 Left out: more staleness otherwise, and resizing R at run time (a checkpoint
 resumes on the same layout).
 """

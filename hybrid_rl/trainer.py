@@ -3,7 +3,7 @@
 ``fit`` reads top to bottom: one call per phase, each under a named timer.
 Set-up (data, reward function, worker, trackers) happens in ``__init__``;
 validation is greedy pass@1 on the validation prompts. Every mode and
-placement runs the same ``step``: a ``RolloutSource`` (``sources.py``: sync,
+placement runs the same ``step``: a ``RolloutSource`` (``rollout_source.py``: sync,
 one-step overlap, split placement) hands over the batch, and ``train_on`` runs
 reward → log-probs → (values) → advantage → (critic update) → actor update on it,
 one call per phase (``phases/``: the reward phase, where π_old comes from, the
@@ -41,17 +41,20 @@ from hybrid_rl.data import TASKS, PromptDataset, PromptSampler, collate_prompts,
 from hybrid_rl.distributed import DistInfo, all_reduce_sum, reduce_max, reduce_weighted_means
 from hybrid_rl.interrupt import GracefulStop, RunInterrupted
 from hybrid_rl.metrics import finish_step_metrics, outcome_sums, step_metrics, step_times
+from hybrid_rl.models import load_tokenizer
 from hybrid_rl.perf import ModelFlops, host_wait_summary, peak_flops, step_perf_means, step_perf_metrics
 from hybrid_rl.phases.advantage import compute_advantage, kl_in_reward_stats
 from hybrid_rl.phases.old_log_prob import old_log_prob_source, old_log_probs
 from hybrid_rl.phases.reward import RewardPhase
+from hybrid_rl.placement import make_placement, meet_at_engines
 from hybrid_rl.rewards import RewardScorer
+from hybrid_rl.rollout_source import make_source
 from hybrid_rl.runlock import take_run_lock
 from hybrid_rl.scoring import compute_scores, sample_records
-from hybrid_rl.sources import make_placement, make_source, meet_at_engines
 from hybrid_rl.tracking import Timer, Tracker, run_summary
 from hybrid_rl.watchdog import StallWatchdog
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
+from hybrid_rl.workers.critic import CriticWorker
 
 
 class TrainingDiverged(RuntimeError):
@@ -103,8 +106,6 @@ class Trainer:
         self.tracker_notes: list[str] = []
         resume_from = self._resume_target()  # before anything costly is built: a mismatched resume fails at once
         d = cfg.data
-        from hybrid_rl.models import load_tokenizer
-
         self.tokenizer = tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code,
                                                     "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
         options = getattr(d, d.task, None)  # a synthetic task's own section (data.arith)
@@ -131,8 +132,6 @@ class Trainer:
                                             tokenizer=tokenizer)
         self.critic = None  # the critic role, beside actor/rollout/ref in this process (trainer ranks only)
         if cfg.need_critic and pl.role != "rollout":
-            from hybrid_rl.workers.critic import CriticWorker
-
             self.critic = CriticWorker(cfg, pl.worker_dist, total_training_steps=self.total_steps)
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = alg.make_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon)  # β of KL-in-reward

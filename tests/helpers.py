@@ -9,13 +9,18 @@ module only stays in that module.
   ``ActorRolloutRefWorker`` on the tiny model (prompts -> rollout -> scores/advantages -> update).
 - ``ROOT``, ``subprocess_env``, ``run_checked``: launch ``python``/``torchrun`` from the checkout and
   fail with the tail of its output (one retry when torchrun's free port was taken).
+- ``train_until_learned``: a training run stopped (SIGTERM, the trainer's clean stop) once its reward has
+  reached the learning tests' bar, so that a learning curve costs the steps it needs, not the recipe's length.
 - ``liger_patched``: the modules whose ``forward`` Liger's kernels replaced (``model.use_liger``).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -92,6 +97,54 @@ def run_checked(cmd: list[str], timeout: int = 300, **env: str) -> subprocess.Co
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def trailing_means(rewards: list[float], window: int = 3) -> list[float]:
+    return [sum(rewards[i - window:i]) / window for i in range(window, len(rewards) + 1)]
+
+
+def train_until_learned(cmd: list[str], out: Path, bar: float = 0.8, window: int = 3, timeout: int = 1500,
+                        **env: str) -> list[dict]:
+    """Run ``cmd`` (a ``train`` writing ``out/metrics.jsonl``) until the mean ``reward/mean`` of its last ``window``
+    steps is ≥ ``bar``, then send SIGTERM to its process group: the trainer finishes the step and exits. Returns
+    every metrics row written. A run that ends by itself must exit 0 (it may end without reaching the bar: the
+    caller's assertion then fails with the curve)."""
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = out / "metrics.jsonl"
+    with open(out / "test_stdout.txt", "w") as so, open(out / "test_stderr.txt", "w") as se:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(**env), stdout=so, stderr=se,
+                                start_new_session=True)
+        deadline, stopped = time.monotonic() + timeout, False
+        try:
+            while proc.poll() is None:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"{' '.join(cmd)} ran past {timeout} s")
+                rewards = [r["reward/mean"] for r in _rows(metrics) if "reward/mean" in r]
+                if not stopped and any(m >= bar for m in trailing_means(rewards, window)):
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    stopped = True
+                time.sleep(0.5)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    if proc.returncode != 0 and not stopped:
+        raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}:\n"
+                             f"{(out / 'test_stderr.txt').read_text()[-6000:]}")
+    return _rows(metrics)
+
+
+def _rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    rows = []
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written
+            break
+    return rows
 
 
 class LazyFuture:

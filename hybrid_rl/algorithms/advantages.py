@@ -36,7 +36,7 @@ from torch import Tensor
 
 from hybrid_rl.registry import Registry
 
-from .core import _check_same_shape, _select, masked_mean, masked_sum, masked_var, masked_whiten
+from .core import check_same_shape, select_masked, masked_mean, masked_sum, masked_var, masked_whiten
 
 # One group id per sequence: a 1-D tensor / numpy array, or a sequence of hashable ids.
 GroupIndex = Union[Tensor, np.ndarray, Sequence[Hashable]]
@@ -117,7 +117,7 @@ def _group_ids(index: GroupIndex, batch_size: int, device: torch.device) -> tupl
 def _sequence_scores(token_level_rewards: Tensor, response_mask: Tensor) -> Tensor:
     if token_level_rewards.dim() != 2:
         raise ValueError(f"token_level_rewards must be [B, R], got {tuple(token_level_rewards.shape)}")
-    _check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
     rewards = token_level_rewards.to(_float_dtype(token_level_rewards))
     return masked_sum(rewards, response_mask, dim=-1)  # [B]
 
@@ -134,7 +134,7 @@ def _group_stats(scores: Tensor, gid: Tensor, n_groups: int) -> tuple[Tensor, Te
 
 
 def _broadcast(per_seq: Tensor, response_mask: Tensor) -> Tensor:
-    return _select(per_seq.unsqueeze(-1), response_mask)  # [B, R]
+    return select_masked(per_seq.unsqueeze(-1), response_mask)  # [B, R]
 
 
 @register_estimator("grpo", needs_groups=True, config=lambda c: {"norm_by_std": c.norm_adv_by_std_in_grpo})
@@ -206,11 +206,11 @@ def rloo_advantage(
 def _discounted_reward_to_go(rewards: Tensor, response_mask: Tensor, gamma: float) -> Tensor:
     """G_t = r_t + gamma * G_{t+1}, restarting at masked-out positions."""
     keep = response_mask.bool()
-    rewards = _select(rewards, keep)
+    rewards = select_masked(rewards, keep)
     returns = torch.zeros_like(rewards)  # [B, R]
     running = torch.zeros_like(rewards[:, 0])  # [B]
     for t in reversed(range(rewards.shape[1])):
-        running = _select(rewards[:, t] + gamma * running, keep[:, t])
+        running = select_masked(rewards[:, t] + gamma * running, keep[:, t])
         returns[:, t] = running
     return returns
 
@@ -231,10 +231,10 @@ def reinforce_pp_advantage(
     """
     if token_level_rewards.dim() != 2:
         raise ValueError(f"token_level_rewards must be [B, R], got {tuple(token_level_rewards.shape)}")
-    _check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
     rewards = token_level_rewards.to(_float_dtype(token_level_rewards))
     returns = _discounted_reward_to_go(rewards, response_mask, gamma)  # [B, R]
-    advantages = _select(masked_whiten(returns, response_mask), response_mask)
+    advantages = select_masked(masked_whiten(returns, response_mask), response_mask)
     return advantages, returns
 
 
@@ -263,12 +263,12 @@ def gae_advantage(
     """
     if token_level_rewards.dim() != 2:
         raise ValueError(f"token_level_rewards must be [B, R], got {tuple(token_level_rewards.shape)}")
-    _check_same_shape(token_level_rewards=token_level_rewards, values=values, response_mask=response_mask)
+    check_same_shape(token_level_rewards=token_level_rewards, values=values, response_mask=response_mask)
     dtype = torch.promote_types(_float_dtype(token_level_rewards), values.dtype)
     keep = response_mask.bool()
     # Padding may hold garbage (even NaN) values/rewards: select it away.
-    rewards = _select(token_level_rewards.to(dtype), keep)
-    values = _select(values.to(dtype), keep)
+    rewards = select_masked(token_level_rewards.to(dtype), keep)
+    values = select_masked(values.to(dtype), keep)
 
     adv = torch.zeros_like(rewards)  # [B, R]
     next_value = torch.zeros_like(rewards[:, 0])  # [B]
@@ -280,9 +280,9 @@ def gae_advantage(
         # On a padded position keep the carried state untouched.
         next_value = torch.where(m, values[:, t], next_value)
         last_gae = torch.where(m, gae_t, last_gae)
-        adv[:, t] = _select(gae_t, m)
+        adv[:, t] = select_masked(gae_t, m)
 
-    returns = _select(adv + values, keep)
+    returns = select_masked(adv + values, keep)
     if whiten == "std" and std_floor > 0:
         centred = adv - masked_mean(adv, keep)
         adv = centred / torch.clamp(masked_var(adv, keep, unbiased=True).sqrt(), min=std_floor)
@@ -292,6 +292,6 @@ def gae_advantage(
         adv = adv - masked_mean(adv, keep)
     elif whiten != "none":
         raise ValueError(f"whiten must be 'std', 'mean' or 'none', got {whiten!r}")
-    advantages = _select(adv, keep)
+    advantages = select_masked(adv, keep)
     return advantages, returns
 

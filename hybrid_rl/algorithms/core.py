@@ -41,20 +41,21 @@ Number = Union[int, float, Tensor]
 _CHUNK_ROWS = 1024
 
 
-def _check_same_shape(**tensors: Tensor) -> None:
+def check_same_shape(**tensors: Tensor) -> None:
+    """ValueError naming every shape unless all ``tensors`` have the same one."""
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     if len(set(shapes.values())) > 1:
         raise ValueError(f"expected tensors of the same shape, got {shapes}")
 
 
-def _select(x: Tensor, mask: Tensor) -> Tensor:
+def select_masked(x: Tensor, mask: Tensor) -> Tensor:
     """x where mask is set, 0 elsewhere (broadcasting like x * mask)."""
     return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
     """Sum of x over entries where mask is set; dim=None reduces to a scalar."""
-    selected = _select(x, mask)
+    selected = select_masked(x, mask)
     return selected.sum() if dim is None else selected.sum(dim=dim)
 
 
@@ -302,7 +303,7 @@ def agg_loss(
         raise ValueError(f"unknown loss_agg_mode {mode!r}; valid modes: {', '.join(LOSS_AGG_MODES)}")
     if loss_mat.dim() != 2:
         raise ValueError(f"loss_mat must be [B, R], got shape {tuple(loss_mat.shape)}")
-    _check_same_shape(loss_mat=loss_mat, mask=mask)
+    check_same_shape(loss_mat=loss_mat, mask=mask)
     _check_positive("num_tokens", num_tokens)
     _check_positive("num_seqs", num_seqs)
     _check_positive("norm_length", norm_length)

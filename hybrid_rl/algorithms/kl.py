@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from .core import Number, _check_same_shape, _select, agg_loss, masked_mean
+from .core import Number, check_same_shape, select_masked, agg_loss, masked_mean
 
 __all__ = ["AdaptiveKLController", "FixedKLController", "KL_ESTIMATORS", "apply_kl_in_reward", "kl_k1", "kl_k2", "kl_k3",
            "kl_loss", "kl_penalty", "make_kl_controller", "sequence_kl"]
@@ -64,7 +64,7 @@ def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: str) -> Tensor:
     fn = KL_ESTIMATORS.get(kind)
     if fn is None:
         raise ValueError(f"unknown KL estimator {kind!r}; valid kinds: {', '.join(KL_ESTIMATORS)}")
-    _check_same_shape(log_prob=log_prob, ref_log_prob=ref_log_prob)
+    check_same_shape(log_prob=log_prob, ref_log_prob=ref_log_prob)
     return fn(log_prob, ref_log_prob)
 
 
@@ -102,9 +102,9 @@ def apply_kl_in_reward(
     verl averages per sequence first, which weights short responses more).
     Computed without grad: rewards are targets.
     """
-    _check_same_shape(token_level_scores=token_level_scores, response_mask=response_mask)
+    check_same_shape(token_level_scores=token_level_scores, response_mask=response_mask)
     with torch.no_grad():
-        kld = _select(kl_penalty(old_log_prob, ref_log_prob, kind), response_mask)  # [B, R]
+        kld = select_masked(kl_penalty(old_log_prob, ref_log_prob, kind), response_mask)  # [B, R]
         rewards = token_level_scores - kl_coef * kld
         kl_mean = float(masked_mean(kld, response_mask).item())
     return rewards, kl_mean

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from hybrid_rl.registry import Registry
 
-from .core import Number, _check_same_shape, _select, agg_loss, masked_mean, masked_sum
+from .core import Number, check_same_shape, select_masked, agg_loss, masked_mean, masked_sum
 
 __all__ = ["POLICY_LOSSES", "PolicyLossInfo", "decoupled_ppo_loss", "gspo_loss", "ppo_clip_loss", "register_policy_loss"]
 
@@ -86,7 +86,7 @@ def _clipped_pg_losses(
 ) -> tuple[Tensor, Metrics]:
     """Per-token clipped PPO loss [B, R] and its clipping metrics."""
     _validate_clip(clip_ratio_low, clip_ratio_high, clip_ratio_c)
-    _check_same_shape(
+    check_same_shape(
         log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages, response_mask=response_mask
     )
     log_ratio = torch.clamp(log_prob - old_log_prob, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [B, R]
@@ -233,7 +233,7 @@ def decoupled_ppo_loss(
         raise ValueError(f"unknown is_mode {is_mode!r}; valid: {', '.join(_IS_MODES)}")
     if is_cap is not None and not is_cap > 0:
         raise ValueError(f"is_cap must be > 0 or None, got {is_cap}")
-    _check_same_shape(
+    check_same_shape(
         proximal_log_prob=proximal_log_prob, behaviour_log_prob=behaviour_log_prob, response_mask=response_mask
     )
 
@@ -253,7 +253,7 @@ def decoupled_ppo_loss(
             exceeded = raw_w > is_cap
         metrics["is_ratio_mean"] = masked_mean(raw_w, response_mask)
         # Weights are positive, so 0 outside the mask never wins the max.
-        metrics["is_ratio_max"] = _select(raw_w, response_mask).max() if raw_w.numel() else raw_w.new_zeros(())
+        metrics["is_ratio_max"] = select_masked(raw_w, response_mask).max() if raw_w.numel() else raw_w.new_zeros(())
         metrics["is_truncated_frac"] = masked_mean(exceeded.to(raw_w.dtype), response_mask)
 
     loss = agg_loss(pg_losses * weights, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
@@ -312,7 +312,7 @@ def gspo_loss(
     if clip_ratio_c is not None:
         raise ValueError(f"gspo has no dual clip: clip_ratio_c must be None, got {clip_ratio_c}")
     _validate_clip(clip_ratio_low, clip_ratio_high, None)
-    _check_same_shape(
+    check_same_shape(
         log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages, response_mask=response_mask
     )
     log_ratio = log_prob - old_log_prob  # [B, R]

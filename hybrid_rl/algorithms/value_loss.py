@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .core import Number, _check_same_shape, agg_loss, masked_mean
+from .core import Number, check_same_shape, agg_loss, masked_mean
 
 __all__ = ["clipped_value_loss"]
 
@@ -44,7 +44,7 @@ def clipped_value_loss(
     scalar): clipfrac is the fraction of tokens whose clipped error is the
     larger one, i.e. where clipping removed the gradient.
     """
-    _check_same_shape(vpreds=vpreds, returns=returns, old_values=old_values, response_mask=response_mask)
+    check_same_shape(vpreds=vpreds, returns=returns, old_values=old_values, response_mask=response_mask)
     vpreds = vpreds.float()
     returns, old_values = returns.float(), old_values.float()
     err = (vpreds - returns).square()  # [B, R]

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .answers import extract_answer, extract_integer
 from .arith import ArithConfig, held_out_rows, training_rows
 
 
@@ -73,8 +74,6 @@ class Gsm8kTask(Task):
     def answer_stats(self, responses: list[str]) -> dict[str, float]:
         """``format_strict``: responses with the ``#### <number>`` line the prompt asks for; ``answer_found``: responses
         the flexible reward can read any answer from (so a wrong answer is told apart from no answer at all)."""
-        from hybrid_rl.rewards.gsm8k import extract_answer
-
         return {"format_strict": float(sum(extract_answer(r, "strict") is not None for r in responses)),
                 "answer_found": float(sum(extract_answer(r, "flexible") is not None for r in responses))}
 
@@ -155,8 +154,6 @@ class ArithTask(Task):
     def answer_stats(self, responses: list[str]) -> dict[str, float]:
         """``format_exact``: responses that are the number and nothing else (what the prompt asks for);
         ``answer_found``: responses with any number in them."""
-        from hybrid_rl.rewards.arith import extract_integer
-
         return {"format_exact": float(sum(extract_integer(r, "strict") is not None for r in responses)),
                 "answer_found": float(sum(extract_integer(r) is not None for r in responses))}
 

@@ -1,6 +1,7 @@
 """Rule-based rewards: built-in scorers (``gsm8k``, ``successor``, ``arith``), resolution of
 ``reward.function`` and batch scoring with ``reward.on_error`` handling (``registry``), in worker processes with
-a per-call ``reward.timeout_s`` for user functions (``pool``).
+a per-call ``reward.timeout_s`` for user functions (``pool``, each worker running ``worker``); one call's score or
+error as one line (``call``). The answers the built-ins score are read by ``hybrid_rl.data.answers``.
 """
 
 from .registry import BUILTIN_REWARDS, RewardError, RewardFn, get_reward_fn, register_reward, RewardScorer, score_responses

@@ -24,88 +24,23 @@ from __future__ import annotations
 import collections
 import math
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Mapping
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable
+from typing import Callable
 
 FnRef = tuple  # ("spec", "module:fn" or "/abs/file.py:fn", task) or ("object", fn)
 START_TIMEOUT_S = 300.0
 """A worker that has not imported the reward function after this long (a hung import) fails the batch."""
 
 
-def score_one(fn: Callable[[str, str], Any], response: str, truth: str) -> float:
-    """``fn(response, truth)`` as a finite float; raises on an exception, a non-number or NaN/inf."""
-    result = fn(response, truth)
-    if isinstance(result, Mapping) and "score" in result:
-        result = result["score"]
-    if isinstance(result, (str, bytes)):
-        # float("1") would succeed, but a string score is almost certainly a bug in the reward function
-        raise TypeError(f"returned a {type(result).__name__} {result!r}, not a number")
-    score = float(result)
-    if not math.isfinite(score):
-        raise ValueError(f"returned {score}, not a finite number")
-    return score
-
-
-def describe_error(e: BaseException, limit: int = 160) -> str:
-    """``Type: first line`` of ``e``, its middle cut past ``limit`` (as the in-process message words it)."""
-    lines = str(e).strip().splitlines()
-    text = lines[0] if lines else ""
-    if len(text) > limit:
-        head = (limit - 3) // 2
-        text = text[:head] + "..." + text[-(limit - 3 - head):]
-    return f"{type(e).__name__}: {text}"
-
-
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # not Linux: the parent's exit still closes the pipe, and an idle worker ends on EOF
-        pass
-
-
-def _resolve(ref: FnRef) -> Callable[[str, str], Any]:
-    if ref[0] == "spec":
-        from .registry import get_reward_fn
-
-        return get_reward_fn(ref[1], ref[2])
-    return ref[1]
-
-
-def _worker_main(conn, ref: FnRef) -> None:
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        fn = _resolve(ref)
-    except Exception as e:
-        conn.send(("init_error", describe_error(e, 400)))
-        return
-    conn.send(("ready",))
-    while True:
-        try:
-            chunk = conn.recv()
-        except (EOFError, OSError):
-            return
-        if chunk is None:
-            return
-        for idx, response, truth in chunk:
-            try:
-                conn.send((idx, True, score_one(fn, response, truth)))
-            except Exception as e:
-                conn.send((idx, False, describe_error(e)))
-
-
 _BOOT = ("import sys; from multiprocessing.connection import Connection; c = Connection(int(sys.argv[1])); "
-         "sys.path[:] = c.recv(); from hybrid_rl.rewards.pool import _worker_main; _worker_main(c, c.recv())")
+         "sys.path[:] = c.recv(); from hybrid_rl.rewards.worker import worker_main; worker_main(c, c.recv())")
+"""A worker's whole command line (``python -c``): it imports ``hybrid_rl.rewards.worker`` by name, so this module
+does not import the registry that resolves the function."""
 
 
 class _Worker:
@@ -222,7 +157,7 @@ class RewardPool:
                             if msg[0] == "ready":
                                 w.ready = True
                             elif msg[0] == "init_error":
-                                raise _InitError(msg[1])
+                                raise WorkerInitError(msg[1])
                             else:
                                 idx, ok, value = msg
                                 w.items.popleft()
@@ -235,7 +170,7 @@ class RewardPool:
                     except (EOFError, OSError):  # the worker died (its own os._exit, the OOM killer, ...)
                         code = w.exit_code()
                         if not w.ready:
-                            raise _InitError(f"the worker process exited while starting (exit code {code})")
+                            raise WorkerInitError(f"the worker process exited while starting (exit code {code})")
                         if w.items:
                             idx = self._abandon(w, pending)
                             done += 1
@@ -245,7 +180,7 @@ class RewardPool:
                 now = time.monotonic()
                 for w in list(self._workers):
                     if not w.ready and now - w.born > START_TIMEOUT_S:
-                        raise _InitError(f"the worker process did not load it within {START_TIMEOUT_S:g} s")
+                        raise WorkerInitError(f"the worker process did not load it within {START_TIMEOUT_S:g} s")
                     if not w.items:
                         continue
                     running = now - w.started
@@ -262,7 +197,7 @@ class RewardPool:
         return scores
 
 
-class _InitError(Exception):
+class WorkerInitError(Exception):
     """A worker could not load the reward function (the message says why)."""
 
 

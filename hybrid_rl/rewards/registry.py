@@ -24,9 +24,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..data.tasks import TASKS
 from ..registry import Registry
 from . import arith, gsm8k, successor
-from .pool import PoolFailure, RewardPool, _InitError, score_one, worker_count
+from .call import score_one
+from .pool import PoolFailure, RewardPool, WorkerInitError, worker_count
 
 RewardFn = Callable[[str, str], float]
 
@@ -57,8 +59,6 @@ register_reward("arith_strict", arith.compute_score_strict)
 def get_reward_fn(name: str, task: str) -> RewardFn:
     """The reward callable for ``reward.function=name`` under ``data.task=task``."""
     if name == "auto":
-        from ..data.tasks import TASKS
-
         if task not in TASKS:
             raise RewardError(f"reward.function=auto uses the task's own reward, but data.task={task!r} is not a known task; "
                               f"use one of {sorted(TASKS)} or set reward.function")
@@ -264,7 +264,7 @@ class RewardScorer:
         with self._lock:
             try:
                 scores = self.pool.score(responses, ground_truths, self.timeout_s, on_failure, on_stall, STALL_S)
-            except _InitError as e:
+            except WorkerInitError as e:
                 raise RewardError(f"reward function {_fn_name(self.fn)} could not be loaded in a reward worker process "
                                   f"({e}); make it importable from a fresh Python (module level, on PYTHONPATH), or set "
                                   f"reward.num_workers=0 to score in the training process") from None

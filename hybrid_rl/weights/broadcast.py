@@ -20,17 +20,14 @@ other topology than one sender (no tree or ring broadcast across nodes).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from hybrid_rl.rollout.base import RolloutEngine
+from hybrid_rl.split import SplitLayout
 from hybrid_rl.weights.buckets import bucketize
 from hybrid_rl.weights.replay import WeightReplayer
-
-if TYPE_CHECKING:
-    from hybrid_rl.split import SplitLayout
 
 
 def broadcast_weights(layout: SplitLayout, source, dtype: torch.dtype, bucket_bytes: int, version: int,

@@ -133,7 +133,7 @@ class CriticWorker:
     # -- values --------------------------------------------------------------------------
     def _values(self, micro: Batch) -> torch.Tensor:
         t = micro.to(self.device).tensors
-        with self.engine._autocast():
+        with self.engine.autocast():
             return self.engine.model(t["input_ids"], t["attention_mask"], t["position_ids"], t["responses"].shape[1])
 
     @torch.no_grad()

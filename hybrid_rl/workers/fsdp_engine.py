@@ -197,7 +197,8 @@ class TrainingEngine:
         return self.optimizer.param_groups[0]["lr"] if self.optimizer else 0.0
 
     # -- forward ------------------------------------------------------------------------
-    def _autocast(self):
+    def autocast(self):
+        """Autocast to the compute dtype for a plain (unsharded) module on CUDA; FSDP2 casts by its own policy."""
         if not self.fsdp and self.device.type == "cuda" and self.compute_dtype != torch.float32:
             return torch.autocast("cuda", dtype=self.compute_dtype)
         return nullcontext()
@@ -221,12 +222,12 @@ class TrainingEngine:
             width = t["input_ids"].shape[1]
             keep = torch.arange(width - resp_len - 1, width - 1, device=self.device)
             self.work.head_rows += mask[:, keep].sum()
-            with self._autocast(), logprob_head(self.model, responses.reshape(-1), temperature, with_entropy,
+            with self.autocast(), logprob_head(self.model, responses.reshape(-1), temperature, with_entropy,
                                                 entropy_grad):
                 out = self._call(kwargs, keep)
             lp, ent = split_head_output(out.logits)
             return lp.view_as(responses), ent.view_as(responses) if with_entropy else None
-        with self._autocast():
+        with self.autocast():
             if self._logits_to_keep:
                 # only the response positions go through the LM head (the prompt's logits are never used)
                 try:
@@ -267,7 +268,7 @@ class TrainingEngine:
                       hybrid_cu_seqlens=p.cu_seqlens, hybrid_max_seqlen=p.max_seqlen)
         if p.shared is not None:
             kwargs["hybrid_shared"] = p.shared
-        with self._autocast():
+        with self.autocast():
             if self.fused_logprob:
                 with logprob_head(self.model, p.targets, temperature, with_entropy, entropy_grad):
                     lp, ent = split_head_output(self._call(kwargs, p.keep).logits)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hybrid_rl.distributed import init_distributed  # noqa: E402
 from hybrid_rl.interrupt import GracefulStop  # noqa: E402
-from hybrid_rl.sources import Placement  # noqa: E402
+from hybrid_rl.placement import Placement  # noqa: E402
 from hybrid_rl.split import make_layout  # noqa: E402
 
 

@@ -15,8 +15,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
-from hybrid_rl.checkpoint import (COMPLETE, LATEST, CheckpointError, capture_rng, export_hf,  # noqa: E402
-                                  find_latest, load_checkpoint, restore_rng, save_checkpoint)
+from hybrid_rl.checkpoint import (COMPLETE, LATEST, CheckpointError, capture_rng, find_latest,  # noqa: E402
+                                  load_checkpoint, restore_rng, save_checkpoint)
+from hybrid_rl.export import export_hf  # noqa: E402
 
 LORA_TARGETS = ["q_proj", "v_proj"]
 

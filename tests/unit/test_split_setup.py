@@ -1,4 +1,4 @@
-"""Split placement's set-up order with vLLM (``sources.meet_at_engines``): every rank meets at a barrier, then the
+"""Split placement's set-up order with vLLM (``placement.meet_at_engines``): every rank meets at a barrier, then the
 trainer ranks build vLLM's twin before any model, so that no rank waits in vLLM's group creation for one still
 loading a model. (The 2 + 2 hangs in set-up had another cause: ``tests/unit/test_split_groups.py``.)"""
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hybrid_rl import sources
+from hybrid_rl import placement
 
 
 class FakeEngine:
@@ -42,21 +42,21 @@ def _cfg(name: str):
 
 
 def test_trainer_rank_builds_the_twin_after_the_barrier_and_releases_it(events):
-    twin = sources.meet_at_engines(_cfg("vllm"), _placement(False), SimpleNamespace(rank=3), tokenizer=None)
+    twin = placement.meet_at_engines(_cfg("vllm"), _placement(False), SimpleNamespace(rank=3), tokenizer=None)
     assert isinstance(twin, FakeEngine)  # kept by the trainer for the run
     assert events == [("barrier", "world-gloo"), ("twin", 3), ("sleep", 2)]
 
 
 def test_rollout_rank_only_meets(events):
-    assert sources.meet_at_engines(_cfg("vllm"), _placement(True), SimpleNamespace(rank=0), None) is None
+    assert placement.meet_at_engines(_cfg("vllm"), _placement(True), SimpleNamespace(rank=0), None) is None
     assert events == [("barrier", "world-gloo")]  # its engine is the worker's first GPU work
 
 
 def test_hf_split_meets_without_a_twin_and_colocated_does_nothing(events):
-    assert sources.meet_at_engines(_cfg("hf"), _placement(False), SimpleNamespace(rank=1), None) is None
+    assert placement.meet_at_engines(_cfg("hf"), _placement(False), SimpleNamespace(rank=1), None) is None
     assert events == [("barrier", "world-gloo")]
     events.clear()
-    assert sources.meet_at_engines(_cfg("vllm"), _placement(None), SimpleNamespace(rank=0), None) is None
+    assert placement.meet_at_engines(_cfg("vllm"), _placement(None), SimpleNamespace(rank=0), None) is None
     assert events == []
 
 
@@ -84,7 +84,7 @@ def test_stop_check_runs_on_the_cpu_group_under_split_and_on_the_device_colocate
     import torch
 
     gpu = torch.device("cuda", 1)
-    split = sources.Placement(SimpleNamespace(obj_group="world-gloo"), "rollout", 0, 1, None, None, False)
+    split = placement.Placement(SimpleNamespace(obj_group="world-gloo"), "rollout", 0, 1, None, None, False)
     assert split.stop_check(gpu) == (torch.device("cpu"), "world-gloo")
-    colocated = sources.Placement(None, "actor_rollout_ref", 0, 1, None, None, True)
+    colocated = placement.Placement(None, "actor_rollout_ref", 0, 1, None, None, True)
     assert colocated.stop_check(gpu) == (gpu, None)

@@ -15,113 +15,33 @@ then train on it. What differs lives here, each source owning its own state:
   ``partial.PartialRolloutPipeline``: its round generates in the background until every trainer rank is ready for
   the next batch, then is interrupted once the rank has its step's complete groups; the tail is carried.
 
-``Placement`` is the set-up that comes before the worker exists: which role this rank plays, its
-data-parallel world, which rank logs. Each source also answers the questions the checkpoint and
-validation code used to ask of the trainer: the batch generated ahead (``pending_batch``), the last
-weight transfer (``sync_stats``), and how to run greedy validation on the engine (``validate``).
+Which rank plays which part comes first, from ``placement.Placement``. Each source also answers the questions the
+checkpoint and validation code ask of the step: the batch generated ahead (``pending_batch``), the last weight
+transfer (``sync_stats``), and how to run greedy validation on the engine (``validate``).
 Left out: more than one step of staleness except through partial rollouts.
 """
 
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, replace
-from typing import Any, Callable
-
-import torch
+from typing import Callable
 
 from hybrid_rl.batch import Batch
 from hybrid_rl.config import Config
 from hybrid_rl.distributed import DistInfo
+from hybrid_rl.partial import PartialRolloutPipeline
 from hybrid_rl.pipeline import RolloutPipeline
-from hybrid_rl.rollout import engine_info, rollout_engine_class
+from hybrid_rl.placement import Placement
+from hybrid_rl.split import send_batch
 from hybrid_rl.tracking import Timer
+from hybrid_rl.weights.broadcast import broadcast_weights, receive_weights
+from hybrid_rl.weights.replay import WeightReplayer
 
 NextPrompts = Callable[[], Batch]
 OnEngine = Callable[[int, int], dict]
 """Greedy validation on this rank's engine: (share index, number of shares) → reduced metrics."""
 
 
-# --------------------------------------------------------------------------- placement
-@dataclass
-class Placement:
-    """This rank's part in the run, decided before the worker is built."""
-
-    layout: Any  # split.SplitLayout under trainer.placement=split, else None
-    role: str
-    """The worker's role: ``actor_rollout_ref`` colocated; ``rollout`` / ``actor_ref`` under split placement."""
-    sampler_rank: int
-    sampler_world: int
-    dist: DistInfo
-    """The data-parallel world this rank trains (or generates) in: the trainer ranks' own world under split."""
-    worker_dist: DistInfo
-    is_logger: bool
-
-    @property
-    def dcp_group(self):
-        """The process group the actor checkpoints over (None = the world)."""
-        return self.layout.trainer_group if self.layout is not None else None
-
-    def stop_check(self, device: torch.device) -> tuple[torch.device, Any]:
-        """(device, group) of the per-step stop check (``GracefulStop.agreed``), an all-reduce over every rank.
-        Split placement: the CPU and the gloo world group. A rollout rank waits in that check for the trainer ranks'
-        update while its next round generates in the background; on NCCL the wait would also hold its current CUDA
-        stream, and with it the engine's kernels queued behind (the likely cause of plain split's 45 s generation per
-        step at mean 4k on 4xH200, ~one update longer than the tail it waits for)."""
-        if self.layout is None:
-            return device, None
-        return torch.device("cpu"), self.layout.obj_group
-
-    def describe(self) -> str:
-        if self.layout is None:
-            return "colocated"
-        n = self.layout.n_rollout
-        return f"split ({n} rollout + {self.layout.world - n} trainer ranks)"
-
-
-def make_placement(cfg: Config, dist: DistInfo) -> Placement:
-    """Colocated: every rank does everything. Split: build the groups and pick this rank's side."""
-    if cfg.trainer.placement != "split":
-        return Placement(None, "actor_rollout_ref", dist.rank, dist.world_size, dist, dist, dist.is_main)
-    from hybrid_rl.split import make_layout
-
-    sp = make_layout(cfg.split_layout(dist.world_size)[0])
-    is_logger = sp.rank == sp.leader
-    if sp.is_rollout:  # global rank and world (vLLM's launcher needs them), reductions among the rollout ranks
-        rollout_dist = replace(dist, group=sp.rollout_group)
-        return Placement(sp, "rollout", sp.index, sp.n_rollout, rollout_dist, rollout_dist, is_logger)
-    trainer_dist = DistInfo(rank=sp.index, world_size=sp.side_size, local_rank=dist.local_rank, device=dist.device,
-                            group=sp.trainer_group)
-    # the trainer ranks read the prompts the rollout ranks sampled: their own sampler only keeps the position
-    return Placement(sp, "actor_ref", 0, sp.n_rollout, trainer_dist, trainer_dist, is_logger)
-
-
-def meet_at_engines(cfg: Config, placement: Placement, global_dist: DistInfo, tokenizer) -> Any:
-    """Split placement: every rank starts vLLM's set-up at the same point, before any rank has built a model.
-
-    vLLM's external launcher creates its process groups over the whole world, so for such an engine (its
-    ``EngineInfo.split_twin``) the trainer ranks build one too (a twin, released at once: sleep level 2 frees its
-    weights and KV cache) for those collectives to pair up.
-    All ranks meet at a barrier (gloo), then the trainer ranks build the twin first and the rollout ranks their
-    worker, whose first GPU work is the engine: nobody waits in vLLM's group creation for a rank still loading a
-    model. (The 2 + 2 hangs on 4xH200 were first put down to that wait, the second trainer rank arriving 15-34 s
-    late; the cause was a group of ``split.make_layout`` that left that rank in an NCCL split of its own, which
-    this barrier then showed at once. The order stays: it costs nothing.) Returns the twin (kept for the run: its
-    groups belong to the world) or None."""
-    sp = placement.layout
-    if sp is None:
-        return None
-    import torch.distributed as tdist
-
-    tdist.barrier(group=sp.obj_group)
-    if not engine_info(cfg.rollout.name).split_twin or sp.is_rollout:
-        return None
-    twin = rollout_engine_class(cfg.rollout.name).from_config(cfg, global_dist, tokenizer)
-    twin.sleep(level=2)
-    return twin
-
-
-# --------------------------------------------------------------------------- sources
 class RolloutSource(abc.ABC):
     """The batches a trainer rank trains on, and the state that producing them carries."""
 
@@ -222,16 +142,12 @@ class SplitSource(RolloutSource):
         self._sent_version: int | None = None
         self._replayer = None
         if self.layout.is_rollout and cfg.rollout.weight_load_replay:
-            from hybrid_rl.weights.replay import WeightReplayer
-
             engine = worker.rollout
             self._replayer = WeightReplayer(lambda bucket: engine.load_weights(bucket))
 
     # -- the two exchanges -----------------------------------------------------------
     def _exchange_weights(self) -> None:
         """θ from the trainer ranks to the rollout ranks (skipped when the rollout already has this version)."""
-        from hybrid_rl.weights.broadcast import broadcast_weights, receive_weights
-
         w = self.worker
         if self.layout.is_rollout:
             self._sync = receive_weights(self.layout, w.rollout, self.global_dist.device, self._replayer)
@@ -254,8 +170,6 @@ class SplitSource(RolloutSource):
         return parts[self.layout.leader]
 
     def _exchange_batch(self, batch: Batch | None) -> Batch | None:
-        from hybrid_rl.split import send_batch
-
         d = self.cfg.data
         return send_batch(self.layout, batch, (d.max_prompt_length, d.max_response_length), self.pad_token_id)
 
@@ -339,8 +253,6 @@ def make_source(cfg: Config, placement: Placement, worker, next_prompts: NextPro
     ``steps_left()``: the steps from the next one to the run's end (partial rollouts size their pool by it)."""
     split = placement.layout
     if cfg.trainer.partial_rollouts and cfg.trainer.mode == "overlap" and (split is None or split.is_rollout):
-        from hybrid_rl.partial import PartialRolloutPipeline
-
         per_step = cfg.data.train_batch_size // placement.sampler_world  # this rank's groups (a rollout rank's)
         pipe = PartialRolloutPipeline(worker, cfg.staleness_bound, cfg.trainer.stale_policy, per_step,
                                       cfg.trainer.partial_rollout_ahead)
