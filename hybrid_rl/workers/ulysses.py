@@ -29,6 +29,9 @@ if TYPE_CHECKING:  # packed.py's attention calls in here
     from hybrid_rl.workers.packed import Packed
 
 
+SP_KEY = "actor.ulysses_sequence_parallel_size"
+
+
 @dataclass(frozen=True)
 class SequenceParallel:
     """This rank's place in the sequence-parallel layout."""
@@ -57,7 +60,7 @@ def make_groups(size: int, parent: "dist.ProcessGroup | None" = None) -> Sequenc
     if size == 1:
         return data_parallel(me, len(ranks))
     if len(ranks) % size:
-        raise ValueError(f"actor.ulysses_sequence_parallel_size={size} must divide the {len(ranks)} training ranks")
+        raise ValueError(f"{SP_KEY}={size} must divide the {len(ranks)} training ranks")
     first = me - me % size
     group = dist.new_group(ranks[first:first + size], use_local_synchronization=True)
     return SequenceParallel(size, me % size, group, me // size, len(ranks) // size)
