@@ -1,0 +1,140 @@
+"""Ulysses sequence parallelism (``actor.ulysses_sequence_parallel_size``): a packed row cut in slices over a group
+of ranks computes what one rank computes with the whole row.
+
+The torchrun tests launch ``tests/engine/multirank/ulysses_checks.py`` on 2 and 4 gloo ranks (CPU, float32, the
+tiny Qwen2: 4 attention heads, 2 key/value heads) and compare against sequence-parallel size 1 on the same global
+batch, run in the same launch: log-probs, the gradients of one backward of a token-mean loss, and the actor worker's
+whole update. The others check the slicing and the configuration in one process.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import run_checked
+from hybrid_rl.config import ConfigError, load_config
+from hybrid_rl.workers.packed import pack, pack_shared
+from hybrid_rl.workers.ulysses import SequenceParallel, check_heads, repeat_kv_heads, shard
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECKS = ROOT / "tests" / "engine" / "multirank" / "ulysses_checks.py"
+TOL = 1e-5
+
+
+def _launch(ranks: int, out: Path, *which: str) -> list[dict]:
+    run_checked([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+                 str(CHECKS), str(out), *which])
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_model_path, tmp_path_factory):
+    return _launch(2, tmp_path_factory.mktemp("ulysses2"), "engine", "worker")
+
+
+def _assert_engine_matches(ranks: list[dict], sizes: tuple[int, ...]) -> None:
+    for res in ranks:
+        for variant in ("plain", "fused_shared_ckpt"):
+            for size in sizes:
+                got = res[(variant, size)]
+                assert got["rows"] == 8 * size // res["world_size"]  # the group holds its data-parallel share
+                assert got["lp_scale"] > 1.0 and got["grad_scale"] > 1e-2  # the comparisons are not of zeros
+                assert got["lp_diff"] < TOL, (variant, size, got)
+                assert got["grad_diff"] < TOL, (variant, size, got)
+
+
+@pytest.mark.slow
+def test_two_rank_log_probs_and_gradients_equal_size_one(two_ranks):
+    """Size 2: the same log-probs and, after one backward, the same full gradients as size 1 (padded-row head and
+    fused head with shared prompts and gradient checkpointing)."""
+    _assert_engine_matches(two_ranks, (2,))
+
+
+@pytest.mark.slow
+def test_two_rank_worker_update_equals_size_one(two_ranks):
+    """The actor worker's update on the same batch: the same gradient norm and the same parameters after the step."""
+    for res in two_ranks:
+        w = res["worker"]
+        assert w["moved"] > 1e-4  # the step moved every parameter
+        assert w["param_diff"] < TOL, w
+        got, want = w["grad_norm"]
+        assert got == pytest.approx(want, rel=TOL)
+
+
+@pytest.mark.slow
+def test_four_rank_log_probs_and_gradients_equal_size_one(tiny_model_path, tmp_path):
+    """Sizes 2 and 4 on 4 ranks; size 4 repeats the model's 2 key/value heads so each rank has one."""
+    _assert_engine_matches(_launch(4, tmp_path, "engine"), (2, 4))
+
+
+# --------------------------------------------------------------------------- one process
+def _padded_batch() -> dict[str, torch.Tensor]:
+    """3 rows: left-padded prompts (two equal), right-padded responses."""
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0, 0]])
+    ids = torch.arange(1, 22).view(3, 7) * mask
+    ids[2, :4] = ids[0, :4]  # rows 0 and 2 share their prompt
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    return dict(input_ids=ids, attention_mask=mask, position_ids=positions, responses=ids[:, 4:])
+
+
+@pytest.mark.parametrize("packer", [pack, pack_shared])
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_slices_cover_the_row_and_its_head_rows(packer, size):
+    p = packer(_padded_batch())
+    rows = [shard(p, SequenceParallel(size=size, rank=r)) for r in range(size)]
+    real = p.input_ids.shape[1]
+    ids = torch.cat([s.input_ids for s in rows], dim=1)
+    assert ids.shape[1] % size == 0 and ids.shape[1] - real < size
+    assert torch.equal(ids[:, :real], p.input_ids) and not ids[:, real:].any()
+    assert torch.equal(torch.cat([s.position_ids for s in rows], dim=1)[:, :real], p.position_ids)
+    width = rows[0].input_ids.shape[1]
+    assert [len(s.keep) for s in rows] == rows[0].counts and sum(rows[0].counts) == len(p.keep)
+    # each slice's head rows, back in the row's order, are the row's, with their targets
+    flat_keep = torch.cat([s.keep + r * width for r, s in enumerate(rows)])
+    flat_targets = torch.cat([s.targets for s in rows])
+    order = rows[0].order
+    assert torch.equal(flat_keep.new_empty(flat_keep.shape).index_copy(0, order, flat_keep), p.keep)
+    assert torch.equal(flat_targets.new_empty(flat_targets.shape).index_copy(0, order, flat_targets), p.targets)
+    assert all(((s.keep >= 0) & (s.keep < width)).all() for s in rows)
+
+
+def test_key_value_heads_repeat_to_the_group_size():
+    k = torch.arange(2.0).view(1, 2, 1).expand(3, 2, 1)
+    assert repeat_kv_heads(k, 4)[0, :, 0].tolist() == [0, 0, 1, 1]  # query heads 0-1 use kv head 0, 2-3 kv head 1
+    assert repeat_kv_heads(k, 2) is k
+
+
+def test_heads_must_split_over_the_group():
+    class Cfg:
+        num_attention_heads, num_key_value_heads = 4, 2
+
+    check_heads(Cfg, 4, "actor.ulysses_sequence_parallel_size")
+    with pytest.raises(ValueError, match="actor.ulysses_sequence_parallel_size=3"):
+        check_heads(Cfg, 3, "actor.ulysses_sequence_parallel_size")
+    Cfg.num_attention_heads, Cfg.num_key_value_heads = 12, 3
+    with pytest.raises(ValueError, match="3 key/value heads"):
+        check_heads(Cfg, 4, "actor.ulysses_sequence_parallel_size")
+
+
+def test_config_needs_packing_and_divides_the_ranks():
+    sp = ["actor.ulysses_sequence_parallel_size=2"]
+    with pytest.raises(ConfigError, match="actor.use_remove_padding=true"):
+        load_config(None, sp + ["actor.use_remove_padding=false"]).validate(world_size=2)
+    with pytest.raises(ConfigError, match="actor.ulysses_sequence_parallel_size=2 must divide the 3"):
+        load_config(None, sp + ["data.train_batch_size=6", "actor.ppo_mini_batch_size=6"]).validate(world_size=3)
+    with pytest.raises(ConfigError, match="actor.ulysses_sequence_parallel_size"):
+        load_config(None, ["actor.ulysses_sequence_parallel_size=0"]).validate()
+
+
+def test_mini_batches_divide_over_data_parallel_shares():
+    """4 ranks in groups of 2 are 2 data-parallel shares: a mini-batch of 2 prompts splits over them (over 4 ranks it
+    would not), one of 3 does not."""
+    base = ["actor.ulysses_sequence_parallel_size=2", "data.train_batch_size=12", "rollout.n=2",
+            "actor.ppo_micro_batch_size_per_device=2"]
+    load_config(None, base + ["actor.ppo_mini_batch_size=2"]).validate(world_size=4)  # 4 ranks would refuse 2
+    with pytest.raises(ConfigError, match="by the 2 data-parallel ranks"):
+        load_config(None, base + ["actor.ppo_mini_batch_size=3"]).validate(world_size=4)
