@@ -36,7 +36,7 @@ from hybrid_rl.batch import Batch
 from hybrid_rl.checkpoint import (CHECKPOINT_SUBDIR, CheckpointError, CorruptCheckpointError, capture_rng, find_latest,
                                   find_resumable, is_complete, load_checkpoint, read_checkpoint_config, restore_rng,
                                   save_checkpoint, verify_checkpoint)
-from hybrid_rl.config import Config, ConfigError, resume_config_diff, save_config
+from hybrid_rl.config import Config, ConfigError, mini_batch_seqs, resume_config_diff, save_config
 from hybrid_rl.data import TASKS, PromptDataset, PromptSampler, collate_prompts, load_rows
 from hybrid_rl.distributed import DistInfo, all_reduce_sum, reduce_max, reduce_weighted_means
 from hybrid_rl.interrupt import GracefulStop, RunInterrupted
@@ -52,6 +52,7 @@ from hybrid_rl.sources import make_placement, make_source, meet_at_engines
 from hybrid_rl.tracking import Timer, Tracker, run_summary
 from hybrid_rl.watchdog import StallWatchdog
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
+from hybrid_rl.workers.ulysses import gather_group_rows, own_rows
 
 
 class TrainingDiverged(RuntimeError):
@@ -260,6 +261,9 @@ class Trainer:
         w, cfg, critic = self.worker, self.cfg, self.critic
         batch = self.source.check_staleness(batch, w.weight_version)
         batch, reward_stats = self.reward(batch, timer, self.source.next_batch)
+        # a sequence-parallel group trains on all its members' rows (actor.ulysses_sequence_parallel_size)
+        batch, own = gather_group_rows(batch, w.sp, self.tokenizer.pad_token_id,
+                                       mini_batch_seqs(cfg.actor, w.dist.world_size, cfg.rollout.n))
         old_source = old_log_prob_source(cfg, w.num_mini_batches(batch), self._actor_updates())
         batch, skipped = old_log_probs(w, batch, old_source, timer)
         if cfg.need_ref:
@@ -278,7 +282,8 @@ class Trainer:
             with timer("update"):
                 stats, batch = w.update_policy(batch, old_source)
                 update_stats.update(stats)
-        return dict(batch=batch, reward_stats=reward_stats, update_stats=update_stats, adv_metrics=adv_metrics)
+        return dict(batch=own_rows(batch, own), reward_stats=reward_stats, update_stats=update_stats,
+                    adv_metrics=adv_metrics)
 
     def _actor_updates(self) -> bool:
         """Whether the actor updates this step (during the critic's warm-up it waits)."""
@@ -292,7 +297,8 @@ class Trainer:
         if acfg.use_kl_in_reward:
             kl = torch.tensor(kl_in_reward_stats(batch, acfg), dtype=torch.float64, device=self.dist.device)
             all_reduce_sum(kl, self.dist.group)
-            self.kl_ctrl.update(float(kl[0] / kl[1].clamp(min=1)), int(kl[1]))
+            # each row counted once: a sequence-parallel group's ranks all hold its rows
+            self.kl_ctrl.update(float(kl[0] / kl[1].clamp(min=1)), int(kl[1]) // self.worker.sp.size)
         return batch, metrics
 
     # -- checkpoints ---------------------------------------------------------------------

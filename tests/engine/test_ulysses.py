@@ -4,11 +4,13 @@ of ranks computes what one rank computes with the whole row.
 The torchrun tests launch ``tests/engine/multirank/ulysses_checks.py`` on 2 and 4 gloo ranks (CPU, float32, the
 tiny Qwen2: 4 attention heads, 2 key/value heads) and compare against sequence-parallel size 1 on the same global
 batch, run in the same launch: log-probs, the gradients of one backward of a token-mean loss, and the actor worker's
-whole update. The others check the slicing and the configuration in one process.
+whole update; and the driver's steps at sizes 2 and 1. The others check the slicing and the configuration in one
+process.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -69,6 +71,31 @@ def test_two_rank_worker_update_equals_size_one(two_ranks):
 def test_four_rank_log_probs_and_gradients_equal_size_one(tiny_model_path, tmp_path):
     """Sizes 2 and 4 on 4 ranks; size 4 repeats the model's 2 key/value heads so each rank has one."""
     _assert_engine_matches(_launch(4, tmp_path, "engine"), (2, 4))
+
+
+# the CPU recipe on the tiny model, packed, with loss terms that give gradients while rewards are still 0
+TRAIN = ["-m", "hybrid_rl", "train", "recipes/cpu_successor.yaml", "trainer.total_steps=2", "trainer.logger=[jsonl]",
+         "trainer.val_before_train=false", "trainer.test_freq=0", "model.path=builtin:tiny-qwen2", "model.lora.rank=0",
+         "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4", "actor.ppo_micro_batch_size_per_device=8",
+         "trainer.mode=sync", "actor.use_remove_padding=true", "actor.entropy_coeff=0.01", "actor.use_kl_loss=true"]
+
+
+@pytest.mark.slow
+def test_driver_steps_at_size_two_equal_size_one(tiny_model_path, tmp_path):
+    """Two driver steps on 2 ranks (2 mini-batches each): each rank generates its own rows, the group trains on both
+    ranks' rows in the mini-batches size 1 cuts, so every step's gradient norm and losses are size 1's."""
+    rows = {}
+    for size in (1, 2):
+        out = tmp_path / f"sp{size}"
+        run_checked([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] + TRAIN
+                    + [f"trainer.output_dir={out}", f"actor.ulysses_sequence_parallel_size={size}"], timeout=600)
+        rows[size] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows[2]] == [1, 2]
+    for got, want in zip(rows[2], rows[1]):
+        assert want["actor/grad_norm"] > 0 and want["actor/kl_loss"] > 0
+        for key in ("actor/grad_norm", "actor/kl_loss", "actor/entropy"):
+            assert got[key] == pytest.approx(want[key], rel=TOL), key
+        assert got["rollout/response_length_mean"] == want["rollout/response_length_mean"]
 
 
 # --------------------------------------------------------------------------- one process
