@@ -31,6 +31,6 @@ __all__ = [
     "ActorConfig", "AlgorithmConfig", "Config", "ConfigError", "CriticConfig", "DataConfig", "FilterGroupsConfig",
     "KLControlConfig", "LoraConfig", "ModelConfig", "MOVED_KEYS", "RECIPES_DIR", "RESUME_HARMLESS", "RESUME_IGNORED",
     "RefConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "TrainerConfig", "VLLMOptions",
-    "all_keys", "data_parallel_size", "import_plugins", "load_config", "lr_schedule_steps", "mini_batch_seqs", "parse_forced_lengths",
-    "partial_pool_steps", "resume_config_diff", "save_config",
+    "all_keys", "data_parallel_size", "import_plugins", "load_config", "lr_schedule_steps", "mini_batch_seqs",
+    "parse_forced_lengths", "partial_pool_steps", "resume_config_diff", "save_config",
 ]

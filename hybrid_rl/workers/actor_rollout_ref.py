@@ -105,8 +105,9 @@ class ActorRolloutRefWorker:
                              "actor.use_remove_padding=true, or actor.share_prompts=false")
         sp = cfg.actor.ulysses_sequence_parallel_size
         if sp > 1 and not self.remove_padding:
-            raise ValueError(f"{SP_KEY}={sp} cuts packed rows, but this run does not pack (actor.use_remove_padding="
-                             f"{cfg.actor.use_remove_padding} on {self.device.type}): set actor.use_remove_padding=true")
+            raise ValueError(f"{SP_KEY}={sp} cuts packed rows, but this run does not pack (actor.use_remove_"
+                             f"padding={cfg.actor.use_remove_padding} on {self.device.type}): set "
+                             "actor.use_remove_padding=true")
         self.sp = make_groups(sp, dist.group) if sp > 1 else data_parallel(dist.rank, dist.world_size)
         """This rank's sequence-parallel group and data-parallel share (``workers/ulysses.py``)."""
         # the driver loads the tokenizer once (for its datasets) and passes it in

@@ -59,6 +59,7 @@ class Packed:
     slots: torch.Tensor  # [n] the same slots as flat indices into [b * R], on the device (``unpack``)
     shared: "SharedPrompts | None" = None  # pack_shared's layout (each prompt once); None: one sequence per row
     work: Work | None = None  # what a forward over this row computes (tokens, attention pairs, LM-head rows): ``perf``
+    keep_host: torch.Tensor | None = None  # ``keep`` on the host (``ulysses.shard`` splits it without a device read)
 
 
 def _host(tensors: dict[str, torch.Tensor], host: dict[str, torch.Tensor] | None, key: str) -> torch.Tensor:
@@ -114,10 +115,12 @@ def pack(tensors: dict[str, torch.Tensor], host: dict[str, torch.Tensor] | None 
     valid, slots = _response_slots(mask, prompt_width)
     keep = index[:, prompt_width - 1:prompt_width - 1 + width][valid]  # [n]
     work = Work(int(lengths.sum()), int((lengths * (lengths + 1) // 2).sum()), len(keep))  # each sequence causal
+    keep_host = keep
     tokens, keep, slots, cu = _to_device([tokens, keep, slots, cu], responses.device)
     return Packed(input_ids=_gather(tensors["input_ids"], tokens), position_ids=_gather(tensors["position_ids"], tokens),
                   cu_seqlens=cu.to(torch.int32), max_seqlen=int(lengths.max()) if b else 0, keep=keep,
-                  targets=responses.reshape(-1).index_select(0, slots), valid=valid, slots=slots, work=work)
+                  targets=responses.reshape(-1).index_select(0, slots), valid=valid, slots=slots, work=work,
+                  keep_host=keep_host)
 
 
 def unpack(values: torch.Tensor, packed: Packed) -> torch.Tensor:
@@ -203,7 +206,7 @@ def pack_shared(tensors: dict[str, torch.Tensor], host: dict[str, torch.Tensor] 
     return Packed(input_ids=_gather(tensors["input_ids"], take_d), position_ids=_gather(tensors["position_ids"], take_d),
                   cu_seqlens=shared.cu_prompt, max_seqlen=shared.max_kv, keep=keep_d,
                   targets=responses.reshape(-1).index_select(0, slots_d), valid=valid, slots=slots_d, shared=shared,
-                  work=work)
+                  work=work, keep_host=torch.from_numpy(np.asarray(keep, dtype=np.int64)))
 
 
 # --------------------------------------------------------------------------- attention

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hybrid_rl.batch import Batch
+from hybrid_rl.batch import Batch, to_device
 from hybrid_rl.distributed import all_reduce_max
 from hybrid_rl.micro_batching import pad_widths
 
@@ -170,10 +170,13 @@ def shard(p: Packed, sp: SequenceParallel) -> ShardedRow:
     pad = width * sp.size - real
     ids, pos = (F.pad(x, (0, pad)) for x in (p.input_ids, p.position_ids))
     lo = sp.rank * width
-    owner = torch.div(p.keep, width, rounding_mode="floor")  # [n] which slice each LM-head row is in
+    keep = p.keep_host if p.keep_host is not None else p.keep.cpu()
+    owner = torch.div(keep, width, rounding_mode="floor")  # [n] which slice each LM-head row is in
     order = torch.argsort(owner, stable=True)
     counts = torch.bincount(owner, minlength=sp.size).tolist()  # the same on every rank: it is the whole row's
-    mine = order[sum(counts[:sp.rank]):sum(counts[:sp.rank + 1])]
+    start = sum(counts[:sp.rank])
+    mine = order[start:start + counts[sp.rank]]
+    order, mine = (to_device(x, p.keep.device) for x in (order, mine))
     return ShardedRow(sp, ids[:, lo:lo + width], pos[:, lo:lo + width], real, p.keep[mine] - lo, p.targets[mine],
                       counts, order)
 

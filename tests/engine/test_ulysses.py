@@ -76,8 +76,8 @@ def test_four_rank_log_probs_and_gradients_equal_size_one(tiny_model_path, tmp_p
 # the CPU recipe on the tiny model, packed, with loss terms that give gradients while rewards are still 0
 TRAIN = ["-m", "hybrid_rl", "train", "recipes/cpu_successor.yaml", "trainer.total_steps=2", "trainer.logger=[jsonl]",
          "trainer.val_before_train=false", "trainer.test_freq=0", "model.path=builtin:tiny-qwen2", "model.lora.rank=0",
-         "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4", "actor.ppo_micro_batch_size_per_device=8",
-         "trainer.mode=sync", "actor.use_remove_padding=true", "actor.entropy_coeff=0.01", "actor.use_kl_loss=true"]
+         "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4",
+         "actor.ppo_micro_batch_size_per_device=8", "trainer.mode=sync", "actor.use_remove_padding=true", "actor.entropy_coeff=0.01", "actor.use_kl_loss=true"]
 
 
 @pytest.mark.slow

@@ -120,7 +120,8 @@ def worker_update(d: DistInfo, batch: Batch, size: int) -> tuple[dict[str, torch
 
 def run_worker(d: DistInfo, res: dict) -> None:
     batch = make_batch(seed=1)
-    before = {n: p.detach().clone() for n, p in load_causal_lm(resolve_model_path(MODEL), torch.float32).named_parameters()}
+    model = load_causal_lm(resolve_model_path(MODEL), torch.float32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     ref, ref_norm = worker_update(d, batch, 1)
     got, norm = worker_update(d, batch, d.world_size)
     res["worker"] = dict(param_diff=max((got[n] - ref[n]).abs().max().item() for n in ref),
