@@ -14,13 +14,15 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from helpers import run_checked
 from hybrid_rl.config import ConfigError, load_config
 from hybrid_rl.workers.packed import pack, pack_shared
-from hybrid_rl.workers.ulysses import SequenceParallel, check_heads, repeat_kv_heads, shard
+from hybrid_rl.batch import Batch
+from hybrid_rl.workers.ulysses import SequenceParallel, check_heads, per_member, repeat_kv_heads, shard
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ROOT / "tests" / "engine" / "multirank" / "ulysses_checks.py"
@@ -73,17 +75,21 @@ def test_four_rank_log_probs_and_gradients_equal_size_one(tiny_model_path, tmp_p
     _assert_engine_matches(_launch(4, tmp_path, "engine"), (2, 4))
 
 
-# the CPU recipe on the tiny model, packed, with loss terms that give gradients while rewards are still 0
+# the CPU recipe on the tiny model, packed, with a critic (GAE, whitened over each rank's rows) and loss terms that
+# give gradients while the task's rewards are still 0 (the overlong penalty, an entropy bonus, a KL loss)
 TRAIN = ["-m", "hybrid_rl", "train", "recipes/cpu_successor.yaml", "trainer.total_steps=2", "trainer.logger=[jsonl]",
          "trainer.val_before_train=false", "trainer.test_freq=0", "model.path=builtin:tiny-qwen2", "model.lora.rank=0",
          "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4",
-         "actor.ppo_micro_batch_size_per_device=8", "trainer.mode=sync", "actor.use_remove_padding=true", "actor.entropy_coeff=0.01", "actor.use_kl_loss=true"]
+         "actor.ppo_micro_batch_size_per_device=8", "trainer.mode=sync", "actor.use_remove_padding=true", "actor.entropy_coeff=0.01", "actor.use_kl_loss=true",
+         "algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_device=8",
+         "reward.overlong_buffer_len=3"]
 
 
 @pytest.mark.slow
 def test_driver_steps_at_size_two_equal_size_one(tiny_model_path, tmp_path):
     """Two driver steps on 2 ranks (2 mini-batches each): each rank generates its own rows, the group trains on both
-    ranks' rows in the mini-batches size 1 cuts, so every step's gradient norm and losses are size 1's."""
+    ranks' rows in the mini-batches size 1 cuts, each rank's advantages whitened over its own rows, so every step's
+    gradient norms and losses (actor and critic) are size 1's."""
     rows = {}
     for size in (1, 2):
         out = tmp_path / f"sp{size}"
@@ -92,8 +98,9 @@ def test_driver_steps_at_size_two_equal_size_one(tiny_model_path, tmp_path):
         rows[size] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows[2]] == [1, 2]
     for got, want in zip(rows[2], rows[1]):
-        assert want["actor/grad_norm"] > 0 and want["actor/kl_loss"] > 0
-        for key in ("actor/grad_norm", "actor/kl_loss", "actor/entropy"):
+        assert want["actor/grad_norm"] > 0 and want["critic/vf_loss"] > 0
+        for key in ("actor/grad_norm", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/grad_norm",
+                    "critic/vf_loss"):
             assert got[key] == pytest.approx(want[key], rel=TOL), key
         assert got["rollout/response_length_mean"] == want["rollout/response_length_mean"]
 
@@ -165,3 +172,17 @@ def test_mini_batches_divide_over_data_parallel_shares():
     load_config(None, base + ["actor.ppo_mini_batch_size=2"]).validate(world_size=4)  # 4 ranks would refuse 2
     with pytest.raises(ConfigError, match="by the 2 data-parallel ranks"):
         load_config(None, base + ["actor.ppo_mini_batch_size=3"]).validate(world_size=4)
+
+
+def test_per_member_computes_each_members_rows_alone():
+    """A batch-wide normalisation over a gathered batch (members' rows interleaved) equals each member's own."""
+    x = torch.tensor([[1.0], [10.0], [3.0], [30.0], [5.0]])
+    members = [np.array([0, 2, 4]), np.array([1, 3])]
+
+    def centre(b: Batch):
+        v = b.tensors["x"]
+        return b.union(tensors=dict(y=v - v.mean())), float(v.mean())
+
+    out, own_mean = per_member(Batch({"x": x}, {}, {"step": 1}), members, 1, centre)
+    assert out["y"].squeeze(1).tolist() == [-2.0, -10.0, 0.0, 10.0, 2.0]
+    assert own_mean == 20.0 and out.meta == {"step": 1}
