@@ -43,6 +43,7 @@ from hybrid_rl.interrupt import GracefulStop, RunInterrupted
 from hybrid_rl.metrics import finish_step_metrics, outcome_sums, step_metrics, step_times
 from hybrid_rl.perf import ModelFlops, host_wait_summary, peak_flops, step_perf_means, step_perf_metrics
 from hybrid_rl.phases.advantage import compute_advantage, kl_in_reward_stats
+from hybrid_rl.phases.group_rows import gather_group_rows, own_rows, per_member
 from hybrid_rl.phases.old_log_prob import old_log_prob_source, old_log_probs
 from hybrid_rl.phases.reward import RewardPhase
 from hybrid_rl.rewards import RewardScorer
@@ -52,7 +53,6 @@ from hybrid_rl.sources import make_placement, make_source, meet_at_engines
 from hybrid_rl.tracking import Timer, Tracker, run_summary
 from hybrid_rl.watchdog import StallWatchdog
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
-from hybrid_rl.workers.ulysses import gather_group_rows, own_rows, per_member
 
 
 class TrainingDiverged(RuntimeError):

@@ -9,38 +9,31 @@ key/value heads are repeated first when there are fewer of them than ranks), att
 runs on the positions of the slice that predict a response token; ``ShardedRow.gather`` collects every rank's values
 into the full per-token tensor, so all members compute the same loss.
 
-The driver hands each rank its own rollouts; ``gather_group_rows`` gives every member of a group the group's rows
-(after the reward phase, before the training passes), ``per_member`` runs what is computed over a rank's batch as a
-whole (the advantage's whitening) on each member's rows alone, and ``own_rows`` takes a rank's own rows back for the
-step's metrics.
+The members' rows come together in the driver (``phases/group_rows.py``).
 
 Gradients: the all-to-all's backward is the inverse all-to-all, and the gather's backward hands each rank the
 gradient of its own values only. Each member's parameter gradient is then the share of one loss its slice
 computed, and their sum over the group is that loss's gradient: FSDP2's reduction (a mean over all ranks) with the
-loss scaled by the world size gives exactly the update of one rank per row, provided the loss denominators count
-each row once (``data_parallel``: ranks holding distinct rows).
+loss scaled by the world size gives exactly the update without sequence parallelism, provided the loss denominators
+count each row once (the worker divides its all-reduced counts by the group size).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hybrid_rl.batch import Batch, to_device
-from hybrid_rl.distributed import all_reduce_max
-from hybrid_rl.micro_batching import pad_widths
+from hybrid_rl.batch import to_device
 
 if TYPE_CHECKING:  # packed.py's attention calls in here
     from hybrid_rl.workers.packed import Packed
 
 
 SP_KEY = "actor.ulysses_sequence_parallel_size"
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -195,45 +188,3 @@ def sharded_attention(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if out.shape[0] < q.shape[0]:
         out = torch.cat([out, out.new_zeros(q.shape[0] - real, *out.shape[1:])])
     return heads_to_seq(out, sp)
-
-
-# --------------------------------------------------------------------------- the group's rows
-def gather_group_rows(batch: Batch, sp: SequenceParallel, pad_token_id: int, chunk: int
-                      ) -> tuple[Batch, list[np.ndarray]]:
-    """Every member's rows on every member of the group (padded to the group's widths; ``batch``'s own meta), and
-    where each member's rows are in it. A collective over the group.
-
-    The rows come in turns of ``chunk`` per member (a member's share of one mini-batch), so the group's mini-batch
-    j holds its members' mini-batches j: the mini-batches without sequence parallelism."""
-    if sp.size == 1:
-        return batch, [np.arange(len(batch))]
-    t = batch.tensors
-    widths = torch.tensor([t["prompts"].shape[1], t["responses"].shape[1]], device=t["responses"].device)
-    all_reduce_max(widths, sp.group)
-    own = pad_widths(Batch(t, batch.non_tensors), int(widths[0]), int(widths[1]), pad_token_id).to("cpu")
-    parts: list = [None] * sp.size
-    dist.all_gather_object(parts, own.state_dict(), group=sp.group)
-    rows = Batch.concat([Batch.from_state_dict(part) for part in parts]).to(t["responses"].device)
-    sizes = [len(part["tensors"]["responses"]) for part in parts]
-    starts = np.cumsum([0] + sizes[:-1])
-    turns = [(j, m) for j in range(0, max(sizes), chunk) for m in range(sp.size) if j < sizes[m]]
-    order = np.concatenate([starts[m] + np.arange(j, min(j + chunk, sizes[m])) for j, m in turns])
-    members = [np.flatnonzero((order >= s) & (order < s + n)) for s, n in zip(starts, sizes)]
-    rows = rows.index(order)
-    return Batch(rows.tensors, rows.non_tensors, dict(batch.meta)), members
-
-
-def own_rows(batch: Batch, where: np.ndarray) -> Batch:
-    """A member's rows, in its order, of a batch ``gather_group_rows`` built (``where``: one of its ``members``)."""
-    return batch if len(where) == len(batch) else batch.index(where)
-
-
-def per_member(batch: Batch, members: list[np.ndarray], own: int,
-               fn: Callable[[Batch], tuple[Batch, T]]) -> tuple[Batch, T]:
-    """``fn`` on each member's rows of a gathered batch alone (what that member computes without sequence
-    parallelism), the rows put back in place; with ``fn``'s second answer for member ``own``."""
-    if len(members) == 1:
-        return fn(batch)
-    outs = [fn(own_rows(batch, rows)) for rows in members]
-    joined = Batch.concat([b for b, _ in outs]).index(np.argsort(np.concatenate(members)))
-    return Batch(joined.tensors, joined.non_tensors, dict(batch.meta)), outs[own][1]

@@ -22,7 +22,8 @@ from helpers import run_checked
 from hybrid_rl.config import ConfigError, load_config
 from hybrid_rl.workers.packed import pack, pack_shared
 from hybrid_rl.batch import Batch
-from hybrid_rl.workers.ulysses import SequenceParallel, check_heads, per_member, repeat_kv_heads, shard
+from hybrid_rl.phases.group_rows import per_member
+from hybrid_rl.workers.ulysses import SequenceParallel, check_heads, repeat_kv_heads, shard
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ROOT / "tests" / "engine" / "multirank" / "ulysses_checks.py"
@@ -46,15 +47,15 @@ def _assert_engine_matches(ranks: list[dict], sizes: tuple[int, ...]) -> None:
             for size in sizes:
                 got = res[(variant, size)]
                 assert got["rows"] == 8 * size // res["world_size"]  # the group holds its data-parallel share
-                assert got["lp_scale"] > 1.0 and got["grad_scale"] > 1e-2  # the comparisons are not of zeros
-                assert got["lp_diff"] < TOL, (variant, size, got)
+                assert min(got["lp_scale"], got["ent_scale"]) > 1.0 and got["grad_scale"] > 1e-2  # not zeros
+                assert got["lp_diff"] < TOL and got["ent_diff"] < TOL, (variant, size, got)
                 assert got["grad_diff"] < TOL, (variant, size, got)
 
 
 @pytest.mark.slow
 def test_two_rank_log_probs_and_gradients_equal_size_one(two_ranks):
-    """Size 2: the same log-probs and, after one backward, the same full gradients as size 1 (padded-row head and
-    fused head with shared prompts and gradient checkpointing)."""
+    """Size 2: the same log-probs and entropies and, after one backward, the same full gradients as size 1 (the
+    LM head on logits, and the fused head with shared prompts and gradient checkpointing)."""
     _assert_engine_matches(two_ranks, (2,))
 
 

@@ -4,8 +4,8 @@
 
 ``engine``: for every sequence-parallel size dividing N (1 first, the reference), an FSDP2 ``TrainingEngine`` over
 all N ranks runs one packed forward of this rank's data-parallel share of one global batch and one backward of a
-token-mean loss over the global token count; every rank records the largest difference from size 1 of the
-log-probs of its rows and of the full gradients, per head/packing variant. ``worker``: the actor worker's whole
+token-mean loss (log-probs plus an entropy bonus) over the global token count; every rank records the largest
+difference from size 1 of the log-probs and entropies of its rows and of the full gradients, per head/packing variant. ``worker``: the actor worker's whole
 update on the same batch at size 1 and at size N; every rank records the largest parameter difference.
 Each rank writes ``OUT_DIR/rank{r}.pt``; ``tests/engine/test_ulysses.py`` asserts on them.
 """
@@ -63,41 +63,48 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def engine_pass(d: DistInfo, batch: Batch, size: int, variant: dict
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor], Batch]:
-    """(log-probs of this rank's rows, full gradients, the rows) at sequence-parallel size ``size``."""
+                ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], Batch]:
+    """(log-probs and entropies of this rank's rows, full gradients, the rows) at sequence-parallel size ``size``."""
     sp = make_groups(size)
     per = len(batch) // sp.dp_size
     share = batch.index(slice(sp.dp_rank * per, (sp.dp_rank + 1) * per))
     model = load_causal_lm(resolve_model_path(MODEL), torch.float32)
     engine = TrainingEngine(model, d.device, torch.float32, trainable=True, remove_padding=True, sp=sp, **variant)
     engine.model.train()
-    lp, _ = engine.forward(share, 1.0)
+    lp, ent = engine.forward(share, 1.0, with_entropy=True)
     mask = share["response_mask"].float()
-    loss = (lp * mask).sum() / batch["response_mask"].sum()  # each row's tokens counted once over the world
+    loss = ((lp + 0.1 * ent) * mask).sum() / batch["response_mask"].sum()  # each row's tokens once over the world
     (loss * d.world_size).backward()  # FSDP2 averages over all ranks
     grads = {n: full(p.grad) for n, p in engine.model.named_parameters()}
-    return lp.detach(), grads, share
+    return lp.detach(), ent.detach(), grads, share
+
+
+def all_rows(batch: Batch, mine: torch.Tensor, d: DistInfo) -> torch.Tensor:
+    """[B, R] from every rank's [B / ranks, R'] share (size 1: each rank its own rows)."""
+    out = torch.zeros(batch["responses"].shape)
+    parts = [torch.zeros_like(mine) for _ in range(d.world_size)]
+    dist.all_gather(parts, mine.contiguous())
+    per = len(batch) // d.world_size
+    for r, part in enumerate(parts):
+        out[r * per:(r + 1) * per, :part.shape[1]] = part
+    return out
 
 
 def run_engine(d: DistInfo, res: dict) -> None:
     batch = make_batch()
     sizes = [s for s in (1, 2, 4, 8) if d.world_size % s == 0]
     for name, variant in VARIANTS.items():
-        ref_lp, ref_grads, ref_share = engine_pass(d, batch, 1, variant)
-        ref_rows = torch.zeros(batch["responses"].shape)  # every row's size-1 log-probs, gathered
-        per = len(batch) // d.world_size
-        parts = [torch.zeros(per, ref_lp.shape[1]) for _ in range(d.world_size)]
-        dist.all_gather(parts, ref_lp)
-        for r, part in enumerate(parts):
-            ref_rows[r * per:(r + 1) * per, :part.shape[1]] = part
+        ref_lp, ref_ent, ref_grads, _ = engine_pass(d, batch, 1, variant)
+        ref_lp, ref_ent = all_rows(batch, ref_lp, d), all_rows(batch, ref_ent, d)
         grad_scale = max(g.abs().max().item() for g in ref_grads.values())
         for size in sizes[1:]:
-            lp, grads, share = engine_pass(d, batch, size, variant)
+            lp, ent, grads, share = engine_pass(d, batch, size, variant)
             sp_per = len(batch) // (d.world_size // size)
-            first = (d.rank // size) * sp_per
-            want = ref_rows[first:first + sp_per, :lp.shape[1]]
+            rows = slice((d.rank // size) * sp_per, (d.rank // size + 1) * sp_per)
+            want_lp, want_ent = ref_lp[rows, :lp.shape[1]], ref_ent[rows, :ent.shape[1]]
             res[(name, size)] = dict(
-                lp_diff=(lp - want).abs().max().item(), lp_scale=want.abs().max().item(),
+                lp_diff=(lp - want_lp).abs().max().item(), lp_scale=want_lp.abs().max().item(),
+                ent_diff=(ent - want_ent).abs().max().item(), ent_scale=want_ent.abs().max().item(),
                 grad_diff=max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
                 grad_scale=grad_scale, rows=len(share))
 
