@@ -36,7 +36,7 @@ from hybrid_rl.batch import Batch
 from hybrid_rl.checkpoint import (CHECKPOINT_SUBDIR, CheckpointError, CorruptCheckpointError, capture_rng, find_latest,
                                   find_resumable, is_complete, load_checkpoint, read_checkpoint_config, restore_rng,
                                   save_checkpoint, verify_checkpoint)
-from hybrid_rl.config import Config, ConfigError, resume_config_diff, save_config
+from hybrid_rl.config import Config, ConfigError, mini_batch_seqs, resume_config_diff, save_config
 from hybrid_rl.data import TASKS, PromptDataset, PromptSampler, collate_prompts, load_rows
 from hybrid_rl.distributed import DistInfo, all_reduce_sum, reduce_max, reduce_weighted_means
 from hybrid_rl.interrupt import GracefulStop, RunInterrupted
@@ -44,6 +44,7 @@ from hybrid_rl.metrics import finish_step_metrics, outcome_sums, step_metrics, s
 from hybrid_rl.models import load_tokenizer
 from hybrid_rl.perf import ModelFlops, host_wait_summary, peak_flops, step_perf_means, step_perf_metrics
 from hybrid_rl.phases.advantage import compute_advantage, kl_in_reward_stats
+from hybrid_rl.phases.group_rows import gather_group_rows, own_rows, per_member
 from hybrid_rl.phases.old_log_prob import old_log_prob_source, old_log_probs
 from hybrid_rl.phases.reward import RewardPhase
 from hybrid_rl.placement import make_placement, meet_at_engines
@@ -259,6 +260,9 @@ class Trainer:
         w, cfg, critic = self.worker, self.cfg, self.critic
         batch = self.source.check_staleness(batch, w.weight_version)
         batch, reward_stats = self.reward(batch, timer, self.source.next_batch)
+        # a sequence-parallel group trains on all its members' rows (actor.ulysses_sequence_parallel_size)
+        batch, members = gather_group_rows(batch, w.sp, self.tokenizer.pad_token_id,
+                                           mini_batch_seqs(cfg.actor, w.dist.world_size, cfg.rollout.n))
         old_source = old_log_prob_source(cfg, w.num_mini_batches(batch), self._actor_updates())
         batch, skipped = old_log_probs(w, batch, old_source, timer)
         if cfg.need_ref:
@@ -268,7 +272,7 @@ class Trainer:
             with timer("values"):
                 batch = critic.compute_values(batch)
         with timer("adv"):
-            batch, adv_metrics = self._advantage(batch)
+            batch, adv_metrics = self._advantage(batch, members)
         update_stats: dict = {"actor/old_log_prob_skipped": (skipped, 1.0)}  # the share of the pass not run
         if critic is not None:
             with timer("update_critic"):
@@ -277,19 +281,25 @@ class Trainer:
             with timer("update"):
                 stats, batch = w.update_policy(batch, old_source)
                 update_stats.update(stats)
-        return dict(batch=batch, reward_stats=reward_stats, update_stats=update_stats, adv_metrics=adv_metrics)
+        return dict(batch=own_rows(batch, members[w.sp.rank]), reward_stats=reward_stats, update_stats=update_stats,
+                    adv_metrics=adv_metrics)
 
     def _actor_updates(self) -> bool:
         """Whether the actor updates this step (during the critic's warm-up it waits)."""
         return self.critic is None or self.current_step > self.cfg.critic.warmup_steps
 
-    def _advantage(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+    def _advantage(self, batch: Batch, members: list[np.ndarray]) -> tuple[Batch, dict[str, float]]:
         """The advantage phase under the KL controller's β, then (KL-in-reward) the controller fed this step's
-        per-sequence mean KL over every rank (so β stays the same on all)."""
+        per-sequence mean KL over every rank (so β stays the same on all). ``members``: where each rank's own rows
+        are in ``batch`` (``gather_group_rows``): each rank's are normalised on their own, as without sequence
+        parallelism."""
         acfg = self.cfg.algorithm
-        batch, metrics = compute_advantage(batch, acfg, kl_coef=self.kl_ctrl.value)
+        own = self.worker.sp.rank
+        batch, metrics = per_member(batch, members, own,
+                                    lambda rows: compute_advantage(rows, acfg, kl_coef=self.kl_ctrl.value))
         if acfg.use_kl_in_reward:
-            kl = torch.tensor(kl_in_reward_stats(batch, acfg), dtype=torch.float64, device=self.dist.device)
+            stats = kl_in_reward_stats(own_rows(batch, members[own]), acfg)
+            kl = torch.tensor(stats, dtype=torch.float64, device=self.dist.device)
             all_reduce_sum(kl, self.dist.group)
             self.kl_ctrl.update(float(kl[0] / kl[1].clamp(min=1)), int(kl[1]))
         return batch, metrics

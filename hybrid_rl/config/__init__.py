@@ -17,7 +17,7 @@ from hybrid_rl.config.actor import ActorConfig, CriticConfig, RefConfig
 from hybrid_rl.config.algorithm import (AlgorithmConfig, FilterGroupsConfig, KLControlConfig, RewardConfig,
                                         RolloutCorrectionConfig)
 from hybrid_rl.config.errors import ConfigError
-from hybrid_rl.config.geometry import lr_schedule_steps, mini_batch_seqs
+from hybrid_rl.config.geometry import data_parallel_size, lr_schedule_steps, mini_batch_seqs
 from hybrid_rl.config.loading import RECIPES_DIR, all_keys, load_config, save_config
 from hybrid_rl.config.model import DataConfig, LoraConfig, ModelConfig
 from hybrid_rl.config.plugins import import_plugins
@@ -31,6 +31,6 @@ __all__ = [
     "ActorConfig", "AlgorithmConfig", "Config", "ConfigError", "CriticConfig", "DataConfig", "FilterGroupsConfig",
     "KLControlConfig", "LoraConfig", "ModelConfig", "MOVED_KEYS", "RECIPES_DIR", "RESUME_HARMLESS", "RESUME_IGNORED",
     "RefConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "TrainerConfig", "VLLMOptions",
-    "all_keys", "import_plugins", "load_config", "lr_schedule_steps", "mini_batch_seqs", "parse_forced_lengths",
-    "partial_pool_steps", "resume_config_diff", "save_config",
+    "all_keys", "data_parallel_size", "import_plugins", "load_config", "lr_schedule_steps", "mini_batch_seqs",
+    "parse_forced_lengths", "partial_pool_steps", "resume_config_diff", "save_config",
 ]

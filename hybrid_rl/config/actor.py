@@ -53,6 +53,13 @@ class ActorConfig:
     do), and ``perf/update_token_share`` is the update's tokens run per token of the batch. Default (null): on
     wherever the run packs on CUDA (4xH200, flagship shapes, no recomputation: update 7.3 -> 5.4 s, log-prob 2.1 ->
     1.5 s), off on CPU."""
+    ulysses_sequence_parallel_size: int = 1
+    """Ulysses sequence parallelism: groups of this many consecutive ranks hold the same rows, and each packed row of
+    the actor's and the reference's passes is cut in that many slices, one per rank; attention exchanges slices for
+    heads (all-to-all) around it, so every rank keeps 1/size of the activations (``workers/ulysses.py``). For long
+    responses whose activations do not fit one GPU. Needs ``use_remove_padding=true``; must divide the training ranks
+    and the model's attention heads. The update is that of size 1 on the same batch; the batch geometry
+    (``ppo_mini_batch_size``) divides across ranks / size. The critic's passes run unsliced on the group's rows."""
     use_torch_compile: bool = False
     """``torch.compile`` each decoder block's forward (dynamic shapes) in the actor: fused kernels for a loop that is
     launch-bound (small models, many micro-batches); the first pass of each mode (train/eval) pays the compile."""
@@ -110,7 +117,10 @@ class ActorConfig:
 
     def validate(self) -> None:
         require_positive(self, "actor", ["ppo_mini_batch_size", "ppo_micro_batch_size_per_device", "ppo_epochs",
-                                         "log_prob_micro_batch_size_per_device"])
+                                         "log_prob_micro_batch_size_per_device", "ulysses_sequence_parallel_size"])
+        if self.ulysses_sequence_parallel_size > 1 and self.use_remove_padding is False:
+            raise ConfigError(f"actor.ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size} cuts packed "
+                              "rows: set actor.use_remove_padding=true")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
             raise ConfigError(f"actor.clip_ratio_c={self.clip_ratio_c} must be > 1 (dual clip), or null to turn it off")
         if not (0 <= self.clip_ratio_low < 1 and self.clip_ratio_high >= 0):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hybrid_rl.config.errors import ConfigError, join_or
-from hybrid_rl.config.geometry import mini_batch_seqs
+from hybrid_rl.config.geometry import data_parallel_size, mini_batch_seqs
 from hybrid_rl.config.registered import registry
 
 if TYPE_CHECKING:
@@ -60,21 +60,31 @@ def check_prompt_shares(cfg: "Config", world: int) -> None:
                           f"(a prompt's samples stay on one rank); set it to a multiple of {world}")
 
 
+def check_sequence_parallel(cfg: "Config", world: int) -> None:
+    """``actor.ulysses_sequence_parallel_size`` groups the ``world`` training ranks evenly."""
+    sp = cfg.actor.ulysses_sequence_parallel_size
+    if world % sp:
+        raise ConfigError(f"actor.ulysses_sequence_parallel_size={sp} must divide the {world} training ranks")
+
+
 def check_update_batches(cfg: "Config", key: str, world: int) -> None:
-    """The ``actor`` or ``critic`` (``key``) mini-batches divide the batch, the ranks, and into micro-batches."""
+    """The ``actor`` or ``critic`` (``key``) mini-batches divide the batch, the data-parallel shares of the ``world``
+    training ranks, and into micro-batches."""
     section, tbs = getattr(cfg, key), cfg.data.train_batch_size
+    dp = data_parallel_size(cfg, world)
     mini, micro = section.ppo_mini_batch_size, section.ppo_micro_batch_size_per_device
     if tbs % mini:
         raise ConfigError(f"data.train_batch_size={tbs} must be divisible by {key}.ppo_mini_batch_size={mini}; "
                           f"lower {key}.ppo_mini_batch_size to a divisor")
-    if mini % world:
-        raise ConfigError(f"{key}.ppo_mini_batch_size={mini} must be divisible by the {world} ranks; "
-                          f"set it to a multiple of {world}")
-    seqs = mini_batch_seqs(section, world, cfg.rollout.n)
+    if mini % dp:
+        raise ConfigError(f"{key}.ppo_mini_batch_size={mini} must be divisible by the {dp} data-parallel ranks "
+                          f"(ranks / actor.ulysses_sequence_parallel_size); set it to a multiple of {dp}")
+    seqs = mini_batch_seqs(section, dp, cfg.rollout.n)
     if not section.use_dynamic_bsz and seqs % micro:  # a token budget cuts otherwise
         what = "a mini-batch" if key == "actor" else f"a {key} mini-batch"
-        raise ConfigError(f"{what} holds {seqs} sequences per device ({key}.ppo_mini_batch_size / ranks × rollout.n), "
-                          f"not divisible by {key}.ppo_micro_batch_size_per_device={micro}; use a divisor of {seqs}")
+        raise ConfigError(f"{what} holds {seqs} sequences per device ({key}.ppo_mini_batch_size / data-parallel ranks "
+                          f"× rollout.n), not divisible by {key}.ppo_micro_batch_size_per_device={micro}; use a "
+                          f"divisor of {seqs}")
 
 
 def check_token_budgets(cfg: "Config") -> None:

@@ -107,6 +107,7 @@ class Config:
         checks.check_overlong(self)
         checks.check_groups(self)
         checks.check_prompt_shares(self, train_world)
+        checks.check_sequence_parallel(self, train_world)
         checks.check_update_batches(self, "actor", train_world)
         if self.need_critic:
             self.critic.validate()

@@ -1,6 +1,6 @@
 """The driver's phases of a step, each one call from ``Trainer.train_on``: ``reward`` (scoring, DAPO's group
-filtering), ``old_log_prob`` (where π_old comes from), ``advantage`` (the glue to the pure estimators of
-``hybrid_rl.algorithms``).
+filtering), ``group_rows`` (a sequence-parallel group's rows), ``old_log_prob`` (where π_old comes from),
+``advantage`` (the glue to the pure estimators of ``hybrid_rl.algorithms``).
 
 Each phase takes a batch and returns it with its results added, and its metrics as (sum, count) pairs or values.
 """

@@ -41,6 +41,7 @@ from hybrid_rl.rollout import rollout_engine_class
 from hybrid_rl.rollout.base import RolloutEngine, SamplingParams
 from hybrid_rl.weights.sharding_manager import ShardingManager
 from hybrid_rl.workers.fsdp_engine import AdapterDisabledReference, FrozenReference, TrainingEngine
+from hybrid_rl.workers.ulysses import SP_KEY, check_heads, data_parallel, make_groups
 
 ROLES = ("actor", "rollout", "ref", "actor_ref", "actor_rollout", "actor_rollout_ref")
 OLD_LOG_PROB_PASSES = ("recompute", "first_mini")
@@ -102,6 +103,13 @@ class ActorRolloutRefWorker:
             raise ValueError("actor.share_prompts=true shares prompts inside a packed row, but this run does not pack "
                              f"(actor.use_remove_padding={cfg.actor.use_remove_padding} on {self.device.type}): set "
                              "actor.use_remove_padding=true, or actor.share_prompts=false")
+        sp = cfg.actor.ulysses_sequence_parallel_size
+        if sp > 1 and not self.remove_padding:
+            raise ValueError(f"{SP_KEY}={sp} cuts packed rows, but this run does not pack (actor.use_remove_"
+                             f"padding={cfg.actor.use_remove_padding} on {self.device.type}): set "
+                             "actor.use_remove_padding=true")
+        self.sp = make_groups(sp, dist.group) if sp > 1 else data_parallel(dist.rank, dist.world_size)
+        """This rank's sequence-parallel group and data-parallel share (``workers/ulysses.py``)."""
         # the driver loads the tokenizer once (for its datasets) and passes it in
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
             mcfg.tokenizer_path or mcfg.path, mcfg.trust_remote_code,
@@ -110,6 +118,7 @@ class ActorRolloutRefWorker:
         self.actor: TrainingEngine | None = None
         if self.is_actor:
             model = load_causal_lm(mcfg.path, torch.float32, mcfg.trust_remote_code)
+            check_heads(model.config, sp, SP_KEY)
             if mcfg.use_liger:  # before LoRA wraps the linears and FSDP2 shards the blocks
                 apply_liger(model, self.device)
             if mcfg.lora.rank > 0:
@@ -119,7 +128,7 @@ class ActorRolloutRefWorker:
                                         accumulate_unsharded=cfg.actor.accumulate_unsharded,
                                         compile_blocks=cfg.actor.use_torch_compile, group=dist.group,
                                         remove_padding=self.remove_padding, fused_logprob=self.fused_logprob,
-                                        share_prompts=self.share_prompts)
+                                        share_prompts=self.share_prompts, sp=self.sp)
             a = cfg.actor
             self.actor.configure_optimizer(a.lr, (a.betas[0], a.betas[1]), a.weight_decay, a.warmup_steps, a.lr_scheduler,
                                            lr_schedule_steps(a, cfg.data.train_batch_size, total_training_steps),
@@ -137,7 +146,7 @@ class ActorRolloutRefWorker:
                 ref_engine = TrainingEngine(ref_model, self.device, self.dtype, trainable=False, group=dist.group,
                                             accumulate_unsharded=cfg.actor.accumulate_unsharded,
                                             remove_padding=self.remove_padding, fused_logprob=self.fused_logprob,
-                                            share_prompts=self.share_prompts)
+                                            share_prompts=self.share_prompts, sp=self.sp)
                 self.ref = FrozenReference(ref_engine, offload=cfg.ref.offload)
         self.rollout: RolloutEngine | None = None
         self.sharding_manager: ShardingManager | None = None
@@ -152,7 +161,8 @@ class ActorRolloutRefWorker:
                     replay=r.weight_load_replay and self.rollout.in_process)
         # dynamic batch size: micro-batches cut by padded tokens instead of a sequence count
         self._token_budget = cfg.actor.max_token_len_per_device if cfg.actor.use_dynamic_bsz else None
-        self._shuffle_rng = np.random.default_rng(cfg.trainer.seed + 7919 * dist.rank)
+        # one stream per data-parallel share: a sequence-parallel group cuts its rows into the same mini-batches
+        self._shuffle_rng = np.random.default_rng(cfg.trainer.seed + 7919 * self.sp.dp_rank)
         self._length_rng = np.random.default_rng(cfg.trainer.seed + 104729 * (dist.rank + 1))
         self.pass_work: dict[str, Work] = {}
         """What each training pass ("update", "old_log_prob", "ref") computed since ``take_pass_work`` (``perf``)."""
@@ -289,7 +299,7 @@ class ActorRolloutRefWorker:
         return len(range(0, len(batch), self._seqs_per_mini()))
 
     def _seqs_per_mini(self) -> int:
-        return mini_batch_seqs(self.cfg.actor, self.dist.world_size, self.cfg.rollout.n)
+        return mini_batch_seqs(self.cfg.actor, self.sp.dp_size, self.cfg.rollout.n)
 
     def update_policy(self, batch: Batch, source: str) -> tuple[dict[str, tuple[float, float]], Batch]:
         """The PPO update after ``prepare_old_log_probs(batch, source)``: where the update's own forward completes
@@ -374,9 +384,11 @@ class ActorRolloutRefWorker:
         seqs = float(mask.amax(-1).sum()) if a.mask_truncated_completions else float(len(mini))
         denom = torch.tensor([mask.sum().item(), seqs], dtype=torch.float64, device=self.device)
         all_reduce_sum(denom, self.dist.group)
+        denom /= self.sp.size  # a sequence-parallel group's ranks hold the same rows: count them once
         # at least 1: with every response masked out (all cut at the cap) the loss is 0, not 0/0
         num_tokens, num_seqs = max(denom[0].item(), 1.0), max(denom[1].item(), 1.0)
-        # FSDP averages gradients over ranks; undo that so the loss is a global sum.
+        # FSDP averages gradients over ranks; undo that so the loss is a global sum. (With sequence parallelism
+        # each rank's gradient is its slices' share of its group's loss: the sum over ranks is still the total.)
         scale = float(self.dist.world_size) if self.actor.fsdp else 1.0
         self.actor.zero_grad()
         micros = micro_batches(mini, a.ppo_micro_batch_size_per_device, self._token_budget, self.dist.group,

@@ -33,7 +33,7 @@ from torch import nn
 
 from hybrid_rl import algorithms as alg
 from hybrid_rl.batch import Batch, row_index
-from hybrid_rl.config import Config, lr_schedule_steps, mini_batch_seqs
+from hybrid_rl.config import Config, data_parallel_size, lr_schedule_steps, mini_batch_seqs
 from hybrid_rl.distributed import DistInfo, all_reduce_sum
 from hybrid_rl.micro_batching import micro_batches
 from hybrid_rl.models import load_causal_lm, resolve_dtype
@@ -160,7 +160,8 @@ class CriticWorker:
     def update_critic(self, batch: Batch) -> dict[str, tuple[float, float]]:
         """Clipped value regression onto ``returns``; (sum, count) metric pairs, reduced across ranks by the driver."""
         c = self.cfg.critic
-        seqs_per_mini = mini_batch_seqs(c, self.dist.world_size, self.cfg.rollout.n)
+        # a sequence-parallel group (the actor's) holds one share of the batch, each of its ranks all of it
+        seqs_per_mini = mini_batch_seqs(c, data_parallel_size(self.cfg, self.dist.world_size), self.cfg.rollout.n)
         stats = UpdateStats()
         with self.resident():
             self.engine.model.train()
@@ -185,6 +186,8 @@ class CriticWorker:
         mask = mini.tensors["response_mask"].float()
         denom = torch.tensor([mask.sum().item(), float(len(mini))], dtype=torch.float64, device=self.device)
         all_reduce_sum(denom, self.dist.group)  # the mini-batch's global counts: every micro-batch divides by them
+        # (a sequence-parallel group's ranks hold the same rows, counted once per rank: each rank's gradient is then
+        # 1/size of its group's, and the sum over ranks is the total, as ``scale`` below expects)
         num_tokens, num_seqs = denom[0].item(), denom[1].item()
         scale = float(self.dist.world_size) if self.engine.fsdp else 1.0  # FSDP averages gradients over ranks
         self.engine.zero_grad()

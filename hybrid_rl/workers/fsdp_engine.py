@@ -35,6 +35,7 @@ from hybrid_rl.micro_batching import HOST_META, micro_batches
 from hybrid_rl.perf import Work
 from hybrid_rl.workers.packed import (logprob_head, pack, pack_shared, split_head_output, unpack,
                                       use_varlen_attention)
+from hybrid_rl.workers.ulysses import SequenceParallel, shard
 from hybrid_rl.weights.plan import PushPlan, decoder_layer_classes
 
 
@@ -57,8 +58,13 @@ def _compile_blocks(model: torch.nn.Module) -> int:
 class TrainingEngine:
     def __init__(self, model: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype, trainable: bool,
                  gradient_checkpointing: bool = False, accumulate_unsharded: bool = False, compile_blocks: bool = False,
-                 group=None, remove_padding: bool = False, fused_logprob: bool = False, share_prompts: bool = False):
+                 group=None, remove_padding: bool = False, fused_logprob: bool = False, share_prompts: bool = False,
+                 sp: SequenceParallel | None = None):
         self.device = device
+        self.sp = sp or SequenceParallel()
+        """Ulysses sequence parallelism: each packed row is cut in slices over ``sp.group`` (``workers/ulysses.py``)."""
+        if self.sp.size > 1 and not remove_padding:
+            raise ValueError("sequence parallelism cuts packed rows: it needs use_remove_padding=true")
         self.remove_padding = remove_padding
         """Every forward packs its micro-batch into one row without padding (``hybrid_rl.workers.packed``)."""
         self.share_prompts = share_prompts
@@ -263,19 +269,29 @@ class TrainingEngine:
         p = pack_shared(t, host) if self.share_prompts else pack(t, host)
         self.packed_tokens[0] += p.input_ids.shape[1]
         self.packed_tokens[1] += p.shared.tokens_unshared if p.shared is not None else p.input_ids.shape[1]
-        self.work.add(p.work)
-        kwargs = dict(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False,
-                      hybrid_cu_seqlens=p.cu_seqlens, hybrid_max_seqlen=p.max_seqlen)
+        work = p.work
+        if self.sp.size > 1:  # the group shares the row's work
+            work = Work(*(x / self.sp.size for x in (work.tokens, work.attn_pairs, work.head_rows)))
+        self.work.add(work)
+        row = shard(p, self.sp) if self.sp.size > 1 else None
+        ids, positions, keep, targets = ((row.input_ids, row.position_ids, row.keep, row.targets) if row is not None
+                                         else (p.input_ids, p.position_ids, p.keep, p.targets))
+        kwargs = dict(input_ids=ids, position_ids=positions, use_cache=False, hybrid_cu_seqlens=p.cu_seqlens,
+                      hybrid_max_seqlen=p.max_seqlen)
         if p.shared is not None:
             kwargs["hybrid_shared"] = p.shared
+        if row is not None:
+            kwargs["hybrid_sp"] = row
         with self.autocast():
             if self.fused_logprob:
-                with logprob_head(self.model, p.targets, temperature, with_entropy, entropy_grad):
-                    lp, ent = split_head_output(self._call(kwargs, p.keep).logits)
+                with logprob_head(self.model, targets, temperature, with_entropy, entropy_grad):
+                    lp, ent = split_head_output(self._call(kwargs, keep).logits)
             else:
-                logits = self._call(kwargs, p.keep).logits  # [1, n, V]
-                lp = logprobs_from_logits(logits, p.targets[None], temperature)[0]
+                logits = self._call(kwargs, keep).logits  # [1, n, V]
+                lp = logprobs_from_logits(logits, targets[None], temperature)[0]
                 ent = entropy_from_logits(logits, temperature)[0] if with_entropy else None
+        if row is not None:  # every rank of the group: the whole row's values
+            lp, ent = row.gather(lp), row.gather(ent) if ent is not None else None
         return unpack(lp, p), unpack(ent, p) if with_entropy else None
 
     @torch.no_grad()

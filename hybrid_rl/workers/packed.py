@@ -17,8 +17,11 @@ row chunks and recomputes each chunk in backward, so the full logits never exist
 swapped for this computation only inside ``logprob_head`` (an instance-level ``forward``), so parameter names,
 FSDP2 units and the weight push are untouched.
 
+With Ulysses sequence parallelism (``workers/ulysses.py``) a packed row is cut in slices over a group of ranks and
+the attention function exchanges them for heads around the same per-sequence attention.
+
 Left out: sliding-window attention (no supported model uses it in training), attention dropout (0 in the
-supported configs), and sequence parallelism (Ulysses / ring): one packed row lives on one device.
+supported configs), and ring attention.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 
 from hybrid_rl.batch import to_device
 from hybrid_rl.perf import Work
+from hybrid_rl.workers.ulysses import ShardedRow, sharded_attention
 
 ATTN_NAME = "hybrid_rl_varlen"
 LOGIT_CHUNK_ROWS = 1024
@@ -55,6 +59,7 @@ class Packed:
     slots: torch.Tensor  # [n] the same slots as flat indices into [b * R], on the device (``unpack``)
     shared: "SharedPrompts | None" = None  # pack_shared's layout (each prompt once); None: one sequence per row
     work: Work | None = None  # what a forward over this row computes (tokens, attention pairs, LM-head rows): ``perf``
+    keep_host: torch.Tensor | None = None  # ``keep`` on the host (``ulysses.shard`` splits it without a device read)
 
 
 def _host(tensors: dict[str, torch.Tensor], host: dict[str, torch.Tensor] | None, key: str) -> torch.Tensor:
@@ -110,10 +115,12 @@ def pack(tensors: dict[str, torch.Tensor], host: dict[str, torch.Tensor] | None 
     valid, slots = _response_slots(mask, prompt_width)
     keep = index[:, prompt_width - 1:prompt_width - 1 + width][valid]  # [n]
     work = Work(int(lengths.sum()), int((lengths * (lengths + 1) // 2).sum()), len(keep))  # each sequence causal
+    keep_host = keep
     tokens, keep, slots, cu = _to_device([tokens, keep, slots, cu], responses.device)
     return Packed(input_ids=_gather(tensors["input_ids"], tokens), position_ids=_gather(tensors["position_ids"], tokens),
                   cu_seqlens=cu.to(torch.int32), max_seqlen=int(lengths.max()) if b else 0, keep=keep,
-                  targets=responses.reshape(-1).index_select(0, slots), valid=valid, slots=slots, work=work)
+                  targets=responses.reshape(-1).index_select(0, slots), valid=valid, slots=slots, work=work,
+                  keep_host=keep_host)
 
 
 def unpack(values: torch.Tensor, packed: Packed) -> torch.Tensor:
@@ -199,7 +206,7 @@ def pack_shared(tensors: dict[str, torch.Tensor], host: dict[str, torch.Tensor] 
     return Packed(input_ids=_gather(tensors["input_ids"], take_d), position_ids=_gather(tensors["position_ids"], take_d),
                   cu_seqlens=shared.cu_prompt, max_seqlen=shared.max_kv, keep=keep_d,
                   targets=responses.reshape(-1).index_select(0, slots_d), valid=valid, slots=slots_d, shared=shared,
-                  work=work)
+                  work=work, keep_host=torch.from_numpy(np.asarray(keep, dtype=np.int64)))
 
 
 # --------------------------------------------------------------------------- attention
@@ -291,7 +298,8 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     Sequences are given by ``hybrid_cu_seqlens`` (passed through the model's forward kwargs); a call without
     them is a usage error (this implementation is only set on engines whose every forward is packed). With
     ``hybrid_shared`` (a ``SharedPrompts`` layout) each prompt attends to itself and each response to its prompt's one
-    copy and to itself: two kernel calls.
+    copy and to itself: two kernel calls. With ``hybrid_sp`` (a ``ulysses.ShardedRow``) the inputs are this rank's
+    slice of the row, exchanged for whole-row heads around the attention.
     """
     cu = kwargs.get("hybrid_cu_seqlens")
     if cu is None:
@@ -300,16 +308,27 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if query.shape[0] != 1:
         raise ValueError(f"'{ATTN_NAME}' takes one packed row, got a batch of {query.shape[0]}")
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, H, D]
+    row: ShardedRow | None = kwargs.get("hybrid_sp")
+    if row is not None:
+        def attend(q, k, v):
+            return _row_attention(q, k, v, cu, kwargs, scaling)
+        return sharded_attention(attend, q, k, v, row)[None], None
+    return _row_attention(q, k, v, cu, kwargs, scaling)[None], None
+
+
+def _row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, kwargs: dict,
+                   scaling: float | None) -> torch.Tensor:
+    """Attention over one whole packed row ([T, H, D]): per sequence, or prompt-shared (``hybrid_shared``)."""
     sh: SharedPrompts | None = kwargs.get("hybrid_shared")
     if sh is None:
         max_len = int(kwargs["hybrid_max_seqlen"])
-        return _segments_attention(q, k, v, cu, cu, max_len, max_len, scaling)[None], None
+        return _segments_attention(q, k, v, cu, cu, max_len, max_len, scaling)
     tp = sh.prompt_tokens  # the prompts are the row's first tp tokens, the responses the rest
     out_p = _segments_attention(q[:tp], k[:tp], v[:tp], sh.cu_prompt, sh.cu_prompt, sh.max_prompt, sh.max_prompt,
                                 scaling)
     out_r = _segments_attention(q[tp:], k[sh.kv_idx], v[sh.kv_idx], sh.cu_resp, sh.cu_kv, sh.max_resp, sh.max_kv,
                                 scaling)
-    return torch.cat([out_p, out_r])[None], None
+    return torch.cat([out_p, out_r])
 
 
 def use_varlen_attention(model: torch.nn.Module) -> None:
