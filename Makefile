@@ -5,12 +5,13 @@ VENV    ?= .venv
 VPY     ?= $(VENV)/bin/python
 RECIPE  ?= cpu_successor
 ARGS    ?=
+TEST_WORKERS ?= 2
 # ranks: all visible GPUs, or one process on CPU
 GPUS    ?= $(shell nvidia-smi -L 2>/dev/null | wc -l | awk '{print ($$1>0)?$$1:1}')
 # CPU-only machines get the CPU torch build (no multi-GB CUDA download)
 TORCH_SPEC ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install train plan test test-learning test-fast test-gpu bench clean
+.PHONY: install train plan test test-slow test-learning test-all test-gpu bench clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -30,18 +31,21 @@ train: $(VPY)
 plan: $(VPY)
 	$(VPY) -m hybrid_rl plan recipes/$(RECIPE).yaml $(ARGS)
 
+# the suite without the slow, learning and GPU tests (setup.cfg's default), on two pytest-xdist workers
 test: $(VPY)
-	$(VPY) -m pytest -q $(PYTEST_ARGS)
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
-# the learning curves on CPU (the default recipe in sync and overlap mode, GAE in both, partial rollouts colocated and
-# split, split at ahead 3 with staleness 4): ~12 minutes on 2 cores;
-# CI runs it after `make test`
+# training runs in subprocesses, multi-rank (torchrun) and real-model tests
+test-slow: $(VPY)
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) -m "slow and not gpu and not learning" $(PYTEST_ARGS)
+
+# the CPU learning curves: the default recipe (sync, 250 steps, with validation), overlap mode, GAE in sync and
+# overlap mode, partial rollouts colocated and split at ahead 3; each run stops once its reward has reached the bar
 test-learning: $(VPY)
-	$(VPY) -m pytest -q -m "learning and not gpu" $(PYTEST_ARGS)
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) -m "learning and not gpu" $(PYTEST_ARGS)
 
-# the suite without the multi-process and end-to-end tests (marked slow): a quick check while editing
-test-fast: $(VPY)
-	$(VPY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
+# all three, what CI runs
+test-all: test test-slow test-learning
 
 test-gpu: $(VPY)
 	$(VPY) -m pytest -q -m gpu $(PYTEST_ARGS)

@@ -18,7 +18,10 @@ USER_CACHE = Path(os.environ.get("HYBRID_RL_CACHE") or Path.home() / ".cache" / 
 TEST_CACHE = Path(os.environ.get("HYBRID_RL_TEST_CACHE")
                   or Path(tempfile.gettempdir()) / f"hybrid_rl_test_cache_{os.getuid()}")
 os.environ["HYBRID_RL_CACHE"] = str(TEST_CACHE)
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# the cores shared among pytest-xdist's workers (make test runs two), in this process and the runs it launches
+THREADS = max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+torch.set_num_threads(THREADS)
+os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
 SMOLLM2 = "builtin:smollm2-135m-instruct"
 NETWORK_ENV = "HYBRID_RL_TEST_NETWORK"

@@ -29,6 +29,7 @@ def om():
     return module
 
 
+@pytest.mark.slow
 def test_cpu_smoke_reports_both_modes(tiny_model_path, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(tmp_path)], cwd=ROOT, env=env,

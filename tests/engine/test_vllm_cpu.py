@@ -1174,6 +1174,7 @@ def test_an_engine_process_is_born_deaf_to_sigterm_and_sigint():
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
 
 
+@pytest.mark.slow
 def test_an_engine_process_dies_with_its_parent():
     """``_rpc_die_with_parent`` sets the kernel's parent-death signal to SIGKILL (read back with PR_GET_PDEATHSIG)."""
     import subprocess

@@ -92,7 +92,14 @@ def _run(args: list[str], paths: dict[str, str], env: dict[str, str] | None = No
                           timeout=300, env=env)
 
 
-@pytest.mark.parametrize("what, args, expected", CASES, ids=[c[0] for c in CASES])
+SLOW = {"malformed dataset row", "dataset row without the task's field", "prompt longer than max_prompt_length",
+        "reward function that raises", "reward function that does not exist"}
+"""Cases whose error comes only after the model is built and a step has started: left to ``-m slow``."""
+
+
+@pytest.mark.parametrize("what, args, expected",
+                         [pytest.param(*c, marks=pytest.mark.slow) if c[0] in SLOW else c for c in CASES],
+                         ids=[c[0] for c in CASES])
 def test_bad_input_is_one_clear_line(tmp_path, what, args, expected):
     if what.startswith("vLLM"):
         pytest.importorskip("torch")

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_profile_table_and_stall_dump(tiny_model_path, tmp_path):
     cmd = [sys.executable, "-m", "hybrid_rl", "train", "recipes/cpu_successor.yaml", "trainer.total_steps=2",
            "trainer.profile_steps=[2]", "trainer.stall_dump_s=0.05", f"trainer.output_dir={tmp_path}",
@@ -62,6 +65,7 @@ print(f"held {{held:.2f}}", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_sigusr1_dumps_every_stack_even_while_a_c_call_holds_the_gil():
     """The split set-up hang's silent ranks sat in an NCCL split holding the GIL: StallWatchdog (a Python thread)
     cannot print then, faulthandler's signal handler can, and the process goes on afterwards."""

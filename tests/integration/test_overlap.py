@@ -33,6 +33,7 @@ def _stable(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE) and k != "timing/wait_gen"} for r in rows]
 
 
+@pytest.mark.slow
 def test_overlap_with_staleness_zero_reproduces_sync(tmp_path):
     common = ["trainer.total_steps=4", "trainer.test_freq=2", "trainer.val_before_train=false"]
     sync = _train(tmp_path / "sync", *common)
@@ -41,6 +42,7 @@ def test_overlap_with_staleness_zero_reproduces_sync(tmp_path):
     assert all(r["rollout/staleness_max"] == 0 for r in over)
 
 
+@pytest.mark.slow
 def test_one_step_overlap_respects_the_bound_and_differs_from_sync(tmp_path):
     common = ["trainer.total_steps=6", "trainer.test_freq=0", "trainer.val_before_train=false", "actor.lr=0.01"]
     over = _train(tmp_path / "over", *common, "trainer.mode=overlap", "trainer.max_staleness=1")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from helpers import cpu_dist
 from hybrid_rl.config import load_config
 from hybrid_rl.trainer import Trainer
@@ -26,6 +28,7 @@ def _lengths(tmp_path: Path, name: str, *overrides: str) -> list[float]:
     return [r["rollout/response_length_mean"] for r in rows if "rollout/response_length_mean" in r]
 
 
+@pytest.mark.slow
 def test_the_overlong_penalty_alone_teaches_the_model_to_stop(tmp_path):
     shaped = _lengths(tmp_path, "shaped", "reward.overlong_buffer_len=7")
     plain = _lengths(tmp_path, "plain")

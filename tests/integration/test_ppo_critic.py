@@ -54,6 +54,7 @@ def length(response, ground_truth):
 """
 
 
+@pytest.mark.slow
 def test_critic_phases_warmup_kl_control_and_resume(tmp_path):
     """Step 1 trains only the critic, later steps both; the adaptive β moves; a run stopped at step 2 and resumed
     ends exactly where the uninterrupted run ends (critic weights, AdamW state, schedule, β included)."""
@@ -83,6 +84,7 @@ def test_critic_phases_warmup_kl_control_and_resume(tmp_path):
     assert a["value_head.weight"].abs().sum() > 0  # trained away from its zero init
 
 
+@pytest.mark.slow
 def test_resume_of_a_checkpoint_without_critic_names_the_problem(tmp_path):
     """A GRPO checkpoint cannot silently continue as PPO with a critic (a new critic would start from scratch)."""
     grpo = ROOT / "recipes" / "cpu_successor.yaml"

@@ -68,6 +68,7 @@ def reference(tmp_path_factory):
     return refs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "overlap"])
 def test_sigkill_mid_step_then_resume(tmp_path, reference, mode):
     out = tmp_path / "run"
@@ -89,6 +90,7 @@ def test_sigkill_mid_step_then_resume(tmp_path, reference, mode):
     _assert_same_run(reference[mode], out)
 
 
+@pytest.mark.slow
 def test_sigkill_while_writing_a_checkpoint(tmp_path, reference):
     out = tmp_path / "run"
     crashed = _run(out, env={"HYBRID_RL_FAULT": "save:4"})
@@ -109,6 +111,7 @@ def test_resume_at_the_last_step_does_nothing_and_says_so(tmp_path, reference):
     assert len(_metrics(reference["sync"])) == STEPS
 
 
+@pytest.mark.slow
 def test_resume_across_an_epoch_boundary(tmp_path):
     """A checkpoint at the end of an epoch continues into the next epoch instead of stopping."""
     out = tmp_path / "run"

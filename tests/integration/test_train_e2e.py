@@ -45,6 +45,7 @@ def test_default_recipe_learns(tmp_path):
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow
 def test_same_seed_same_metrics(tmp_path):
     # a CPU "peak" of 1 TFLOP/s (2 cores reach a few %) so that MFU is logged here too (GPUs are looked up by name)
     a = _train(tmp_path / "a", "trainer.total_steps=3", "trainer.test_freq=0", "trainer.val_before_train=false",

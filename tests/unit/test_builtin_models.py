@@ -243,6 +243,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_a_nonzero_rank_builds_a_complete_model(tmp_path):
     """Regression (4×H100): transformers' save_pretrained writes on global rank 0 only once torch.distributed is up,
     so a build by rank 1 left the tokenizer files and the marker but no config or weights, and every rank failed with

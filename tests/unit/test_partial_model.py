@@ -38,6 +38,7 @@ def _mean_step(seeds=4, **kw) -> float:
     return float(np.mean([np.mean(pm.simulate(_args(**kw), 3.0, 4, seed, paused=False)) for seed in range(seeds)]))
 
 
+@pytest.mark.slow
 def test_a_draining_window_is_faster_than_the_steady_state():
     """At the 4k point (ahead 3): steps 3-8 of a run that ends after them (a window that drains) follow the pool's
     fill, whose second step generates several steps ahead, and end in the drain; 4 warm-up steps, 8 measured and the
@@ -52,6 +53,7 @@ def test_a_draining_window_is_faster_than_the_steady_state():
     assert abs(now - steady) < 0.06 * steady, (now, steady)
 
 
+@pytest.mark.slow
 def test_keeping_the_carried_contexts_cache_saves_their_prefill():
     """``--reuse-kv`` (``rollout.vllm.reuse_stale_kv``): carried contexts are prefilled again only after the cache's reset
     once every max_staleness pushes, so the steady state at 4k, ahead 3 gets faster; with an instant prefill there is

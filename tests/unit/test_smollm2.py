@@ -21,6 +21,8 @@ from hybrid_rl.gguf_fetch import GGUF_BUILTINS, GgufSourceError, fetch_gguf
 from hybrid_rl.model_cache import cache_dir
 from hybrid_rl.models import ModelLoadError
 
+pytestmark = pytest.mark.slow  # builds the 135M model (~260 MB) from its GGUF and runs it
+
 NAME = "builtin:smollm2-135m-instruct"
 SPEC = GGUF_BUILTINS["smollm2-135m-instruct"]
 
