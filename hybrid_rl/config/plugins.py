@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import sys
 import types
 from pathlib import Path
 
 from hybrid_rl.config.errors import ConfigError
+from hybrid_rl.pyfile import exec_file_module
 
 _IMPORTED_FILES: dict[Path, types.ModuleType] = {}
 """Plug-in files already imported, by resolved path: a file is executed once per process, however often a config
@@ -32,17 +31,9 @@ def import_plugins(modules: list[str] | tuple[str, ...], source: str = "trainer.
                     continue
                 if not path.is_file():
                     raise ConfigError(f"{source}: no such file {name!r}; fix the path in {source}")
-                # a private module name, so that the file cannot shadow an installed package of the same stem
-                spec = importlib.util.spec_from_file_location(f"hybrid_rl_plugin_{path.stem}", path)
-                if spec is None or spec.loader is None:
+                module = exec_file_module(path, f"hybrid_rl_plugin_{path.stem}")
+                if module is None:
                     raise ConfigError(f"{source}: cannot load {name!r} as Python; give a .py file or a module name")
-                module = importlib.util.module_from_spec(spec)
-                sys.modules[spec.name] = module
-                try:
-                    spec.loader.exec_module(module)
-                except BaseException:
-                    sys.modules.pop(spec.name, None)
-                    raise
                 _IMPORTED_FILES[path] = module
             else:
                 importlib.import_module(name)

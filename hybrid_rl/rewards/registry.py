@@ -16,7 +16,6 @@ ground truth (verl's ``extra_info``).
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import pickle
 import sys
 import threading
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..data.tasks import TASKS
+from ..pyfile import exec_file_module
 from ..registry import Registry
 from . import arith, gsm8k, successor
 from .call import score_one
@@ -81,22 +81,16 @@ def get_reward_fn(name: str, task: str) -> RewardFn:
 
 def _import(module_name: str, name: str) -> Any:
     if module_name.endswith(".py"):
-        # A file path: load it under a private module name so it cannot shadow
-        # an installed package of the same stem.
         path = Path(module_name).expanduser()
         if not path.is_file():
             raise RewardError(f"reward.function={name!r}: no such file {module_name!r}; fix the path in reward.function")
-        spec = importlib.util.spec_from_file_location(f"_hybrid_rl_reward_{path.stem}", path)
-        if spec is None or spec.loader is None:
-            raise RewardError(f"reward.function={name!r}: cannot load {module_name!r} as Python; fix reward.function")
-        module = importlib.util.module_from_spec(spec)
         try:
-            sys.modules[spec.name] = module
-            spec.loader.exec_module(module)
+            module = exec_file_module(path, f"_hybrid_rl_reward_{path.stem}")
         except Exception as e:
-            sys.modules.pop(spec.name, None)
             raise RewardError(f"reward.function={name!r}: importing {module_name!r} failed ({type(e).__name__}: {_first_line(e)}); "
                               f"fix that file") from e
+        if module is None:
+            raise RewardError(f"reward.function={name!r}: cannot load {module_name!r} as Python; fix reward.function")
         return module
     try:
         return importlib.import_module(module_name)
