@@ -61,7 +61,7 @@ def _run_ranks(cache: Path, barrier: Path, n: int, no_lock: bool) -> list[dict]:
                 break
             time.sleep(0.02)
         (barrier / "go").touch()
-        outs = [p.communicate(timeout=180) for p in procs]
+        outs = [p.communicate(timeout=600) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -252,7 +252,7 @@ def test_a_nonzero_rank_builds_a_complete_model(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-c", RANK1_BUILDS, str(cache), str(store), str(r)], cwd=REPO, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=240) for p in procs]
+    outs = [p.communicate(timeout=600) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
         files = json.loads(out.split("RESULT ", 1)[1])["files"]
