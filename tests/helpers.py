@@ -104,11 +104,12 @@ def trailing_means(rewards: list[float], window: int = 3) -> list[float]:
 
 
 def train_until_learned(cmd: list[str], out: Path, bar: float = 0.8, window: int = 3, timeout: int = 1500,
-                        **env: str) -> list[dict]:
+                        val_bar: float | None = None, **env: str) -> list[dict]:
     """Run ``cmd`` (a ``train`` writing ``out/metrics.jsonl``) until the mean ``reward/mean`` of its last ``window``
-    steps is ≥ ``bar``, then send SIGTERM to its process group: the trainer finishes the step and exits. Returns
-    every metrics row written. A run that ends by itself must exit 0 (it may end without reaching the bar: the
-    caller's assertion then fails with the curve)."""
+    steps is ≥ ``bar`` (and, with ``val_bar``, its latest ``val/reward_mean`` is ≥ ``val_bar``), then send SIGTERM
+    to its process group: the trainer finishes the step and exits. Returns every metrics row written. A run that
+    ends by itself must exit 0 (it may end without reaching the bar: the caller's assertion then fails with the
+    curve)."""
     out.mkdir(parents=True, exist_ok=True)
     metrics = out / "metrics.jsonl"
     with open(out / "test_stdout.txt", "w") as so, open(out / "test_stderr.txt", "w") as se:
@@ -119,8 +120,11 @@ def train_until_learned(cmd: list[str], out: Path, bar: float = 0.8, window: int
             while proc.poll() is None:
                 if time.monotonic() > deadline:
                     raise AssertionError(f"{' '.join(cmd)} ran past {timeout} s")
-                rewards = [r["reward/mean"] for r in _rows(metrics) if "reward/mean" in r]
-                if not stopped and any(m >= bar for m in trailing_means(rewards, window)):
+                rows = _rows(metrics)
+                rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
+                vals = [r["val/reward_mean"] for r in rows if "val/reward_mean" in r]
+                val_ok = val_bar is None or (len(vals) > 1 and vals[-1] >= val_bar)
+                if not stopped and val_ok and any(m >= bar for m in trailing_means(rewards, window)):
                     os.killpg(proc.pid, signal.SIGTERM)
                     stopped = True
                 time.sleep(0.5)
