@@ -133,7 +133,9 @@ class Trainer:
                                             tokenizer=tokenizer)
         self.critic = None  # the critic role, beside actor/rollout/ref in this process (trainer ranks only)
         if cfg.need_critic and pl.role != "rollout":
-            self.critic = CriticWorker(cfg, pl.worker_dist, total_training_steps=self.total_steps)
+            w = self.worker
+            self.critic = CriticWorker(cfg, pl.worker_dist, total_training_steps=self.total_steps,
+                                       actor_packs=w.remove_padding, share_prompts=w.share_prompts, sp=w.sp)
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = alg.make_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon)  # β of KL-in-reward
         self.source = make_source(cfg, pl, self.worker, self.next_prompts, self.global_dist, tokenizer.pad_token_id,

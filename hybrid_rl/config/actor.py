@@ -59,7 +59,8 @@ class ActorConfig:
     heads (all-to-all) around it, so every rank keeps 1/size of the activations (``workers/ulysses.py``). For long
     responses whose activations do not fit one GPU. Needs ``use_remove_padding=true``; must divide the training ranks
     and the model's attention heads. The update is that of size 1 on the same batch; the batch geometry
-    (``ppo_mini_batch_size``) divides across ranks / size. The critic's passes run unsliced on the group's rows."""
+    (``ppo_mini_batch_size``) divides across ranks / size. A packing critic cuts its rows the same way
+    (``critic.use_remove_padding``)."""
     use_torch_compile: bool = False
     """``torch.compile`` each decoder block's forward (dynamic shapes) in the actor: fused kernels for a loop that is
     launch-bound (small models, many micro-batches); the first pass of each mode (train/eval) pays the compile."""
@@ -171,9 +172,14 @@ class CriticConfig:
     forward_micro_batch_size_per_device: int = 16
     """Sequences per no-grad forward when computing values."""
     use_dynamic_bsz: bool = False
-    """Cut the critic's micro-batches by padded tokens (``max_token_len_per_device``) instead of a sequence count."""
+    """Cut the critic's micro-batches by a token budget (``max_token_len_per_device``) instead of a sequence count."""
     max_token_len_per_device: int = 16384
-    """Token budget of one critic micro-batch with ``use_dynamic_bsz``."""
+    """Token budget of one critic micro-batch with ``use_dynamic_bsz`` (real tokens when the critic packs, else padded)."""
+    use_remove_padding: Optional[bool] = None
+    """Pack each critic micro-batch into one row without padding, as ``actor.use_remove_padding`` does for the actor.
+    A packing critic also shares prompts when the actor does (``actor.share_prompts``) and cuts its rows over the
+    actor's sequence-parallel groups (``actor.ulysses_sequence_parallel_size``); one that does not pack runs each
+    group's rows whole on every rank of the group. Default (null): as the actor."""
     cliprange_value: Optional[float] = 0.5
     """Value clipping: a prediction may move at most this far from the values the batch was scored with (null = off)."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"

@@ -26,6 +26,7 @@ RESUME_HARMLESS = frozenset({
     "actor.optimizer_offload", "ref.log_prob_micro_batch_size_per_device", "ref.offload",
     "critic.enable_gradient_checkpointing", "critic.ppo_micro_batch_size_per_device",
     "critic.forward_micro_batch_size_per_device", "critic.use_dynamic_bsz", "critic.max_token_len_per_device",
+    "critic.use_remove_padding",
     "critic.param_offload", "critic.optimizer_offload",
     "rollout.max_num_seqs", "rollout.weight_sync_bucket_mb", "rollout.weight_load_replay", "rollout.free_cache_engine",
     "rollout.sleep_level", "rollout.cuda_stream", "rollout.vllm.gpu_memory_utilization",

@@ -15,6 +15,10 @@ critic phases of the step:
   by the mini-batch's global token/sequence counts (so any split, and any number of
   ranks, gives the same gradient up to rounding, as in the actor's update).
 
+With ``critic.use_remove_padding`` (default: as the actor) each micro-batch runs packed into one row of real tokens,
+through the same packing, prompt sharing and sequence-parallel slicing as the actor's passes
+(``TrainingEngine.packed_inputs``); the value head reads only the positions that predict a response token.
+
 With ``critic.param_offload`` / ``critic.optimizer_offload`` the critic lives on
 CPU between its phases: it comes back for ``compute_values`` and leaves after
 ``update_critic``, so its memory is free while the engine generates.
@@ -35,10 +39,12 @@ from hybrid_rl import algorithms as alg
 from hybrid_rl.batch import Batch, row_index
 from hybrid_rl.config import Config, data_parallel_size, lr_schedule_steps, mini_batch_seqs
 from hybrid_rl.distributed import DistInfo, all_reduce_sum
-from hybrid_rl.micro_batching import micro_batches
+from hybrid_rl.micro_batching import HOST_META, micro_batches
 from hybrid_rl.models import load_causal_lm, resolve_dtype
 from hybrid_rl.workers.actor_rollout_ref import UpdateStats
 from hybrid_rl.workers.fsdp_engine import TrainingEngine
+from hybrid_rl.workers.packed import unpack
+from hybrid_rl.workers.ulysses import SequenceParallel
 
 
 class ValueModel(nn.Module):
@@ -68,13 +74,23 @@ class ValueModel(nn.Module):
         if hasattr(self.backbone, "enable_input_require_grads"):
             self.backbone.enable_input_require_grads()
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                num_values: int) -> torch.Tensor:
-        """Values [b, num_values] (float32): V at the positions that predict the last ``num_values`` tokens."""
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    def set_attn_implementation(self, name: str) -> None:
+        """The backbone's attention function (``workers.packed.use_varlen_attention`` sets the packed one)."""
+        self.backbone.set_attn_implementation(name)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                num_values: int = 0, keep: torch.Tensor | None = None, **attn_kwargs) -> torch.Tensor:
+        """Values (float32) of a padded batch, [b, num_values]: V at the positions that predict the last ``num_values``
+        tokens; or of a packed row ([1, T] ids, ``attn_kwargs`` from ``TrainingEngine.packed_inputs``), [n]: V at its
+        positions ``keep``."""
+        attn_kwargs["use_cache"] = False
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **attn_kwargs)
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state  # [b, T, H]
-        hidden = hidden[:, -num_values - 1:-1, :]  # [b, R, H]: only the response's states go through the head
-        return self.value_head(hidden).squeeze(-1).float()  # [b, R]
+        if keep is not None:
+            hidden = hidden[0].index_select(0, keep)  # [n, H]
+        else:
+            hidden = hidden[:, -num_values - 1:-1, :]  # [b, R, H]: only the response's states go through the head
+        return self.value_head(hidden).squeeze(-1).float()
 
 
 def build_value_model(path: str, trust_remote_code: bool = False) -> ValueModel:
@@ -90,16 +106,23 @@ def build_value_model(path: str, trust_remote_code: bool = False) -> ValueModel:
 
 
 class CriticWorker:
-    """The critic of one rank: ``compute_values`` and ``update_critic`` on this rank's share of the batch."""
+    """The critic of one rank: ``compute_values`` and ``update_critic`` on this rank's share of the batch.
 
-    def __init__(self, cfg: Config, dist: DistInfo, total_training_steps: int = 1):
+    ``actor_packs``, ``share_prompts``, ``sp``: the actor's resolved packing, prompt sharing and sequence-parallel
+    layout (``ActorRolloutRefWorker``), which a packing critic follows."""
+
+    def __init__(self, cfg: Config, dist: DistInfo, total_training_steps: int = 1, actor_packs: bool = False,
+                 share_prompts: bool = False, sp: SequenceParallel | None = None):
         self.cfg = cfg
         self.dist = dist
         self.device = dist.device
         c = cfg.critic
+        packs = actor_packs if c.use_remove_padding is None else c.use_remove_padding
         model = build_value_model(c.model_path or cfg.model.path, cfg.model.trust_remote_code)
         self.engine = TrainingEngine(model, self.device, resolve_dtype(cfg.model.dtype, self.device), trainable=True,
-                                     gradient_checkpointing=c.enable_gradient_checkpointing, group=dist.group)
+                                     gradient_checkpointing=c.enable_gradient_checkpointing, group=dist.group,
+                                     remove_padding=packs, share_prompts=packs and share_prompts,
+                                     sp=sp if packs else None)  # unpacked: each rank runs its group's rows whole
         self.engine.configure_optimizer(c.lr, (c.betas[0], c.betas[1]), c.weight_decay, c.lr_warmup_steps, c.lr_scheduler,
                                         lr_schedule_steps(c, cfg.data.train_batch_size, total_training_steps),
                                         c.min_lr_ratio)
@@ -131,10 +154,22 @@ class CriticWorker:
             self._release()
 
     # -- values --------------------------------------------------------------------------
+    def _micro_batches(self, batch: Batch, max_seqs: int) -> list[tuple]:
+        e = self.engine
+        return micro_batches(batch, max_seqs, self._token_budget, self.dist.group, e.remove_padding, e.share_prompts)
+
     def _values(self, micro: Batch) -> torch.Tensor:
+        """[b, R'] values of the micro-batch's response tokens (0 past each response when packed)."""
         t = micro.to(self.device).tensors
+        if not self.engine.remove_padding:
+            with self.engine.autocast():
+                return self.engine.model(t["input_ids"], t["position_ids"], t["attention_mask"], t["responses"].shape[1])
+        p, row, kwargs = self.engine.packed_inputs(t, micro.meta.get(HOST_META))
         with self.engine.autocast():
-            return self.engine.model(t["input_ids"], t["attention_mask"], t["position_ids"], t["responses"].shape[1])
+            values = self.engine.model(**kwargs, keep=row.keep if row is not None else p.keep)
+        if row is not None:  # every rank of the group: the whole row's values
+            values = row.gather(values)
+        return unpack(values, p)
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
@@ -145,8 +180,7 @@ class CriticWorker:
             model.eval()
             values = torch.zeros(batch.tensors["responses"].shape, device=self.device)  # [B, R]
             try:
-                for idx, micro in micro_batches(batch, c.forward_micro_batch_size_per_device, self._token_budget,
-                                                self.dist.group):
+                for idx, micro in self._micro_batches(batch, c.forward_micro_batch_size_per_device):
                     v = self._values(micro)  # [b, R'] (trimmed to the micro-batch's longest response)
                     rows = row_index(idx, self.device)
                     values[rows, :v.shape[1]] = v
@@ -186,12 +220,16 @@ class CriticWorker:
         mask = mini.tensors["response_mask"].float()
         denom = torch.tensor([mask.sum().item(), float(len(mini))], dtype=torch.float64, device=self.device)
         all_reduce_sum(denom, self.dist.group)  # the mini-batch's global counts: every micro-batch divides by them
-        # (a sequence-parallel group's ranks hold the same rows, counted once per rank: each rank's gradient is then
-        # 1/size of its group's, and the sum over ranks is the total, as ``scale`` below expects)
+        # A sequence-parallel group's ranks hold the same rows. Sliced (a packing critic), each rank's gradient is its
+        # slice's share of the loss: count the rows once, so that the group's shares add up to its loss. Unsliced,
+        # each rank computes the whole loss of the rows: counted once per rank, each gradient is 1/size of the group's.
+        # Either way the sum over ranks is the total, as ``scale`` below expects.
+        if self.engine.sp.size > 1:
+            denom /= self.engine.sp.size
         num_tokens, num_seqs = denom[0].item(), denom[1].item()
         scale = float(self.dist.world_size) if self.engine.fsdp else 1.0  # FSDP averages gradients over ranks
         self.engine.zero_grad()
-        micros = micro_batches(mini, c.ppo_micro_batch_size_per_device, self._token_budget, self.dist.group)
+        micros = self._micro_batches(mini, c.ppo_micro_batch_size_per_device)
         for i, (_, micro) in enumerate(micros):
             t = micro.to(self.device).tensors
             m = t["response_mask"].float()  # [b, R']

@@ -33,9 +33,9 @@ from hybrid_rl.algorithms import entropy_from_logits, logprobs_from_logits
 from hybrid_rl.batch import Batch, row_index
 from hybrid_rl.micro_batching import HOST_META, micro_batches
 from hybrid_rl.perf import Work
-from hybrid_rl.workers.packed import (logprob_head, pack, pack_shared, split_head_output, unpack,
+from hybrid_rl.workers.packed import (Packed, logprob_head, pack, pack_shared, split_head_output, unpack,
                                       use_varlen_attention)
-from hybrid_rl.workers.ulysses import SequenceParallel, shard
+from hybrid_rl.workers.ulysses import SequenceParallel, ShardedRow, shard
 from hybrid_rl.weights.plan import PushPlan, decoder_layer_classes
 
 
@@ -261,11 +261,12 @@ class TrainingEngine:
             raise ValueError(f"{type(self.model).__name__} has no logits_to_keep argument (a remote-code model?): set "
                              "actor.use_remove_padding=false and actor.fused_logprob=false for it") from e
 
-    def _forward_packed(self, t: dict[str, torch.Tensor], temperature: float, with_entropy: bool,
-                        entropy_grad: bool = True, host: dict[str, torch.Tensor] | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``forward`` on the micro-batch packed into one row: only real tokens pass through the model (``host``: the
-        micro-batch's mask and ids already on the host, see ``micro_batching.HOST_META``)."""
+    def packed_inputs(self, t: dict[str, torch.Tensor], host: dict[str, torch.Tensor] | None = None
+                      ) -> tuple[Packed, ShardedRow | None, dict]:
+        """The micro-batch ``t`` packed into one row (``host``: its mask and ids already on the host), this rank's
+        slice of it under sequence parallelism (None without), and the model's keyword arguments for that row. The
+        positions whose outputs are wanted are ``row.keep`` (sliced) or ``packed.keep``; ``row.gather`` then
+        ``unpack`` bring per-position results back to [b, R]. Counts the forward's work in ``self.work``."""
         p = pack_shared(t, host) if self.share_prompts else pack(t, host)
         self.packed_tokens[0] += p.input_ids.shape[1]
         self.packed_tokens[1] += p.shared.tokens_unshared if p.shared is not None else p.input_ids.shape[1]
@@ -274,14 +275,22 @@ class TrainingEngine:
             work = Work(*(x / self.sp.size for x in (work.tokens, work.attn_pairs, work.head_rows)))
         self.work.add(work)
         row = shard(p, self.sp) if self.sp.size > 1 else None
-        ids, positions, keep, targets = ((row.input_ids, row.position_ids, row.keep, row.targets) if row is not None
-                                         else (p.input_ids, p.position_ids, p.keep, p.targets))
+        ids, positions = (row.input_ids, row.position_ids) if row is not None else (p.input_ids, p.position_ids)
         kwargs = dict(input_ids=ids, position_ids=positions, use_cache=False, hybrid_cu_seqlens=p.cu_seqlens,
                       hybrid_max_seqlen=p.max_seqlen)
         if p.shared is not None:
             kwargs["hybrid_shared"] = p.shared
         if row is not None:
             kwargs["hybrid_sp"] = row
+        return p, row, kwargs
+
+    def _forward_packed(self, t: dict[str, torch.Tensor], temperature: float, with_entropy: bool,
+                        entropy_grad: bool = True, host: dict[str, torch.Tensor] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward`` on the micro-batch packed into one row: only real tokens pass through the model (``host``: the
+        micro-batch's mask and ids already on the host, see ``micro_batching.HOST_META``)."""
+        p, row, kwargs = self.packed_inputs(t, host)
+        keep, targets = (row.keep, row.targets) if row is not None else (p.keep, p.targets)
         with self.autocast():
             if self.fused_logprob:
                 with logprob_head(self.model, targets, temperature, with_entropy, entropy_grad):
