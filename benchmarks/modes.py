@@ -226,10 +226,10 @@ def summarize(name: str, overrides: list[str], run_dir: Path, args, wall: float 
     gen_tokens = mean("rollout/response_length_mean") * args.prompts * args.n
     total_tokens = statistics.fmean(r["perf/tokens_per_s"] * r["timing/step"] for r in rows)
     extra = {}
-    if any("rollout/logprob_diff" in r for r in rows):  # engine vs trainer log-probs (an fp8 KV cache, stale keys)
+    if any("rollout/logprob_diff" in r for r in rows):  # engine vs trainer log-probs (e.g. an fp8 KV cache)
         extra["logprob_diff"] = mean("rollout/logprob_diff")
     context = sum(r.get("rollout/partial_context_tokens", 0.0) for r in rows)
-    if context:  # partial rollouts: the rounds' context read from vLLM's prefix cache (rollout.vllm.reuse_stale_kv)
+    if context:  # partial rollouts: the rounds' context read from vLLM's prefix cache (prompts shared by a group's samples)
         extra["prefix_cache_hit"] = sum(r.get("rollout/partial_cached_tokens", 0.0) for r in rows) / context
     return {
         "mode": name,

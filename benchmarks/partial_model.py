@@ -3,7 +3,6 @@
     python benchmarks/partial_model.py --aheads 1,2                 # one rollout GPU of split 2:2 at mean 4k
     python benchmarks/partial_model.py --aheads 1 --paused          # generation paused through each update
     python benchmarks/partial_model.py --aheads 1,2,3 --warmup 2 --measure 6 --drained   # a run that drains its pool
-    python benchmarks/partial_model.py --aheads 1,2,3 --reuse-kv    # rollout.vllm.reuse_stale_kv: no re-prefill of carried
 
 Not a measurement. It drives ``hybrid_rl.partial``'s own ``CarryOver`` and ``Round`` (the pool, the window, the
 interrupt rule, what a step must train, staleness) with a simulated clock and a simple engine: every running sample
@@ -59,14 +58,13 @@ def draw_lengths(rng, count: int, args) -> list[int]:
 
 
 def run_round(rnd: Round, engine: Engine, t: float, armed_at: float | None, trainer_version: int, paused: bool,
-              prompt_len: int, cached: bool = False) -> tuple[float, list[Segment]]:
+              prompt_len: int) -> tuple[float, list[Segment]]:
     """Generate ``rnd``'s continuations from time ``t``; the trainer (at ``trainer_version``) arms it at ``armed_at``
-    (None: never, the round runs to the end). Returns the time it stops and its segments. ``cached``: the carried
-    contexts' keys and values are still in the engine's cache (``rollout.vllm.reuse_stale_kv``), so only new prompts are
-    prefilled."""
+    (None: never, the round runs to the end). Returns the time it stops and its segments. Every continuation's context
+    (prompt + carried tokens) is prefilled first: a weight push resets the engine's prefix cache."""
     left = np.array([c.max_tokens for c in rnd.requests], dtype=np.int64)
     made = np.zeros_like(left)
-    t += sum(prompt_len + len(c.tokens) for c in rnd.requests if not (cached and c.tokens)) / engine.prefill
+    t += sum(prompt_len + len(c.tokens) for c in rnd.requests) / engine.prefill
     if paused and armed_at is not None:
         t = max(t, armed_at)
     armed = False
@@ -130,9 +128,7 @@ def simulate(args, ahead: float, staleness: int, seed: int, paused: bool) -> lis
         t_start = handovers[-1] + args.exchange_s
         rnd = Round(carry, version, window)
         ready_at = t_start + args.update_s
-        # rollout.vllm.reuse_stale_kv: the cache is reset once every max_staleness pushes (here: this round's version)
-        cached = args.reuse_kv and version % staleness != 0
-        t, segs = run_round(rnd, engine, t_start, ready_at, version + 1, paused, args.prompt_len, cached)
+        t, segs = run_round(rnd, engine, t_start, ready_at, version + 1, paused, args.prompt_len)
         carry.apply(rnd.pending, segs, version)
         version += 1
         if not carry.ready(version):  # what the pipeline does after a restore: finish in the foreground
@@ -185,9 +181,6 @@ def main() -> None:
     ap.add_argument("--drained", action="store_true",
                     help="the run ends one step after the measured ones, so its last measured steps drain the pool "
                          "(a window that drains); default: the pool's steps after, as modes_sweep.py now runs")
-    ap.add_argument("--reuse-kv", action="store_true",
-                    help="rollout.vllm.reuse_stale_kv: carried contexts are not prefilled again, except after the cache's "
-                         "reset once every max_staleness pushes")
     ap.add_argument("--seeds", type=int, default=4)
     ap.add_argument("--tag", default="4k_split2")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
@@ -203,13 +196,12 @@ def main() -> None:
         steps = [d for s in range(args.seeds) for d in simulate(args, ahead, bound, s, args.paused)]
         mean = float(np.mean(steps))
         rows.append({"ahead": ahead, "max_staleness": bound, "paused": args.paused, "drained": args.drained,
-                     "reuse_kv": args.reuse_kv,
                      "step_s": mean, "speedup_vs_sync": sync / mean,
                      "steps_s_first_seed": [round(x, 1) for x in steps[:min(args.measure, 16)]]})
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    suffix = "".join(f"_{k}" for k in ("paused", "drained", "reuse_kv") if getattr(args, k))
+    suffix = "".join(f"_{k}" for k in ("paused", "drained") if getattr(args, k))
     path = out / f"partial_model_{args.tag}{suffix}.json"
     path.write_text(json.dumps({"model": "benchmarks/partial_model.py (a model, not a measurement)",
                                 "sync_step_s": sync, "sync_basis": "measured" if args.sync_step_s else "model",

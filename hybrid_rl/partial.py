@@ -255,7 +255,7 @@ COUNTS = ("partial_carried", "partial_resumed_tokens", "partial_context_tokens",
           "partial_gen_tokens")
 """Batch meta that counts something on its rollout rank, logged as ``rollout/<key>`` summed over the ranks: groups
 left in the pool, tokens resumed from earlier rounds, the rounds' context tokens (prompt + partial response)
-with those vLLM served from its prefix cache (``rollout.vllm.reuse_stale_kv``), and the tokens the rounds sampled
+with those vLLM served from its prefix cache, and the tokens the rounds sampled
 (``perf/gen_tokens_per_s`` divides them by the rounds' generate time)."""
 
 

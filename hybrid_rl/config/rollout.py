@@ -67,10 +67,17 @@ class RolloutConfig:
                 if dataclasses.is_dataclass(getattr(self, f.name))}
 
 
-MOVED_KEYS = {f"rollout.{f.name}": f"rollout.vllm.{f.name}" for f in dataclasses.fields(VLLMOptions)
-              if f.name != "engine_kwargs"}
-"""Keys that once sat directly under ``rollout`` and are now an engine's own (a recipe naming the old key is told
-the new one; a checkpoint's saved config is read under the new one)."""
+MOVED_KEYS = {**{f"rollout.{f.name}": f"rollout.vllm.{f.name}" for f in dataclasses.fields(VLLMOptions)
+                 if f.name != "engine_kwargs"},
+              **{k: "rollout.vllm.engine_kwargs.kv_cache_dtype" for k in ("rollout.kv_cache_dtype",
+                                                                          "rollout.vllm.kv_cache_dtype")}}
+"""Keys that once sat directly under ``rollout`` and are now an engine's own, or vLLM options now passed through
+``rollout.vllm.engine_kwargs`` (a recipe naming the old key is told the new one; a checkpoint's saved config is read
+under the new one)."""
+
+REMOVED_KEYS = {k: "removed: a round after a weight push prefills its carried samples' context again under the new "
+                   "weights; delete the key" for k in ("rollout.reuse_stale_kv", "rollout.vllm.reuse_stale_kv")}
+"""Keys that no longer exist, with what to do instead."""
 
 
 def parse_forced_lengths(spec: str) -> tuple[str, list[float]]:

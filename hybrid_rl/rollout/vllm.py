@@ -380,7 +380,7 @@ def engine_kwargs(cfg, dist) -> dict[str, Any]:
         raise ValueError(f"rollout.vllm.tensor_parallel_size={tp} must divide the {dist.world_size} ranks")
     dtype = resolve_dtype(cfg.rollout_dtype, dist.device)
     dp_rank = dist.rank // tp
-    return dict(
+    built = dict(
         model=resolve_model_path(cfg.model.path),
         skip_tokenizer_init=True,
         trust_remote_code=cfg.model.trust_remote_code,
@@ -396,12 +396,11 @@ def engine_kwargs(cfg, dist) -> dict[str, Any]:
         max_model_len=o.max_model_len or (d.max_prompt_length + d.max_response_length),
         enforce_eager=o.enforce_eager,
         enable_prefix_caching=o.enable_prefix_caching,
-        kv_cache_dtype=o.kv_cache_dtype,
         logprobs_mode="processed_logprobs",  # temperature-scaled, as the trainer recomputes
         generation_config="vllm",  # stop on our EOS only; no sampling defaults from the checkpoint
         seed=cfg.trainer.seed + 1000 * dp_rank,  # one stream per engine replica, shared inside a TP group
-        **o.engine_kwargs,
     )
+    return {**built, **o.engine_kwargs}
 
 
 def check_memory_budget(utilization: float, free_bytes: int, total_bytes: int) -> None:
@@ -445,8 +444,6 @@ class VLLMRolloutEngine(RolloutEngine):
         self._asleep: set[str] = set()  # tags currently released
         self._weights_real = False  # False while the engine holds dummy or discarded weights
         self._prefix_cache_stale = False
-        self.stale_kv_versions = 0  # rollout.vllm.reuse_stale_kv: rounds keep the prefix cache for this many pushes (0: off)
-        self._cache_since: int | None = None  # the weight version at the prefix cache's last reset
         self.last_generate_stats: dict[str, float] = {}
         self.runner_stream_pinned = False  # vLLM's runner generates on gen_stream's stream (use_stream)
 
@@ -481,7 +478,6 @@ class VLLMRolloutEngine(RolloutEngine):
         engine = cls(llm, [tokenizer.eos_token_id], tokenizer.pad_token_id, dist.device, vllm.SamplingParams, tp_group,
                      flat_logprobs=supports_flat_logprobs(vllm.SamplingParams))
         engine.in_process = not own_process
-        engine.stale_kv_versions = cfg.trainer.max_staleness if cfg.rollout.vllm.reuse_stale_kv else 0
         if engine.in_process:  # an engine process runs on its own streams: nothing to pin
             engine.use_stream(GenerationStream(dist.device, cfg.rollout.cuda_stream))
         return engine
@@ -563,7 +559,6 @@ class VLLMRolloutEngine(RolloutEngine):
             if self.llm.reset_prefix_cache() is False:
                 raise RuntimeError("vLLM refused to reset its prefix cache after a weight update (requests running?)")
             self._prefix_cache_stale = False
-            self._cache_since = self.weights_version
 
     # -- generation -------------------------------------------------------------------
     @on_generation_stream
@@ -601,12 +596,9 @@ class VLLMRolloutEngine(RolloutEngine):
     def generate_interruptible(self, requests: Sequence[Continuation], params: SamplingParams,
                                interrupt: Interrupt | None = None, on_finish: OnFinish | None = None) -> list[Segment]:
         """Step vLLM's engine over one request per continuation; on interrupt abort the unfinished ones, keeping
-        what they sampled. ``on_finish`` is called from this thread as requests finish. With ``stale_kv_versions``
-        (``rollout.vllm.reuse_stale_kv``) the prefix cache a weight push left stands until that many pushes since its last
-        reset, so no cached key or value is older than the staleness bound allows."""
-        v, since = self.weights_version, self._cache_since
-        keep = self.stale_kv_versions > 0 and v is not None and since is not None and v - since < self.stale_kv_versions
-        self._check_ready(reset_stale_cache=not keep)
+        what they sampled. ``on_finish`` is called from this thread as requests finish. A round after a weight push
+        starts on a reset prefix cache: a carried sample's context is prefilled again under the new weights."""
+        self._check_ready()
         if self.tp_group is not None:
             raise NotImplementedError("trainer.partial_rollouts=true with rollout.vllm.tensor_parallel_size > 1: the ranks of "
                                       "one vLLM engine would have to agree on the step of the interrupt; use "
@@ -645,14 +637,13 @@ class VLLMRolloutEngine(RolloutEngine):
             ids.append(rid)
         return ids
 
-    def _check_ready(self, reset_stale_cache: bool = True) -> None:
+    def _check_ready(self) -> None:
         if self._asleep:
             raise RuntimeError(f"generate on a sleeping engine ({sorted(self._asleep)} released): wake it up first")
         if not self._weights_real:
             raise RuntimeError("generate before any weights were pushed (the engine holds dummy or discarded "
                                "weights): run it inside the sharding manager")
-        if reset_stale_cache:
-            self._reset_prefix_cache_if_stale()
+        self._reset_prefix_cache_if_stale()
 
     def _sampling_kwargs(self, params: SamplingParams, ignore_eos: bool) -> dict[str, Any]:
         return sampling_kwargs(params, self.eos_token_ids, ignore_eos, flat_logprobs=self.flat_logprobs)

@@ -8,7 +8,7 @@ into ``ConfigError``s.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     from hybrid_rl.config import Config
@@ -28,29 +28,6 @@ class VLLMOptions:
     """Skip CUDA graphs (faster start, slower decode)."""
     enable_prefix_caching: bool = True
     """Reuse KV for shared prompt prefixes (the n samples of a prompt)."""
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
-    """The KV cache's dtype (``auto``: the engine's). ``fp8`` stores keys and values in 8 bits with per-tensor
-    scales of 1.0 (no calibration; the weights arrive after start-up): half the KV memory and half the KV reads per
-    decode step, which bound decoding many long sequences at once (split placement with partial rollouts at mean 4k
-    keeps ~400 running per rollout GPU). The engine's log-probs then differ more from the trainer's: the decoupled loss
-    takes the engine's as the behaviour policy, and ``rollout/logprob_diff`` shows the gap: 0.040 on average against
-    ~0.014 with a bf16 cache (1xH200, ``benchmarks/results/gpu_tests_H200x1_fp8kv_reusekv.json``). Its throughput
-    in a training run has not been measured."""
-    reuse_stale_kv: bool = False
-    """Partial rollouts: keep the prefix cache across weight pushes for the rounds, so that a carried sample
-    resumes on the keys and values its earlier tokens left (computed under the weights they were sampled with)
-    instead of re-prefilling its whole context under the new ones (PipelineRL's in-flight updates keep the cache the
-    same way; AReaL recomputes it). The tokens a round samples then come from old keys and new weights: the engine's
-    log-probs are still those it sampled with, and the decoupled loss takes them as the behaviour policy. A new
-    prompt may hit an older prompt's cached opening too, so the cache is still reset once every
-    ``trainer.max_staleness`` pushes (no cached key or value is older than the staleness bound allows; a shared
-    opening would otherwise keep its first weights' for good), and by validation and foreground generation.
-    ``benchmarks/partial_model.py`` (``--reuse-kv``) puts the saving at ~8% of a step at ahead 3, mean 4k, split
-    2:2 (23.8 → 22.0 s); ``rollout/prefix_cache_hit`` shows the share served from the cache. On 1xH200
-    (``tests/gpu/test_gpu_partial.py``) continuations read 91% of their context from it after a push, and after a
-    deliberately large step their log-probs were 0.48 from the new weights' (0.003 with the cache reset;
-    ``benchmarks/results/gpu_tests_H200x1_fp8kv_reusekv.json``). Its throughput in a training run has not been
-    measured."""
     engine_process: bool = False
     """Run the engine core (scheduler and model runner) in a process of its own on this rank's GPU, instead of
     in the trainer's process (vLLM's multiprocessing front end, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``). In overlap
@@ -60,7 +37,11 @@ class VLLMOptions:
     ``tensor_parallel_size=1`` and ``rollout.cuda_stream=shared``; costs a second CUDA context (~0.5 GB) per GPU."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """More keyword arguments for ``vllm.LLM(...)`` (e.g. ``swap_space``, ``quantization``), given over the ones built
-    from this tree (as verl's ``engine_kwargs.vllm``); unchecked, passed as they are."""
+    from this tree (as verl's ``engine_kwargs.vllm``); unchecked, passed as they are. An fp8 KV cache
+    (``rollout.vllm.engine_kwargs.kv_cache_dtype=fp8``: half the KV memory and reads, scales of 1.0 since the weights
+    arrive after start-up) widens the gap between the engine's log-probs and the trainer's that the decoupled loss
+    corrects: 0.040 on average against ~0.014 with a bf16 cache (1xH200,
+    ``benchmarks/results/gpu_tests_H200x1_fp8kv_partial.json``); ``rollout/logprob_diff`` shows it per step."""
 
     def validate(self, cfg: "Config", world_size: int, in_use: bool) -> None:
         """These keys, and the rest of ``cfg`` as vLLM needs it when ``in_use`` (``rollout.name`` picks vLLM); otherwise
@@ -81,11 +62,6 @@ class VLLMOptions:
         if t.placement == "split" and cfg.split_layout(world_size)[0] % tp:
             raise ValueError(f"rollout.vllm.tensor_parallel_size={tp} must divide the {cfg.split_layout(world_size)[0]} "
                              f"rollout ranks")
-        if self.reuse_stale_kv and not (t.partial_rollouts and self.enable_prefix_caching):
-            missing = [k for k, ok in (("trainer.partial_rollouts=true", t.partial_rollouts),
-                                       ("rollout.vllm.enable_prefix_caching=true", self.enable_prefix_caching)) if not ok]
-            raise ValueError(f"rollout.vllm.reuse_stale_kv=true keeps vLLM's prefix cache for partial rollouts' carried "
-                             f"samples: set {' '.join(missing)}, or rollout.vllm.reuse_stale_kv=false")
         if self.engine_process and tp != 1:
             raise ValueError(f"rollout.vllm.engine_process=true needs rollout.vllm.tensor_parallel_size=1 (got {tp}): one "
                              f"engine process per GPU; set rollout.vllm.engine_process=false")
@@ -99,12 +75,6 @@ class VLLMOptions:
 
     def _validate_unused(self, engine: str) -> None:
         """Another engine generates: a key that would only change what vLLM does is an error where it is set."""
-        if self.reuse_stale_kv:
-            raise ValueError(f"rollout.vllm.reuse_stale_kv=true keeps vLLM's prefix cache for partial rollouts' carried "
-                             f"samples: set rollout.name=vllm (got {engine!r}), or rollout.vllm.reuse_stale_kv=false")
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(f"rollout.vllm.kv_cache_dtype={self.kv_cache_dtype} is for rollout.name=vllm (got "
-                             f"{engine!r}); set rollout.vllm.kv_cache_dtype=auto")
         if self.engine_process:
             raise ValueError(f"rollout.vllm.engine_process=true is for rollout.name=vllm (got {engine!r}); set "
                              f"rollout.vllm.engine_process=false")

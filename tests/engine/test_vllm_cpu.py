@@ -556,8 +556,9 @@ def test_engine_kwargs_from_config():
     assert kw["enable_sleep_mode"] and kw["skip_tokenizer_init"] and kw["enforce_eager"]
     assert kw["logprobs_mode"] == "processed_logprobs" and kw["generation_config"] == "vllm"
     assert kw["dtype"] == "bfloat16" and kw["gpu_memory_utilization"] == 0.4
-    assert kw["kv_cache_dtype"] == "auto"
-    assert vr.engine_kwargs(_cfg("rollout.vllm.kv_cache_dtype=fp8"), dist)["kv_cache_dtype"] == "fp8"
+    assert "kv_cache_dtype" not in kw  # vLLM's own default unless passed through
+    fp8 = vr.engine_kwargs(_cfg("rollout.vllm.engine_kwargs.kv_cache_dtype=fp8", "rollout.vllm.engine_kwargs.seed=7"), dist)
+    assert fp8["kv_cache_dtype"] == "fp8" and fp8["seed"] == 7  # passed through, over the ones built here
     assert vr.engine_kwargs(_cfg("rollout.vllm.max_model_len=4096"), DistInfo(0, 1, 0, torch.device("cpu")))["max_model_len"] == 4096
     with pytest.raises(ValueError, match="must divide"):
         vr.engine_kwargs(cfg, DistInfo(0, 3, 0, torch.device("cpu")))
@@ -1114,12 +1115,6 @@ def test_engine_process_is_spawned_alone_on_its_gpu_and_the_environment_restored
     eng = vr.VLLMRolloutEngine.from_config(_cfg(), dist, SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD))
     assert seen["kwargs"]["distributed_executor_backend"] == "external_launcher" and eng.in_process
     assert seen["env"]["RANK"] == "1" and seen["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    assert eng.stale_kv_versions == 0  # rollout.vllm.reuse_stale_kv off: every round after a push resets the cache
-    reuse = _cfg("trainer.mode=overlap", "trainer.max_staleness=3", "trainer.partial_rollouts=true",
-                 "trainer.partial_rollout_ahead=2", "rollout.vllm.reuse_stale_kv=true")
-    reuse.validate()
-    eng = vr.VLLMRolloutEngine.from_config(reuse, dist, SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD))
-    assert eng.stale_kv_versions == 3  # kept for at most trainer.max_staleness pushes
 
 
 def test_an_engine_process_under_torchrun_sets_up_its_own_world_of_one(monkeypatch):

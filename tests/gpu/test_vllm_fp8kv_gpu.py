@@ -36,7 +36,7 @@ FP8_TOL = 1e-1
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-    h = vllm_hybrid(tmp_path_factory, ["rollout.vllm.gpu_memory_utilization=0.3", "rollout.vllm.kv_cache_dtype=fp8",
+    h = vllm_hybrid(tmp_path_factory, ["rollout.vllm.gpu_memory_utilization=0.3", "rollout.vllm.engine_kwargs.kv_cache_dtype=fp8",
                                        "data.max_response_length=64"], free_cache_engine=True, sleep_level=1)
     yield h
     h.engine.shutdown()

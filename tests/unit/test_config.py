@@ -60,10 +60,9 @@ def test_bad_overrides_name_the_key(override, message):
     (["trainer.rollout_ranks=-1"], "trainer.rollout_ranks=-1 must be >= 0"),
     (["trainer.stall_dump_s=-5"], "trainer.stall_dump_s=-5.0 must be >= 0"),
     (["trainer.profile_steps=[0]"], "trainer.profile_steps"),
-    (["rollout.name=hf", "rollout.vllm.kv_cache_dtype=fp8"], "rollout.vllm.kv_cache_dtype=fp8 is for rollout.name=vllm"),
-    (["rollout.name=vllm", "rollout.vllm.reuse_stale_kv=true"], "set trainer.partial_rollouts=true, or rollout.vllm.reuse"),
-    (["rollout.name=vllm", "trainer.mode=overlap", "trainer.max_staleness=2", "trainer.partial_rollouts=true",
-      "rollout.vllm.enable_prefix_caching=false", "rollout.vllm.reuse_stale_kv=true"], "set rollout.vllm.enable_prefix_caching=true"),
+    (["rollout.vllm.kv_cache_dtype=fp8"], "rollout.vllm.kv_cache_dtype is now rollout.vllm.engine_kwargs.kv_cache_dtype"),
+    (["rollout.kv_cache_dtype=fp8"], "rollout.kv_cache_dtype is now rollout.vllm.engine_kwargs.kv_cache_dtype"),
+    (["rollout.vllm.reuse_stale_kv=true"], "rollout.vllm.reuse_stale_kv was removed: .* delete the key"),
 ])
 def test_inconsistent_sizes_are_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):

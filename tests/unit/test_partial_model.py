@@ -20,7 +20,7 @@ import partial_model as pm  # noqa: E402
 def _args(**kw):
     base = dict(per_step=4, n=4, mean=512, sigma=0.8, cap_factor=2.0, prompt_len=50, decode_ms=3.0,
                 decode_per_seq_ms=0.04, prefill_tok_s=150e3, update_s=2.0, exchange_s=0.2, warmup=2, measure=8,
-                drained=False, reuse_kv=False)
+                drained=False)
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -53,12 +53,3 @@ def test_a_draining_window_is_faster_than_the_steady_state():
     assert abs(now - steady) < 0.06 * steady, (now, steady)
 
 
-@pytest.mark.slow
-def test_keeping_the_carried_contexts_cache_saves_their_prefill():
-    """``--reuse-kv`` (``rollout.vllm.reuse_stale_kv``): carried contexts are prefilled again only after the cache's reset
-    once every max_staleness pushes, so the steady state at 4k, ahead 3 gets faster; with an instant prefill there is
-    nothing to save."""
-    at_4k = dict(per_step=12, n=8, mean=4096, prompt_len=300, update_s=13.5, exchange_s=1.0, warmup=6, measure=16)
-    assert _mean_step(reuse_kv=True, **at_4k) < 0.97 * _mean_step(**at_4k)
-    instant = dict(at_4k, prefill_tok_s=1e12)
-    assert _mean_step(reuse_kv=True, **instant) == pytest.approx(_mean_step(**instant), rel=1e-6)
