@@ -129,7 +129,7 @@ def test_train_check_is_off_on_cpu_and_when_disabled(monkeypatch):
     assert check.check_memory(_cfg(*BIG), 1) is None
 
 
-# -- sequence parallelism, tensor parallelism, hub shapes
+# -- sequence parallelism, tensor parallelism, hub shapes, the 7B recipe
 SP_BASE = ["actor.use_remove_padding=true", "actor.share_prompts=false", "actor.fused_logprob=true",
            "actor.ppo_micro_batch_size_per_device=4", "actor.ppo_mini_batch_size=32"]
 
@@ -189,3 +189,9 @@ def test_known_hub_ids_are_planned_from_their_published_shape(monkeypatch, tmp_p
     with pytest.raises(ShapeError, match="no config.json here"):
         read_shape("Qwen/Qwen2.5-3B-Instruct")
 
+
+@pytest.mark.parametrize("gpus, card", [(8, "H100"), (4, "H200")])
+def test_7b_recipe_fits_the_boxes_it_names(capsys, gpus, card):
+    recipe = str(Path(RECIPE).parent / "gsm8k_grpo_7b.yaml")
+    assert main(["plan", recipe, "--gpus", str(gpus), "--gpu", card]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("fits: peak")
