@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
     searches = [{"box": box, "gpus": gpus, "gpu": card, "sp": sp, "recompute": recompute,
                  **largest_response(gpus, card, sp, recompute)}
                 for box, gpus, card in BOXES for recompute in (True, False) for sp in SP_SIZES]
-    doc = {"bench": "plan_verdicts", "commit": git_commit(ROOT), "kind": "prediction (hybrid_rl.planner), not a measurement",
+    doc = {"bench": "plan_verdicts", "commit": git_commit(ROOT),
+           "kind": "prediction (hybrid_rl.planner), not a measurement",
            "gpu_gib": {card: card_memory_gib(card) for _, _, card in BOXES}, "context_gib": CONTEXT_GIB,
            "search": {"step": STEP, "limit": LIMIT, "model_context": CONTEXT_LIMIT}, "configs": rows,
            "largest_response": searches}

@@ -61,7 +61,8 @@ def runs(args) -> list[tuple[str, list[str]]]:
     out = [(f"mean{args.mean // 1024 or args.mean}{'k' if args.mean >= 1024 else ''}_sp1",
             [f"rollout.forced_lengths=lognormal:{args.mean}:0.8"])]
     cap = f"{args.cap // 1024}k" if args.cap >= 1024 else str(args.cap)
-    out += [(f"fixed{cap}_sp{sp}", [f"rollout.forced_lengths=fixed:{args.cap}", f"actor.ulysses_sequence_parallel_size={sp}"])
+    out += [(f"fixed{cap}_sp{sp}",
+             [f"rollout.forced_lengths=fixed:{args.cap}", f"actor.ulysses_sequence_parallel_size={sp}"])
             for sp in args.sp_sizes]
     return out
 
