@@ -8,7 +8,7 @@ the memory planner's prediction for the same config.
 Runs ``recipes/gsm8k_grpo_7b.yaml`` (``python -m hybrid_rl train`` under torchrun, through ``modes.run_mode``) with
 ``builtin:qwen2.5-7b-random`` (Qwen2.5-7B's shape with random weights: no download; built once per host before the
 first run, 15.2 GB in ``$HYBRID_RL_CACHE``) on the GSM8K prompts shipped in ``benchmarks/data/``, ``--prompts`` × 8
-samples per step in 4 mini-batches, no validation or checkpoints. A random model never stops on its own, so the
+samples per step in 4 mini-batches, no validation or checkpoints. A random model does not end its responses, so the
 response lengths are forced (``rollout.forced_lengths``), capped at 16,384 tokens with the token budget raised to one
 prompt + cap (16,896):
 
@@ -113,7 +113,7 @@ def measured(run_dir: Path, args) -> dict:
 def one_run(name: str, overrides: list[str], args, out_dir: Path, gpu_gib: float) -> dict:
     try:  # the trainer's own checks first: a setting it refuses is not started
         plan = predicted(args, [*args.base, *overrides], gpu_gib)
-    except Exception as e:  # noqa: BLE001  (ConfigError, or anything else that stops the config)
+    except Exception as e:  # noqa: BLE001  (ConfigError, or anything else that rejects the config)
         return {"mode": name, "overrides": overrides, "error": f"invalid setting: {str(e).splitlines()[0]}"}
     res = modes.run_mode(name, overrides, args, out_dir)
     if "error" in res:
