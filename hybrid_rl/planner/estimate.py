@@ -30,7 +30,8 @@ budget: the budget itself). Ulysses sequence parallelism (``actor.ulysses_sequen
 group of ``s`` ranks one share of the batch (``W / s`` shares) and each rank ``1/s`` of every packed row of the actor's
 and the reference's passes: their activations and LM-head rows are those of ``T / s`` tokens, except that attention
 holds every position of its ``1/s`` of the heads, key/value heads repeated up to ``s`` (the ``4kv`` term becomes
-``4 · head_dim · max(kv_heads, s)``); the critic's passes run unsliced on the group's rows. The engine takes
+``4 · head_dim · max(kv_heads, s)``); a packing critic (``critic.use_remove_padding``) cuts its rows the same way,
+one that pads runs the group's rows whole. The engine takes
 ``rollout.vllm.gpu_memory_utilization × GPU memory`` (weights and KV cache); a sleeping engine (sync mode) holds
 nothing, and the push wakes its weights alone: ``P × 2 / rollout.vllm.tensor_parallel_size``. Not modelled: the
 caching allocator's fragmentation (reserved above allocated: ``trainer.expandable_segments``), NCCL's buffers and the
@@ -239,7 +240,7 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> lis
             out["unsharded grads (2 blocks + root)"] = 4 * (2 * shape.layer_params + root) if not lora else 0
         return out
 
-    def tokens_label(t: int) -> str:
+    def tokens_label(t: int, sp: int = sp) -> str:
         return f"{t} tokens" if sp == 1 else f"{slice_of(t, sp)} tokens, 1/{sp} of {t}"
 
     def no_grad_pass(name: str, seqs: int, extra: dict[str, float], logits: bool = True) -> Phase:
@@ -291,14 +292,15 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> lis
     if critic:
         cr, Pc = cfg.critic, critic_params(shape)
         cbudget = cr.max_token_len_per_device if cr.use_dynamic_bsz else None
+        csp = sp if (lay.packed if cr.use_remove_padding is None else cr.use_remove_padding) else 1
         tv = micro_tokens(cfg, cr.forward_micro_batch_size_per_device, cbudget, rank_seqs)
         out.append(Phase("critic values", {**kept(critic_on=True), **awake, **gathered(Pc, Pc, grad=False),
-                                           f"activations, no grad ({tv} tokens)":
-                                               tv * no_grad_bytes_per_token(shape) * c / 2}))
+                                           f"activations, no grad ({tokens_label(tv, csp)})":
+                                               slice_of(tv, csp) * no_grad_bytes_per_token(shape) * c / 2}))
         cmini = max(cr.ppo_mini_batch_size * cfg.rollout.n // dp, 1)
         tc = micro_tokens(cfg, min(cr.ppo_micro_batch_size_per_device, cmini), cbudget, rank_seqs)
         out.append(Phase("critic update", {
             **kept(critic_on=True), **awake, **gathered(Pc, Pc, grad=True),
-            f"activations ({tc} tokens{', recomputed' if cr.enable_gradient_checkpointing else ''})":
-                grad_activations(shape, tc, c, False, cr.enable_gradient_checkpointing)}))
+            f"activations ({tokens_label(tc, csp)}{', recomputed' if cr.enable_gradient_checkpointing else ''})":
+                grad_activations(shape, slice_of(tc, csp), c, False, cr.enable_gradient_checkpointing, sp=csp)}))
     return out

@@ -195,3 +195,16 @@ def test_7b_recipe_fits_the_boxes_it_names(capsys, gpus, card):
     recipe = str(Path(RECIPE).parent / "gsm8k_grpo_7b.yaml")
     assert main(["plan", recipe, "--gpus", str(gpus), "--gpu", card]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("fits: peak")
+
+
+def test_a_packing_critic_cuts_its_rows_like_the_actor():
+    def critic_update(*overrides: str) -> dict[str, float]:
+        cfg = _cfg(*SP_BASE, "algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_device=4",
+                   "critic.ppo_mini_batch_size=32", "actor.ulysses_sequence_parallel_size=4", *overrides, world=4)
+        return {p.name: p for p in phases(cfg, read_shape(cfg.model.path), 4, 80 * GIB)}["critic update"].terms
+
+    tokens = 4 * (32 + 32)  # 4 whole sequences: 64 a rank when cut in 4, key/value heads repeated to 4 (width 64)
+    assert critic_update("critic.use_remove_padding=true")[f"activations (64 tokens, 1/4 of {tokens})"] == \
+        64 * L * (22 * H + 4 * 16 * 4 + 8 * I)
+    assert critic_update("critic.use_remove_padding=false")[f"activations ({tokens} tokens)"] == \
+        tokens * L * (22 * H + 4 * KV + 8 * I)
