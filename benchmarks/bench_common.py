@@ -14,15 +14,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def git_commit(root: Path = ROOT) -> str:
     """The checked-out commit, read from .git without running git (a copy of the tree on a GPU machine may have no .git),
-    else from a ``COMMIT`` file beside the code (an export: ``git rev-parse HEAD > .clean/COMMIT``)."""
+    else from a ``COMMIT`` file beside the code (an export: ``git rev-parse HEAD > .clean/COMMIT``). In a linked
+    worktree ``.git`` is a file naming the worktree's own git directory, whose ``commondir`` holds the refs."""
     try:
         git = root / ".git"
+        if git.is_file():
+            git = (root / git.read_text().split("gitdir:", 1)[1].strip()).resolve()
+        common = (git / (git / "commondir").read_text().strip()).resolve() if (git / "commondir").is_file() else git
         head = (git / "HEAD").read_text().strip()
         if head.startswith("ref: "):
             ref = head[5:]
-            if (git / ref).exists():
-                return (git / ref).read_text().strip()[:12]
-            for line in (git / "packed-refs").read_text().splitlines():
+            if (common / ref).exists():
+                return (common / ref).read_text().strip()[:12]
+            for line in (common / "packed-refs").read_text().splitlines():
                 if line.endswith(" " + ref):
                     return line.split()[0][:12]
         return head[:12]

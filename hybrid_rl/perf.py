@@ -176,10 +176,12 @@ def step_perf_means(batch, flops: ModelFlops | None, work: dict[str, Work]) -> d
 
 
 def step_perf_metrics(out: dict[str, float], world: int, gpus_all: int, flops: ModelFlops | None,
-                      peak: float | None, ppo_epochs: int, device: torch.device, rollout=None) -> None:
+                      peak: float | None, ppo_epochs: int, device: torch.device, rollout=None,
+                      memory_peaks: tuple[int, int] = (0, 0)) -> None:
     """Turn the reduced step metrics ``out`` (means over the ``world`` training ranks) into throughput, MFU and
     memory, in place. ``gpus_all``: every rank of the run (``perf/throughput_per_gpu``); ``rollout``: this rank's
-    engine (its pool is left out of ``perf/max_memory_allocated_outside_engine_gb``).
+    engine (its pool is left out of ``perf/max_memory_allocated_outside_engine_gb``); ``memory_peaks``: the step's
+    (allocated, reserved) peaks up to its last phase boundary (``tracking.Timer``, which resets torch's counters).
 
     ``perf/gen_tokens_per_s``: the tokens the engines generated ÷ ``timing/gen`` (the slowest rank's generate time).
     Whole-batch generation generates exactly the batch's responses; under partial rollouts the batch holds tokens of
@@ -198,8 +200,8 @@ def step_perf_metrics(out: dict[str, float], world: int, gpus_all: int, flops: M
         out.update(hardware_mfu(out, work, flops, peak, world))
         out.update(pass_mfu(out, forward, peak, world, ppo_epochs, 1.0 - out.get("actor/old_log_prob_skipped", 0.0)))
     if device.type == "cuda":
-        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-        out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 2**30
+        out["perf/max_memory_allocated_gb"] = max(memory_peaks[0], torch.cuda.max_memory_allocated(device)) / 2**30
+        out["perf/max_memory_reserved_gb"] = max(memory_peaks[1], torch.cuda.max_memory_reserved(device)) / 2**30
         # both count the engine's pool (allocated once, constant) even while it sleeps: the rest's own peak
         pool = (rollout.pool_bytes() if rollout is not None else 0) / 2**30
         out["perf/engine_pool_gb"] = pool

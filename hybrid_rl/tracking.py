@@ -23,23 +23,55 @@ import torch
 
 
 class Timer:
-    """Named wall-clock timers: ``with timer("gen"): ...`` → ``timing/gen`` in seconds."""
+    """Named wall-clock timers: ``with timer("gen"): ...`` → ``timing/gen`` in seconds.
 
-    def __init__(self) -> None:
+    Given a CUDA ``device``, also each phase's peak of allocated memory (``peaks``): torch's peak counters are read
+    and reset as each phase starts and ends, and every open phase (``step`` holds the others) takes the maximum of
+    the stretches it spans. ``step_peaks`` keeps the maxima of all of them (allocated, reserved), so that the step's
+    own peak survives the resets (``perf.step_perf_metrics`` folds in the stretch after the last phase)."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
         self.times: dict[str, float] = {}
+        self.device = device if device is not None and device.type == "cuda" else None
+        self.peaks: dict[str, int] = {}
+        """Phase name → bytes allocated at most while it ran (the engine's memory included)."""
+        self.step_peaks = (0, 0)
+        """(allocated, reserved) bytes at most since the timer was made, up to the last phase boundary."""
+        self._open: list[list] = []  # [name, peak bytes so far] of the phases running now, outermost first
+
+    def _fold(self) -> None:
+        if self.device is None:
+            return
+        allocated = torch.cuda.max_memory_allocated(self.device)
+        reserved = torch.cuda.max_memory_reserved(self.device)
+        for frame in self._open:
+            frame[1] = max(frame[1], allocated)
+        self.step_peaks = (max(self.step_peaks[0], allocated), max(self.step_peaks[1], reserved))
+        torch.cuda.reset_peak_memory_stats(self.device)
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
+        self._fold()
+        self._open.append([name, 0])
         try:
             with torch.profiler.record_function(f"phase/{name}"):  # phases show up in trainer.profile_steps tables
                 yield
         finally:
             self.times[f"timing/{name}"] = self.times.get(f"timing/{name}", 0.0) + time.perf_counter() - start
+            self._fold()
+            _, peak = self._open.pop()
+            self.peaks[name] = max(self.peaks.get(name, 0), peak)
 
     def pop(self) -> dict[str, float]:
         out, self.times = self.times, {}
         return out
+
+    def memory_metrics(self) -> dict[str, float]:
+        """``perf/phase_memory_allocated_gb/<phase>``: each timed phase's peak, GiB (empty without a CUDA device)."""
+        if self.device is None:
+            return {}
+        return {f"perf/phase_memory_allocated_gb/{name}": b / 2**30 for name, b in self.peaks.items() if name != "step"}
 
 
 class Tracker:

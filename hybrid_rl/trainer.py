@@ -247,7 +247,7 @@ class Trainer:
 
     def step(self, last: bool = False) -> dict[str, float]:
         """One step: the source hands over a batch (``last``: none is generated ahead), the trainer learns from it."""
-        timer = Timer()
+        timer = Timer(self.dist.device)  # on CUDA also each phase's peak memory
         self.current_step += 1
         with timer("step"):
             batch = self.source.next_batch(timer, last)
@@ -499,10 +499,11 @@ class Trainer:
         times = timer.pop()
         sync_s, sync_bytes = self.source.sync_stats()
         out = reduce_weighted_means(means, dist.device, dist.group)
-        out.update(reduce_max({**maxima, **step_times(times, sync_s)}, dist.device, dist.group))
+        out.update(reduce_max({**maxima, **step_times(times, sync_s), **timer.memory_metrics()}, dist.device,
+                              dist.group))
         finish_step_metrics(out, batch.meta, sync_bytes, dist.world_size)
         step_perf_metrics(out, dist.world_size, self.global_dist.world_size, self.model_flops, self.peak_flops,
-                          self.cfg.actor.ppo_epochs, dist.device, self.worker.rollout)
+                          self.cfg.actor.ppo_epochs, dist.device, self.worker.rollout, timer.step_peaks)
         return out
 
     @torch.no_grad()

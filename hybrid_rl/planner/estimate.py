@@ -26,9 +26,17 @@ an entry) and in the update their gradient (2 more), rows being the micro-batch'
 slices them out of the whole width and copies them, one more bf16 copy (2 more).
 
 Micro-batches are taken at their worst: every sequence at ``max_prompt_length + max_response_length`` (a token
-budget: the budget itself). The engine takes ``rollout.vllm.gpu_memory_utilization × GPU memory`` (weights and KV
-cache); a sleeping engine (sync mode) holds nothing. Not modelled: the caching allocator's fragmentation (reserved
-above allocated: ``trainer.expandable_segments``), NCCL's buffers and the CUDA context (``CONTEXT_GIB``).
+budget: the budget itself). Ulysses sequence parallelism (``actor.ulysses_sequence_parallel_size = s``) gives each
+group of ``s`` ranks one share of the batch (``W / s`` shares) and each rank ``1/s`` of every packed row of the actor's
+and the reference's passes: their activations and LM-head rows are those of ``T / s`` tokens, except that attention
+holds every position of its ``1/s`` of the heads, key/value heads repeated up to ``s`` (the ``4kv`` term becomes
+``4 · head_dim · max(kv_heads, s)``); a packing critic (``critic.use_remove_padding``) cuts its rows the same way,
+one that pads runs the group's rows whole. The engine takes
+``rollout.vllm.gpu_memory_utilization × GPU memory`` (weights and KV cache); a sleeping engine (sync mode) holds
+nothing, and the push wakes its weights alone: ``P × 2 / rollout.vllm.tensor_parallel_size``. Not modelled: the
+caching allocator's fragmentation (reserved above allocated: ``trainer.expandable_segments``), NCCL's buffers and the
+CUDA context (``CONTEXT_GIB``), and start-up, where each rank moves the whole fp32 model (``4P``) to its GPU before
+sharding it.
 """
 
 from __future__ import annotations
@@ -68,9 +76,15 @@ class Phase:
         return sorted(self.terms.items(), key=lambda kv: -kv[1])[:k]
 
 
-def activation_bytes_per_token_layer(shape: ModelShape, liger: bool) -> int:
+def sp_kv_dim(shape: ModelShape, sp: int) -> int:
+    """Key (or value) width per token of a rank's slice under sequence parallelism of size ``sp``: its share of the
+    key/value heads over every position, heads repeated when fewer than ``sp`` (``ulysses.repeat_kv_heads``)."""
+    return shape.kv_dim if sp == 1 else (shape.hidden // shape.heads) * max(shape.kv_heads, sp)
+
+
+def activation_bytes_per_token_layer(shape: ModelShape, liger: bool, sp: int = 1) -> int:
     """``A`` at bf16: what one block saves for backward per token (see the module docstring)."""
-    h, kv, i = shape.hidden, shape.kv_dim, shape.intermediate
+    h, kv, i = shape.hidden, sp_kv_dim(shape, sp), shape.intermediate
     return (14 * h + 4 * kv + 6 * i) if liger else (22 * h + 4 * kv + 8 * i)
 
 
@@ -79,17 +93,18 @@ def no_grad_bytes_per_token(shape: ModelShape) -> int:
     return 16 * shape.hidden + 6 * shape.intermediate
 
 
-def shared_bytes_per_token_layer(shape: ModelShape, unshared_ratio: float) -> float:
+def shared_bytes_per_token_layer(shape: ModelShape, unshared_ratio: float, sp: int = 1) -> float:
     """What ``actor.share_prompts`` adds to ``A``: the concatenated attention output and the gathered prompt K/V."""
-    return 2 * shape.hidden + 4 * shape.kv_dim * unshared_ratio
+    return 2 * shape.hidden + 4 * sp_kv_dim(shape, sp) * unshared_ratio
 
 
 def grad_activations(shape: ModelShape, tokens: int, c: int, liger: bool, recompute: bool,
-                     unshared_ratio: float | None = None) -> float:
-    """Bytes kept for backward over a micro-batch of ``tokens`` (``unshared_ratio``: prompts shared, see above)."""
-    a = activation_bytes_per_token_layer(shape, liger)
+                     unshared_ratio: float | None = None, sp: int = 1) -> float:
+    """Bytes kept for backward over ``tokens`` of one rank (a micro-batch, or its ``1/sp`` slice under sequence
+    parallelism of size ``sp``; ``unshared_ratio``: prompts shared, see above)."""
+    a = activation_bytes_per_token_layer(shape, liger, sp)
     if unshared_ratio is not None:
-        a += shared_bytes_per_token_layer(shape, unshared_ratio)
+        a += shared_bytes_per_token_layer(shape, unshared_ratio, sp)
     a *= c / 2
     if recompute:
         return tokens * (shape.layers * shape.hidden * c + a)
@@ -116,6 +131,8 @@ class Layout:
     packed: bool
     shared: bool
     engine_awake_in_training: bool
+    sp: int = 1
+    """Ranks per sequence-parallel group of the actor's passes."""
 
     @classmethod
     def of(cls, cfg: "Config", gpus: int) -> "Layout":
@@ -127,7 +144,8 @@ class Layout:
         return cls(gpus=gpus, train_ranks=max(train_ranks, 1), engine_ranks_separate=split,
                    c=4 if dtype == "float32" else 2, fused=True if a.fused_logprob is None else a.fused_logprob,
                    packed=packed, shared=packed if a.share_prompts is None else a.share_prompts,
-                   engine_awake_in_training=not split and not cfg.engine_sleeps)
+                   engine_awake_in_training=not split and not cfg.engine_sleeps,
+                   sp=a.ulysses_sequence_parallel_size)
 
 
 def seq_len(cfg: "Config") -> int:
@@ -154,6 +172,11 @@ def response_rows(cfg: "Config", tokens: int) -> int:
     return tokens * cfg.data.max_response_length // seq_len(cfg)
 
 
+def slice_of(tokens: int, sp: int) -> int:
+    """A rank's part of ``tokens`` cut in ``sp`` slices (the row padded to a multiple of ``sp``)."""
+    return -(-tokens // sp)
+
+
 def engine_bytes(cfg: "Config", shape: ModelShape, gpu_bytes: float, rank_seqs: int) -> float:
     """The awake engine: vLLM's share of the GPU, or the transformers engine's weights, KV cache and one step's logits."""
     if cfg.rollout.name == "vllm":
@@ -177,8 +200,9 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> lis
     P = shape.params
     lora = cfg.model.lora.rank > 0
     P_train = shape.lora_params(cfg.model.lora.rank, cfg.model.lora.target_modules) if lora else P
-    rank_seqs = max(d.train_batch_size * cfg.rollout.n // W, 1)
-    mini_seqs = max(a.ppo_mini_batch_size * cfg.rollout.n // W, 1)
+    sp, dp = lay.sp, max(W // lay.sp, 1)  # a sequence-parallel group holds one of dp shares of the batch
+    rank_seqs = max(d.train_batch_size * cfg.rollout.n // dp, 1)
+    mini_seqs = max(a.ppo_mini_batch_size * cfg.rollout.n // dp, 1)
     budget = a.max_token_len_per_device if a.use_dynamic_bsz else None
 
     actor = {"actor params (fp32, sharded)": 4 * P / W, "actor grads (fp32, sharded)": 4 * P_train / W,
@@ -188,7 +212,7 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> lis
     if cfg.need_critic:
         Pc = critic_params(shape)
         critic = {"critic params + grads (fp32, sharded)": 8 * Pc / W, "critic AdamW (sharded)": 8 * Pc / W}
-    engine = engine_bytes(cfg, shape, gpu_bytes, rank_seqs)
+    engine = engine_bytes(cfg, shape, gpu_bytes, max(d.train_batch_size * cfg.rollout.n // W, 1))  # each its own
     awake = {"engine (awake)": engine} if lay.engine_awake_in_training else {}
 
     def kept(*, ref_on: bool = False, critic_on: bool = False) -> dict[str, float]:
@@ -216,12 +240,17 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> lis
             out["unsharded grads (2 blocks + root)"] = 4 * (2 * shape.layer_params + root) if not lora else 0
         return out
 
+    def tokens_label(t: int, sp: int = sp) -> str:
+        return f"{t} tokens" if sp == 1 else f"{slice_of(t, sp)} tokens, 1/{sp} of {t}"
+
     def no_grad_pass(name: str, seqs: int, extra: dict[str, float], logits: bool = True) -> Phase:
         t = micro_tokens(cfg, seqs, budget, rank_seqs)
+        ts = slice_of(t, sp)
         terms = {**extra, **awake, **gathered(P, P_train, grad=False),
-                 f"activations, no grad ({t} tokens)": t * no_grad_bytes_per_token(shape) * c / 2}
+                 f"activations, no grad ({tokens_label(t)})": ts * no_grad_bytes_per_token(shape) * c / 2}
         if logits:
-            terms["logits"] = logits_bytes(shape, response_rows(cfg, t), lay.fused, grad=False, packed=lay.packed)
+            terms["logits"] = logits_bytes(shape, slice_of(response_rows(cfg, t), sp), lay.fused, grad=False,
+                                           packed=lay.packed)
         return Phase(name, terms)
 
     out: list[Phase] = []
@@ -231,7 +260,8 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> lis
                                                         "push buckets": cfg.rollout.weight_sync_bucket_mb * 2**20}))
     else:
         wb = 2 if cfg.rollout_dtype != "float32" else 4
-        in_engine = engine if lay.engine_awake_in_training else (min(shape.params * wb, engine)
+        tp = cfg.rollout.vllm.tensor_parallel_size if cfg.rollout.name == "vllm" else 1
+        in_engine = engine if lay.engine_awake_in_training else (min(shape.params * wb / tp, engine)
                                                                   if cfg.rollout.name == "vllm" else shape.params * wb)
         push = {**kept(), "engine weights": in_engine, "push gather + bucket":
                 PUSH_GATHER_BYTES + cfg.rollout.weight_sync_bucket_mb * 2**20}
@@ -254,21 +284,23 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> lis
     recompute = cfg.model.enable_gradient_checkpointing
     out.append(Phase("actor update", {
         **kept(), **awake, **gathered(P, P_train, grad=True),
-        f"activations ({t} tokens{', recomputed' if recompute else ''})":
-            grad_activations(shape, t, c, cfg.model.use_liger, recompute, unshared_ratio(cfg) if lay.shared else None),
-        "logits": logits_bytes(shape, response_rows(cfg, t), lay.fused, grad=True, packed=lay.packed)}))
+        f"activations ({tokens_label(t)}{', recomputed' if recompute else ''})":
+            grad_activations(shape, slice_of(t, sp), c, cfg.model.use_liger, recompute,
+                             unshared_ratio(cfg) if lay.shared else None, sp),
+        "logits": logits_bytes(shape, slice_of(response_rows(cfg, t), sp), lay.fused, grad=True, packed=lay.packed)}))
     # -- the critic's passes
     if critic:
         cr, Pc = cfg.critic, critic_params(shape)
         cbudget = cr.max_token_len_per_device if cr.use_dynamic_bsz else None
+        csp = sp if (lay.packed if cr.use_remove_padding is None else cr.use_remove_padding) else 1
         tv = micro_tokens(cfg, cr.forward_micro_batch_size_per_device, cbudget, rank_seqs)
         out.append(Phase("critic values", {**kept(critic_on=True), **awake, **gathered(Pc, Pc, grad=False),
-                                           f"activations, no grad ({tv} tokens)":
-                                               tv * no_grad_bytes_per_token(shape) * c / 2}))
-        cmini = max(cr.ppo_mini_batch_size * cfg.rollout.n // W, 1)
+                                           f"activations, no grad ({tokens_label(tv, csp)})":
+                                               slice_of(tv, csp) * no_grad_bytes_per_token(shape) * c / 2}))
+        cmini = max(cr.ppo_mini_batch_size * cfg.rollout.n // dp, 1)
         tc = micro_tokens(cfg, min(cr.ppo_micro_batch_size_per_device, cmini), cbudget, rank_seqs)
         out.append(Phase("critic update", {
             **kept(critic_on=True), **awake, **gathered(Pc, Pc, grad=True),
-            f"activations ({tc} tokens{', recomputed' if cr.enable_gradient_checkpointing else ''})":
-                grad_activations(shape, tc, c, False, cr.enable_gradient_checkpointing)}))
+            f"activations ({tokens_label(tc, csp)}{', recomputed' if cr.enable_gradient_checkpointing else ''})":
+                grad_activations(shape, slice_of(tc, csp), c, False, cr.enable_gradient_checkpointing, sp=csp)}))
     return out

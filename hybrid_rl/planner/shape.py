@@ -2,7 +2,8 @@
 
 Only what the memory model needs: hidden size, MLP width, layers, key/value width, vocabulary, tied embeddings.
 A hub id is read only from a local directory or the local Hugging Face cache (never downloaded): planning is
-offline and instant, and a model that is not here yet gets one line saying so.
+offline and instant. The Qwen2.5 models the recipes name (``HUB_SHAPES``) are planned from their published shapes when
+they are not here yet; any other model that is not here gets one line saying so.
 """
 
 from __future__ import annotations
@@ -69,6 +70,14 @@ _SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=
                      num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
 
 
+HUB_SHAPES: dict[str, str] = {
+    f"Qwen/Qwen2.5-{size}{suffix}": f"qwen2.5-{size.lower()}-random"
+    for size in ("0.5B", "1.5B", "7B") for suffix in ("", "-Instruct")
+}
+"""Hub ids whose published shape a random-weight built-in copies exactly (``models.RANDOM_ARCHS``): what the
+planner reads for them when no config.json is here."""
+
+
 def from_hf_config(cfg: dict) -> ModelShape:
     """The fields of a Hugging Face ``config.json`` (``text_config`` for multimodal wrappers)."""
     cfg = cfg.get("text_config", cfg)
@@ -116,6 +125,8 @@ def read_shape(path: str) -> ModelShape:
     if path.startswith(BUILTIN_PREFIX):
         return builtin_shape(path[len(BUILTIN_PREFIX):])
     config = _local_config(path)
+    if config is None and path in HUB_SHAPES:
+        return builtin_shape(HUB_SHAPES[path])
     if config is None:
         raise ShapeError(f"model.path={path!r}: no config.json here (not a local directory, not in the local Hugging "
                          f"Face cache); download the model first or point model.path at a local copy")

@@ -2,7 +2,8 @@
 
 Candidates come in the order of what they cost: for the engine's phases the engine's share, then offloading the
 trainer's states; for the training passes the fused head (free), the micro-batch of the phase at its peak (the
-largest value that fits), ``actor.accumulate_unsharded=false``, recomputation, offloading the reference. When no
+largest value that fits), ``actor.accumulate_unsharded=false``, sequence parallelism for the actor's passes (the
+smallest size the ranks and heads allow), recomputation, offloading the reference. When no
 single change fits, the one that lowers the peak most is named, with what it leaves.
 """
 
@@ -91,7 +92,30 @@ def _engine_share(cfg: "Config") -> list[dict[str, object]]:
     return [{"rollout.vllm.gpu_memory_utilization": k / 20} for k in range(steps - 1, 1, -1)]
 
 
-def candidates(cfg: "Config", peak: str) -> Iterator[list[dict[str, object]]]:
+def _sequence_parallel(cfg: "Config", shape: ModelShape | None, gpus: int | None) -> list[dict[str, object]]:
+    """Larger ``actor.ulysses_sequence_parallel_size`` values, smallest first, that the config accepts on ``gpus``
+    ranks and the model's heads divide (``workers/ulysses.check_heads``)."""
+    from hybrid_rl.config import ConfigError
+
+    if shape is None or gpus is None or cfg.actor.use_remove_padding is False:
+        return []
+    out = []
+    size = cfg.actor.ulysses_sequence_parallel_size * 2
+    while size <= gpus:
+        heads_ok = shape.heads % size == 0 and (shape.kv_heads % size == 0 or size % shape.kv_heads == 0)
+        trial = {"actor.ulysses_sequence_parallel_size": size}
+        if heads_ok:
+            try:
+                with_settings(cfg, trial).validate(gpus)
+                out.append(trial)
+            except ConfigError:
+                pass
+        size *= 2
+    return out
+
+
+def candidates(cfg: "Config", peak: str, shape: ModelShape | None = None,
+               gpus: int | None = None) -> Iterator[list[dict[str, object]]]:
     """Groups of alternative single-setting changes, in the order they are tried; inside a group, the mildest first."""
     a, sync = cfg.actor, cfg.engine_sleeps
     offloads = [[{k: True}] for k, on in (("actor.param_offload", a.param_offload and sync),
@@ -107,6 +131,8 @@ def candidates(cfg: "Config", peak: str) -> Iterator[list[dict[str, object]]]:
     yield _micro_batch_keys(cfg, peak)
     if a.accumulate_unsharded:
         yield [{"actor.accumulate_unsharded": False}]
+    if peak in ("actor update", "old log-prob", "ref log-prob"):
+        yield _sequence_parallel(cfg, shape, gpus)
     if peak == "actor update" and not cfg.model.enable_gradient_checkpointing:
         yield [{"model.enable_gradient_checkpointing": True}]
     if peak == "critic update" and not cfg.critic.enable_gradient_checkpointing:
@@ -120,6 +146,8 @@ def _describe(settings: dict[str, object]) -> str:
     (key, value), = settings.items()
     if isinstance(value, bool):
         return f"set {key}={str(value).lower()}"
+    if key == "actor.ulysses_sequence_parallel_size":
+        return f"set {key}={value}"
     return f"lower {key} to {value:g}"
 
 
@@ -130,7 +158,7 @@ def judge(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> tupl
     if fits(base, gpu_bytes):
         return base, Verdict(True, peak, gpu_bytes, None)
     best: tuple[float, dict[str, object]] | None = None
-    for group in candidates(cfg, peak.name):
+    for group in candidates(cfg, peak.name, shape, gpus):
         for settings in group:
             trial = phases(with_settings(cfg, settings), shape, gpus, gpu_bytes)
             if fits(trial, gpu_bytes):

@@ -22,7 +22,7 @@ def test_every_recipe_loads_and_validates(recipe):
 
 
 def test_recipes_exist():
-    assert {p.stem for p in RECIPES} >= {"cpu_successor", "gsm8k_grpo"}
+    assert {p.stem for p in RECIPES} >= {"cpu_successor", "gsm8k_grpo", "gsm8k_grpo_7b"}
 
 
 def test_overrides_are_typed():

@@ -127,3 +127,84 @@ def test_train_check_is_off_on_cpu_and_when_disabled(monkeypatch):
     assert check.check_memory(_cfg(*BIG, "trainer.device=cpu"), 1) is None
     monkeypatch.setattr(check, "visible_gpu", lambda: None)
     assert check.check_memory(_cfg(*BIG), 1) is None
+
+
+# -- sequence parallelism, tensor parallelism, hub shapes, the 7B recipe
+SP_BASE = ["actor.use_remove_padding=true", "actor.share_prompts=false", "actor.fused_logprob=true",
+           "actor.ppo_micro_batch_size_per_device=4", "actor.ppo_mini_batch_size=32"]
+
+
+def _update_terms(*overrides: str, world: int) -> dict[str, float]:
+    cfg = _cfg(*SP_BASE, *overrides, world=world)
+    return {p.name: p for p in phases(cfg, read_shape(cfg.model.path), world, 80 * GIB)}["actor update"].terms
+
+
+def test_sequence_parallel_cuts_activations_and_head_rows_per_rank():
+    tokens = 4 * (32 + 32)  # 4 sequences at full length: the micro-batch of whole rows
+    whole = _update_terms(world=4)
+    assert whole[f"activations ({tokens} tokens)"] == tokens * L * (22 * H + 4 * KV + 8 * I)
+    # size 2: 128 tokens a rank; each keeps 1 of the 2 key/value heads over all 256 positions (width 16 × 2 = KV)
+    two = _update_terms("actor.ulysses_sequence_parallel_size=2", world=4)
+    assert two[f"activations (128 tokens, 1/2 of {tokens})"] == 128 * L * (22 * H + 4 * KV + 8 * I)
+    # size 4: 64 tokens a rank; the 2 key/value heads are repeated to 4, one per rank: width 16 × 4 per slice token
+    four = _update_terms("actor.ulysses_sequence_parallel_size=4", world=4)
+    assert four[f"activations (64 tokens, 1/4 of {tokens})"] == 64 * L * (22 * H + 4 * 16 * 4 + 8 * I)
+    # the fused head over a rank's response rows: 128 of the 256 tokens are responses, 32 of them in a quarter slice
+    assert whole["logits"] == 128 * V * 10 + 4 * V * H
+    assert four["logits"] == 32 * V * 10 + 4 * V * H
+    # the sharded states do not change: FSDP still shards over all 4 ranks
+    assert four["actor AdamW (2 x fp32, sharded)"] == whole["actor AdamW (2 x fp32, sharded)"] == 8 * PARAMS / 4
+
+
+def test_tensor_parallel_engine_wakes_its_share_of_the_weights_for_the_push():
+    def push(tp: int) -> float:
+        cfg = _cfg("rollout.name=vllm", f"rollout.vllm.tensor_parallel_size={tp}", world=2)
+        return {p.name: p for p in phases(cfg, read_shape(cfg.model.path), 2, 80 * GIB)}["weight push"].terms[
+            "engine weights"]
+
+    assert push(1) == 2 * PARAMS and push(2) == PARAMS  # bf16, whole or halved
+
+
+def test_verdict_names_sequence_parallelism_for_a_long_row():
+    # 0.5B shape, one 16k-token row per micro-batch without recomputation on 2 × 24 GiB: the budget cannot go below
+    # one sequence, so the row's activations are cut over the two ranks instead
+    long_row = ["model.path=builtin:qwen2.5-0.5b-random", "rollout.name=vllm", "rollout.vllm.gpu_memory_utilization=0.2",
+                "data.max_prompt_length=512", "data.max_response_length=15872", "actor.use_dynamic_bsz=true",
+                "actor.max_token_len_per_device=16384", "actor.ppo_mini_batch_size=32", "actor.use_remove_padding=true"]
+    cfg = _cfg(*long_row, world=2)
+    _, verdict = judge(cfg, read_shape(cfg.model.path), 2, 24 * GIB)
+    assert not verdict.fits and verdict.peak.name == "actor update"
+    assert verdict.fix == "set actor.ulysses_sequence_parallel_size=2"
+    after = _cfg(*long_row, "actor.ulysses_sequence_parallel_size=2", world=2)
+    assert judge(after, read_shape(after.model.path), 2, 24 * GIB)[1].fits
+
+
+def test_known_hub_ids_are_planned_from_their_published_shape(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # nothing downloaded here
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    seven = read_shape("Qwen/Qwen2.5-7B-Instruct")
+    assert (seven.hidden, seven.intermediate, seven.layers, seven.heads, seven.kv_heads, seven.vocab, seven.tied) == \
+        (3584, 18944, 28, 28, 4, 152064, False)
+    assert read_shape("Qwen/Qwen2.5-1.5B-Instruct").params == read_shape("builtin:qwen2.5-1.5b-random").params
+    with pytest.raises(ShapeError, match="no config.json here"):
+        read_shape("Qwen/Qwen2.5-3B-Instruct")
+
+
+@pytest.mark.parametrize("gpus, card", [(8, "H100"), (4, "H200")])
+def test_7b_recipe_fits_the_boxes_it_names(capsys, gpus, card):
+    recipe = str(Path(RECIPE).parent / "gsm8k_grpo_7b.yaml")
+    assert main(["plan", recipe, "--gpus", str(gpus), "--gpu", card]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("fits: peak")
+
+
+def test_a_packing_critic_cuts_its_rows_like_the_actor():
+    def critic_update(*overrides: str) -> dict[str, float]:
+        cfg = _cfg(*SP_BASE, "algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_device=4",
+                   "critic.ppo_mini_batch_size=32", "actor.ulysses_sequence_parallel_size=4", *overrides, world=4)
+        return {p.name: p for p in phases(cfg, read_shape(cfg.model.path), 4, 80 * GIB)}["critic update"].terms
+
+    tokens = 4 * (32 + 32)  # 4 whole sequences: 64 a rank when cut in 4, key/value heads repeated to 4 (width 64)
+    assert critic_update("critic.use_remove_padding=true")[f"activations (64 tokens, 1/4 of {tokens})"] == \
+        64 * L * (22 * H + 4 * 16 * 4 + 8 * I)
+    assert critic_update("critic.use_remove_padding=false")[f"activations ({tokens} tokens)"] == \
+        tokens * L * (22 * H + 4 * KV + 8 * I)

@@ -1,0 +1,264 @@
+"""The 7B recipe on one box with long responses: step time, phases, update MFU, and each phase's peak memory beside
+the memory planner's prediction for the same config.
+
+    python benchmarks/scale_7b.py --gpus 8                        # every run below, into runs/scale_7b/<UTC time>/
+    python benchmarks/scale_7b.py --gpus 4 --runs mean8k_sp1      # one run
+    python benchmarks/scale_7b.py --cpu-smoke                     # plumbing only: tiny model, 2 CPU ranks, ~2 minutes
+
+Runs ``recipes/gsm8k_grpo_7b.yaml`` (``python -m hybrid_rl train`` under torchrun, through ``modes.run_mode``) with
+``builtin:qwen2.5-7b-random`` (Qwen2.5-7B's shape with random weights: no download; built once per host before the
+first run, 15.2 GB in ``$HYBRID_RL_CACHE``) on the GSM8K prompts shipped in ``benchmarks/data/``, ``--prompts`` × 8
+samples per step in 4 mini-batches, no validation or checkpoints. A random model does not end its responses, so the
+response lengths are forced (``rollout.forced_lengths``), capped at 16,384 tokens with the token budget raised to one
+prompt + cap (16,896):
+
+  mean8k_sp1               lognormal:8192:0.8 (mean 8k, long tail cut at the cap), no sequence parallelism
+  fixed16k_sp1/sp2/sp4     every response 16,384 tokens, actor.ulysses_sequence_parallel_size 1 / 2 / 4
+
+Per run, over the measured steps (after ``--warmup``): step time and its phases, generated tokens/s, the update's
+MFU (``perf/mfu_update``: the FLOPs it ran ÷ time ÷ the GPUs' dense bf16 peak; ``_equiv`` counts every sample's
+prompt whole), and per phase the measured peak (``perf/phase_memory_allocated_gb/<phase>``, the largest over steps
+and ranks; the engine's pool, ``perf/engine_pool_gb``, taken off the training phases, which run with it asleep) beside
+the planner's figure for that phase on this GPU (``hybrid_rl.planner``: generation, old log-prob, reference, update;
+the push is not a timed phase of its own). Writes ``scale_7b_<device>.json`` and ``.png`` and each run's directory
+(``run_<name>/``: metrics.jsonl, stderr.log) into ``--out`` (default ``runs/scale_7b/<UTC time>/``); into
+``benchmarks/results/`` only with ``--curate``. A run that fails is one line naming it and its log; exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(ROOT))
+
+import modes  # noqa: E402  (benchmarks/modes.py: run_mode, summarize, device_name)
+
+RECIPE = ROOT / "recipes" / "gsm8k_grpo_7b.yaml"
+DATA = ROOT / "benchmarks" / "data" / "gsm8k_train_1k.jsonl"
+RESULTS = ROOT / "benchmarks" / "results"
+PLANNED = {"gen": "generation", "old_log_prob": "old log-prob", "ref": "ref log-prob", "update": "actor update"}
+"""Timed phase → the planner's phase."""
+TRAINING = ("old_log_prob", "ref", "update")
+"""Phases that run with the engine asleep: its pool (counted by torch while it sleeps) is taken off their peak."""
+GPU = dict(model="builtin:qwen2.5-7b-random", prompts=32, warmup=1, measure=2, run_timeout=2400.0, cap=16384,
+           mean=8192, sp_sizes=(1, 2, 4), overrides=[])
+CPU_SMOKE = dict(model="builtin:tiny-qwen2", prompts=8, warmup=1, measure=1, run_timeout=240.0, cap=32, mean=16,
+                 sp_sizes=(2,), overrides=["trainer.device=cpu", "rollout.name=hf", "model.dtype=float32",
+                                           "data.max_prompt_length=384", "actor.use_remove_padding=true"])
+"""``--cpu-smoke``: the same runs on the tiny model (2 gloo ranks, the transformers engine); its figures mean nothing."""
+
+
+def runs(args) -> list[tuple[str, list[str]]]:
+    """(name, overrides) of every run: the long-tailed one, then the fixed-length ones per sequence-parallel size."""
+    out = [(f"mean{args.mean // 1024 or args.mean}{'k' if args.mean >= 1024 else ''}_sp1",
+            [f"rollout.forced_lengths=lognormal:{args.mean}:0.8"])]
+    cap = f"{args.cap // 1024}k" if args.cap >= 1024 else str(args.cap)
+    out += [(f"fixed{cap}_sp{sp}",
+             [f"rollout.forced_lengths=fixed:{args.cap}", f"actor.ulysses_sequence_parallel_size={sp}"])
+            for sp in args.sp_sizes]
+    return out
+
+
+def base_overrides(args) -> list[str]:
+    """What every run sets on top of the recipe: local prompts, the batch, the cap and its budget, no validation."""
+    from hybrid_rl.config import load_config
+
+    prompt = load_config(str(args.recipe), [f"model.path={args.model}", *args.overrides]).data.max_prompt_length
+    return [f"data.train_path={DATA}", "data.val_path=null", "trainer.val_before_train=false", "trainer.test_freq=0",
+            "trainer.save_freq=-1", f"data.train_batch_size={args.prompts}",
+            f"actor.ppo_mini_batch_size={max(args.prompts // 4, 1)}", f"data.max_response_length={args.cap}",
+            "actor.use_dynamic_bsz=true", f"actor.max_token_len_per_device={max(16384, prompt + args.cap)}",
+            *args.overrides]
+
+
+def predicted(args, overrides: list[str], gpu_gib: float) -> dict:
+    """The planner on this run's config: each phase's peak (GiB per GPU) and the verdict line."""
+    from hybrid_rl.config import load_config
+    from hybrid_rl.planner.estimate import GIB
+    from hybrid_rl.planner.shape import read_shape
+    from hybrid_rl.planner.verdict import judge
+
+    cfg = load_config(str(args.recipe), [f"model.path={args.model}", *overrides]).validate(args.gpus)
+    all_phases, verdict = judge(cfg, read_shape(cfg.model.path), args.gpus, gpu_gib * GIB)
+    return {"phases_gib": {p.name: p.total / GIB for p in all_phases}, "verdict": verdict.line,
+            "engine_share_gib": cfg.rollout.vllm.gpu_memory_utilization * gpu_gib if cfg.rollout.name == "vllm" else None}
+
+
+def measured(run_dir: Path, args) -> dict:
+    """MFU and per-phase peaks from the measured steps of ``metrics.jsonl``."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "timing/step" in r][args.warmup:args.stop_after]
+    mean = lambda k: statistics.fmean(r[k] for r in rows) if all(k in r for r in rows) else None  # noqa: E731
+    pool = max((r.get("perf/engine_pool_gb", 0.0) for r in rows), default=0.0)
+    phases = {}
+    for phase in PLANNED:
+        key = f"perf/phase_memory_allocated_gb/{phase}"
+        if any(key in r for r in rows):
+            peak = max(r[key] for r in rows if key in r)
+            phases[phase] = peak - pool if phase in TRAINING else peak
+    return {"mfu_update": mean("perf/mfu_update"), "mfu_update_equiv": mean("perf/mfu_update_equiv"),
+            "engine_pool_gb": pool or None, "phase_peak_gib": phases,
+            "peak_outside_engine_gib": max((r["perf/max_memory_allocated_outside_engine_gb"] for r in rows
+                                            if "perf/max_memory_allocated_outside_engine_gb" in r), default=None)}
+
+
+def one_run(name: str, overrides: list[str], args, out_dir: Path, gpu_gib: float) -> dict:
+    try:  # the trainer's own checks first: a setting it refuses is not started
+        plan = predicted(args, [*args.base, *overrides], gpu_gib)
+    except Exception as e:  # noqa: BLE001  (ConfigError, or anything else that rejects the config)
+        return {"mode": name, "overrides": overrides, "error": f"invalid setting: {str(e).splitlines()[0]}"}
+    res = modes.run_mode(name, overrides, args, out_dir)
+    if "error" in res:
+        return {**res, "planner": plan}
+    got = measured(out_dir / f"run_{name}", args)
+    memory = {phase: {"measured_gib": got["phase_peak_gib"].get(phase), "predicted_gib": plan["phases_gib"].get(planned)}
+              for phase, planned in PLANNED.items() if planned in plan["phases_gib"]}
+    keep = ("step_s", "trainer_step_s", "phases_s", "gen_tokens_per_s", "trained_tokens_per_s", "engine_gen_tokens_per_s",
+            "response_length_mean", "steps_measured", "wall_s", "gpu_busy_fraction")
+    return {"mode": name, "overrides": overrides, **{k: res[k] for k in keep if k in res},
+            "mfu_update": got["mfu_update"], "mfu_update_equiv": got["mfu_update_equiv"], "memory": memory,
+            "engine_pool": {"measured_gib": got["engine_pool_gb"], "predicted_gib": plan["engine_share_gib"]},
+            "peak_outside_engine": {"measured_gib": got["peak_outside_engine_gib"],
+                                    "predicted_gib": max((plan["phases_gib"].get(PLANNED[p], 0.0) for p in TRAINING))},
+            "planner": plan}
+
+
+def table(results: list[dict]) -> str:
+    lines = [f"{'run':16s} {'step s':>8s} {'gen s':>7s} {'update s':>9s} {'MFU upd':>8s}  peak GiB measured / planned"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"{r['mode']:16s} FAILED: {r['error']}")
+            continue
+        mfu = f"{r['mfu_update']:.0%}" if r.get("mfu_update") is not None else "-"
+        mem = ", ".join(f"{p} {m['measured_gib']:.1f}/{m['predicted_gib']:.1f}" if m["measured_gib"] is not None
+                        else f"{p} -/{m['predicted_gib']:.1f}" for p, m in r["memory"].items())
+        lines.append(f"{r['mode']:16s} {r['step_s']:8.1f} {r['phases_s'].get('gen', 0.0):7.1f} "
+                     f"{r['phases_s'].get('update', 0.0):9.1f} {mfu:>8s}  {mem}")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], title: str, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    ok = [r for r in results if "step_s" in r]
+    if not ok:
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    names, bottom = [r["mode"] for r in ok], [0.0] * len(ok)
+    for phase in modes.PHASES:
+        vals = [r["phases_s"].get(phase, 0.0) for r in ok]
+        if any(vals):
+            ax1.bar(names, vals, bottom=bottom, label=phase)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    for i, r in enumerate(ok):
+        mfu = f"\nMFU {r['mfu_update']:.0%}" if r.get("mfu_update") is not None else ""
+        ax1.text(i, max(bottom[i], r["step_s"]), f"{r['step_s']:.3g} s{mfu}", ha="center", va="bottom", fontsize=7)
+    ax1.set_ylabel("seconds per step (phases: maxima over ranks)")
+    ax1.legend(fontsize=7)
+    width, phases = 0.8 / max(len(ok), 1), list(PLANNED)
+    for i, r in enumerate(ok):
+        xs = [j + i * width for j in range(len(phases))]
+        ax2.bar(xs, [r["memory"].get(p, {}).get("measured_gib") or 0.0 for p in phases], width * 0.9, label=r["mode"])
+        ax2.scatter(xs, [r["memory"].get(p, {}).get("predicted_gib") or 0.0 for p in phases], color="k", marker="_",
+                    s=120, zorder=3, label="planner" if i == 0 else None)
+    ax2.set_xticks([j + 0.4 - width / 2 for j in range(len(phases))], phases)
+    ax2.set_ylabel("peak GiB per GPU (bars: measured; marks: planner)")
+    ax2.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpus", type=int, default=None, help="ranks, one per GPU (default: every visible GPU)")
+    ap.add_argument("--runs", default="", help="comma-separated run names (default: all; see above)")
+    ap.add_argument("--prompts", type=int, default=None, help=f"prompts per step (default {GPU['prompts']}), 8 samples each")
+    ap.add_argument("--warmup", type=int, default=None, help=f"steps dropped (default {GPU['warmup']})")
+    ap.add_argument("--measure", type=int, default=None, help=f"steps measured (default {GPU['measure']})")
+    ap.add_argument("--run-timeout", type=float, default=None, help=f"seconds per run (default {GPU['run_timeout']:g})")
+    ap.add_argument("--model", default=None, help=f"default {GPU['model']}")
+    ap.add_argument("--out", default=None, help="run directory (default runs/scale_7b/<UTC time>/)")
+    ap.add_argument("--curate", action="store_true", help="allow --out inside benchmarks/results/ (curated results)")
+    ap.add_argument("--cpu-smoke", action="store_true", help="the plumbing on CPU: tiny model, 2 gloo ranks")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides for every run")
+    args = ap.parse_intermixed_args(argv)
+    base = CPU_SMOKE if args.cpu_smoke else GPU
+    for key in ("model", "prompts", "warmup", "measure", "run_timeout"):
+        if getattr(args, key) is None:
+            setattr(args, key, base[key])
+    args.cap, args.mean, args.sp_sizes = base["cap"], base["mean"], base["sp_sizes"]
+    args.overrides = [*base["overrides"], *args.overrides]
+    args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    args.recipe, args.n = RECIPE, 8
+    args.stop_after = args.warmup + args.measure
+    args.steps = args.stop_after + 1  # the run is stopped once the measured steps are logged
+    args.mode_timeout = args.run_timeout
+    if args.cpu_smoke:
+        args.gpus = args.gpus if args.gpus and args.gpus > 1 else 2
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out) if args.out else ROOT / "runs" / "scale_7b" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    if modes._inside(out, RESULTS) and not args.curate:
+        raise SystemExit(f"error: --out {out}: benchmarks/results/ holds curated results; write to a run directory "
+                         "and copy what is worth keeping, or pass --curate")
+    import torch
+
+    if not args.cpu_smoke:
+        if not torch.cuda.is_available():
+            print("error: scale_7b.py needs NVIDIA GPUs and vLLM; --cpu-smoke runs its plumbing on CPU", file=sys.stderr)
+            return 2
+        args.gpus = args.gpus or torch.cuda.device_count()
+    from hybrid_rl.models import resolve_model_path
+    from hybrid_rl.planner.gpus import visible_gpu
+
+    device = f"cpux{args.gpus}" if args.cpu_smoke else modes.device_name(args.gpus)
+    gpu_gib = visible_gpu()[1] if not args.cpu_smoke else 80.0  # the smoke plans for a nominal 80 GiB card
+    args.base = base_overrides(args)
+    every = runs(args)
+    unknown = set(args.runs) - {n for n, _ in every}
+    if unknown:
+        raise SystemExit(f"error: --runs: {', '.join(sorted(unknown))} not known; choose from "
+                         f"{', '.join(n for n, _ in every)}")
+    todo = [r for r in every if not args.runs or r[0] in args.runs]
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"scale_7b: {', '.join(n for n, _ in todo)} on {args.gpus} ranks ({device}), {args.model}; run directory "
+          f"{out}", file=sys.stderr, flush=True)
+    resolve_model_path(args.model)  # built once here, before any rank waits on it
+    run_args = argparse.Namespace(**{**vars(args), "overrides": args.base})
+    results = []
+    for name, ovr in todo:
+        print(f"[{name}] {' '.join(ovr)}", file=sys.stderr, flush=True)
+        results.append(one_run(name, ovr, run_args, out, gpu_gib))
+        doc = {"bench": "scale_7b", "device": device, "commit": modes.commit(), "model": args.model,
+               "recipe": str(RECIPE.relative_to(ROOT)), "gpus": args.gpus, "gpu_gib": gpu_gib, "prompts": args.prompts,
+               "n": args.n, "warmup": args.warmup, "measured_steps": args.measure, "overrides": args.base,
+               "runs": results}
+        (out / f"scale_7b_{device}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    plot(results, f"{args.model} on {device}, {args.prompts} prompts x {args.n}", out / f"scale_7b_{device}.png")
+    print(table(results))
+    print(f"wrote {out / f'scale_7b_{device}.json'} and .png")
+    failed = [r for r in results if "error" in r]
+    for r in failed:
+        print(f"FAILED {r['mode']}: {r['error']} (log: {r.get('log')})", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

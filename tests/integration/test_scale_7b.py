@@ -1,0 +1,69 @@
+"""``benchmarks/scale_7b.py``: its runs and their settings, where it may write, and (slow) its CPU smoke run end to end:
+every run trains, sequence parallelism is on where named, and each phase's planner figure sits beside the run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from helpers import ROOT, subprocess_env
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import scale_7b  # noqa: E402
+
+SCRIPT = ROOT / "benchmarks" / "scale_7b.py"
+
+
+def test_gpu_runs_are_the_long_tail_and_three_sequence_parallel_sizes():
+    args = scale_7b.parse_args(["--gpus", "8"])
+    assert args.model == "builtin:qwen2.5-7b-random" and args.recipe.name == "gsm8k_grpo_7b.yaml"
+    assert scale_7b.runs(args) == [
+        ("mean8k_sp1", ["rollout.forced_lengths=lognormal:8192:0.8"]),
+        ("fixed16k_sp1", ["rollout.forced_lengths=fixed:16384", "actor.ulysses_sequence_parallel_size=1"]),
+        ("fixed16k_sp2", ["rollout.forced_lengths=fixed:16384", "actor.ulysses_sequence_parallel_size=2"]),
+        ("fixed16k_sp4", ["rollout.forced_lengths=fixed:16384", "actor.ulysses_sequence_parallel_size=4"])]
+    base = scale_7b.base_overrides(args)
+    # the recipe's 512-token prompts + the 16,384 cap: the budget holds one whole sequence
+    assert "data.max_response_length=16384" in base and "actor.max_token_len_per_device=16896" in base
+    assert "data.train_batch_size=32" in base and "actor.ppo_mini_batch_size=8" in base  # 4 mini-batches, as the recipe
+
+
+def test_every_gpu_run_is_a_config_the_planner_and_the_trainer_accept():
+    args = scale_7b.parse_args(["--gpus", "8"])
+    base = scale_7b.base_overrides(args)
+    for name, ovr in scale_7b.runs(args):
+        plan = scale_7b.predicted(args, [*base, *ovr], 79.2)  # validates the config on 8 ranks first
+        assert plan["verdict"].startswith("fits"), (name, plan["verdict"])
+        assert plan["engine_share_gib"] == pytest.approx(0.5 * 79.2)
+
+
+def test_refuses_to_write_among_the_curated_results():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(ROOT / "benchmarks" / "results")],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "curated" in proc.stderr and "--curate" in proc.stderr
+
+
+@pytest.mark.slow
+def test_cpu_smoke_runs_every_run_and_reports_the_planner_beside_it(tmp_path):
+    results = ROOT / "benchmarks" / "results"
+    before = {str(p): p.stat().st_mtime for p in results.rglob("*")}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(tmp_path)], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "scale_7b_cpux2.json").read_text())
+    assert (tmp_path / "scale_7b_cpux2.png").stat().st_size > 0
+    assert [r["mode"] for r in doc["runs"]] == ["mean16_sp1", "fixed32_sp2"]
+    for r in doc["runs"]:
+        assert r["steps_measured"] == 1 and r["step_s"] > 0 and r["phases_s"]["update"] > 0
+        assert set(r["memory"]) == {"gen", "old_log_prob", "ref", "update"}
+        assert all(m["predicted_gib"] > 0 for m in r["memory"].values())
+        assert r["planner"]["verdict"].startswith("fits")
+    fixed = doc["runs"][1]
+    assert fixed["response_length_mean"] == 32  # every response forced to the cap
+    ran = yaml.safe_load((tmp_path / "run_fixed32_sp2" / "config.yaml").read_text())
+    assert ran["actor"]["ulysses_sequence_parallel_size"] == 2 and ran["model"]["path"] == "builtin:tiny-qwen2"
+    assert {str(p): p.stat().st_mtime for p in results.rglob("*")} == before
