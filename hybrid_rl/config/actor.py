@@ -38,8 +38,10 @@ class ActorConfig:
     use_remove_padding: Optional[bool] = None
     """Pack each micro-batch's sequences into one row without padding (per-sequence positions, attention that never
     crosses sequences: flash-attention varlen on CUDA, one SDPA call per sequence elsewhere); token budgets count real
-    tokens. Also used by the reference policy. Default (null): on for CUDA, off on CPU, where the per-sequence attention
-    costs more than the padding (the CPU recipe's update: 0.9 s packed vs 0.3 s padded)."""
+    tokens. Also used by the reference policy. Default (null): on for CUDA with a 16-bit ``model.dtype`` (PyTorch's
+    flash-attention varlen kernel); off on CPU and for float32 models, whose packed attention runs one SDPA call per
+    sequence and costs more than the padding it saves (the CPU recipe's update: 0.9 s packed vs 0.3 s padded; on CUDA
+    thousands of small kernel launches a step for its 1,024 short sequences)."""
     fused_logprob: Optional[bool] = None
     """Log-probs and entropy straight from the last hidden states and the LM head, in row chunks recomputed in
     backward: the [tokens × vocabulary] logits are never materialised (the reference policy too). Default (null): on
@@ -51,7 +53,7 @@ class ActorConfig:
     prompt tokens from every training pass (GSM8K, n=8: about half of all tokens). ``perf/mfu_*`` count the FLOPs the
     shared passes run; ``perf/mfu_*_equiv`` count every sample's sequence on its own (the work the unshared passes
     do), and ``perf/update_token_share`` is the update's tokens run per token of the batch. Default (null): on
-    wherever the run packs on CUDA (4xH200, flagship shapes, no recomputation: update 7.3 -> 5.4 s, log-prob 2.1 ->
+    wherever the run packs by default (4xH200, flagship shapes, no recomputation: update 7.3 -> 5.4 s, log-prob 2.1 ->
     1.5 s), off on CPU."""
     ulysses_sequence_parallel_size: int = 1
     """Ulysses sequence parallelism: groups of this many consecutive ranks hold the same rows, and each packed row of

@@ -140,7 +140,7 @@ class Layout:
         split = cfg.trainer.placement == "split"
         train_ranks = cfg.split_layout(gpus)[1] if split else gpus
         dtype = cfg.model.dtype if cfg.model.dtype != "auto" else "bfloat16"
-        packed = True if a.use_remove_padding is None else a.use_remove_padding
+        packed = dtype != "float32" if a.use_remove_padding is None else a.use_remove_padding  # as the worker resolves it
         return cls(gpus=gpus, train_ranks=max(train_ranks, 1), engine_ranks_separate=split,
                    c=4 if dtype == "float32" else 2, fused=True if a.fused_logprob is None else a.fused_logprob,
                    packed=packed, shared=packed if a.share_prompts is None else a.share_prompts,

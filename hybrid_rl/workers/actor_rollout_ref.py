@@ -41,6 +41,7 @@ from hybrid_rl.rollout import rollout_engine_class
 from hybrid_rl.rollout.base import RolloutEngine, SamplingParams
 from hybrid_rl.weights.sharding_manager import ShardingManager
 from hybrid_rl.workers.fsdp_engine import AdapterDisabledReference, FrozenReference, TrainingEngine
+from hybrid_rl.workers.packed import packs_by_default
 from hybrid_rl.workers.ulysses import SP_KEY, check_heads, data_parallel, make_groups
 
 ROLES = ("actor", "rollout", "ref", "actor_ref", "actor_rollout", "actor_rollout_ref")
@@ -95,7 +96,8 @@ class ActorRolloutRefWorker:
         """The engine's weight dtype: what the push casts to (``rollout.dtype``)."""
         mcfg = cfg.model
         on_gpu = self.device.type == "cuda"  # null = the device's default (see ActorConfig)
-        self.remove_padding = on_gpu if cfg.actor.use_remove_padding is None else cfg.actor.use_remove_padding
+        packs = packs_by_default(self.device, self.dtype)
+        self.remove_padding = packs if cfg.actor.use_remove_padding is None else cfg.actor.use_remove_padding
         self.fused_logprob = on_gpu if cfg.actor.fused_logprob is None else cfg.actor.fused_logprob
         share = cfg.actor.share_prompts
         self.share_prompts = (on_gpu and self.remove_padding) if share is None else share

@@ -331,6 +331,12 @@ def _row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.
     return torch.cat([out_p, out_r])
 
 
+def packs_by_default(device: torch.device, dtype: torch.dtype) -> bool:
+    """``actor.use_remove_padding``'s default: pack where flash-attention's varlen kernel runs the packed attention
+    (CUDA, 16-bit compute). Elsewhere it is one SDPA call per sequence, which costs more than the padding it saves."""
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+
+
 def use_varlen_attention(model: torch.nn.Module) -> None:
     """Register ``hybrid_rl_varlen`` with transformers and set it on ``model`` (every forward must then be packed)."""
     global _registered

@@ -185,3 +185,19 @@ def test_micro_batches_host_copies_give_the_device_read_layout(tiny_model_path, 
             assert torch.equal(getattr(a, field), getattr(b, field)), field
         assert a.max_seqlen == b.max_seqlen
     assert HOST_META not in micro_batches(batch, 64)[0][1].meta  # the padded path reads nothing
+
+
+def test_packing_is_the_default_only_where_the_varlen_kernel_runs_it():
+    """CUDA with 16-bit compute packs by default; CPU and float32 models (one SDPA call per sequence) pad. The
+    planner resolves the default the same way from the recipe's ``model.dtype``."""
+    from hybrid_rl.config import load_config
+    from hybrid_rl.planner.estimate import Layout
+    from hybrid_rl.workers.packed import packs_by_default
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert packs_by_default(cuda, torch.bfloat16) and packs_by_default(cuda, torch.float16)
+    assert not packs_by_default(cuda, torch.float32) and not packs_by_default(cpu, torch.bfloat16)
+    for dtype, packed in (("float32", False), ("bfloat16", True), ("auto", True)):
+        lay = Layout.of(load_config(None, [f"model.dtype={dtype}"]), 1)
+        assert lay.packed is packed and lay.shared is packed, dtype
+    assert Layout.of(load_config(None, ["model.dtype=float32", "actor.use_remove_padding=true"]), 1).packed
