@@ -17,7 +17,7 @@ answer after "####"."), those of at most 512 tokens, in the file's order and rep
 everywhere); the PPO mini-batch half the step (2 optimizer steps per step), 1 epoch; clip 0.2 / 0.28, token-mean
 loss, no KL and no reference model, entropy 0; AdamW lr 1e-6 constant (critic 1e-5), weight decay 0, grad clip 1.0;
 vLLM colocated, 0.3 of GPU memory, CUDA graphs, prefix caching, released while training; EOS ignored (a random
-model's responses would all run to the cap): every response is exactly its forced length.
+model's response lengths mean nothing): every response is exactly its forced length.
 
 Response lengths are identical across frameworks, sample by sample: ``length_table`` reproduces hybrid_rl's own draw
 (``rollout.forced_lengths``: one stream per rank seeded ``seed + 104729 * (rank + 1)``, ``local prompts x n`` lengths
