@@ -29,20 +29,25 @@ def baseline(w: dict) -> dict:
     """The settings of the first comparison (GRPO: the flagship recipe's token budgets with recomputation) and of
     recipes/gsm8k_ppo.yaml before it took the flagship's levers (PPO: 8-sequence micro-batches, recomputation)."""
     grpo = w["algorithm"] == "grpo"
-    return {"gradient_checkpointing": True, "liger": False, "remove_padding": True, "share_prompts": True,
+    opts = {"gradient_checkpointing": True, "liger": False, "remove_padding": True, "share_prompts": True,
             "fused_logprob": True, "dynamic_bsz": grpo, "max_token_len_per_device": 16384,
-            "accumulate_unsharded": grpo, "micro_batch_per_device": 8, "log_prob_micro_batch_per_device": 16,
-            "critic_dynamic_bsz": False, "critic_max_token_len_per_device": 16384,
-            "critic_gradient_checkpointing": True, "critic_micro_batch_per_device": 8,
-            "critic_forward_micro_batch_per_device": 32}
+            "accumulate_unsharded": grpo, "micro_batch_per_device": 8, "log_prob_micro_batch_per_device": 16}
+    if not grpo:  # the critic's options exist where there is a critic
+        opts.update(critic_dynamic_bsz=False, critic_max_token_len_per_device=16384,
+                    critic_gradient_checkpointing=True, critic_micro_batch_per_device=8,
+                    critic_forward_micro_batch_per_device=32)
+    return opts
 
 
 def tuned(w: dict) -> dict:
     """recipes/gsm8k_grpo.yaml's levers for every pass (packed rows, shared prompts, the fused LM head, 16k-token
     micro-batches, one all-gather/reduce-scatter per mini-batch), the critic's passes by the same budget, no
     recomputation, Liger's layer kernels."""
-    return {**baseline(w), "gradient_checkpointing": False, "liger": True, "dynamic_bsz": True,
-            "accumulate_unsharded": True, "critic_dynamic_bsz": True, "critic_gradient_checkpointing": False}
+    opts = {**baseline(w), "gradient_checkpointing": False, "liger": True, "dynamic_bsz": True,
+            "accumulate_unsharded": True}
+    if "critic_dynamic_bsz" in opts:
+        opts.update(critic_dynamic_bsz=True, critic_gradient_checkpointing=False)
+    return opts
 
 
 PROFILES = {"tuned": tuned, "baseline": baseline}

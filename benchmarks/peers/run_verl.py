@@ -40,7 +40,7 @@ AGENT_LOOP = "peers_forced_lengths"
 def baseline(w: dict) -> dict:
     """The settings of the first comparison: verl padded with SDPA, micro-batches by sequence count, recomputation,
     FSDP1, none of verl's kernels (its V1 critic always cuts micro-batches by its token budget, default 32768)."""
-    return {
+    opts = {
         "strategy": "fsdp",
         "remove_padding": False,
         "attn_implementation": "sdpa",
@@ -51,7 +51,6 @@ def baseline(w: dict) -> dict:
         "log_prob_micro_batch_per_gpu": 16,
         "max_token_len_per_gpu": 16384,
         "log_prob_max_token_len_per_gpu": 32768,
-        "critic_max_token_len_per_gpu": 32768,
         "fused_kernels": False,
         "fused_kernel_backend": "torch",
         "liger": False,
@@ -60,6 +59,9 @@ def baseline(w: dict) -> dict:
         "no_sync_accumulation": False,
         "chunked_prefill": True,
     }
+    if w["algorithm"] == "gae":  # the critic's option exists where there is a critic
+        opts["critic_max_token_len_per_gpu"] = 32768
+    return opts
 
 
 def tuned(w: dict) -> dict:
@@ -70,10 +72,12 @@ def tuned(w: dict) -> dict:
     by a 16k-token budget (old log-prob 32k: forward-only passes can take 2x, as the guide says); verl's fused LM-head
     kernel (torch backend) and Liger's layer kernels; no recomputation; parameters kept gathered between forward and
     backward and gradients reduced once per mini-batch (hybrid_rl's accumulate_unsharded); chunked prefill (vLLM)."""
-    return {**baseline(w), "strategy": "fsdp2", "remove_padding": True, "attn_implementation": "flex_attention",
-            "pad_to_length": True, "dynamic_bsz": True, "critic_max_token_len_per_gpu": 16384, "fused_kernels": True,
-            "liger": True, "gradient_checkpointing": False, "reshard_after_forward": False,
-            "no_sync_accumulation": True}
+    opts = {**baseline(w), "strategy": "fsdp2", "remove_padding": True, "attn_implementation": "flex_attention",
+            "pad_to_length": True, "dynamic_bsz": True, "fused_kernels": True, "liger": True,
+            "gradient_checkpointing": False, "reshard_after_forward": False, "no_sync_accumulation": True}
+    if "critic_max_token_len_per_gpu" in opts:
+        opts["critic_max_token_len_per_gpu"] = 16384
+    return opts
 
 
 PROFILES = {"tuned": tuned, "baseline": baseline}

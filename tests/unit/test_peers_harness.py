@@ -176,6 +176,10 @@ def test_set_changes_one_option_and_the_record_says_which_were_on():
     assert v["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"] == "8192"
     rec = workload.settings_record("tuned", opts)
     assert "remove_padding" in rec["off"] and "dynamic_bsz" in rec["on"] and "liger" in rec["on"]
+    # a critic's options are recorded only where the workload has a critic
+    for profiles in (run_verl.PROFILES, run_hybrid_rl.PROFILES):
+        assert not any(k.startswith("critic") for k in resolve_options(profiles, "tuned", w))
+        assert any(k.startswith("critic") for k in resolve_options(profiles, "tuned", workload_spec("ppo", 4)))
     assert rec["options"]["attn_implementation"] == "sdpa"
     with pytest.raises(SystemExit, match="remove_paddding=on"):
         resolve_options(run_verl.PROFILES, "tuned", w, ["remove_paddding=on"])
