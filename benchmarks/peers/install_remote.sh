@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine: install one peer from its staged pieces (benchmarks/peers/stage.sh) into its own --target dir.
 #   bash benchmarks/peers/install_remote.sh trl  PS_DIR [SITE]      (SITE default /tmp/site_trl)
-#        → use with PYTHONPATH=/tmp/site_trl:/tmp/site   (TRL on top of the vLLM 0.26 set in /tmp/site)
+#        → use with PYTHONPATH=/tmp/site_trl:/tmp/site   (TRL and Liger's kernels on top of the vLLM 0.26 set in /tmp/site)
 #   bash benchmarks/peers/install_remote.sh verl PS_DIR [SITE] [VS_DIR]   (SITE default /tmp/site_verl, VS /tmp/vs)
-#        → use with PYTHONPATH=/tmp/site_verl alone: vLLM 0.24 + transformers 5.9 + verl's deps, plus vLLM 0.26's
+#        → use with PYTHONPATH=/tmp/site_verl alone: vLLM 0.24 + transformers 5.9 + verl's deps + Liger, plus vLLM 0.26's
 #          small dependency wheels and datasets taken from VS_DIR (the unpacked .stage/c1..c6), so nothing of
 #          /tmp/site (vLLM 0.26, transformers 5.17 from the image) is mixed in except what the image itself has
 # PS_DIR: the folder the staged pieces were copied into, flattened (cp -r .stage_peers/<name>_cK/. PS_DIR/).
@@ -18,7 +18,7 @@ case $PEER in
 trl)
   SITE=${3:-/tmp/site_trl}
   sha256sum -c --quiet trl_c1.sha256
-  "${PIP[@]}" --target "$SITE" trl-1.16.0-py3-none-any.whl
+  "${PIP[@]}" --target "$SITE" trl-1.16.0-py3-none-any.whl liger_kernel-0.8.5-py3-none-any.whl
   ;;
 verl)
   SITE=${3:-/tmp/site_verl}

@@ -1,61 +1,75 @@
-"""Combine the per-framework results (hybrid_rl.json, trl.json, verl.json from the run_*.py scripts) into
-``benchmarks/results/peers_<device>_<model>.json`` and a bar plot beside it. Runs on the GPU machine at the end of
-every ``run_all.sh`` part, or on any machine from the JSON files the runs wrote:
+"""Combine the per-framework results of one workload (``<framework>_<workload>.json`` from the run_*.py scripts) into
+``benchmarks/results/peers_<device>_<workload>.json`` and a bar plot beside it (``..._<profile>`` when every framework
+ran another profile than ``tuned``, ``..._mixed`` when they ran different ones). Runs on the GPU machine at the end
+of every ``run_all.sh`` part, or on any machine from the JSON files the runs wrote:
 
-    python benchmarks/peers/plot.py --res /path/with/the/three/jsons
+    python benchmarks/peers/plot.py --res /path/with/the/jsons --workload grpo_long
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import ROOT, VERSIONS, WORKLOAD  # noqa: E402
+from workload import DEFAULT_WORKLOAD, ROOT, VERSIONS, WORKLOADS  # noqa: E402
 
 ORDER = ["hybrid_rl", "verl", "trl"]
 COLORS = {"hybrid_rl": "tab:green", "verl": "tab:blue", "trl": "tab:orange"}
 
 
-def combine(res: Path) -> dict:
+def combine(res: Path, workload: str) -> dict:
     runs = {}
     for name in ORDER:
-        p = res / f"{name}.json"
+        p = res / f"{name}_{workload}.json"
         if p.exists():
             runs[name] = json.loads(p.read_text())
     ok = {k: v for k, v in runs.items() if "step_s" in v}
     devices = {v.get("device") for v in runs.values() if v.get("device")}
     device = sorted(devices)[0] if devices else "unknown"
+    workloads = {json.dumps(v["workload"], sort_keys=True) for v in ok.values() if v.get("workload")}
+    if len(workloads) > 1:
+        raise SystemExit(f"the results in {res} ran different workloads (PEERS_PROMPTS? --steps?): "
+                         + "; ".join(f"{k}: {v.get('workload', {}).get('prompts_per_step')} prompts, "
+                                     f"{v.get('workload', {}).get('steps')} steps" for k, v in ok.items())
+                         + ". Rerun them with the same settings")
+    w = json.loads(workloads.pop()) if workloads else {"name": workload, **WORKLOADS.get(workload, {})}
     base = ok.get("hybrid_rl")
     ratios = {}
     if base:
         for peer in ("verl", "trl"):
             if peer in ok:
-                # equal work per step (same prompts per step, n, fixed response length): the step-time ratio is the
-                # throughput ratio; the token-based ratio is kept beside it as a check
+                # the same prompts and the same response lengths, sample by sample: the step-time ratio is the
+                # throughput ratio; the token-based ratio is kept beside it as a check, the medians as a third
                 ratios[f"hybrid_rl_vs_{peer}_step_time"] = ok[peer]["step_s"] / base["step_s"]
+                ratios[f"hybrid_rl_vs_{peer}_step_time_median"] = ok[peer]["step_s_median"] / base["step_s_median"]
                 if base.get("trained_tokens_per_s") and ok[peer].get("trained_tokens_per_s"):
                     ratios[f"hybrid_rl_vs_{peer}_trained_tokens_per_s"] = (base["trained_tokens_per_s"]
                                                                           / ok[peer]["trained_tokens_per_s"])
     machines = {k: v.get("machine") for k, v in ok.items()}
-    workloads = {json.dumps(v["workload"], sort_keys=True) for v in ok.values() if v.get("workload")}
-    if len(workloads) > 1:
-        raise SystemExit(f"the results in {res} ran different workloads (PEERS_PROMPTS?): "
-                         + "; ".join(f"{k}: {v.get('workload', {}).get('prompts_per_step')} prompts" for k, v in ok.items())
-                         + ". Rerun them with one PEERS_PROMPTS")
-    workload = json.loads(workloads.pop()) if workloads else WORKLOAD
     same = len(set(machines.values())) <= 1 and None not in machines.values()
-    return {"device": device, "model": workload["model"], "workload": workload, "pinned_versions": VERSIONS,
-            "hybrid_rl_commit": (runs.get("hybrid_rl") or {}).get("commit"), "ratios": ratios,
-            "machines": machines, "same_machine": same,
+    profiles = {k: v.get("profile") or (v.get("settings") or {}).get("profile") for k, v in runs.items()
+                if "skipped" not in v}
+    return {"device": device, "workload_name": w.get("name", workload), "model": w.get("model"), "workload": w,
+            "pinned_versions": VERSIONS, "hybrid_rl_commit": (runs.get("hybrid_rl") or {}).get("commit"),
+            "profiles": profiles, "ratios": ratios, "machines": machines, "same_machine": same,
             "machine_note": None if same else "the ratios compare runs on different machines of the same device "
                                               "kind: compare with that in mind",
+            "skipped": {k: v["skipped"] for k, v in runs.items() if "skipped" in v},
             "target": "hybrid_rl >= 1.3x verl's throughput",
             "target_met": (ratios["hybrid_rl_vs_verl_step_time"] >= 1.3) if "hybrid_rl_vs_verl_step_time" in ratios
             else None,
-            "frameworks": [runs[k] for k in ORDER if k in runs]}
+            "frameworks": [runs[k] for k in ORDER if k in runs and "skipped" not in runs[k]]}
+
+
+def stem(doc: dict) -> str:
+    """``peers_<device>_<workload>``, plus ``_<profile>`` / ``_mixed`` unless every framework ran ``tuned``."""
+    profiles = set(doc["profiles"].values())
+    suffix = "" if profiles <= {"tuned"} else f"_{profiles.pop()}" if len(profiles) == 1 else "_mixed"
+    return f"peers_{doc['device']}_{doc['workload_name']}{suffix}"
 
 
 def plot(doc: dict, path: Path) -> None:
@@ -68,7 +82,7 @@ def plot(doc: dict, path: Path) -> None:
     if not ok:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    names = [r["framework"] for r in ok]
+    names = [f"{r['framework']}\n({r.get('profile')})" for r in ok]
     bottom = [0.0] * len(ok)
     phases = list(dict.fromkeys(p for r in ok for p in r.get("phases_s", {})))
     cmap = plt.get_cmap("tab20")
@@ -76,24 +90,28 @@ def plot(doc: dict, path: Path) -> None:
         vals = [r.get("phases_s", {}).get(ph, 0.0) for r in ok]
         ax1.bar(names, vals, bottom=bottom, label=ph, color=cmap(i % 20), width=0.6)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax1.plot(names, [r["step_s"] for r in ok], "k_", markersize=40, label="step (wall)")
-    ax1.set_ylabel("seconds per step (mean of measured steps)")
+    ax1.plot(names, [r["step_s"] for r in ok], "k_", markersize=40, label="step (wall, mean)")
+    ax1.plot(names, [r["step_s_median"] for r in ok], "kx", label="step (median)")
+    ax1.set_ylabel(f"seconds per step (mean of measured steps; first {ok[0].get('warmup_dropped')} dropped)")
     ax1.set_title("step time and the phases each framework reports")
     ax1.legend(fontsize=6, ncol=2, loc="upper left")
     tput = [r.get("trained_tokens_per_s") or 0.0 for r in ok]
-    ax2.bar(names, tput, color=[COLORS.get(n, "gray") for n in names], width=0.6)
+    ax2.bar(names, tput, color=[COLORS.get(r["framework"], "gray") for r in ok], width=0.6)
     base = next((r["step_s"] for r in ok if r["framework"] == "hybrid_rl"), None)
     for i, r in enumerate(ok):
-        label = f'{r["step_s"]:.1f} s/step'
+        label = f'{r["step_s"]:.1f} s/step (median {r["step_s_median"]:.1f})'
         if base and r["framework"] != "hybrid_rl":
             label += f'\nhybrid_rl {r["step_s"] / base:.2f}x'
         ax2.text(i, tput[i], label, ha="center", va="bottom", fontsize=8)
-    ax2.set_ylim(0, max(tput) * 1.25 if max(tput) > 0 else 1)
+    ax2.set_ylim(0, max(tput) * 1.3 if max(tput) > 0 else 1)
     ax2.set_ylabel("trained tokens / s (prompt + response)")
     ax2.set_title("throughput at equal work")
     w = doc["workload"]
-    fig.suptitle(f"{doc['model']} on {doc['device']}: GRPO, {w['prompts_per_step']} prompts x {w['n']}, "
-                 f"{w['response_length']} tokens each, mini-batch {w['mini_batch_prompts']} prompts"
+    algo = "PPO (GAE, critic)" if w.get("algorithm") == "gae" else "GRPO"
+    skipped = "; ".join(f"{k}: {v}" for k, v in doc.get("skipped", {}).items())
+    fig.suptitle(f"{doc['workload_name']}: {doc['model']} on {doc['device']}, {algo}, {w.get('prompts_per_step')} prompts "
+                 f"x {w.get('n')}, lengths {w.get('lengths')} (cap {w.get('response_length')}), mini-batch "
+                 f"{w.get('mini_batch_prompts')} prompts" + (f"\nnot run: {skipped}" if skipped else "")
                  + ("" if doc.get("same_machine", True) else "\nruns on different machines: "
                     + ", ".join(f"{k} {v}" for k, v in doc["machines"].items())), fontsize=9)
     fig.tight_layout()
@@ -103,21 +121,22 @@ def plot(doc: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--res", default="/tmp/peers_res")
+    ap.add_argument("--workload", default=os.environ.get("PEERS_WORKLOAD") or DEFAULT_WORKLOAD,
+                    choices=list(WORKLOADS))
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
-    doc = combine(Path(args.res))
-    model_tag = doc["model"].split(":")[-1]
-    stem = Path(args.out_dir) / f"peers_{doc['device']}_{model_tag}"
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{stem}.json").write_text(json.dumps(doc, indent=2))
+    doc = combine(Path(args.res), args.workload)
+    path = Path(args.out_dir) / stem(doc)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{path}.json").write_text(json.dumps(doc, indent=2))
     try:
-        plot(doc, Path(f"{stem}.png"))
+        plot(doc, Path(f"{path}.png"))
     except ImportError as e:
         print(f"no plot ({e}); run this script where matplotlib is installed", file=sys.stderr)
-    print(json.dumps({"device": doc["device"], "ratios": doc["ratios"], "target_met": doc["target_met"],
-                      "same_machine": doc["same_machine"],
+    print(json.dumps({"device": doc["device"], "workload": doc["workload_name"], "profiles": doc["profiles"],
+                      "ratios": doc["ratios"], "target_met": doc["target_met"], "same_machine": doc["same_machine"],
                       "steps": {r["framework"]: r.get("step_s", r.get("error")) for r in doc["frameworks"]}}))
-    print(f"wrote {stem}.json (+ .png)", file=sys.stderr)
+    print(f"wrote {path}.json (+ .png)", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,23 +1,47 @@
 #!/usr/bin/env bash
 # On a GPU machine without network access: one framework per invocation, all on one machine, then the combined report.
-#   bash benchmarks/peers/run_all.sh hybrid_rl|trl|verl|verl_bg|verl_wait|report [GPUS]   (GPUS default: every visible GPU)
+#   bash benchmarks/peers/run_all.sh PART [GPUS] [--workload grpo|grpo_long|ppo] [--profile tuned|baseline]
+#     PART: hybrid_rl | trl | verl       run in the foreground (up to the workload's time limit)
+#           hybrid_rl_bg | trl_bg | verl_bg   start detached (survives the shell), then
+#           wait                         wait up to ~9 minutes for the detached run, then report what is finished
+#           report                       rebuild the combined report only
+#     GPUS default: every visible GPU. The workload and profile also come from PEERS_WORKLOAD / PEERS_PROFILE
+#     (defaults grpo / tuned); FW_ARGS (HYBRID_RL_ARGS, TRL_ARGS, VERL_ARGS) add arguments, e.g. "--set liger=off".
 # Expects: vLLM 0.26's wheel set with its install_remote.sh unpacked in /tmp/vs, the peers' staged pieces unpacked in
-# /tmp/ps (benchmarks/peers/stage.sh; trl_c1 before 'trl', verl_c1..c7 before 'verl'). The prompts are the GSM8K rows
-# the benchmarks ship (benchmarks/data/gsm8k_train_1k.jsonl; PEERS_DATA names another GSM8K jsonl, fields
-# question/answer). Each part installs what it needs once per machine, writes /tmp/peers_res/<framework>.json, and
-# rebuilds benchmarks/results/peers_<device>_<model>.json + .png from every framework finished so far; all of it is
-# copied to $OUT (default /tmp/peers_out).
+# /tmp/ps (benchmarks/peers/stage.sh; trl_c1 before 'trl', verl_c1..c7 before 'verl'; Liger's wheel is in both). The
+# prompts are the GSM8K rows the benchmarks ship (benchmarks/data/gsm8k_train_1k.jsonl; PEERS_DATA names another GSM8K
+# jsonl, fields question/answer). Each part installs what it needs once per machine, writes
+# /tmp/peers_res/<framework>_<workload>.json, and rebuilds benchmarks/results/peers_<device>_<workload>.json + .png from
+# every framework finished so far; all of it is copied to $OUT (default /tmp/peers_out).
 set -u
-PART=${1:?usage: run_all.sh hybrid_rl|trl|verl|verl_bg|verl_wait|report [GPUS]}
-GPUS=${2:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+PART=${1:?usage: run_all.sh hybrid_rl|trl|verl|hybrid_rl_bg|trl_bg|verl_bg|wait|report [GPUS] [--workload W] [--profile P]}
+shift
+GPUS=""
+WORKLOAD=${PEERS_WORKLOAD:-grpo}
+PROFILE=${PEERS_PROFILE:-tuned}
+while [ $# -gt 0 ]; do
+  case $1 in
+  --workload) WORKLOAD=$2; shift 2 ;;
+  --workload=*) WORKLOAD=${1#*=}; shift ;;
+  --profile) PROFILE=$2; shift 2 ;;
+  --profile=*) PROFILE=${1#*=}; shift ;;
+  *) GPUS=$1; shift ;;
+  esac
+done
+GPUS=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+case $WORKLOAD in
+grpo) LIMIT=${PEERS_TIMEOUT:-480} ;;        # hybrid_rl ~4 min with its start on 4xH200, TRL ~4.5, verl 10-12 (baseline)
+grpo_long) LIMIT=${PEERS_TIMEOUT:-2100} ;;  # 6 steps of ~2k-token responses with a 6k tail: run the parts detached (_bg)
+ppo) LIMIT=${PEERS_TIMEOUT:-1500} ;;        # 12 steps of 512 prompts x 1 with a critic: detached for verl
+*) echo "unknown workload $WORKLOAD (grpo | grpo_long | ppo)"; exit 2 ;;
+esac
+export PEERS_WORKLOAD=$WORKLOAD
 OUT=${OUT:-/tmp/peers_out}
-# the same work per GPU on any machine: 16 prompts per GPU per step (64 on 4 GPUs), the mini-batch half of it
-export PEERS_PROMPTS=${PEERS_PROMPTS:-$((16 * GPUS))}
 RES=/tmp/peers_res
 MODEL_DIR=/tmp/peers_model
 DATA=${PEERS_DATA:-$PWD/benchmarks/data/gsm8k_train_1k.jsonl}
 mkdir -p "$OUT" "$RES"
-exec > >(tee -a "$OUT/peers_$PART.log") 2>&1
+exec > >(tee -a "$OUT/peers_${PART}_${WORKLOAD}.log") 2>&1
 [ -f "$DATA" ] || { echo "no GSM8K prompts at $DATA: run from the checkout's root or set PEERS_DATA"; exit 2; }
 export HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1 \
   HYBRID_RL_CACHE=/tmp/hrc TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0
@@ -30,73 +54,87 @@ need_vllm026() {
     bash /tmp/vs/install_remote.sh /tmp/vs /tmp/site --with-datasets >/dev/null || { echo "vllm 0.26 install failed"; exit 3; }
   fi
 }
+need_liger() {  # Liger's kernels (tuned profiles) in the site folder $1, from the staged wheel, checked
+  [ -d "$1/liger_kernel" ] && return 0
+  W=$(ls /tmp/ps/liger_kernel-*.whl 2>/dev/null | head -1)
+  if [ -z "$W" ] || ! (cd "$(dirname "$W")" && sha256sum -c --quiet "$ROOT/benchmarks/offline/liger.sha256"); then
+    echo "Liger's wheel is not staged in /tmp/ps (benchmarks/peers/stage.sh puts it in trl_c1 and verl_c2):"
+    echo "copy it there, or run with --profile baseline / FW_ARGS='--set liger=off'"; exit 3
+  fi
+  stamp "install liger-kernel into $1"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$1" "$W" || { echo "liger install failed"; exit 3; }
+}
 make_model() {  # the shared bf16 copy of the built-in model, made with the image's transformers + hybrid_rl
   if [ ! -f "$MODEL_DIR/.peers_model" ]; then
     stamp "model → $MODEL_DIR"
     PYTHONPATH=/tmp/site:$ROOT python3 -c "
 import sys; sys.path.insert(0, 'benchmarks/peers')
-from workload import WORKLOAD, prepare_model; from pathlib import Path
-print(prepare_model(WORKLOAD['model'], Path('$MODEL_DIR')))" || { echo "model preparation failed"; exit 4; }
+from workload import WORKLOADS, prepare_model; from pathlib import Path
+print(prepare_model(WORKLOADS['$WORKLOAD']['model'], Path('$MODEL_DIR')))" || { echo "model preparation failed"; exit 4; }
   fi
 }
-report() {
-  stamp "report"
-  PYTHONPATH=$ROOT python3 benchmarks/peers/plot.py --res "$RES" --out-dir "$ROOT/benchmarks/results" || echo "report failed"
-  cp "$ROOT"/benchmarks/results/peers_*.json "$ROOT"/benchmarks/results/peers_*.png "$OUT/" 2>/dev/null
-  cp "$RES"/*.json "$OUT/" 2>/dev/null
-  for f in "$RES"/*stdout.log "$RES"/run_hybrid_rl/stdout.log; do [ -f "$f" ] && tail -c 200000 "$f" > "$OUT/$(basename "$(dirname "$f")")_$(basename "$f")"; done
+need_verl() {
+  [ -d /tmp/site/vllm ] || need_vllm026  # only for make_model (the image's transformers + datasets); verl uses /tmp/site_verl
+  make_model
+  if [ ! -d /tmp/site_verl/verl ]; then
+    stamp "install verl (vLLM 0.24, transformers 5.9, ray 2.60, liger-kernel)"
+    bash benchmarks/peers/install_remote.sh verl /tmp/ps /tmp/site_verl /tmp/vs || { echo "verl install failed"; exit 3; }
+  fi
+  [ "$PROFILE" = baseline ] || need_liger /tmp/site_verl
 }
-nvidia-smi -L
-case $PART in
-hybrid_rl)
-  need_vllm026; make_model
-  stamp "hybrid_rl x$GPUS"
-  PYTHONPATH=/tmp/site:$ROOT VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout 480 python3 benchmarks/peers/run_hybrid_rl.py \
-    --gpus "$GPUS" --model-dir "$MODEL_DIR" --data "$DATA" --out "$RES" --timeout 450 || echo "hybrid_rl failed"
-  ;;
-trl)
+need_trl() {
   need_vllm026; make_model
   if [ ! -d /tmp/site_trl/trl ]; then
     stamp "install trl"; bash benchmarks/peers/install_remote.sh trl /tmp/ps /tmp/site_trl || { echo "trl install failed"; exit 3; }
   fi
-  stamp "trl x$GPUS"
-  PYTHONPATH=/tmp/site_trl:/tmp/site:$ROOT VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout 500 python3 benchmarks/peers/run_trl.py \
-    --gpus "$GPUS" --model-dir "$MODEL_DIR" --data "$DATA" --out "$RES" --timeout 470 ${TRL_ARGS:-} || echo "trl failed"
+  [ "$PROFILE" = baseline ] || need_liger /tmp/site_trl
+}
+need_hybrid_rl() {
+  need_vllm026; make_model
+  [ "$PROFILE" = baseline ] || need_liger /tmp/site
+}
+ARGS=(--gpus "$GPUS" --workload "$WORKLOAD" --profile "$PROFILE" --model-dir "$MODEL_DIR" --data "$DATA" --out "$RES")
+# the run's own directory holds each framework's outputs; PYTHONPATH reaches verl's ray workers through their environment
+run_hybrid_rl() { PYTHONPATH=/tmp/site:$ROOT VLLM_ENABLE_V1_MULTIPROCESSING=0 "$@" python3 benchmarks/peers/run_hybrid_rl.py \
+  "${ARGS[@]}" --timeout $((LIMIT - 30)) ${HYBRID_RL_ARGS:-}; }
+run_trl() { PYTHONPATH=/tmp/site_trl:/tmp/site:$ROOT VLLM_ENABLE_V1_MULTIPROCESSING=0 "$@" python3 benchmarks/peers/run_trl.py \
+  "${ARGS[@]}" --timeout $((LIMIT - 30)) ${TRL_ARGS:-}; }
+run_verl() { PYTHONPATH=/tmp/site_verl "$@" python3 benchmarks/peers/run_verl.py "${ARGS[@]}" --timeout $((LIMIT - 30)) \
+  ${VERL_ARGS:-}; }
+report() {
+  stamp "report ($WORKLOAD)"
+  PYTHONPATH=$ROOT python3 benchmarks/peers/plot.py --res "$RES" --workload "$WORKLOAD" --out-dir "$ROOT/benchmarks/results" \
+    || echo "report failed"
+  cp "$ROOT"/benchmarks/results/peers_*"_$WORKLOAD"*.json "$ROOT"/benchmarks/results/peers_*"_$WORKLOAD"*.png "$OUT/" 2>/dev/null
+  cp "$RES"/*_"$WORKLOAD".json "$OUT/" 2>/dev/null
+  for f in "$RES"/*_"$WORKLOAD"_stdout.log "$RES"/run_hybrid_rl_"$WORKLOAD"/stdout.log; do
+    [ -f "$f" ] && tail -c 200000 "$f" > "$OUT/$(basename "$(dirname "$f")")_$(basename "$f")"
+  done
+}
+nvidia-smi -L
+case $PART in
+hybrid_rl|trl|verl)
+  "need_$PART"
+  stamp "$PART x$GPUS, $WORKLOAD ($PROFILE)"
+  "run_$PART" timeout "$LIMIT" || echo "$PART failed"
   ;;
-verl)
-  [ -d /tmp/site/vllm ] || need_vllm026  # only for make_model (the image's transformers + datasets); verl uses /tmp/site_verl
-  make_model
-  if [ ! -d /tmp/site_verl/verl ]; then
-    stamp "install verl (vLLM 0.24, transformers 5.9, ray 2.60)"
-    bash benchmarks/peers/install_remote.sh verl /tmp/ps /tmp/site_verl /tmp/vs || { echo "verl install failed"; exit 3; }
-  fi
-  PYTHONPATH=/tmp/site_verl python3 -c "import verl, vllm, transformers, ray, torch; print('verl', verl.__version__, \
-'vllm', vllm.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__, 'torch', torch.__version__)"
-  stamp "verl x$GPUS"
-  # the run's own directory holds verl's outputs; PYTHONPATH reaches the ray workers through their environment
-  PYTHONPATH=/tmp/site_verl timeout 520 python3 benchmarks/peers/run_verl.py --gpus "$GPUS" --model-dir "$MODEL_DIR" \
-    --data "$DATA" --out "$RES" --timeout 490 ${VERL_ARGS:-} || echo "verl failed"
-  ;;
-verl_bg)  # verl padded (no flash-attn wheel) needs ~4 min to start and ~130-150 s a step on 1xH100: longer than one
-  # 600 s call. Start it detached (it survives the call while the machine stays warm), then call 'verl_wait' until done.
-  [ -d /tmp/site/vllm ] || need_vllm026
-  make_model
-  if [ ! -d /tmp/site_verl/verl ]; then
-    stamp "install verl (vLLM 0.24, transformers 5.9, ray 2.60)"
-    bash benchmarks/peers/install_remote.sh verl /tmp/ps /tmp/site_verl /tmp/vs || { echo "verl install failed"; exit 3; }
-  fi
-  stamp "verl x$GPUS, detached"
-  PYTHONPATH=/tmp/site_verl setsid nohup python3 benchmarks/peers/run_verl.py --gpus "$GPUS" --model-dir "$MODEL_DIR" \
-    --data "$DATA" --out "$RES" --timeout 2400 ${VERL_ARGS:-} > /tmp/peers_verl_bg.log 2>&1 < /dev/null &
-  echo "started pid $!; poll with: bash benchmarks/peers/run_all.sh verl_wait"
+hybrid_rl_bg|trl_bg|verl_bg)  # start detached (the run goes on after this command returns), then run 'wait' until
+  # it is done
+  FW=${PART%_bg}
+  "need_$FW"
+  stamp "$FW x$GPUS, $WORKLOAD ($PROFILE), detached"
+  "run_$FW" setsid nohup timeout "$LIMIT" > "/tmp/peers_${FW}_bg.log" 2>&1 < /dev/null &
+  echo "started pid $!; poll with: bash benchmarks/peers/run_all.sh wait $GPUS --workload $WORKLOAD"
   exit 0
   ;;
-verl_wait)  # wait (up to 560 s) for the detached verl run, then report what it finished
-  for _ in $(seq 56); do pgrep -f run_verl.py > /dev/null || break; sleep 10; done
-  pgrep -f run_verl.py > /dev/null && { echo "verl still running:"; grep -o "step:[0-9]* " "$RES/verl_stdout.log" 2>/dev/null | tail -1; }
+verl_wait|wait)  # wait (up to 560 s) for the detached run, then report what it finished
+  for _ in $(seq 56); do pgrep -f 'benchmarks/peers/run_(hybrid_rl|trl|verl)[.]py' > /dev/null || break; sleep 10; done
+  if pgrep -f 'benchmarks/peers/run_(hybrid_rl|trl|verl)[.]py' > /dev/null; then
+    echo "still running:"; tail -c 600 "$RES"/*_"$WORKLOAD"_stdout.log "$RES"/run_hybrid_rl_"$WORKLOAD"/stdout.log 2>/dev/null
+  fi
   ;;
 report) ;;
-*) echo "unknown part $PART (hybrid_rl | trl | verl | verl_bg | verl_wait | report)"; exit 2 ;;
+*) echo "unknown part $PART (hybrid_rl | trl | verl | hybrid_rl_bg | trl_bg | verl_bg | wait | report)"; exit 2 ;;
 esac
 report
 stamp "done"

@@ -1,7 +1,9 @@
-"""hybrid_rl on the peer workload (benchmarks/peers/workload.py): recipes/gsm8k_grpo.yaml with overrides, run under
-torchrun, its runs/<dir>/metrics.jsonl parsed into the peers' JSON shape.
+"""hybrid_rl on a peer workload (benchmarks/peers/workload.py): recipes/gsm8k_grpo.yaml (the GRPO workloads) or
+recipes/gsm8k_ppo.yaml (ppo) with overrides, run under torchrun, its runs/<dir>/metrics.jsonl parsed into the peers'
+JSON shape.
 
-    python benchmarks/peers/run_hybrid_rl.py --gpus 2 --model-dir /tmp/peers_model --out /tmp/peers_res
+    python benchmarks/peers/run_hybrid_rl.py --gpus 2 --workload grpo --model-dir /tmp/peers_model --out /tmp/peers_res
+    python benchmarks/peers/run_hybrid_rl.py --workload ppo --print-overrides
     python benchmarks/peers/run_hybrid_rl.py --cpu-smoke      # tiny model on CPU (HF engine): checks the plumbing
 """
 
@@ -15,37 +17,91 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import (DATA, ROOT, WORKLOAD as W, commit, device_name, prepare_model, run_watched,  # noqa: E402
-                      summarize, tail, write_result)
+from workload import (ROOT, chat_token_counter, commit, common_args, device_name, prepare_model,  # noqa: E402
+                      prepare_prompts, resolve_options, result_path, run_watched, settings_record, summarize, tail,
+                      workload_spec, write_result)
 
-PHASES = ["gen", "switch", "sync_weights", "reward", "old_log_prob", "ref", "adv", "update", "other"]
+PHASES = ["gen", "switch", "sync_weights", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update",
+          "other"]
 
 
-def overrides(model_dir: str, run_dir: Path, data: str, steps: int, cpu: bool) -> list[str]:
+def baseline(w: dict) -> dict:
+    """The settings of the first comparison (GRPO: the flagship recipe's token budgets with recomputation) and of
+    recipes/gsm8k_ppo.yaml before it took the flagship's levers (PPO: 8-sequence micro-batches, recomputation)."""
+    grpo = w["algorithm"] == "grpo"
+    opts = {"gradient_checkpointing": True, "liger": False, "remove_padding": True, "share_prompts": True,
+            "fused_logprob": True, "dynamic_bsz": grpo, "max_token_len_per_device": 16384,
+            "accumulate_unsharded": grpo, "micro_batch_per_device": 8, "log_prob_micro_batch_per_device": 16}
+    if not grpo:  # the critic's options exist where there is a critic
+        opts.update(critic_dynamic_bsz=False, critic_max_token_len_per_device=16384,
+                    critic_gradient_checkpointing=True, critic_micro_batch_per_device=8,
+                    critic_forward_micro_batch_per_device=32)
+    return opts
+
+
+def tuned(w: dict) -> dict:
+    """recipes/gsm8k_grpo.yaml's levers for every pass (packed rows, shared prompts, the fused LM head, 16k-token
+    micro-batches, one all-gather/reduce-scatter per mini-batch), the critic's passes by the same budget, no
+    recomputation, Liger's layer kernels."""
+    opts = {**baseline(w), "gradient_checkpointing": False, "liger": True, "dynamic_bsz": True,
+            "accumulate_unsharded": True}
+    if "critic_dynamic_bsz" in opts:
+        opts.update(critic_dynamic_bsz=True, critic_gradient_checkpointing=False)
+    return opts
+
+
+PROFILES = {"tuned": tuned, "baseline": baseline}
+
+
+def recipe(w: dict) -> Path:
+    return ROOT / "recipes" / ("gsm8k_ppo.yaml" if w["algorithm"] == "gae" else "gsm8k_grpo.yaml")
+
+
+def overrides(model_dir: str, run_dir: Path, data: str, w: dict, opts: dict, cpu: bool) -> list[str]:
+    b = lambda v: "true" if v else "false"
     o = [
-        f"model.path={model_dir}", "model.dtype=bfloat16", "model.enable_gradient_checkpointing=true",
-        f"data.train_path={data}", "data.val_path=null",
-        f"data.train_batch_size={W['prompts_per_step']}", f"data.max_prompt_length={W['max_prompt_length']}",
-        f"data.max_response_length={W['response_length']}", "data.truncation=filter",
-        f"rollout.n={W['n']}", f"rollout.temperature={W['temperature']}",
-        f"rollout.forced_lengths=fixed:{W['response_length']}",
-        f"rollout.vllm.gpu_memory_utilization={W['gpu_memory_utilization']}", f"rollout.max_num_seqs={W['max_num_seqs']}",
+        f"model.path={model_dir}", "model.dtype=bfloat16",
+        f"model.enable_gradient_checkpointing={b(opts['gradient_checkpointing'])}", f"model.use_liger={b(opts['liger'])}",
+        f"data.train_path={data}", "data.val_path=null", "data.shuffle=false",
+        f"data.train_batch_size={w['prompts_per_step']}", f"data.max_prompt_length={w['max_prompt_length']}",
+        f"data.max_response_length={w['response_length']}", "data.truncation=filter",
+        f"rollout.n={w['n']}", f"rollout.temperature={w['temperature']}", f"rollout.forced_lengths={w['lengths']}",
+        f"rollout.vllm.gpu_memory_utilization={w['gpu_memory_utilization']}", f"rollout.max_num_seqs={w['max_num_seqs']}",
+        f"rollout.vllm.max_num_batched_tokens={w['max_num_batched_tokens']}",
         "rollout.free_cache_engine=true", "rollout.sleep_level=2", "rollout.vllm.enforce_eager=false",
         "rollout.vllm.enable_prefix_caching=true", "rollout.vllm.tensor_parallel_size=1",
-        f"actor.lr={W['lr']}", "actor.weight_decay=0.0", "actor.lr_scheduler=constant", "actor.warmup_steps=0",
-        "actor.ppo_epochs=1", f"actor.ppo_mini_batch_size={W['mini_batch_prompts']}",
-        f"actor.ppo_micro_batch_size_per_device={W['micro_batch_per_gpu']}",
-        f"actor.log_prob_micro_batch_size_per_device={W['log_prob_micro_batch_per_gpu']}",
-        f"actor.clip_ratio_low={W['clip_low']}", f"actor.clip_ratio_high={W['clip_high']}",
+        f"actor.lr={w['lr']}", "actor.weight_decay=0.0", "actor.lr_scheduler=constant", "actor.warmup_steps=0",
+        "actor.ppo_epochs=1", f"actor.ppo_mini_batch_size={w['mini_batch_prompts']}",
+        f"actor.use_dynamic_bsz={b(opts['dynamic_bsz'])}", f"actor.max_token_len_per_device={opts['max_token_len_per_device']}",
+        f"actor.accumulate_unsharded={b(opts['accumulate_unsharded'])}",
+        f"actor.ppo_micro_batch_size_per_device={opts['micro_batch_per_device']}",
+        f"actor.log_prob_micro_batch_size_per_device={opts['log_prob_micro_batch_per_device']}",
+        f"actor.use_remove_padding={b(opts['remove_padding'])}", f"actor.share_prompts={b(opts['share_prompts'])}",
+        f"actor.fused_logprob={b(opts['fused_logprob'])}",
+        f"actor.clip_ratio_low={w['clip_low']}", f"actor.clip_ratio_high={w['clip_high']}",
         "actor.loss_agg_mode=token-mean", "actor.entropy_coeff=0.0", "actor.use_kl_loss=false",
-        f"actor.grad_clip={W['grad_clip']}",
-        "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false", "algorithm.norm_adv_by_std_in_grpo=true",
-        f"trainer.seed={W['seed']}", f"trainer.total_steps={steps}", "trainer.test_freq=0",
+        f"actor.grad_clip={w['grad_clip']}", "algorithm.use_kl_in_reward=false",
+        f"trainer.seed={w['seed']}", f"trainer.total_steps={w['steps']}", "trainer.test_freq=0",
         "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.logger=[jsonl]",
         f"trainer.output_dir={run_dir}",
     ]
-    if cpu:  # the HF engine on CPU: no vLLM knobs matter, the batch is cut down in main()
-        o += ["trainer.device=cpu", "rollout.name=hf", "model.dtype=float32"]
+    if w["algorithm"] == "gae":
+        o += ["algorithm.adv_estimator=gae", f"algorithm.gamma={w['gamma']}", f"algorithm.lam={w['lam']}",
+              f"critic.lr={w['critic_lr']}", "critic.weight_decay=0.0", "critic.lr_scheduler=constant",
+              "critic.lr_warmup_steps=0", "critic.warmup_steps=0", "critic.ppo_epochs=1",
+              f"critic.ppo_mini_batch_size={w['mini_batch_prompts']}", f"critic.cliprange_value={w['cliprange_value']}",
+              "critic.loss_agg_mode=token-mean", f"critic.grad_clip={w['grad_clip']}",
+              f"critic.enable_gradient_checkpointing={b(opts['critic_gradient_checkpointing'])}",
+              f"critic.use_dynamic_bsz={b(opts['critic_dynamic_bsz'])}",
+              f"critic.max_token_len_per_device={opts['critic_max_token_len_per_device']}",
+              f"critic.ppo_micro_batch_size_per_device={opts['critic_micro_batch_per_device']}",
+              f"critic.forward_micro_batch_size_per_device={opts['critic_forward_micro_batch_per_device']}",
+              "critic.param_offload=false", "critic.optimizer_offload=false"]
+    else:
+        o += ["algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=true"]
+    if cpu:  # the HF engine on CPU: no vLLM knobs matter, no Liger, CUDA-only levers back to their defaults
+        o += ["trainer.device=cpu", "rollout.name=hf", "model.dtype=float32", "model.use_liger=false",
+              "actor.use_remove_padding=null", "actor.share_prompts=null", "actor.fused_logprob=null"]
     else:
         o += ["rollout.name=vllm"]
     return o
@@ -73,56 +129,70 @@ def parse(metrics: Path) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gpus", type=int, default=2)
-    ap.add_argument("--model-dir", default="/tmp/peers_model", help="the shared bf16 HF directory (made if missing)")
-    ap.add_argument("--data", default=str(DATA))
-    ap.add_argument("--steps", type=int, default=W["steps"])
-    ap.add_argument("--warmup", type=int, default=W["warmup"])
-    ap.add_argument("--out", default="/tmp/peers_res")
-    ap.add_argument("--timeout", type=float, default=420)
+    common_args(ap, default_timeout=420)
     ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--print-overrides", action="store_true")
     ap.add_argument("extra", nargs="*", help="more key=value overrides")
     args = ap.parse_args()
+    if args.cpu_smoke:
+        args.gpus, args.steps, args.warmup = 1, 3, 1
+    w = workload_spec(args.workload, args.gpus)
+    w.update(steps=args.steps or w["steps"], warmup=w["warmup"] if args.warmup is None else args.warmup)
+    opts = resolve_options(PROFILES, args.profile, w, args.set)
     out = Path(args.out)
-    run_dir = out / "run_hybrid_rl"
+    run_dir = out / f"run_hybrid_rl_{w['name']}"
+    if args.print_overrides:
+        print("\n".join(overrides(args.model_dir, run_dir, "PROMPTS.jsonl", w, opts, False) + args.extra))
+        return
     run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if args.cpu_smoke:
+        sys.path.insert(0, str(ROOT))
+        from hybrid_rl.models import resolve_model_path
+
         model_dir = "builtin:tiny-qwen2"
-        args.gpus, args.steps, args.warmup = 1, 3, 1
+        counter = chat_token_counter(resolve_model_path(model_dir))
     else:
-        model_dir = str(prepare_model(W["model"], Path(args.model_dir)))
-    ov = overrides(model_dir, run_dir, args.data, args.steps, args.cpu_smoke)
+        model_dir = str(prepare_model(w["model"], Path(args.model_dir)))
+        counter = chat_token_counter(model_dir)
+    prompts = prepare_prompts(Path(args.data), out / f"prompts_{w['name']}.jsonl", w, counter)
+    ov = overrides(model_dir, run_dir, str(prompts), w, opts, args.cpu_smoke)
     if args.cpu_smoke:
-        ov += ["data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "rollout.n=2",
-               "data.max_response_length=8", "rollout.forced_lengths=fixed:8",
-               "actor.ppo_micro_batch_size_per_device=2", "actor.log_prob_micro_batch_size_per_device=2"]
+        ov += ["data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
+               "data.max_response_length=8", f"rollout.forced_lengths={'fixed:8' if w['n'] > 1 else 'lognormal:4:0.8'}",
+               "actor.ppo_micro_batch_size_per_device=2", "actor.log_prob_micro_batch_size_per_device=2",
+               "critic.ppo_micro_batch_size_per_device=2", "critic.forward_micro_batch_size_per_device=2",
+               "actor.max_token_len_per_device=1024", "critic.max_token_len_per_device=1024"]
+        if w["n"] > 1:
+            ov += ["rollout.n=2"]
     ov += args.extra
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
-           "-m", "hybrid_rl", "train", str(ROOT / "recipes" / "gsm8k_grpo.yaml"), *ov]
+           "-m", "hybrid_rl", "train", str(recipe(w)), *ov]
     log_path = run_dir / "stdout.log"
     metrics = run_dir / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in [env.get("PYTHONPATH", ""), str(ROOT)] if p)
-    w = run_watched(cmd, ROOT, env, log_path,
-                    lambda: sum(1 for l in metrics.read_text().splitlines() if '"timing/step"' in l) if metrics.exists() else 0,
-                    args.steps, args.timeout, t0)
+    wt = run_watched(cmd, ROOT, env, log_path,
+                     lambda: sum(1 for l in metrics.read_text().splitlines() if '"timing/step"' in l) if metrics.exists() else 0,
+                     w["steps"], args.timeout, t0)
     rows = parse(metrics) if metrics.exists() else []
     import torch
 
     version = f"{commit()} (torch {torch.__version__})"
-    if len(rows) <= args.warmup:
-        doc = {"framework": "hybrid_rl", "version": version, "error": f"exit {w.returncode}, {len(rows)} steps logged",
-               "log_tail": tail(log_path)}
+    settings = settings_record(args.profile, opts, recipe=str(recipe(w).relative_to(ROOT)), overrides=ov)
+    if len(rows) <= w["warmup"]:
+        doc = {"framework": "hybrid_rl", "version": version, "error": f"exit {wt.returncode}, {len(rows)} steps logged",
+               "profile": args.profile, "settings": settings, "log_tail": tail(log_path)}
     else:
         first = rows[0]["step_s"]
-        doc = summarize("hybrid_rl", version, rows, args.gpus, args.warmup,
-                        startup_s=(w.first_step_at - first) if w.first_step_at else None,
-                        wall_s=w.done_at or time.perf_counter() - t0, settings={"overrides": ov},
-                        notes=["response lengths forced: rollout.forced_lengths=fixed:256 (EOS ignored, no stop ids)"])
+        doc = summarize("hybrid_rl", version, rows, args.gpus, w["warmup"],
+                        startup_s=(wt.first_step_at - first) if wt.first_step_at else None,
+                        wall_s=wt.done_at or time.perf_counter() - t0, settings=settings,
+                        notes=[f"response lengths forced: rollout.forced_lengths={w['lengths']} (cap "
+                               f"{w['response_length']}; EOS ignored, no stop ids)"])
     doc.update(device=device_name(args.gpus) if not args.cpu_smoke else "CPU", commit=commit())
-    write_result(doc, out / "hybrid_rl.json")
+    write_result(doc, result_path(out, "hybrid_rl", w), w)
 
 
 if __name__ == "__main__":

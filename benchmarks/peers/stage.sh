@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Stage the peers' pinned wheels for a GPU machine without network access (CPython 3.12, manylinux x86_64, torch
 # 2.11.0+cu130) as folders of < 60 MiB each, beside vLLM 0.26's own wheel set:
-#   OUT/trl_c1            trl 1.16.0 (everything else TRL needs is on the GPU machine or in vLLM 0.26's set)
+#   OUT/trl_c1            trl 1.16.0 and liger-kernel 0.8.5 (everything else TRL needs is on the GPU machine or in
+#                         vLLM 0.26's set; Liger's wheel also serves hybrid_rl's model.use_liger)
 #   OUT/verl_c1 .. c7     verl 0.9.1, vLLM 0.24.0 (its pin), transformers 5.9.0 (its vllm-extra pin), tokenizers
 #                         0.22.2, ray 2.60.0 (core, no dashboard extras), TransferQueue, hydra/omegaconf, tensordict,
-#                         torchdata, and the vLLM 0.24 serving deps that 0.26's set leaves out (verl drives vLLM through
-#                         its OpenAI server code): c1 = ray part 0, c2 = ray part 1 + the small wheels,
+#                         torchdata, liger-kernel 0.8.5 (use_liger), and the vLLM 0.24 serving deps that 0.26's set
+#                         leaves out (verl drives vLLM through its OpenAI server code): c1 = ray part 0, c2 = ray part 1
+#                         + the small wheels,
 #                         c3..c7 = vLLM 0.24 parts 0..4 (c7 also transformers)
 # Every file is checked against benchmarks/peers/{trl,verl}.sha256 (pinned here); antlr4-python3-runtime 4.9.3 (hydra's
 # pin) has no wheel on PyPI: its checked sdist is built into a pure-Python wheel here.
 # Usage: bash benchmarks/peers/stage.sh [OUT]      (default .stage_peers; git-ignore it: /.stage_peers/ in .git/info/exclude)
-# Then see benchmarks/peers/README.md for the device calls.
+# Then see benchmarks/peers/README.md for the commands on the GPU machine.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${1:-.stage_peers}
@@ -52,4 +54,4 @@ for d in "$OUT"/*; do
   s=$(du -sb "$d" | cut -f1)
   [ "$s" -lt $((60 * 1024 * 1024)) ] || { echo "ERROR: $d is $s bytes, over 60 MiB" >&2; exit 1; }
 done
-echo "Staged: $OUT/trl_c1 and $OUT/verl_c1 .. verl_c7 (see benchmarks/peers/README.md for the device calls)."
+echo "Staged: $OUT/trl_c1 and $OUT/verl_c1 .. verl_c7 (see benchmarks/peers/README.md for the commands on the GPU machine)."

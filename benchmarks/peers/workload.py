@@ -1,29 +1,35 @@
-"""The shared workload of the peer comparison and the helpers the three run_*.py scripts share.
+"""The workloads of the peer comparison, the option profiles, and the helpers the three run_*.py scripts share.
 
-One GRPO workload, expressed in each framework's own config:
-  model   builtin:qwen2.5-1.5b-random, written once to a HF directory in bfloat16 (``prepare_model``), so that every
-          engine (hybrid_rl's, TRL's and verl's vLLM) loads bf16 weights and every trainer keeps fp32 masters with
-          bf16 compute; its generation_config names one EOS id, so vLLM's ``ignore_eos`` leaves no stop id active
-  data    GSM8K train prompts from ``benchmarks/data/gsm8k_train_1k.jsonl`` (``DATA``: the split's first 1,024 rows,
-          shipped with the benchmarks; 12 steps of 64 prompts use 768 of them; ``--data`` takes another), the prompt
-          ``question + "\\n" + "Let's think step by step and output the final answer after \\"####\\"."`` as one user turn
-          (hybrid_rl's and verl's gsm8k format), prompts capped at 512 tokens (none is longer)
-  batch   64 prompts x 8 samples per step on 4 GPUs (16 prompts per GPU: ``PEERS_PROMPTS``, set by run_all.sh to
-          16 x GPUs, so a 2-GPU machine runs 32 prompts with the same work per GPU); PPO mini-batch half the step
-          (2 optimizer steps per step), 1 PPO epoch, micro-batch 8 sequences per GPU, log-prob micro-batch 16
-  lengths every response exactly 256 tokens: a random model never stops, and each framework is told to ignore EOS
-          (hybrid_rl ``rollout.forced_lengths=fixed:256``, verl ``rollout.ignore_eos=True``, TRL
-          ``generation_kwargs={"ignore_eos": True, "min_tokens": 256}``) with max response length 256
-  loss    GRPO advantages (group mean/std), PPO clip 0.2 / 0.28, token-mean, no KL (no reference model), entropy 0,
-          AdamW lr 1e-6 constant, weight decay 0, grad clip 1.0, gradient checkpointing on
-  engine  vLLM colocated on the training GPUs, bf16, CUDA graphs on, prefix caching on, 0.3 of GPU memory, released
-          (sleep level 2) while training
-  steps   12, the first 2 are warm-up and dropped from the means
+Three workloads (``WORKLOADS``), each expressed in every framework's own config with the same algorithmic settings:
 
-Result JSON shape (one per framework, the same keys as ``benchmarks/modes.py``'s modes where they exist):
-  framework, version, device, gpus, steps_measured, step_s, step_s_all, phases_s, gen_tokens_per_s,
-  trained_tokens_per_s, response_length_mean, prompt_length_mean, peak_memory_allocated_gb,
-  peak_memory_reserved_gb, startup_s, wall_s, settings, notes  (or: framework, error, log_tail)
+  grpo        GRPO, 16 prompts per GPU x 8 samples, every response exactly 256 tokens (hybrid_rl, verl, TRL)
+  grpo_long   generation-heavy GRPO, 8 prompts per GPU x 8 samples, response lengths drawn from a long-tailed
+              lognormal (mean 2,048 before the cap, capped at 6,144 tokens: ~1,950 on average, median ~1,490,
+              ~4% at the cap) (hybrid_rl, verl, TRL)
+  ppo         PPO with a critic (GAE, gamma = lambda = 1), 128 prompts per GPU x 1 sample, lognormal lengths with
+              mean 256 capped at 512 (hybrid_rl, verl; TRL's GRPOTrainer has no critic)
+
+Shared by all three: ``builtin:qwen2.5-1.5b-random`` written once to a bf16 HF directory (``prepare_model``; every
+engine loads bf16 weights, every trainer keeps fp32 masters with bf16 compute); GSM8K train prompts from
+``benchmarks/data/gsm8k_train_1k.jsonl`` as one user turn (question + "Let's think step by step and output the final
+answer after "####"."), those of at most 512 tokens, in the file's order and repeated as often as the run needs
+(``prepare_prompts``: every framework reads the same rows in the same order, so step s trains the same prompts
+everywhere); the PPO mini-batch half the step (2 optimizer steps per step), 1 epoch; clip 0.2 / 0.28, token-mean
+loss, no KL and no reference model, entropy 0; AdamW lr 1e-6 constant (critic 1e-5), weight decay 0, grad clip 1.0;
+vLLM colocated, 0.3 of GPU memory, CUDA graphs, prefix caching, released while training; EOS ignored (a random
+model's response lengths mean nothing): every response is exactly its forced length.
+
+Response lengths are identical across frameworks, sample by sample: ``length_table`` reproduces hybrid_rl's own draw
+(``rollout.forced_lengths``: one stream per rank seeded ``seed + 104729 * (rank + 1)``, ``local prompts x n`` lengths
+per step), and ``row_lengths`` gives each prompt row the lengths of its n samples, which verl's runs read through a
+custom agent loop and TRL's through a wrapper of its colocated engine's ``generate`` (one request per sample, its own
+``max_tokens``).
+
+Result JSON shape (one per framework and workload, the same keys as ``benchmarks/modes.py``'s modes where they exist):
+  framework, version, device, gpus, profile, steps_measured, step_s (mean), step_s_median, step_s_all, phases_s
+  (means), phases_s_median, gen_tokens_per_s, trained_tokens_per_s, response_length_mean, prompt_length_mean,
+  peak_memory_allocated_gb, peak_memory_reserved_gb, startup_s, wall_s, settings (profile, options, on, off,
+  overrides or config), notes  (or: framework, error, log_tail)
 """
 
 from __future__ import annotations
@@ -37,23 +43,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
 DATA = BENCH / "data" / "gsm8k_train_1k.jsonl"  # the GSM8K prompts the benchmarks ship (benchmarks/data/README.md)
+FRAMEWORKS = ("hybrid_rl", "verl", "trl")
 
-WORKLOAD = {
+_COMMON = {
     "model": "builtin:qwen2.5-1.5b-random",
-    "prompts_per_step": 64,
-    "n": 8,
-    "mini_batch_prompts": 32,
-    "micro_batch_per_gpu": 8,
-    "log_prob_micro_batch_per_gpu": 16,
     "max_prompt_length": 512,
-    "response_length": 256,
-    "steps": 12,
-    "warmup": 2,
     "lr": 1e-6,
     "clip_low": 0.2,
     "clip_high": 0.28,
@@ -61,32 +60,145 @@ WORKLOAD = {
     "temperature": 1.0,
     "gpu_memory_utilization": 0.3,
     "max_num_seqs": 256,
+    "max_num_batched_tokens": 8192,
     "seed": 0,
 }
 
+WORKLOADS: dict[str, dict] = {
+    "grpo": {**_COMMON, "algorithm": "grpo", "frameworks": list(FRAMEWORKS), "prompts_per_gpu": 16, "n": 8,
+             "lengths": "fixed:256", "response_length": 256, "steps": 12, "warmup": 2},
+    "grpo_long": {**_COMMON, "algorithm": "grpo", "frameworks": list(FRAMEWORKS), "prompts_per_gpu": 8, "n": 8,
+                  "lengths": "lognormal:2048:0.8", "response_length": 6144, "steps": 6, "warmup": 2},
+    "ppo": {**_COMMON, "algorithm": "gae", "frameworks": ["hybrid_rl", "verl"], "prompts_per_gpu": 128, "n": 1,
+            "lengths": "lognormal:256:0.8", "response_length": 512, "steps": 12, "warmup": 2,
+            "gamma": 1.0, "lam": 1.0, "critic_lr": 1e-5, "cliprange_value": 0.5},
+}
+"""Per workload: everything the frameworks must agree on. ``prompts_per_gpu`` x GPUs is the step's prompts;
+``response_length`` is the cap (max response length) and ``lengths`` the forced draw under it."""
+DEFAULT_WORKLOAD = "grpo"
 
-def scale_batch(workload: dict, prompts: str | None) -> dict:
-    """The step's prompts from ``PEERS_PROMPTS`` (run_all.sh: 16 per GPU), the PPO mini-batch half of it (2 optimizer
-    steps per step). One clear error for a value the three frameworks cannot all split."""
-    if not prompts:
-        return workload
-    try:
-        n = int(prompts)
-    except ValueError:
-        raise SystemExit(f"PEERS_PROMPTS={prompts!r} is not an integer: set it to prompts per step, e.g. 32") from None
-    if n < 2 or n % 2:
-        raise SystemExit(f"PEERS_PROMPTS={n}: needs an even number >= 2 (the mini-batch is half the step)")
-    return {**workload, "prompts_per_step": n, "mini_batch_prompts": n // 2}
+
+def workload_spec(name: str | None = None, gpus: int = 4, prompts: str | None = None) -> dict:
+    """The workload ``name`` (default ``$PEERS_WORKLOAD`` or grpo) for ``gpus`` GPUs: ``prompts_per_gpu x gpus``
+    prompts per step (``prompts``, default ``$PEERS_PROMPTS``, sets the step's prompts directly), the PPO mini-batch
+    half of it. One clear error for a name or a count the frameworks cannot all split."""
+    name = name or os.environ.get("PEERS_WORKLOAD") or DEFAULT_WORKLOAD
+    if name not in WORKLOADS:
+        raise SystemExit(f"unknown workload {name!r}: one of {', '.join(WORKLOADS)}")
+    w = {"name": name, **WORKLOADS[name]}
+    prompts = prompts if prompts is not None else os.environ.get("PEERS_PROMPTS")
+    if prompts:
+        try:
+            p = int(prompts)
+        except ValueError:
+            raise SystemExit(f"PEERS_PROMPTS={prompts!r} is not an integer: set it to prompts per step, e.g. 32") from None
+    else:
+        p = w["prompts_per_gpu"] * gpus
+    if p < 2 or p % 2:
+        raise SystemExit(f"PEERS_PROMPTS={p}: needs an even number >= 2 (the mini-batch is half the step)")
+    if p % gpus:
+        raise SystemExit(f"PEERS_PROMPTS={p}: needs a multiple of the {gpus} GPUs (each takes its share of prompts)")
+    w.update(prompts_per_step=p, mini_batch_prompts=p // 2)
+    return w
 
 
-WORKLOAD = scale_batch(WORKLOAD, os.environ.get("PEERS_PROMPTS"))
 GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
 
 # Pinned peer versions: the staged wheels in benchmarks/peers/*.sha256 are these.
 VERSIONS = {"trl": "1.16.0", "verl": "0.9.1", "vllm_trl": "0.26.0", "vllm_verl": "0.24.0",
-            "transformers_verl": "5.9.0", "ray": "2.60.0"}
+            "transformers_verl": "5.9.0", "ray": "2.60.0", "liger_kernel": "0.8.5"}
 
 
+# -- options and profiles ------------------------------------------------------------------------------------------------
+def parse_value(text: str):
+    """``on``/``true`` → True, ``off``/``false`` → False, an integer, a float, else the text."""
+    low = text.strip().lower()
+    if low in ("on", "true", "yes"):
+        return True
+    if low in ("off", "false", "no"):
+        return False
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def resolve_options(profiles: dict[str, Callable[[dict], dict]], profile: str, w: dict,
+                    sets: Iterable[str] = ()) -> dict:
+    """The option set of ``profile`` for workload ``w``, then each ``name=value`` of ``sets`` (``--set``) on top;
+    a name the profile does not know is an error naming the known ones."""
+    if profile not in profiles:
+        raise SystemExit(f"unknown profile {profile!r}: one of {', '.join(profiles)}")
+    opts = dict(profiles[profile](w))
+    for item in sets:
+        name, eq, value = item.partition("=")
+        if not eq or name not in opts:
+            raise SystemExit(f"--set {item!r}: expected NAME=VALUE with NAME one of {', '.join(sorted(opts))}")
+        opts[name] = parse_value(value)
+    return opts
+
+
+def settings_record(profile: str, opts: dict, **extra) -> dict:
+    """What a result records of its settings: the profile, every option's value, and which switches were on/off."""
+    return {"profile": profile, "options": dict(opts),
+            "on": sorted(k for k, v in opts.items() if v is True),
+            "off": sorted(k for k, v in opts.items() if v is False), **extra}
+
+
+# -- response lengths ----------------------------------------------------------------------------------------------------
+def parse_lengths(spec: str) -> tuple[str, list[float]]:
+    """``fixed:N`` or ``lognormal:MEAN:SIGMA`` (hybrid_rl's ``rollout.forced_lengths`` forms)."""
+    kind, _, rest = spec.partition(":")
+    nums = [float(x) for x in rest.split(":")] if rest else []
+    if (kind, len(nums)) not in (("fixed", 1), ("lognormal", 2)) or any(x <= 0 for x in nums):
+        raise ValueError(f"lengths {spec!r}: 'fixed:N' or 'lognormal:MEAN:SIGMA' with positive numbers")
+    return kind, nums
+
+
+def rank_lengths(spec: str, cap: int, seed: int, rank: int, per_step: int, steps: int) -> list[list[int]]:
+    """hybrid_rl's draw on one rank: a generator seeded ``seed + 104729 * (rank + 1)``, ``per_step`` lengths per step
+    (its local prompts x n), a lognormal with the given mean (mu = ln(mean) - sigma^2 / 2) rounded and clipped to
+    [1, cap]; ``fixed:N`` is min(N, cap) for every sample."""
+    import numpy as np
+
+    kind, nums = parse_lengths(spec)
+    if kind == "fixed":
+        return [[min(int(nums[0]), cap)] * per_step for _ in range(steps)]
+    mean, sigma = nums
+    mu = float(np.log(mean) - sigma ** 2 / 2)
+    rng = np.random.default_rng(seed + 104729 * (rank + 1))
+    out = []
+    for _ in range(steps):
+        draws = rng.lognormal(mu, sigma, size=per_step)
+        out.append([int(x) for x in np.clip(np.round(draws), 1, cap)])
+    return out
+
+
+def length_table(w: dict, gpus: int, steps: int) -> list[list[int]]:
+    """Step → the lengths of its ``prompts_per_step x n`` samples in batch order (prompt-major, sample-minor): rank r's
+    draw covers the r-th contiguous share of the step's prompts, as hybrid_rl's sampler hands them out."""
+    per_rank = w["prompts_per_step"] // gpus * w["n"]
+    ranks = [rank_lengths(w["lengths"], w["response_length"], w["seed"], r, per_rank, steps) for r in range(gpus)]
+    return [[x for r in range(gpus) for x in ranks[r][s]] for s in range(steps)]
+
+
+def row_lengths(w: dict, gpus: int, rows: int) -> list[list[int]]:
+    """Prompt row k (of the prepared file, read in order) → the lengths of its n samples: row k is prompt
+    ``k % P`` of step ``k // P``."""
+    p, n = w["prompts_per_step"], w["n"]
+    table = length_table(w, gpus, -(-rows // p))
+    return [table[k // p][(k % p) * n:(k % p + 1) * n] for k in range(rows)]
+
+
+def forced(w: dict) -> bool:
+    """Whether the lengths need per-sample limits (anything but every response at the cap)."""
+    kind, nums = parse_lengths(w["lengths"])
+    return not (kind == "fixed" and int(nums[0]) >= w["response_length"])
+
+
+# -- shared inputs -------------------------------------------------------------------------------------------------------
 def device_name(gpus: int) -> str:
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
@@ -108,7 +220,6 @@ def commit() -> str:
     return git_commit(ROOT)
 
 
-# -- shared inputs -----------------------------------------------------------------------------------------------------
 def prepare_model(builtin: str, out: Path) -> Path:
     """``builtin:NAME`` → a bf16 HF directory at ``out`` (once; reused when its marker is there)."""
     marker = out / ".peers_model"
@@ -137,6 +248,10 @@ def prepare_model(builtin: str, out: Path) -> Path:
     return out
 
 
+def gsm8k_messages(question: str) -> list[dict]:
+    return [{"role": "user", "content": question + "\n" + GSM8K_INSTRUCTION}]
+
+
 def gsm8k_rows(path: Path, limit: int | None = None) -> list[dict]:
     """(prompt messages, ground truth) for each GSM8K row, in the file's order."""
     rows = []
@@ -145,11 +260,44 @@ def gsm8k_rows(path: Path, limit: int | None = None) -> list[dict]:
             continue
         r = json.loads(line)
         answer = r["answer"].split("####")[-1].strip().replace(",", "")
-        rows.append({"messages": [{"role": "user", "content": r["question"] + "\n" + GSM8K_INSTRUCTION}],
-                     "ground_truth": answer, "index": i})
+        rows.append({"messages": gsm8k_messages(r["question"]), "ground_truth": answer, "index": len(rows)})
         if limit and len(rows) >= limit:
             break
     return rows
+
+
+def rows_needed(w: dict) -> int:
+    """Prompt rows a run reads: every step's, plus two steps' spare (no framework reaches the end of its data)."""
+    return (w["steps"] + 2) * w["prompts_per_step"]
+
+
+def prepare_prompts(src: Path, out: Path, w: dict, count_tokens: Callable[[list[dict]], int]) -> Path:
+    """The GSM8K rows of ``src`` whose prompt (``count_tokens`` of its chat messages) fits ``max_prompt_length``, in
+    the file's order, repeated until ``rows_needed(w)``, written to ``out`` as jsonl (question, answer): the one
+    prompt file every framework reads, in order, so none filters or reorders anything of its own."""
+    kept = []
+    for line in src.read_text().splitlines():
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        if count_tokens(gsm8k_messages(r["question"])) <= w["max_prompt_length"]:
+            kept.append({"question": r["question"], "answer": r["answer"]})
+    if not kept:
+        raise SystemExit(f"no prompt of {src} fits {w['max_prompt_length']} tokens")
+    need = rows_needed(w)
+    rows = [kept[k % len(kept)] for k in range(need)]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+def chat_token_counter(model_dir: str) -> Callable[[list[dict]], int]:
+    """Prompt tokens of chat messages with the model's chat template and the generation prompt (how all three count)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return lambda messages: len(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False))
 
 
 def gsm8k_reward(text: str, ground_truth: str) -> float:
@@ -165,9 +313,10 @@ def gsm8k_reward(text: str, ground_truth: str) -> float:
 # -- results -------------------------------------------------------------------------------------------------------------
 def summarize(framework: str, version: str, rows: list[dict], gpus: int, warmup: int, *, startup_s: float | None,
               wall_s: float | None, settings: dict, notes: list[str]) -> dict:
-    """Means over the measured steps of normalised per-step rows. Each row holds ``step_s`` and, where the framework
-    reports them: ``phases`` (name → s), ``response_tokens``, ``total_tokens``, ``response_length_mean``,
-    ``prompt_length_mean``, ``max_memory_allocated_gb``, ``max_memory_reserved_gb``."""
+    """Means and medians over the measured steps (every step after the first ``warmup``, the same rule for every
+    framework) of normalised per-step rows. Each row holds ``step_s`` and, where the framework reports them:
+    ``phases`` (name → s), ``response_tokens``, ``total_tokens``, ``response_length_mean``, ``prompt_length_mean``,
+    ``max_memory_allocated_gb``, ``max_memory_reserved_gb``."""
     measured = rows[warmup:]
     if not measured:
         return {"framework": framework, "version": version, "error": f"only {len(rows)} steps logged (warm-up {warmup})",
@@ -176,8 +325,11 @@ def summarize(framework: str, version: str, rows: list[dict], gpus: int, warmup:
                         else None)
     step_s = mean("step_s")
     phases: dict[str, float] = {}
+    phases_median: dict[str, float] = {}
     for name in dict.fromkeys(k for r in measured for k in r.get("phases", {})):
-        phases[name] = statistics.fmean(r.get("phases", {}).get(name, 0.0) for r in measured)
+        vals = [r.get("phases", {}).get(name, 0.0) for r in measured]
+        phases[name] = statistics.fmean(vals)
+        phases_median[name] = statistics.median(vals)
     resp, total = mean("response_tokens"), mean("total_tokens")
     mem_a = [r["max_memory_allocated_gb"] for r in rows if r.get("max_memory_allocated_gb") is not None]
     mem_r = [r["max_memory_reserved_gb"] for r in rows if r.get("max_memory_reserved_gb") is not None]
@@ -185,12 +337,15 @@ def summarize(framework: str, version: str, rows: list[dict], gpus: int, warmup:
         "framework": framework,
         "version": version,
         "gpus": gpus,
+        "profile": settings.get("profile"),
         "steps_logged": len(rows),
         "steps_measured": len(measured),
+        "warmup_dropped": warmup,
         "step_s": step_s,
         "step_s_median": statistics.median(r["step_s"] for r in measured),
         "step_s_all": [round(r["step_s"], 3) for r in rows],
         "phases_s": phases,
+        "phases_s_median": phases_median,
         "gen_tokens_per_s": resp / step_s if resp and step_s else None,
         "trained_tokens_per_s": total / step_s if total and step_s else None,
         "response_tokens_per_step": resp,
@@ -215,16 +370,27 @@ def machine_id() -> str:
     return f"{time.strftime('%Y-%m-%d', time.gmtime())} boot {boot}"
 
 
-def write_result(doc: dict, out: Path) -> None:
+def result_path(out: Path, framework: str, w: dict) -> Path:
+    """``<out>/<framework>_<workload>.json``."""
+    return out / f"{framework}_{w['name']}.json"
+
+
+def write_result(doc: dict, out: Path, w: dict) -> None:
     doc.setdefault("machine", machine_id())
-    doc.setdefault("workload", WORKLOAD)
+    doc.setdefault("workload", w)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2))
-    print(json.dumps({k: v for k, v in doc.items() if k not in ("settings", "step_s_all", "log_tail")}), flush=True)
+    print(json.dumps({k: v for k, v in doc.items() if k not in ("settings", "step_s_all", "log_tail", "workload")}),
+          flush=True)
     extra = os.environ.get("OUT")  # a copy under $OUT, where the runner collects results
     if extra:
         Path(extra).mkdir(parents=True, exist_ok=True)
         (Path(extra) / out.name).write_text(json.dumps(doc, indent=2))
+
+
+def skipped(framework: str, w: dict, reason: str) -> dict:
+    """The result of a framework that cannot express a workload (TRL and PPO)."""
+    return {"framework": framework, "skipped": reason, "workload": w}
 
 
 @dataclass
@@ -263,3 +429,19 @@ def tail(path: Path, n: int = 4000) -> str:
         return path.read_text(errors="replace")[-n:]
     except OSError:
         return ""
+
+
+def common_args(ap, default_timeout: float) -> None:
+    """The arguments every run_*.py takes."""
+    ap.add_argument("--workload", default=None, help=f"one of {', '.join(WORKLOADS)} (default $PEERS_WORKLOAD or "
+                                                      f"{DEFAULT_WORKLOAD})")
+    ap.add_argument("--profile", default="tuned", help="tuned (default) or baseline")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="change one option of the profile (repeatable), e.g. --set gradient_checkpointing=on")
+    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--model-dir", default="/tmp/peers_model", help="the shared bf16 HF directory (made if missing)")
+    ap.add_argument("--data", default=str(DATA), help="GSM8K jsonl (question/answer) the prompts come from")
+    ap.add_argument("--steps", type=int, default=None, help="default: the workload's")
+    ap.add_argument("--warmup", type=int, default=None, help="default: the workload's")
+    ap.add_argument("--out", default="/tmp/peers_res")
+    ap.add_argument("--timeout", type=float, default=default_timeout)

@@ -1,15 +1,399 @@
-"""The peer benchmark's restart rule (benchmarks/peers/run_verl.py): verl is started again only when its vLLM
-servers died of the distributed-init port collision before step 1, not on any other failure."""
+"""The peer benchmark (benchmarks/peers/): the three frameworks' configs express the same workload, each profile's
+options reach the config they claim to, the forced response lengths are hybrid_rl's own draw sample by sample, the
+report combines one workload at a time, and verl's restart rule only retries the vLLM port collision."""
 
+import asyncio
+import json
 import sys
+import types
 from pathlib import Path
+
+import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
 
+import plot  # noqa: E402
+import run_hybrid_rl  # noqa: E402
+import run_trl  # noqa: E402
 import run_verl  # noqa: E402
+import workload  # noqa: E402
+from workload import WORKLOADS, resolve_options, workload_spec  # noqa: E402
 
 
+def as_dict(overrides):
+    """``key=value`` overrides → {key: value} (a leading ``+`` dropped); a key given twice is an error here."""
+    out = {}
+    for o in overrides:
+        k, _, v = o.partition("=")
+        k = k.lstrip("+")
+        assert k not in out, f"{k} given twice"
+        out[k] = v
+    return out
+
+
+def configs(name, gpus, profile="tuned", sets=()):
+    """The workload and each framework's config for it: hybrid_rl's and verl's overrides, TRL's GRPOConfig kwargs."""
+    w = workload_spec(name, gpus)
+    h = as_dict(run_hybrid_rl.overrides("/m", Path("/r"), "/p.jsonl", w,
+                                        resolve_options(run_hybrid_rl.PROFILES, profile, w, sets), cpu=False))
+    v = as_dict(run_verl.overrides("/m", Path("/t.parquet"), gpus, w,
+                                   resolve_options(run_verl.PROFILES, profile, w, sets), Path("/a.yaml")))
+    t = (run_trl.grpo_kwargs(w, resolve_options(run_trl.PROFILES, profile, w, sets), gpus, cpu=False)
+         if "trl" in w["frameworks"] else None)
+    return w, h, v, t
+
+
+@pytest.mark.parametrize("profile", ["tuned", "baseline"])
+@pytest.mark.parametrize("gpus", [2, 4])
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_every_framework_runs_the_same_workload(name, gpus, profile):
+    w, h, v, t = configs(name, gpus, profile)
+    a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+    p, n, mini = w["prompts_per_step"], w["n"], w["mini_batch_prompts"]
+    assert p == WORKLOADS[name]["prompts_per_gpu"] * gpus and mini == p // 2
+    # prompts per step, samples per prompt, the mini-batch (2 optimizer steps per step), 1 epoch
+    assert int(h["data.train_batch_size"]) == int(v["data.train_batch_size"]) == p
+    assert int(h["rollout.n"]) == int(v[f"{r}.n"]) == n
+    assert int(h["actor.ppo_mini_batch_size"]) == int(v[f"{a}.ppo_mini_batch_size"]) == mini
+    assert h["actor.ppo_epochs"] == v[f"{a}.ppo_epochs"] == "1"
+    # the response lengths: hybrid_rl draws them, verl reads each sample's from its agent loop, TRL from the wrapper
+    cap = w["response_length"]
+    assert h["rollout.forced_lengths"] == w["lengths"]
+    assert int(h["data.max_response_length"]) == int(v["data.max_response_length"]) == cap
+    assert v[f"{r}.ignore_eos"] == "True"
+    forced = workload.forced(w)
+    assert forced == (name != "grpo")
+    assert (v.get(f"{r}.agent.default_agent_loop") == run_verl.AGENT_LOOP) == forced
+    # the same prompt rows, in order
+    assert h["data.shuffle"] == "false" and v["data.shuffle"] == "False"
+    assert int(h["data.max_prompt_length"]) == int(v["data.max_prompt_length"]) == w["max_prompt_length"]
+    # optimizer and loss
+    assert float(h["actor.lr"]) == float(v[f"{a}.optim.lr"]) == w["lr"]
+    assert float(h["actor.clip_ratio_low"]) == float(v[f"{a}.clip_ratio_low"]) == w["clip_low"]
+    assert float(h["actor.clip_ratio_high"]) == float(v[f"{a}.clip_ratio_high"]) == w["clip_high"]
+    assert float(h["actor.grad_clip"]) == float(v[f"{a}.optim.clip_grad"]) == w["grad_clip"]
+    assert h["actor.loss_agg_mode"] == v[f"{a}.loss_agg_mode"] == "token-mean"
+    assert h["actor.use_kl_loss"] == "false" and v[f"{a}.use_kl_loss"] == "False"
+    assert h["algorithm.use_kl_in_reward"] == "false" and v["algorithm.use_kl_in_reward"] == "False"
+    # the engine
+    assert float(h["rollout.vllm.gpu_memory_utilization"]) == float(v[f"{r}.gpu_memory_utilization"])
+    assert int(h["rollout.max_num_seqs"]) == int(v[f"{r}.max_num_seqs"]) == w["max_num_seqs"]
+    assert int(h["rollout.vllm.max_num_batched_tokens"]) == int(v[f"{r}.max_num_batched_tokens"]) == 8192
+    if w["algorithm"] == "gae":
+        assert t is None and "trl" not in w["frameworks"]  # GRPOTrainer has no critic
+        assert h["algorithm.adv_estimator"] == v["algorithm.adv_estimator"] == "gae"
+        assert float(h["algorithm.gamma"]) == float(v["algorithm.gamma"]) == w["gamma"]
+        assert float(h["algorithm.lam"]) == float(v["algorithm.lam"]) == w["lam"]
+        assert float(h["critic.lr"]) == float(v["critic.optim.lr"]) == w["critic_lr"]
+        assert float(h["critic.cliprange_value"]) == float(v["critic.cliprange_value"]) == w["cliprange_value"]
+        assert int(h["critic.ppo_mini_batch_size"]) == int(v["critic.ppo_mini_batch_size"]) == mini
+        assert v["critic.model.path"] == "/m"
+    else:
+        assert h["algorithm.adv_estimator"] == v["algorithm.adv_estimator"] == "grpo"
+        assert t["generation_batch_size"] == p * n and t["num_generations"] == n
+        assert t["per_device_train_batch_size"] * gpus * t["gradient_accumulation_steps"] == mini * n
+        assert t["max_steps"] == 2 * w["steps"]
+        assert t["max_completion_length"] == cap and t["vllm_max_model_length"] == w["max_prompt_length"] + cap
+        assert t["generation_kwargs"]["ignore_eos"] is True
+        # fixed lengths: every request min_tokens = the cap; drawn lengths: each request its own (the wrapper)
+        assert ("min_tokens" in t["generation_kwargs"]) == (not forced)
+        assert t["shuffle_dataset"] is False
+        assert t["learning_rate"] == w["lr"] and t["epsilon"] == w["clip_low"] and t["epsilon_high"] == w["clip_high"]
+        assert t["max_grad_norm"] == w["grad_clip"] and t["beta"] == 0.0 and t["loss_type"] == "dapo"
+        assert t["vllm_gpu_memory_utilization"] == w["gpu_memory_utilization"] and t["vllm_mode"] == "colocate"
+
+
+def test_tuned_is_the_default_and_each_option_reaches_the_config():
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    workload.common_args(ap, 1)
+    assert ap.parse_args([]).profile == "tuned"
+    _, h, v, t = configs("ppo", 4)
+    a, m, r = "actor_rollout_ref.actor", "actor_rollout_ref.model", "actor_rollout_ref.rollout"
+    # verl: its tuning guide's levers that run without the flash-attn package
+    assert v[f"{a}.strategy"] == v["critic.strategy"] == "fsdp2"
+    assert v[f"{m}.use_remove_padding"] == v["critic.model.use_remove_padding"] == "True"
+    assert v[f"{m}.override_config.attn_implementation"] == "flex_attention"
+    assert v[f"{a}.pad_to_length"] == "True" and v[f"{a}.fsdp_config.pad_to_length_bucket"] == "1024"
+    assert v[f"{a}.use_dynamic_bsz"] == v[f"{r}.log_prob_use_dynamic_bsz"] == v["critic.use_dynamic_bsz"] == "True"
+    assert v[f"{a}.ppo_max_token_len_per_gpu"] == "16384" and v[f"{r}.log_prob_max_token_len_per_gpu"] == "32768"
+    assert v["critic.ppo_infer_max_token_len_per_gpu"] == "16384"
+    assert f"{a}.ppo_micro_batch_size_per_gpu" not in v
+    assert v[f"{m}.use_fused_kernels"] == v[f"{m}.use_liger"] == "True"
+    assert v[f"{m}.enable_gradient_checkpointing"] == v["critic.model.enable_gradient_checkpointing"] == "False"
+    assert v[f"{a}.fsdp_config.reshard_after_forward"] == "False"
+    assert v[f"{a}.fsdp_config.use_no_sync_for_gradient_accumulation"] == "True"
+    assert v[f"{r}.enable_chunked_prefill"] == "True"
+    # hybrid_rl: the flagship's levers for actor and critic
+    assert h["actor.use_dynamic_bsz"] == h["critic.use_dynamic_bsz"] == "true"
+    assert h["actor.max_token_len_per_device"] == h["critic.max_token_len_per_device"] == "16384"
+    assert h["model.enable_gradient_checkpointing"] == h["critic.enable_gradient_checkpointing"] == "false"
+    assert h["model.use_liger"] == h["actor.accumulate_unsharded"] == "true"
+    assert "critic.use_remove_padding" not in h  # its default (on with CUDA) is the critic's own
+    # TRL
+    _, _, _, t = configs("grpo", 4)
+    assert t["use_liger_kernel"] is True and t["gradient_checkpointing"] is False
+    assert t["per_device_train_batch_size"] == 16
+    assert configs("grpo_long", 4)[3]["per_device_train_batch_size"] == 2
+    opts = resolve_options(run_trl.PROFILES, "tuned", workload_spec("grpo", 4))
+    assert "fsdp_reshard_after_forward: false" in run_trl.accelerate_config(opts, 4)
+    assert "distributed_type: MULTI_GPU" in run_trl.accelerate_config({**opts, "strategy": "ddp"}, 4)
+
+
+def test_baseline_is_the_first_comparison():
+    """The baseline profile reproduces the settings of the first comparison (verl padded with SDPA, no verl kernels)."""
+    _, h, v, t = configs("grpo", 2, "baseline")
+    a, m, r = "actor_rollout_ref.actor", "actor_rollout_ref.model", "actor_rollout_ref.rollout"
+    assert v[f"{m}.use_remove_padding"] == "False" and v[f"{m}.override_config.attn_implementation"] == "sdpa"
+    assert v[f"{a}.use_dynamic_bsz"] == "False" and v[f"{a}.ppo_micro_batch_size_per_gpu"] == "8"
+    assert v[f"{r}.log_prob_micro_batch_size_per_gpu"] == "16" and v[f"{a}.strategy"] == "fsdp"
+    assert v[f"{m}.use_fused_kernels"] == v[f"{m}.use_liger"] == "False"
+    assert v[f"{m}.enable_gradient_checkpointing"] == "True" and f"{a}.pad_to_length" not in v
+    assert h["model.enable_gradient_checkpointing"] == "true" and h["model.use_liger"] == "false"
+    assert h["actor.use_dynamic_bsz"] == "true"  # the flagship recipe's budget ran in the first comparison too
+    assert t["per_device_train_batch_size"] == 8 and t["gradient_checkpointing"] is True
+    assert t["use_liger_kernel"] is False
+    # the PPO recipe's settings before it took the flagship's levers
+    _, h, v, _ = configs("ppo", 4, "baseline")
+    assert h["actor.use_dynamic_bsz"] == h["critic.use_dynamic_bsz"] == "false"
+    assert h["actor.ppo_micro_batch_size_per_device"] == h["critic.ppo_micro_batch_size_per_device"] == "8"
+    assert v["critic.ppo_micro_batch_size_per_gpu"] == "8"
+    assert v["critic.ppo_infer_max_token_len_per_gpu"] == "32768"  # verl's own default for its V1 critic
+
+
+def test_set_changes_one_option_and_the_record_says_which_were_on():
+    w = workload_spec("grpo", 4)
+    opts = resolve_options(run_verl.PROFILES, "tuned", w, ["remove_padding=off", "attn_implementation=sdpa",
+                                                           "max_token_len_per_gpu=8192"])
+    assert opts["remove_padding"] is False and opts["attn_implementation"] == "sdpa"
+    assert opts["max_token_len_per_gpu"] == 8192 and opts["dynamic_bsz"] is True
+    v = as_dict(run_verl.overrides("/m", Path("/t"), 4, w, opts))
+    assert v["actor_rollout_ref.model.use_remove_padding"] == "False"
+    assert "actor_rollout_ref.actor.pad_to_length" not in v
+    assert v["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"] == "8192"
+    rec = workload.settings_record("tuned", opts)
+    assert "remove_padding" in rec["off"] and "dynamic_bsz" in rec["on"] and "liger" in rec["on"]
+    # a critic's options are recorded only where the workload has a critic
+    for profiles in (run_verl.PROFILES, run_hybrid_rl.PROFILES):
+        assert not any(k.startswith("critic") for k in resolve_options(profiles, "tuned", w))
+        assert any(k.startswith("critic") for k in resolve_options(profiles, "tuned", workload_spec("ppo", 4)))
+    assert rec["options"]["attn_implementation"] == "sdpa"
+    with pytest.raises(SystemExit, match="remove_paddding=on"):
+        resolve_options(run_verl.PROFILES, "tuned", w, ["remove_paddding=on"])
+    with pytest.raises(SystemExit, match="unknown profile"):
+        resolve_options(run_verl.PROFILES, "fast", w)
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+@pytest.mark.parametrize("profile", ["tuned", "baseline"])
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_hybrid_rl_overrides_validate(name, profile, gpus):
+    from hybrid_rl.config import load_config
+
+    w = workload_spec(name, gpus)
+    opts = resolve_options(run_hybrid_rl.PROFILES, profile, w)
+    cfg = load_config(run_hybrid_rl.recipe(w), run_hybrid_rl.overrides("builtin:qwen2.5-1.5b-random", Path("/r"),
+                                                                       "/p.jsonl", w, opts, cpu=False))
+    cfg.validate(world_size=gpus)
+    assert cfg.rollout.forced_lengths == w["lengths"] and cfg.data.train_batch_size == w["prompts_per_step"]
+    assert cfg.need_critic == (name == "ppo") and cfg.model.use_liger == (profile == "tuned")
+
+
+def test_workload_selection():
+    assert workload_spec(None, 4)["name"] == "grpo"
+    assert workload_spec("grpo_long", 2)["prompts_per_step"] == 16
+    two = workload_spec("grpo", 2)
+    assert (two["prompts_per_step"], two["mini_batch_prompts"]) == (32, 16)
+    assert workload_spec("grpo", 4, prompts="48")["mini_batch_prompts"] == 24
+    for bad in ("x", "7", "0", "6"):  # 6 prompts do not split over 4 GPUs
+        with pytest.raises(SystemExit, match="PEERS_PROMPTS"):
+            workload_spec("grpo", 4, prompts=bad)
+    with pytest.raises(SystemExit, match="unknown workload"):
+        workload_spec("dpo", 4)
+
+
+def test_lognormal_lengths_have_the_workload_shape():
+    w = workload_spec("grpo_long", 4)
+    lengths = np.array(workload.length_table(w, 4, 40)).ravel()
+    assert lengths.min() >= 1 and lengths.max() == w["response_length"] == 6144
+    assert 1850 < lengths.mean() < 2050 and 1350 < np.median(lengths) < 1650  # mean ~2k, long-tailed
+    assert 0.02 < (lengths == 6144).mean() < 0.06
+    fixed = workload.length_table(workload_spec("grpo", 2), 2, 3)
+    assert [len(s) for s in fixed] == [32 * 8] * 3 and {x for s in fixed for x in s} == {256}
+
+
+def test_forced_lengths_are_hybrid_rls_draw(tiny_model_path):
+    """Rank r's lengths of step s are what hybrid_rl's worker draws on rank r at step s, so verl's rows and TRL's
+    requests get, sample by sample, the lengths hybrid_rl generates for the same prompts."""
+    from types import SimpleNamespace
+
+    from hybrid_rl.data.sampler import PromptSampler
+    from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
+
+    from helpers import cpu_dist, make_cfg
+
+    gpus, steps = 4, 3
+    w = workload_spec("grpo_long", gpus)
+    per_rank = w["prompts_per_step"] // gpus * w["n"]
+    keys = [f"rollout.forced_lengths={w['lengths']}", f"data.max_response_length={w['response_length']}",
+            f"trainer.seed={w['seed']}"]
+    # rank 0: the worker itself (its generator seeded as it seeds it), one draw per step
+    worker = ActorRolloutRefWorker(make_cfg(*keys), cpu_dist())
+    ours = workload.rank_lengths(w["lengths"], w["response_length"], w["seed"], 0, per_rank, steps)
+    assert [list(worker.forced_lengths(per_rank)) for _ in range(steps)] == ours
+    # every rank: the worker's draw with the generator seeded as the worker seeds rank r
+    cfg = make_cfg(*keys)
+    table = workload.length_table(w, gpus, steps)
+    rows = workload.row_lengths(w, gpus, steps * w["prompts_per_step"])
+    for rank in range(gpus):
+        fake = SimpleNamespace(cfg=cfg, _length_rng=np.random.default_rng(w["seed"] + 104729 * (rank + 1)))
+        sampler = PromptSampler(len(rows), w["prompts_per_step"], rank, gpus, seed=0, shuffle=False)
+        for s in range(steps):
+            drawn = list(ActorRolloutRefWorker.forced_lengths(fake, per_rank))
+            assert table[s][rank * per_rank:(rank + 1) * per_rank] == drawn
+            # the rows hybrid_rl's sampler gives this rank at step s carry these lengths, prompt by prompt
+            assert [x for i in sampler.next_indices() for x in rows[i]] == drawn
+
+
+def test_prepare_prompts_keeps_order_and_repeats(tmp_path):
+    src = tmp_path / "gsm8k.jsonl"
+    src.write_text("".join(json.dumps({"question": "q" * k, "answer": f"... #### {k}"}) + "\n" for k in range(1, 11)))
+    w = workload_spec("grpo", 1, prompts="4")  # (12 + 2) steps x 4 prompts = 56 rows
+    out = workload.prepare_prompts(src, tmp_path / "p.jsonl", {**w, "max_prompt_length": 6},
+                                   count_tokens=lambda msgs: len(msgs[0]["content"].split("\n")[0]))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == workload.rows_needed(w) == 56
+    assert [len(r["question"]) for r in rows[:8]] == [1, 2, 3, 4, 5, 6, 1, 2]  # over 6 tokens dropped, order kept
+    assert workload.gsm8k_rows(out)[5]["ground_truth"] == "6"
+
+
+def test_verl_agent_loop_gives_each_sample_its_length(monkeypatch):
+    """The agent loop verl loads from the registry file sets max_tokens from the row's lengths and the sample index."""
+    seen = []
+
+    class SingleTurnAgentLoop:  # verl's, as far as this loop relies on it
+        async def run(self, sampling_params, **kwargs):
+            seen.append(sampling_params)
+            return "output"
+
+    mod = types.ModuleType("verl.experimental.agent_loop.single_turn_agent_loop")
+    mod.SingleTurnAgentLoop = SingleTurnAgentLoop
+    for name in ("verl", "verl.experimental", "verl.experimental.agent_loop"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.delitem(sys.modules, "verl_agent_loop", raising=False)
+    import verl_agent_loop
+
+    loop = verl_agent_loop.ForcedLengthAgentLoop()
+    base = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True}
+    for j in range(3):
+        assert asyncio.run(loop.run(dict(base), raw_prompt=[], session_id=j,
+                                    extra_info={"index": 7, "forced_lengths": [5, 900, 12]})) == "output"
+    asyncio.run(loop.run(dict(base), raw_prompt=[], session_id=0, extra_info={"index": 7}))
+    assert [s.get("max_tokens") for s in seen] == [5, 900, 12, None]
+    assert all({k: s[k] for k in base} == base for s in seen)
+    # the registry file verl reads names this class in the module run_verl copies into the run's site folder
+    site = run_verl.port_site(Path(__import__("tempfile").mkdtemp()))
+    assert (site / "peers_verl_agent_loop.py").read_text() == (ROOT / "benchmarks/peers/verl_agent_loop.py").read_text()
+    reg = run_verl.agent_loop_config(site).read_text()
+    assert f"name: {run_verl.AGENT_LOOP}" in reg and "_target_: peers_verl_agent_loop.ForcedLengthAgentLoop" in reg
+
+
+def test_trl_length_wrapper_gives_each_request_its_length():
+    class Params:  # vLLM's SamplingParams, as far as the wrapper relies on it
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+        def clone(self):
+            return Params(**self.__dict__)
+
+    calls = []
+    generate = lambda prompts, sampling_params, **kw: calls.append((prompts, sampling_params, kw)) or "done"
+    table = [[3, 4, 5], [6, 7, 8]]
+    wrapped = run_trl.forced_length_generate(generate, lambda k: table[k])
+    shared = Params(max_tokens=9, min_tokens=0, ignore_eos=True)
+    assert wrapped(["a", "b", "c"], sampling_params=shared, use_tqdm=False) == "done"
+    assert wrapped(["a", "b", "c"], sampling_params=shared) == "done"
+    assert [[p.max_tokens for p in c[1]] for c in calls] == table
+    assert all(p.min_tokens == p.max_tokens and p.ignore_eos for c in calls for p in c[1])
+    assert shared.max_tokens == 9 and calls[0][2] == {"use_tqdm": False}
+    with pytest.raises(RuntimeError, match="forced lengths"):
+        run_trl.forced_length_generate(generate, lambda k: [1, 2])(["a", "b", "c"], sampling_params=shared)
+
+
+def test_report_combines_one_workload(tmp_path):
+    w = workload_spec("ppo", 2)
+
+    def res(name, step_s, median, profile="tuned", **kw):
+        return {"framework": name, "step_s": step_s, "step_s_median": median, "workload": w, "device": "H200x2",
+                "machine": "a", "profile": profile, **kw}
+
+    (tmp_path / "hybrid_rl_ppo.json").write_text(json.dumps(res("hybrid_rl", 2.0, 2.0, trained_tokens_per_s=300.0)))
+    (tmp_path / "verl_ppo.json").write_text(json.dumps(res("verl", 5.0, 4.0, trained_tokens_per_s=100.0)))
+    (tmp_path / "trl_ppo.json").write_text(json.dumps(workload.skipped("trl", w, "no critic")))
+    (tmp_path / "verl_grpo.json").write_text(json.dumps(res("verl", 9.0, 9.0)))  # another workload: not read
+    doc = plot.combine(tmp_path, "ppo")
+    assert doc["ratios"]["hybrid_rl_vs_verl_step_time"] == 2.5
+    assert doc["ratios"]["hybrid_rl_vs_verl_step_time_median"] == 2.0
+    assert doc["ratios"]["hybrid_rl_vs_verl_trained_tokens_per_s"] == 3.0
+    assert doc["skipped"] == {"trl": "no critic"} and [r["framework"] for r in doc["frameworks"]] == ["hybrid_rl", "verl"]
+    assert plot.stem(doc) == "peers_H200x2_ppo" and doc["target_met"]
+    (tmp_path / "verl_ppo.json").write_text(json.dumps(res("verl", 5.0, 4.0, profile="baseline")))
+    assert plot.stem(plot.combine(tmp_path, "ppo")) == "peers_H200x2_ppo_mixed"
+    (tmp_path / "verl_ppo.json").write_text(json.dumps({**res("verl", 5.0, 4.0), "workload": workload_spec("ppo", 4)}))
+    with pytest.raises(SystemExit, match="different workloads"):
+        plot.combine(tmp_path, "ppo")
+
+
+def test_summary_drops_the_warmup_and_reports_means_and_medians():
+    rows = [{"step_s": s, "phases": {"gen": s / 2}} for s in (30.0, 9.0, 2.0, 3.0, 10.0)]
+    doc = workload.summarize("x", "1", rows, 2, 2, startup_s=None, wall_s=None,
+                             settings={"profile": "tuned"}, notes=[])
+    assert doc["steps_measured"] == 3 and doc["warmup_dropped"] == 2 and doc["profile"] == "tuned"
+    assert doc["step_s"] == 5.0 and doc["step_s_median"] == 3.0
+    assert doc["phases_s"] == {"gen": 2.5} and doc["phases_s_median"] == {"gen": 1.5}
+
+
+def test_trl_grpo_config_accepts_every_kwarg():
+    """Where trl is installed (TRL 1.16 pinned): GRPOConfig takes every kwarg the harness passes."""
+    trl = pytest.importorskip("trl")
+    import inspect
+    import warnings
+
+    fields = set(inspect.signature(trl.GRPOConfig).parameters)
+    for name in ("grpo", "grpo_long"):
+        for profile in ("tuned", "baseline"):
+            w = workload_spec(name, 1)
+            kw = run_trl.grpo_kwargs(w, resolve_options(run_trl.PROFILES, profile, w), 1, cpu=False)
+            assert set(kw) <= fields, set(kw) - fields
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                cfg = trl.GRPOConfig(output_dir="/tmp/peers_trl_cfg", **{**kw, "bf16": False, "use_cpu": True})
+            assert cfg.generation_batch_size == kw["generation_batch_size"]
+            assert cfg.use_liger_kernel == kw["use_liger_kernel"]
+
+
+def test_verl_config_composes_and_validates():
+    """Where verl 0.9.1 and Hydra are installed: every workload x profile composes and passes verl's validation."""
+    pytest.importorskip("hydra")
+    pytest.importorskip("verl.trainer.main_ppo")
+    from hybrid_rl.models import resolve_model_path
+
+    model = resolve_model_path("builtin:tiny-qwen2")  # the critic's config reads a model directory
+    for name in WORKLOADS:
+        for profile in ("tuned", "baseline"):
+            w = workload_spec(name, 4)
+            ov = run_verl.overrides(model, Path("/t.parquet"), 4, w, resolve_options(run_verl.PROFILES, profile, w),
+                                    Path("/a.yaml"))
+            got = run_verl.check_config(ov)
+            assert got["use_critic"] == (name == "ppo")
+            assert got["actor_rollout_ref.model.use_liger"] == (profile == "tuned")
+
+
+# -- verl's restart rule -------------------------------------------------------------------------------------------------
 def test_port_race_is_recognised(tmp_path):
     log = tmp_path / "verl_stdout.log"
     log.write_text("(Worker pid=1) ERROR ... DistNetworkError: ... code: -98, name: EADDRINUSE, message: address already"
@@ -51,37 +435,3 @@ def test_port_site_gives_each_process_its_own_vllm_port(tmp_path):
     if pid_a % 2000 != pid_b % 2000:
         assert abs(a - b) >= 16
     assert [p for _, p in _vllm_port(site, "31000")] == [31000, 31000]  # the user's own VLLM_PORT is kept
-
-
-def test_peers_prompts_scale_the_step_and_mini_batch():
-    from workload import WORKLOAD, scale_batch
-
-    assert scale_batch(WORKLOAD, None) is WORKLOAD
-    two_gpus = scale_batch(WORKLOAD, "32")
-    assert (two_gpus["prompts_per_step"], two_gpus["mini_batch_prompts"]) == (32, 16)
-    assert {k: v for k, v in two_gpus.items() if "prompts" not in k} == {k: v for k, v in WORKLOAD.items()
-                                                                        if "prompts" not in k}
-    import pytest
-
-    for bad in ("x", "7", "0"):
-        with pytest.raises(SystemExit, match="PEERS_PROMPTS"):
-            scale_batch(WORKLOAD, bad)
-
-
-def test_report_refuses_results_of_different_workloads(tmp_path):
-    import json
-
-    import plot
-    from workload import WORKLOAD, scale_batch
-
-    for name, w in (("hybrid_rl", WORKLOAD), ("verl", scale_batch(WORKLOAD, "32"))):
-        (tmp_path / f"{name}.json").write_text(json.dumps({"framework": name, "step_s": 1.0, "workload": w,
-                                                           "device": "H200x2", "machine": "a"}))
-    import pytest
-
-    with pytest.raises(SystemExit, match="different workloads"):
-        plot.combine(tmp_path)
-    (tmp_path / "verl.json").write_text(json.dumps({"framework": "verl", "step_s": 2.0, "workload": WORKLOAD,
-                                                    "device": "H200x2", "machine": "a"}))
-    doc = plot.combine(tmp_path)
-    assert doc["ratios"]["hybrid_rl_vs_verl_step_time"] == 2.0 and doc["same_machine"]
