@@ -326,9 +326,14 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model
     return tok
 
 
-def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool = False, attn_implementation: str | None = None):
-    """Load a causal LM on CPU in ``dtype`` (the caller moves or shards it)."""
-    from transformers import AutoModelForCausalLM
+def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool = False, attn_implementation: str | None = None,
+                   on_meta: bool = False):
+    """Load a causal LM on CPU in ``dtype`` (the caller moves or shards it).
+
+    ``on_meta``: the same module built from the checkpoint's config on the ``meta`` device, without reading any
+    weight (the ranks of a sharded engine that receive theirs from the first rank, ``workers/materialize.py``).
+    Like a loaded model it is in eval mode, with its tied weights tied."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = resolve_model_path(path)
     check_local_path(path, "model.path")
@@ -336,6 +341,10 @@ def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool = Fals
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     try:
+        if on_meta:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(config, **kwargs).eval()
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as e:
         raise ModelLoadError(f"model.path: cannot load a model from {path!r} ({str(e).splitlines()[0]})") from e

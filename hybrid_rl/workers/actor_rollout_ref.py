@@ -41,6 +41,7 @@ from hybrid_rl.rollout import rollout_engine_class
 from hybrid_rl.rollout.base import RolloutEngine, SamplingParams
 from hybrid_rl.weights.sharding_manager import ShardingManager
 from hybrid_rl.workers.fsdp_engine import AdapterDisabledReference, FrozenReference, TrainingEngine
+from hybrid_rl.workers.materialize import reads_weights
 from hybrid_rl.workers.packed import packs_by_default
 from hybrid_rl.workers.ulysses import SP_KEY, check_heads, data_parallel, make_groups
 
@@ -119,7 +120,10 @@ class ActorRolloutRefWorker:
 
         self.actor: TrainingEngine | None = None
         if self.is_actor:
-            model = load_causal_lm(mcfg.path, torch.float32, mcfg.trust_remote_code)
+            # only the data-parallel group's first rank reads the weights: the engine loads the others' shards
+            # from it (workers/materialize.py)
+            model = load_causal_lm(mcfg.path, torch.float32, mcfg.trust_remote_code,
+                                   on_meta=not reads_weights(dist.group))
             check_heads(model.config, sp, SP_KEY)
             if mcfg.use_liger:  # before LoRA wraps the linears and FSDP2 shards the blocks
                 apply_liger(model, self.device)
@@ -141,7 +145,8 @@ class ActorRolloutRefWorker:
                 # LoRA: the reference is the base model, i.e. the actor with its adapters off (no second copy)
                 self.ref = AdapterDisabledReference(self.actor)
             else:
-                ref_model = load_causal_lm(mcfg.path, self.dtype, mcfg.trust_remote_code)
+                ref_model = load_causal_lm(mcfg.path, self.dtype, mcfg.trust_remote_code,
+                                           on_meta=not reads_weights(dist.group))
                 if mcfg.use_liger:
                     apply_liger(ref_model, self.device)
                 # accumulate_unsharded: the reference's pass gathers each block once, not once per micro-batch

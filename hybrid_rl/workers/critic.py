@@ -29,7 +29,7 @@ the actor's backbone (two heads on one model), and reward models.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterator
 
 import torch
@@ -43,6 +43,7 @@ from hybrid_rl.micro_batching import HOST_META, micro_batches
 from hybrid_rl.models import load_causal_lm, resolve_dtype
 from hybrid_rl.workers.actor_rollout_ref import UpdateStats
 from hybrid_rl.workers.fsdp_engine import TrainingEngine
+from hybrid_rl.workers.materialize import reads_weights
 from hybrid_rl.workers.packed import unpack
 from hybrid_rl.workers.ulysses import SequenceParallel
 
@@ -93,16 +94,19 @@ class ValueModel(nn.Module):
         return self.value_head(hidden).squeeze(-1).float()
 
 
-def build_value_model(path: str, trust_remote_code: bool = False) -> ValueModel:
-    """A ``ValueModel`` from a causal LM checkpoint (fp32 on CPU; the engine moves and shards it)."""
-    lm = load_causal_lm(path, torch.float32, trust_remote_code)
+def build_value_model(path: str, trust_remote_code: bool = False, on_meta: bool = False) -> ValueModel:
+    """A ``ValueModel`` from a causal LM checkpoint (fp32 on CPU; the engine moves and shards it). ``on_meta``: built
+    on the ``meta`` device without reading the weights (``models.load_causal_lm``); the engine fills it from the first
+    rank's, value head included."""
+    lm = load_causal_lm(path, torch.float32, trust_remote_code, on_meta=on_meta)
     backbone = lm.base_model  # the decoder stack (``model`` for Llama/Qwen), without the LM head
     if backbone is lm:
         raise ValueError(f"critic.model_path: {type(lm).__name__} exposes no backbone (base_model) to put a value head "
                          f"on; point critic.model_path at a causal LM with one (Llama, Qwen, Mistral, ...)")
     cfg = lm.config
     hidden = getattr(cfg, "hidden_size", None) or cfg.get_text_config().hidden_size
-    return ValueModel(backbone, hidden, getattr(lm, "_no_split_modules", None))
+    with torch.device("meta") if on_meta else nullcontext():
+        return ValueModel(backbone, hidden, getattr(lm, "_no_split_modules", None))
 
 
 class CriticWorker:
@@ -118,7 +122,9 @@ class CriticWorker:
         self.device = dist.device
         c = cfg.critic
         packs = actor_packs if c.use_remove_padding is None else c.use_remove_padding
-        model = build_value_model(c.model_path or cfg.model.path, cfg.model.trust_remote_code)
+        # only the data-parallel group's first rank reads the weights (workers/materialize.py)
+        model = build_value_model(c.model_path or cfg.model.path, cfg.model.trust_remote_code,
+                                  on_meta=not reads_weights(dist.group))
         self.engine = TrainingEngine(model, self.device, resolve_dtype(cfg.model.dtype, self.device), trainable=True,
                                      gradient_checkpointing=c.enable_gradient_checkpointing, group=dist.group,
                                      remove_padding=packs, share_prompts=packs and share_prompts,

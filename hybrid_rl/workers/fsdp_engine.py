@@ -8,7 +8,9 @@ handing the GPU to the rollout engine. It knows nothing about PPO; the worker
 composes losses on top. With ``torch.distributed`` initialised the model is
 wrapped with ``fully_shard`` per decoder block and at the root (bf16 compute,
 fp32 gradient reduction on GPU); a world of one without a process group runs
-the plain module, with bf16 autocast on GPU.
+the plain module, with bf16 autocast on GPU. Sharded over more than one rank,
+the model is sharded empty and its shards filled from the group's first rank,
+the only one that loaded the weights (``hybrid_rl.workers.materialize``).
 
 The weight push (``iter_full_params``) is planned and run by
 ``hybrid_rl.weights.plan.PushPlan`` (a few FSDP module groups per all-gather,
@@ -33,6 +35,7 @@ from hybrid_rl.algorithms import entropy_from_logits, logprobs_from_logits
 from hybrid_rl.batch import Batch, row_index
 from hybrid_rl.micro_batching import HOST_META, micro_batches
 from hybrid_rl.perf import Work
+from hybrid_rl.workers.materialize import load_from_first_rank, shared_over_ranks, take_weights
 from hybrid_rl.workers.packed import (Packed, logprob_head, pack, pack_shared, split_head_output, unpack,
                                       use_varlen_attention)
 from hybrid_rl.workers.ulysses import SequenceParallel, ShardedRow, shard
@@ -96,13 +99,23 @@ class TrainingEngine:
                 p.requires_grad_(False)
         # Keep fp32 masters for training; the compute dtype is applied by FSDP's
         # mixed-precision policy (or autocast without FSDP).
-        model.to(device=device, dtype=torch.float32 if trainable else compute_dtype)
+        dtype = torch.float32 if trainable else compute_dtype
+        # Sharded over several ranks, the weights are the group's first rank's, loaded into the shards after
+        # sharding (``workers/materialize.py``); what the other ranks passed in (an empty model on meta) is not read.
+        from_first_rank = self.fsdp and shared_over_ranks(group)
+        if from_first_rank:
+            weights = take_weights(model.to(dtype=dtype), group)
+        else:
+            model.to(device=device, dtype=dtype)
         if remove_padding:
             use_varlen_attention(model)
         if compile_blocks:
             _compile_blocks(model)
         if self.fsdp:
             self._shard(model)
+        if from_first_rank:
+            load_from_first_rank(model, weights, device, group)
+            del weights
         self.model = model
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
