@@ -35,8 +35,9 @@ one that pads runs the group's rows whole. The engine takes
 ``rollout.vllm.gpu_memory_utilization × GPU memory`` (weights and KV cache); a sleeping engine (sync mode) holds
 nothing, and the push wakes its weights alone: ``P × 2 / rollout.vllm.tensor_parallel_size``. Not modelled: the
 caching allocator's fragmentation (reserved above allocated: ``trainer.expandable_segments``), NCCL's buffers and the
-CUDA context (``CONTEXT_GIB``), and start-up, where each rank moves the whole fp32 model (``4P``) to its GPU before
-sharding it.
+CUDA context (``CONTEXT_GIB``), and start-up: one rank of a sharded run loads the whole fp32 model (``4P``) on the host
+and sends it one tensor at a time (``workers/materialize.py``); a world of one moves it to the GPU whole, its own
+training state anyway.
 """
 
 from __future__ import annotations
