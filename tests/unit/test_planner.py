@@ -23,8 +23,9 @@ LAYER = (H * H + H) + 2 * (H * KV + KV) + H * H + 3 * H * I + 2 * H  # q+bias, k
 PARAMS = L * LAYER + V * H + H  # blocks, tied embedding, final norm
 
 
+# the engine sleeps between rollouts, so that the training phases' verdicts are the trainer's own
 BASE = ["trainer.device=cuda", "model.dtype=bfloat16", "rollout.name=hf", "data.max_prompt_length=32",
-        "data.max_response_length=32"]
+        "data.max_response_length=32", "rollout.free_cache_engine=true"]
 
 
 def _cfg(*overrides: str, world: int = 1):
