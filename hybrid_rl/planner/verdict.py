@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Iterator
 
 from hybrid_rl.planner.estimate import CONTEXT_GIB, GIB, Phase, phases, seq_len
 from hybrid_rl.planner.shape import ModelShape
+from hybrid_rl.workers.ulysses import SP_KEY, check_heads
 
 if TYPE_CHECKING:
     from hybrid_rl.config import Config
@@ -102,14 +104,14 @@ def _sequence_parallel(cfg: "Config", shape: ModelShape | None, gpus: int | None
     out = []
     size = cfg.actor.ulysses_sequence_parallel_size * 2
     while size <= gpus:
-        heads_ok = shape.heads % size == 0 and (shape.kv_heads % size == 0 or size % shape.kv_heads == 0)
         trial = {"actor.ulysses_sequence_parallel_size": size}
-        if heads_ok:
-            try:
-                with_settings(cfg, trial).validate(gpus)
-                out.append(trial)
-            except ConfigError:
-                pass
+        heads = SimpleNamespace(num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads)
+        try:
+            check_heads(heads, size, SP_KEY)
+            with_settings(cfg, trial).validate(gpus)
+            out.append(trial)
+        except (ConfigError, ValueError):
+            pass
         size *= 2
     return out
 
