@@ -9,7 +9,9 @@ mode: step time and its phase breakdown, generated and trained tokens/s, GPU bus
   overlap_colocated  trainer.mode=overlap trainer.max_staleness=1 (step N+1 generates beside step N's update)
   split_partial      trainer.placement=split trainer.mode=overlap trainer.partial_rollouts=true
                      trainer.partial_rollout_ahead=3 trainer.max_staleness=4 (half the GPUs generate, half train;
-                     2+ GPUs, left out on one)
+                     2+ GPUs)
+  overlap_partial    trainer.mode=overlap trainer.partial_rollouts=true trainer.partial_rollout_ahead=1
+                     trainer.max_staleness=2 (colocated: on one GPU it takes split_partial's place)
 
 ``--modes`` picks others too: overlap_split (split without partial rollouts), overlap_split_r<R> (with
 ``--rollout-ranks R``), overlap_stream, overlap_proc.
@@ -228,6 +230,9 @@ def summarize(name: str, overrides: list[str], run_dir: Path, args, wall: float 
     extra = {}
     if any("rollout/logprob_diff" in r for r in rows):  # engine vs trainer log-probs (e.g. an fp8 KV cache)
         extra["logprob_diff"] = mean("rollout/logprob_diff")
+    for key in ("perf/mfu_update", "perf/mfu_log_prob", "perf/mfu_update_equiv"):  # FLOPs run ÷ time ÷ peak
+        if any(key in r for r in rows):
+            extra[key.split("/")[1]] = mean(key)
     context = sum(r.get("rollout/partial_context_tokens", 0.0) for r in rows)
     if context:  # partial rollouts: the rounds' context read from vLLM's prefix cache (prompts shared by a group's samples)
         extra["prefix_cache_hit"] = sum(r.get("rollout/partial_cached_tokens", 0.0) for r in rows) / context
@@ -249,6 +254,7 @@ def summarize(name: str, overrides: list[str], run_dir: Path, args, wall: float 
         "response_length_mean": mean("rollout/response_length_mean"),
         "wall_s": wall,
         **extra,
+        "per_step": rows,
     }
 
 
@@ -312,7 +318,13 @@ SPLIT_PARTIAL = ("split_partial", ["trainer.placement=split", "trainer.mode=over
                                    "trainer.partial_rollout_ahead=3", "trainer.max_staleness=4"])
 """Split placement with partial rollouts, as the README recommends it: half the GPUs generate, half train; the
 rollout side keeps generating for up to 3 steps ahead and carries the long tail (staleness bound 4)."""
+OVERLAP_PARTIAL = ("overlap_partial", ["trainer.mode=overlap", "trainer.partial_rollouts=true",
+                                       "trainer.partial_rollout_ahead=1", "trainer.max_staleness=2"])
+"""Overlap colocated with partial rollouts: the engine beside the trainer on the same GPUs keeps one step's groups in
+flight and carries the unfinished ones into the next round (staleness bound 2). What one GPU allows of the partial
+modes."""
 DEFAULT_MODES = ("sync", "overlap_colocated", "split_partial")
+DEFAULT_MODES_ONE_GPU = ("sync", "overlap_colocated", "overlap_partial")
 SPLIT_OVERRIDES = ["rollout.vllm.gpu_memory_utilization=0.6"]
 """For the split modes: their rollout GPUs hold nothing but the engine, so it gets more of the card."""
 
@@ -326,6 +338,8 @@ GPU_RUN = dict(model="builtin:qwen2.5-1.5b-random", prompts=24, n=8, steps=11, w
                           "actor.use_dynamic_bsz=true", "actor.max_token_len_per_device=16384"])
 """``make bench`` on GPUs: the workload of the README's mean-256 point (24 x 8 per step, lognormal lengths of mean
 256 capped at 512), 3 warm-up and 8 measured steps."""
+ONE_GPU_MODE_TIMEOUT = 300.0
+"""``--mode-timeout`` default on one GPU, which generates and trains the whole batch alone."""
 CPU_SMOKE = dict(model="builtin:tiny-qwen2", gpus=2, prompts=8, n=4, steps=2, warmup=1, mode_timeout=300.0,
                  overrides=["trainer.device=cpu", "rollout.name=hf", "data.max_prompt_length=384",
                             "data.max_response_length=32", "rollout.forced_lengths=lognormal:12:0.8",
@@ -345,7 +359,7 @@ def available_modes(world: int, rollout_ranks: str = "") -> list[tuple[str, list
     modes = build_modes(world, rollout_ranks)
     if world >= 2:
         modes.insert(2, SPLIT_PARTIAL)
-    return [*modes, *EXTRA_MODES]
+    return [*modes, OVERLAP_PARTIAL, *EXTRA_MODES]
 
 
 def select_modes(wanted: str, world: int, rollout_ranks: str) -> tuple[list[tuple[str, list[str]]], list[str]]:
@@ -354,7 +368,7 @@ def select_modes(wanted: str, world: int, rollout_ranks: str) -> tuple[list[tupl
     names = [m.strip() for m in wanted.split(",") if m.strip()]
     if not names:
         extra = [m[0] for m in modes if m[0].startswith("overlap_split_r")]
-        names = [*DEFAULT_MODES, *extra]
+        names = [*(DEFAULT_MODES if world >= 2 else DEFAULT_MODES_ONE_GPU), *extra]
     known = {name for name, _ in available_modes(max(world, 2), rollout_ranks)}
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -485,6 +499,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("overrides", nargs="*", help="key=value overrides for every mode, after the benchmark's own")
     args = ap.parse_intermixed_args(argv)
     base = CPU_SMOKE if args.cpu_smoke else GPU_RUN
+    args.mode_timeout_given = args.mode_timeout is not None
     for key in ("model", "steps", "warmup", "prompts", "n", "mode_timeout"):
         if getattr(args, key) is None:
             setattr(args, key, base[key])
@@ -514,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         args.gpus = torch.cuda.device_count()
+    if args.gpus == 1 and not args.cpu_smoke and not args.mode_timeout_given:
+        args.mode_timeout = ONE_GPU_MODE_TIMEOUT  # one GPU generates and trains the whole batch
     device = "CPU" if args.cpu_smoke else device_name(args.gpus)
     model_tag = args.model.split(":")[-1].split("/")[-1]
     modes, notes = select_modes(args.modes, args.gpus, args.rollout_ranks)
@@ -567,7 +584,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _in_order(results: list[dict]) -> list[dict]:
-    order = {name: i for i, name in enumerate(["sync", "overlap_colocated", "split_partial", "overlap_split"])}
+    order = {name: i for i, name in enumerate(["sync", "overlap_colocated", "split_partial", "overlap_partial",
+                                               "overlap_split"])}
     return sorted(results, key=lambda r: (order.get(r["mode"], len(order)), r["mode"]))
 
 

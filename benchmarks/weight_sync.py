@@ -7,9 +7,15 @@
 A randomly initialised model of the named architecture (no download) is
 FSDP2-sharded over the N ranks exactly as the actor is (fp32 masters, bf16
 compute on GPU), and ``ShardingManager`` pushes it ``--switches`` times into an
-engine: ``--sink copy`` mimics vLLM's load (a device-to-device copy into
-preallocated engine tensors), ``--sink hf`` is the real ``HFRolloutEngine``
-(with its sleep/wake moves, which are outside the timed push). Every switch
+engine: ``--sink copy`` is a stand-in for vLLM's load (a device-to-device copy
+into preallocated engine tensors: the bound a real push can approach, vLLM left
+out), ``--sink hf`` is the real ``HFRolloutEngine`` (with its sleep/wake moves,
+which are outside the timed push), and ``--sink vllm`` is the real colocated
+vLLM engine (``VLLMRolloutEngine``, in process, built as the trainer builds it,
+dummy weights, kept awake as ``rollout.free_cache_engine=false`` keeps it): the
+push the trainer makes, through vLLM's own ``load_weights`` (GPU and vLLM
+needed). With ``--sink vllm`` the same run also times the copy sink on the
+same shapes, so the record holds both. Every switch
 bumps the weight version, so every switch is a full push. The first push records
 the sink's loads and later ones replay them (``hybrid_rl.weights.replay``) unless
 ``--no-replay``; consecutive decoder blocks share one all-gather up to
@@ -25,9 +31,9 @@ of them, and memory before/after the switches (GPU ``memory_allocated`` /
 is the same stream of buckets with nothing loaded (median, slowest rank), so
 ``sync_s - gather_s`` estimates what loading adds on top of the gather (the two
 overlap, so it is not the load's own duration); ``replayed_tensors`` says how
-many tensors of the last push skipped the sink's loader. Left out: vLLM itself (its
-``load_weights`` adds name mapping and QKV fusion on top of the copy) and
-multi-node runs.
+many tensors of the last push skipped the sink's loader. The copy sink leaves
+out vLLM's ``load_weights`` (name mapping, QKV and gate/up fusion on top of the
+copy); only ``--sink vllm`` includes it. Left out: multi-node runs.
 """
 
 from __future__ import annotations
@@ -213,7 +219,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="engine dtype (auto: bf16 on GPU, fp32 on CPU)")
-    ap.add_argument("--sink", choices=["copy", "hf"], default="copy")
+    ap.add_argument("--sink", choices=["copy", "hf", "vllm"], default="copy")
+    ap.add_argument("--gpu-util", type=float, default=0.3, help="--sink vllm: rollout.vllm.gpu_memory_utilization")
     ap.add_argument("--switches", type=int, default=50, help="timed switches (each a full push); memory is compared across them")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--bucket-mb", type=int, default=512)
@@ -257,7 +264,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     with torch.device("meta"):
         shapes = {engine_param_name(n): p.shape for n, p in Qwen2ForCausalLM(config).named_parameters()}
-    if args.sink == "copy":
+    copy_bound = None
+    if args.sink == "vllm":
+        sink = _vllm_sink(config, args, device)
+        copy_bound = _copy_sink_figure(actor, CopySink(shapes, dtype, device), dtype, args, device)
+    elif args.sink == "copy":
         sink = CopySink(shapes, dtype, device)
     else:
         from hybrid_rl.rollout.hf import HFRolloutEngine
@@ -267,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
         sink = HFRolloutEngine(engine_model, [0], 0, device)
     version = [0]
     sm = ShardingManager(actor, sink, lambda: version[0], dtype=dtype, bucket_mb=args.bucket_mb,
-                         free_cache_engine=True, sleep_level=1, param_offload=args.param_offload,
+                         free_cache_engine=args.sink != "vllm", sleep_level=1, param_offload=args.param_offload,
                          optimizer_offload=args.optimizer_offload, replay=not args.no_replay)
     actor.push_prefetch = not args.no_prefetch
     actor.push_gather_bytes = args.gather_mb * 2**20
@@ -307,7 +318,17 @@ def main(argv: list[str] | None = None) -> dict:
     gather = _timed(lambda: _drain(actor, dtype, sm.bucket_bytes), device, repeats=max(3, min(args.switches, 10)), warmup=1)
 
     verified = None
-    if not args.no_verify:
+    if args.sink == "vllm" and not args.no_verify:  # vLLM fuses q/k/v and gate/up: compare the tensors it keeps whole
+        engine = dict(sink.named_weights())
+        checked = bad = 0
+        for name, p in actor.model.named_parameters():
+            ename = engine_param_name(name)
+            if ename in engine:
+                full = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to(dtype).cpu()
+                checked += 1
+                bad += int(not torch.equal(engine[ename], full))
+        verified = dict(tensors_compared=checked, mismatched=int(_max_over_ranks(float(bad), device)))
+    elif not args.no_verify:
         if args.sink == "hf":
             sink.wake_up(["weights"])
         engine = dict(sink.named_weights())
@@ -332,6 +353,8 @@ def main(argv: list[str] | None = None) -> dict:
         "switch_s": statistics.median(switch_times), "sync_GBps": nbytes / sync_s / 1e9,
         **bound, "bound_ratio": sync_s / bound["bound_s"], "tensors": sm.last_sync_tensors, "switches": args.switches,
         "memory_before": mem_before, "memory_after": mem_after, "verified": verified,
+        "copy_sink_same_run": copy_bound, "over_copy_sink": (sync_s / copy_bound["sync_s"]) if copy_bound else None,
+        "vllm": _vllm_version() if args.sink == "vllm" else None,
         "torch": torch.__version__, "commit": git_commit(),
     }
     if rank == 0:
@@ -341,8 +364,60 @@ def main(argv: list[str] | None = None) -> dict:
         suffix = ("_naive" if args.naive else "") + ("_noreplay" if args.no_replay else "") + ("" if args.sink == "copy" else f"_{args.sink}")
         (out / f"weight_sync_{tag}_{args.model}{suffix}.json").write_text(json.dumps(record, indent=1) + "\n")
     dist.barrier()
+    if args.sink == "vllm":
+        sink.shutdown()
     dist.destroy_process_group()
     return record
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def _vllm_sink(config, args, device: torch.device):
+    """The colocated vLLM engine as the trainer builds it (``VLLMRolloutEngine.from_config``), over a directory holding
+    only the architecture's config.json (``load_format=dummy``: the pushes supply every weight)."""
+    import tempfile
+
+    from hybrid_rl.config import load_config
+    from hybrid_rl.distributed import init_distributed
+    from hybrid_rl.rollout.vllm import VLLMRolloutEngine
+
+    model_dir = Path(tempfile.mkdtemp(prefix="weight_sync_arch_"))
+    config.architectures = ["Qwen2ForCausalLM"]
+    config.save_pretrained(model_dir)
+    cfg = load_config(None, [f"model.path={model_dir}", "model.dtype=bfloat16", "trainer.device=cuda", "rollout.name=vllm",
+                             f"rollout.vllm.gpu_memory_utilization={args.gpu_util}", "rollout.vllm.enforce_eager=true",
+                             f"rollout.weight_sync_bucket_mb={args.bucket_mb}", "rollout.free_cache_engine=false",
+                             "data.max_prompt_length=256", "data.max_response_length=256"])
+
+    class _Tok:  # the engine reads only these two ids (skip_tokenizer_init)
+        eos_token_id = 0
+        pad_token_id = 0
+
+    return VLLMRolloutEngine.from_config(cfg, init_distributed("cuda"), _Tok())
+
+
+def _copy_sink_figure(actor, sink: "CopySink", dtype: torch.dtype, args, device: torch.device) -> dict:
+    """Median push into the copy sink on the same shapes, in the same process, before the vLLM pushes."""
+    version = [0]
+    sm = ShardingManager(actor, sink, lambda: version[0], dtype=dtype, bucket_mb=args.bucket_mb,
+                         free_cache_engine=True, sleep_level=1, replay=not args.no_replay)
+    times = []
+    for i in range(args.warmup + args.switches):
+        version[0] += 1
+        dist.barrier()
+        with sm:
+            pass
+        _sync(device)
+        if i >= args.warmup:
+            times.append(_max_over_ranks(sm.last_sync_s, device))
+    del sink.tensors
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return dict(sync_s=statistics.median(times), sync_s_min=min(times), sync_s_max=max(times), switches=len(times))
 
 
 if __name__ == "__main__":

@@ -41,9 +41,12 @@ def test_default_modes_are_the_recommended_ones():
     assert {"trainer.placement=split", "trainer.mode=overlap", "trainer.partial_rollouts=true",
             "trainer.partial_rollout_ahead=3", "trainer.max_staleness=4"} <= set(split)
     assert not any(o.startswith("trainer.rollout_ranks=") for o in split)  # half and half
-    # one GPU: split placement is left out with a note; asked for by name, it is an error
+    # one GPU: partial rollouts colocated take split placement's place; split asked for by name is an error
     run, notes = modes.select_modes("", 1, "")
-    assert [n for n, _ in run] == ["sync", "overlap_colocated"] and "split_partial needs 2+ GPUs" in notes[0]
+    assert [n for n, _ in run] == ["sync", "overlap_colocated", "overlap_partial"] and not notes
+    partial = dict(run)["overlap_partial"]
+    assert {"trainer.mode=overlap", "trainer.partial_rollouts=true", "trainer.partial_rollout_ahead=1",
+            "trainer.max_staleness=2"} <= set(partial) and not any("placement" in o for o in partial)
     with pytest.raises(SystemExit, match="split_partial need"):
         modes.select_modes("sync,split_partial", 1, "")
     with pytest.raises(SystemExit, match="unknown mode.*overlap_colocted"):
@@ -62,6 +65,10 @@ def test_gpu_defaults_read_the_shipped_prompts_with_vllm(tmp_path, monkeypatch):
     assert modes.check_mode(smoke, ["trainer.mode=sync"]) == (smoke.steps + 1, None)
     steps, err = modes.check_mode(smoke, dict(modes.select_modes("", 2, "")[0])["split_partial"])
     assert err is None and steps == smoke.steps + 4  # ahead 3: a pool of max(2, ceil(1 + 3)) steps
+    one = modes.parse_args(["--cpu-smoke"])
+    one.gpus = 1
+    steps, err = modes.check_mode(one, dict(modes.select_modes("", 1, "")[0])["overlap_partial"])
+    assert err is None and steps == one.steps + 2  # ahead 1: a pool of max(2, ceil(1 + 1)) steps
     steps, err = modes.check_mode(smoke, ["trainer.mode=overlap", "trainer.max_staleness=1", "trainer.bogus=1"])
     assert steps is None and "trainer.bogus" in err and "\n" not in err
 
