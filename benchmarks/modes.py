@@ -340,6 +340,9 @@ GPU_RUN = dict(model="builtin:qwen2.5-1.5b-random", prompts=24, n=8, steps=11, w
 256 capped at 512), 3 warm-up and 8 measured steps."""
 ONE_GPU_MODE_TIMEOUT = 300.0
 """``--mode-timeout`` default on one GPU, which generates and trains the whole batch alone."""
+ONE_GPU_OVERRIDES = ["actor.max_token_len_per_device=8192"]
+"""On one GPU the actor's unsharded AdamW state (~24 GB at 1.5B) sits beside the engine's pool, so the update's
+micro-batches take half the tokens (at 16,384 the 1.5B shape's activations without recomputation overflow 141 GB)."""
 CPU_SMOKE = dict(model="builtin:tiny-qwen2", gpus=2, prompts=8, n=4, steps=2, warmup=1, mode_timeout=300.0,
                  overrides=["trainer.device=cpu", "rollout.name=hf", "data.max_prompt_length=384",
                             "data.max_response_length=32", "rollout.forced_lengths=lognormal:12:0.8",
@@ -531,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
         args.gpus = torch.cuda.device_count()
     if args.gpus == 1 and not args.cpu_smoke and not args.mode_timeout_given:
         args.mode_timeout = ONE_GPU_MODE_TIMEOUT  # one GPU generates and trains the whole batch
+    if args.gpus == 1 and not args.cpu_smoke:
+        args.overrides = [*args.overrides[:-2], *ONE_GPU_OVERRIDES, *args.overrides[-2:]]
     device = "CPU" if args.cpu_smoke else device_name(args.gpus)
     model_tag = args.model.split(":")[-1].split("/")[-1]
     modes, notes = select_modes(args.modes, args.gpus, args.rollout_ranks)
