@@ -535,7 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpus == 1 and not args.cpu_smoke and not args.mode_timeout_given:
         args.mode_timeout = ONE_GPU_MODE_TIMEOUT  # one GPU generates and trains the whole batch
     if args.gpus == 1 and not args.cpu_smoke:
-        args.overrides = [*args.overrides[:-2], *ONE_GPU_OVERRIDES, *args.overrides[-2:]]
+        at = 1 + len(GPU_RUN["overrides"])  # after the benchmark's own, before the user's
+        args.overrides = [*args.overrides[:at], *ONE_GPU_OVERRIDES, *args.overrides[at:]]
     device = "CPU" if args.cpu_smoke else device_name(args.gpus)
     model_tag = args.model.split(":")[-1].split("/")[-1]
     modes, notes = select_modes(args.modes, args.gpus, args.rollout_ranks)
