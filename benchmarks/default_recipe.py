@@ -7,6 +7,9 @@ the median of every ``timing/*`` phase over the steps after the warm-up:
   current              the recipe as shipped (the engine stays awake between rollouts, ``rollout.free_cache_engine:
                        false``; the actor packs micro-batches only where flash-attention's varlen kernel runs, so a
                        float32 model on CUDA runs padded)
+  small_pool           as current, with the engine's pool at 5% of the GPU (``rollout.vllm.gpu_memory_utilization=0.05``
+                       instead of 0.5): a 2-layer model's KV cache needs a few MB, and vLLM walks its whole pool of
+                       blocks when the prefix cache is reset after each push
   sleep_and_pack       the engine woken and put to sleep every step (``rollout.free_cache_engine=true``) and the
                        float32 actor packed (``actor.use_remove_padding=true``): the settings the two defaults replace
 
@@ -33,6 +36,7 @@ from bench_common import git_commit, gpu_short_name  # noqa: E402
 
 VARIANTS = {
     "current": [],
+    "small_pool": ["rollout.vllm.gpu_memory_utilization=0.05"],
     "sleep_and_pack": ["rollout.free_cache_engine=true", "actor.use_remove_padding=true"],
 }
 BASE = ["trainer.device=auto", "rollout.name=vllm"]
