@@ -29,6 +29,9 @@ sandbox service):
   ``nobody``);
 - a process that leaves the group (``os.setsid()``, ``os.setpgid``) is not killed with it; its CPU time is
   still capped by the CPU limit, which every process of the snippet inherits;
+- the snippet's killed children are reaped by the machine's init: in a container whose PID 1 does not reap
+  orphans (``docker run`` without ``--init``), they stay zombies, which hold a pid each and count towards
+  ``RLIMIT_NPROC``;
 - ``RLIMIT_NPROC`` counts every process *and thread* of the uid on the whole machine, not the snippet's own:
   with the trainer's own uid and a trainer that already runs more threads than ``max_processes``, the snippet
   cannot fork or start a thread at all; under ``nobody``, all concurrent snippets share the count. Root ignores the
