@@ -118,6 +118,7 @@ while True:
 @linux
 def test_fork_bomb_is_bounded_and_leaves_no_process():
     limits = SandboxLimits(timeout_s=2.0, max_processes=16)
+    children_before = set(psutil.Process().children(recursive=True))  # other tests' in this pytest worker
     start = time.monotonic()
     result = run_python(FORK_BOMB, limits=limits)
     assert time.monotonic() - start < limits.timeout_s + SLACK_S
@@ -128,7 +129,7 @@ def test_fork_bomb_is_bounded_and_leaves_no_process():
     assert 1 <= len(pids) <= limits.max_processes
     assert _wait_empty(pids[0]) == []  # the leader's pid is the group's id
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
-    assert psutil.Process().children(recursive=True) == []
+    assert set(psutil.Process().children(recursive=True)) <= children_before
     assert len(result.observation(max_chars=OBS_CHARS)) <= OBS_CHARS
 
 
