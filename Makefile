@@ -50,8 +50,8 @@ test-all: test test-slow test-learning
 test-gpu: $(VPY)
 	$(VPY) -m pytest -q -m gpu $(PYTEST_ARGS)
 
-# the training modes (sync, overlap colocated, split placement + partial rollouts) on the GPUs of this box with vLLM,
-# ~4.5 minutes on 4 H200s: a table, and a JSON + PNG in runs/bench/<UTC time>/; exits 1 naming each mode that failed.
+# the training modes (sync, overlap colocated, split placement + partial rollouts; on one GPU overlap + partial
+# rollouts colocated) on the GPUs of this box with vLLM, 7 minutes on one H200: a table, and a JSON + PNG in runs/bench/<UTC time>/; exits 1 naming each mode that failed.
 # Needs GPUs and vLLM (.venv/bin/pip install -e '.[vllm]'); on CPU: make bench ARGS=--cpu-smoke (plumbing only)
 bench: $(VPY)
 	$(VPY) benchmarks/modes.py --gpus $(GPUS) $(ARGS)

@@ -21,8 +21,8 @@ download), the GSM8K prompts shipped in ``benchmarks/data/``, 24 prompts x 8 sam
 forced from a long-tailed draw (``rollout.forced_lengths=lognormal:256:0.8``, capped at 512: a random model never
 stops on its own), 3 warm-up + 8 measured steps. Each mode costs ~40-60 s of start-up (vLLM engine, CUDA graphs;
 the first run on a machine also builds the model, ~40 s) plus its steps, and is stopped after --mode-timeout s
-(180): on 4 H200s 4.5 minutes in all (sync 118 s with the build, overlap colocated 78 s, split_partial 59 s;
-1.97 / 2.05 / 1.07 s a step), 10 at most.
+(180; 300 on one GPU, whose update micro-batches then take 8,192 tokens): on one H200 7 minutes in all
+(``benchmarks/results/modes_H200x1_qwen2.5-1.5b-random.json``).
 Trailing ``key=value`` arguments override the recipe for every mode (e.g. ``rollout.forced_lengths=lognormal:1024:0.8
 data.max_response_length=2048``); ``--mode-override MODE:key=value`` for one mode.
 
