@@ -206,7 +206,7 @@ def plot(result: dict, path: Path) -> None:
         axes[1].plot([c["step"] for c in m["curve"]], ys, marker="o", label=mode)
         axes[2].plot([r["step"] for r in m["per_step"]], [r.get("reward/mean", float("nan")) for r in m["per_step"]],
                      label=mode)
-        if any("rollout/is_truncated_frac" in r for r in m["per_step"]):  # the decoupled loss ran
+        if any("rollout/is_truncated_frac" in r or "rollout/is_masked_frac" in r for r in m["per_step"]):
             changed = [100 * (r.get("rollout/is_truncated_frac", 0.0) + r.get("rollout/is_masked_frac", 0.0))
                        for r in m["per_step"]]
             axes[3].plot([r["step"] for r in m["per_step"]], changed, label=mode)

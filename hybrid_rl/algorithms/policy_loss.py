@@ -194,9 +194,9 @@ def decoupled_ppo_loss(
     behaviour == proximal every correction gives w = 1 and the result
     equals ppo_clip_loss.
     Extra metrics: is_ratio_mean, is_ratio_max (masked tokens, of the ratio
-    the correction acted on, before truncation), is_truncated_frac (masked
-    tokens whose weight was truncated), is_masked_frac (masked tokens the
-    correction dropped).
+    the correction acted on, before truncation), and the share of masked
+    tokens it changed: is_truncated_frac for a truncating correction,
+    is_masked_frac for a masking one.
     """
     check_same_shape(
         proximal_log_prob=proximal_log_prob, behaviour_log_prob=behaviour_log_prob, response_mask=response_mask
@@ -213,8 +213,10 @@ def decoupled_ppo_loss(
         # Ratios are positive, so 0 outside the mask never wins the max.
         metrics["is_ratio_max"] = (select_masked(c.ratio, response_mask).max() if c.ratio.numel()
                                    else c.ratio.new_zeros(()))
-        metrics["is_truncated_frac"] = masked_mean(c.truncated.to(c.ratio.dtype), response_mask)
-        metrics["is_masked_frac"] = masked_mean(c.masked.to(c.ratio.dtype), response_mask)
+        if c.truncated is not None:
+            metrics["is_truncated_frac"] = masked_mean(c.truncated.to(c.ratio.dtype), response_mask)
+        if c.masked is not None:
+            metrics["is_masked_frac"] = masked_mean(c.masked.to(c.ratio.dtype), response_mask)
 
     loss = agg_loss(pg_losses * c.weights, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
                     norm_length=norm_length)

@@ -9,8 +9,8 @@ response token t of sequence i has the behaviour ratio
 and the loss multiplies each token's clipped PPO term by a detached factor w_{i,t} computed from it. A correction
 is the rule for w: one function per rule here, registered under the name ``algorithm.rollout_correction.method``
 takes (``ROLLOUT_CORRECTIONS``), with the config knobs it reads. Every one returns a ``Correction``: the factor, the
-ratio it acted on (for ``is_ratio_mean/max``), and which tokens it truncated or masked (``rollout/is_truncated_frac``,
-``rollout/is_masked_frac``). A masked token keeps its place in the loss's denominator (its loss is zeroed, the
+ratio it acted on (for ``is_ratio_mean/max``), and which tokens it truncated (the truncating rules: logged as
+``rollout/is_truncated_frac``) or masked (the masking rules: ``rollout/is_masked_frac``). A masked token keeps its place in the loss's denominator (its loss is zeroed, the
 normalisation is unchanged), as in SkyRL and verl. All of them give w = 1 everywhere when behaviour and proximal
 agree (ρ = 1), so decoupled PPO is then plain PPO whatever the method. Log-ratios are clamped to [−20, 20] before
 ``exp``; positions outside ``response_mask`` are never counted (their weight does not matter: the loss masks them).
@@ -47,10 +47,10 @@ class Correction:
     """The factor on each token's loss (0 = the token is dropped)."""
     ratio: Tensor
     """The ratio the rule acted on: ρ_{i,t} per token, or the sequence's own ratio on each of its tokens."""
-    truncated: Tensor
-    """Bool: tokens whose weight was cut down to the bound."""
-    masked: Tensor
-    """Bool: tokens whose loss the rule zeroed."""
+    truncated: Optional[Tensor]
+    """Bool: tokens whose weight was cut down to the bound; None for a rule that never truncates."""
+    masked: Optional[Tensor]
+    """Bool: tokens whose loss the rule zeroed; None for a rule that never masks."""
 
 
 RolloutCorrection = Callable[..., Correction]
@@ -99,12 +99,12 @@ def _check_cap(cap: Optional[float]) -> None:
 def _truncate(ratio: Tensor, cap: Optional[float]) -> Correction:
     _check_cap(cap)
     if cap is None:
-        return Correction(ratio, ratio, _none(ratio), _none(ratio))
-    return Correction(torch.clamp(ratio, max=cap), ratio, ratio > cap, _none(ratio))
+        return Correction(ratio, ratio, _none(ratio), None)
+    return Correction(torch.clamp(ratio, max=cap), ratio, ratio > cap, None)
 
 
 def _drop(ratio: Tensor, weights: Tensor, drop: Tensor) -> Correction:
-    return Correction(torch.where(drop, torch.zeros_like(weights), weights), ratio, _none(ratio), drop)
+    return Correction(torch.where(drop, torch.zeros_like(weights), weights), ratio, None, drop)
 
 
 @register_correction("token_truncate", config=lambda rc: {"cap": rc.cap})

@@ -17,8 +17,8 @@ class RolloutCorrectionConfig:
     ``hybrid_rl.algorithms.ROLLOUT_CORRECTIONS``: ``token_truncate`` min(ρ_t, cap) (AReaL, TIS); ``sequence_truncate``
     min(∏ρ_t, cap) per sequence; ``sequence_mask`` ∏ρ_t, the sequence dropped above ``cap``; ``geo_mask`` weight 1, the
     sequence dropped when the geometric mean of its ρ_t leaves [1 − ``geo_delta``, 1 + ``geo_delta``] (SkyRL);
-    ``token_mask`` ρ_t, the token dropped outside [``band_low``, ``band_high``] (IcePop). Metrics:
-    ``rollout/is_truncated_frac``, ``rollout/is_masked_frac`` (shares of response tokens)."""
+    ``token_mask`` ρ_t, the token dropped outside [``band_low``, ``band_high``] (IcePop). Metric: the share of
+    response tokens truncated (``rollout/is_truncated_frac``, the truncations) or masked (``rollout/is_masked_frac``)."""
     cap: Optional[float] = 2.0
     """``token_truncate``, ``sequence_truncate``: the bound on the weight; ``sequence_mask``: the sequence ratio above
     which a sequence is dropped (null = no bound: plain importance weights)."""
