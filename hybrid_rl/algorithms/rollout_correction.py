@@ -10,10 +10,11 @@ and the loss multiplies each token's clipped PPO term by a detached factor w_{i,
 is the rule for w: one function per rule here, registered under the name ``algorithm.rollout_correction.method``
 takes (``ROLLOUT_CORRECTIONS``), with the config knobs it reads. Every one returns a ``Correction``: the factor, the
 ratio it acted on (for ``is_ratio_mean/max``), and which tokens it truncated (the truncating rules: logged as
-``rollout/is_truncated_frac``) or masked (the masking rules: ``rollout/is_masked_frac``). A masked token keeps its place in the loss's denominator (its loss is zeroed, the
-normalisation is unchanged), as in SkyRL and verl. All of them give w = 1 everywhere when behaviour and proximal
-agree (ρ = 1), so decoupled PPO is then plain PPO whatever the method. Log-ratios are clamped to [−20, 20] before
-``exp``; positions outside ``response_mask`` are never counted (their weight does not matter: the loss masks them).
+``rollout/is_truncated_frac``) or masked (the masking rules: ``rollout/is_masked_frac``). A masked token keeps its
+place in the loss's denominator (its loss is zeroed, the normalisation is unchanged), as in SkyRL and verl. All of
+them give w = 1 everywhere when behaviour and proximal agree (ρ = 1), so decoupled PPO is then plain PPO whatever the
+method. Log-ratios are clamped to [−20, 20] before ``exp``; positions outside ``response_mask`` are never counted
+(their weight does not matter: the loss masks them).
 
 Left out: combining corrections (one method per run), lower bounds for the truncations and the product mask,
 SkyRL's outlier-token veto (drop a sequence for one extreme token), adaptive bands, and anything distributed.
