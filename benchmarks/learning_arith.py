@@ -3,25 +3,35 @@
 Runs ``recipes/arith_grpo_smollm2.yaml`` once per mode, one after the other on the same GPUs, with the same seed,
 data and number of steps, and writes one JSON and one PNG: greedy accuracy on the 1,000 held-out problems before
 and after training with its standard error sqrt(p(1-p)/n), each family's accuracy (200 problems each), the
-validation curve against steps and against wall-clock, and per step the training reward, response length, the
-share of answers given as the number alone (``format_exact``), the engine-vs-trainer log-prob gap
-(``rollout/logprob_diff``) and the samples' staleness. Wall-clock is the loop's own time (the sum of
+validation curve against steps and against wall-clock, the step and wall-clock at which accuracy first gained
+``--gain`` points, and per step the training reward, response length, the share of answers given as the number
+alone (``format_exact``), the engine-vs-trainer log-prob gap (``rollout/logprob_diff``), the samples' staleness and
+the share of tokens the off-policy correction truncated or masked. Wall-clock is the loop's own time (the sum of
 ``timing/iteration``: steps, validations, checkpoints), start-up excluded; each run's whole time is recorded beside
-it. Where two modes' validation samples are saved (the recipe's ``trainer.validation_data_dir``), their final
-accuracies are also compared per question: the paired difference and its standard error.
+it. The JSON records the test split's name (``data.arith.split`` from each run's resolved ``config.yaml``;
+``ordered`` for runs whose config predates the key: problems identified by family and operands in order, so a
+test problem's commuted or reworded twin could be a training row, and their figures are not comparable). Where
+validation samples are saved (the recipe's ``trainer.validation_data_dir``), each mode's final accuracy is also
+compared per question with sync's, and with the mean of the sync seeds when ``sync_seed1`` ran too: the paired
+difference, its standard error, and whether it lies within two of them.
 
-Modes (``--modes``, comma-separated; the defaults are the ones the README's chooser recommends):
+Modes (``--modes``, comma-separated; by default the two sync seeds and the modes the README's chooser recommends:
+``sync,sync_seed1,overlap,overlap_partial``, and ``split_partial`` with ``--gpus`` 2 or more):
 
-- ``sync``: generate, then train, every step;
-- ``overlap``: one-step overlap, colocated (``trainer.max_staleness=1``);
+- ``sync``: generate, then train, every step; ``sync_seed1``: the same with ``trainer.seed=1``;
+- ``overlap``: one-step overlap, colocated (``trainer.max_staleness=1``; token-level truncated IS, cap 2);
+- ``overlap_partial``: overlap colocated with partial rollouts, ``trainer.partial_rollout_ahead=3``,
+  ``trainer.max_staleness=4``;
+- ``overlap_sequence_mask``, ``overlap_geo_mask``, ``overlap_token_mask``: ``overlap`` with that
+  ``algorithm.rollout_correction.method`` at its default knobs;
 - ``split_partial``: split placement (half the GPUs generate, half train) with partial rollouts,
   ``trainer.partial_rollout_ahead=3``, ``trainer.max_staleness=4``.
 
-    python benchmarks/learning_arith.py --gpus 2 --steps 60 --out runs/learning_arith
+    python benchmarks/learning_arith.py --gpus 1 --modes sync,sync_seed1,overlap,overlap_partial --out runs/la
     python benchmarks/learning_arith.py --collect runs/learning_arith --json out.json   # from finished runs only
 
-On 2×H200 each mode's run takes ~2-4 minutes (vLLM start-up ~1 minute). Any further ``key=value`` arguments
-override the recipe in every mode. A run cut by ``--mode-timeout`` keeps what it logged; the JSON says so.
+On one H200 each mode's 200 steps take ~6-7 minutes (vLLM start-up ~1.5 minutes). Any further ``key=value``
+arguments override the recipe in every mode. A run cut by ``--mode-timeout`` keeps what it logged; the JSON says so.
 """
 
 from __future__ import annotations
@@ -39,16 +49,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_common import ROOT, git_commit, gpu_short_name, kill_tree  # noqa: E402
 
 RECIPE = "recipes/arith_grpo_smollm2.yaml"
+OVERLAP = ["trainer.mode=overlap", "trainer.max_staleness=1"]
 MODES = {
     "sync": ["trainer.mode=sync"],
-    "overlap": ["trainer.mode=overlap", "trainer.max_staleness=1"],
+    "sync_seed1": ["trainer.mode=sync", "trainer.seed=1"],
+    "overlap": OVERLAP,
+    "overlap_partial": ["trainer.mode=overlap", "trainer.partial_rollouts=true", "trainer.partial_rollout_ahead=3",
+                        "trainer.max_staleness=4"],
+    **{f"overlap_{m}": [*OVERLAP, f"algorithm.rollout_correction.method={m}"]
+       for m in ("sequence_mask", "geo_mask", "token_mask")},
     "split_partial": ["trainer.placement=split", "trainer.mode=overlap", "trainer.partial_rollouts=true",
                       "trainer.partial_rollout_ahead=3", "trainer.max_staleness=4"],
 }
+SYNC_SEEDS = ("sync", "sync_seed1")
 STEP_CURVES = ["reward/mean", "rollout/response_length_mean", "reward/format_exact", "reward/answer_found",
                "rollout/logprob_diff", "rollout/staleness_mean", "rollout/staleness_max",
                "rollout/token_staleness_mean", "rollout/token_staleness_max", "rollout/is_ratio_mean",
-               "rollout/is_ratio_max", "rollout/is_truncated_frac", "timing/step", "timing/iteration",
+               "rollout/is_ratio_max", "rollout/is_truncated_frac", "rollout/is_masked_frac", "timing/step",
+               "timing/iteration",
                "timing/gen", "timing/update", "actor/ppo_kl", "actor/pg_clipfrac"]
 
 
@@ -89,6 +107,27 @@ def read_rows(run: Path) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def arith_split(run: Path) -> str | None:
+    """The run's ``data.arith.split`` from its resolved config; ``ordered`` where the config predates the key."""
+    import yaml
+
+    path = run / "config.yaml"
+    if not path.is_file():
+        return None
+    arith = (yaml.safe_load(path.read_text()) or {}).get("data", {}).get("arith", {})
+    return arith.get("split", "ordered")
+
+
+def first_gain(curve: list[dict], points: float) -> dict | None:
+    """The first validation at least ``points`` percentage points above the first one: its step and wall-clock."""
+    if not curve:
+        return None
+    for c in curve:
+        if c["acc"] - curve[0]["acc"] >= points / 100 - 1e-12:
+            return {"points": points, "step": c["step"], "wall_s": c["wall_s"]}
+    return {"points": points, "step": None, "wall_s": None}
+
+
 def se(p: float, n: int) -> float:
     return math.sqrt(max(p * (1 - p), 0.0) / n) if n else float("nan")
 
@@ -104,7 +143,7 @@ def val_scores(run: Path, step: int) -> dict[int, float]:
     return scores
 
 
-def summarize(mode: str, run: Path, n_test: int, meta: dict | None) -> dict | None:
+def summarize(mode: str, run: Path, n_test: int, meta: dict | None, gain: float) -> dict | None:
     rows = read_rows(run)
     if not rows:
         return None
@@ -125,6 +164,8 @@ def summarize(mode: str, run: Path, n_test: int, meta: dict | None) -> dict | No
         "se_after": se(last["acc"], n_test) if last else None, "step_after": last["step"] if last else None,
         "families_after": {f: {"acc": a, "se": se(a, n_test // max(len(last["families"]), 1))}
                            for f, a in last["families"].items()} if last else {},
+        "split": arith_split(run),
+        "gain": first_gain(curve, gain),
         "train_wall_s": round(wall, 1),
         "mean_step_s": sum(r.get("timing/iteration", 0.0) for r in steps) / max(len(steps), 1),
         "curve": curve,
@@ -135,16 +176,19 @@ def summarize(mode: str, run: Path, n_test: int, meta: dict | None) -> dict | No
     return out
 
 
-def paired(run_a: Path, run_b: Path, step_a: int, step_b: int) -> dict | None:
-    """Per-question difference of two runs' final greedy scores: mean and standard error (None without samples)."""
-    a, b = val_scores(run_a, step_a), val_scores(run_b, step_b)
-    common = sorted(set(a) & set(b))
+def paired(refs: list[tuple[Path, int]], run_b: Path, step_b: int) -> dict | None:
+    """Per question, run b's final greedy score minus the mean of the reference runs' (one run, or the sync seeds):
+    the mean difference, its standard error, and whether it lies within two of them (None without samples)."""
+    ref_scores = [val_scores(run, step) for run, step in refs]
+    b = val_scores(run_b, step_b)
+    common = sorted(set(b).intersection(*ref_scores))
     if not common:
         return None
-    d = [b[i] - a[i] for i in common]
+    d = [b[i] - sum(r[i] for r in ref_scores) / len(ref_scores) for i in common]
     mean = sum(d) / len(d)
     var = sum((x - mean) ** 2 for x in d) / max(len(d) - 1, 1)
-    return {"diff": mean, "se": math.sqrt(var / len(d)), "n": len(d),
+    err = math.sqrt(var / len(d))
+    return {"diff": mean, "se": err, "within_2se": abs(mean) <= 2 * err, "n": len(d),
             "gained": sum(x > 0 for x in d), "lost": sum(x < 0 for x in d)}
 
 
@@ -154,7 +198,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.6))
     for mode, m in result["modes"].items():
         xs = [c["wall_s"] for c in m["curve"]]
         ys = [100 * c["acc"] for c in m["curve"]]
@@ -162,14 +206,19 @@ def plot(result: dict, path: Path) -> None:
         axes[1].plot([c["step"] for c in m["curve"]], ys, marker="o", label=mode)
         axes[2].plot([r["step"] for r in m["per_step"]], [r.get("reward/mean", float("nan")) for r in m["per_step"]],
                      label=mode)
+        if any("rollout/is_truncated_frac" in r or "rollout/is_masked_frac" in r for r in m["per_step"]):
+            changed = [100 * (r.get("rollout/is_truncated_frac", 0.0) + r.get("rollout/is_masked_frac", 0.0))
+                       for r in m["per_step"]]
+            axes[3].plot([r["step"] for r in m["per_step"]], changed, label=mode)
     axes[0].set(xlabel="training wall-clock (s)", ylabel="held-out greedy accuracy (%)", title="accuracy vs time")
     axes[1].set(xlabel="step", ylabel="held-out greedy accuracy (%)", title="accuracy vs steps")
     axes[2].set(xlabel="step", ylabel="training reward (mean)", title="training reward")
+    axes[3].set(xlabel="step", ylabel="tokens truncated or masked (%)", title="off-policy correction")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"SmolLM2-135M-Instruct, held-out arithmetic ({result['n_test']} problems), {result['device']}, "
-                 f"commit {result['commit']}")
+    fig.suptitle(f"SmolLM2-135M-Instruct, held-out arithmetic ({result['n_test']} problems, split "
+                 f"{result['split']}), {result['device']}, commit {result['commit']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -188,11 +237,13 @@ def device_name(gpus: int) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", type=int, default=1, help="ranks per run (split_partial needs at least 2)")
-    ap.add_argument("--modes", default="sync,overlap,split_partial")
-    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--modes", help="comma-separated (default: sync,sync_seed1,overlap,overlap_partial, and "
+                                    "split_partial with --gpus 2 or more)")
+    ap.add_argument("--steps", type=int, default=200, help="steps per run (the recipe's 200)")
     ap.add_argument("--out", default="runs/learning_arith", help="run directory (one folder per mode)")
     ap.add_argument("--collect", metavar="DIR", help="only summarise the finished runs in DIR")
-    ap.add_argument("--mode-timeout", type=float, default=600.0, help="seconds per mode's run")
+    ap.add_argument("--mode-timeout", type=float, default=900.0, help="seconds per mode's run")
+    ap.add_argument("--gain", type=float, default=30.0, help="points of accuracy whose first step and time are reported")
     ap.add_argument("--device", help="device tag for the JSON (default: read from torch)")
     ap.add_argument("--json", help="where to write the JSON (default: OUT/learning_arith_smollm2_<device>.json)")
     ap.add_argument("--n-test", type=int, default=1000, help="test problems validated (data.arith.test_size)")
@@ -200,7 +251,8 @@ def main() -> int:
     bad = [o for o in overrides if "=" not in o or o.startswith("-")]
     if bad:
         ap.error(f"unknown arguments {bad}: recipe overrides are key=value")
-    modes = [m for m in args.modes.split(",") if m]
+    default = "sync,sync_seed1,overlap,overlap_partial" + (",split_partial" if args.gpus >= 2 else "")
+    modes = [m for m in (args.modes or default).split(",") if m]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         ap.error(f"--modes: unknown {unknown}; choose from {list(MODES)}")
@@ -220,32 +272,42 @@ def main() -> int:
         meta_path.write_text(json.dumps(meta, indent=1))
     result = {"benchmark": "learning_arith", "model": "builtin:smollm2-135m-instruct", "recipe": RECIPE,
               "device": device, "gpus_per_run": args.gpus, "commit": git_commit(), "n_test": args.n_test,
-              "held_out": "data.val_path=synthetic:arith: 1,000 problems (200 each of add, sub, mul, max, word), "
-                          "never in training",
+              "held_out": "data.val_path=synthetic:arith: 1,000 problems (200 each of add, sub, mul, max, word) of "
+                          "distinct canonical identities (operation and operands, unordered for + * max, whatever "
+                          "the wording), none of them a training row in any order or wording",
               "settings": {"steps": args.steps, "overrides": overrides,
                            "modes": {m: MODES[m] for m in modes}},
               "modes": {}}
     for mode in modes:
-        s = summarize(mode, out / mode, args.n_test, meta.get(mode))
+        s = summarize(mode, out / mode, args.n_test, meta.get(mode), args.gain)
         if s is not None:
             result["modes"][mode] = s
+    splits = sorted({str(m["split"]) for m in result["modes"].values()})
+    result["split"] = splits[0] if len(splits) == 1 else splits  # runs on different splits are not comparable
     sync = result["modes"].get("sync")
     if sync:
         result.update(acc_before=sync["acc_before"], acc_after=sync["acc_after"], se=sync["se_after"],
                       se_before=se(sync["acc_before"], args.n_test) if sync["acc_before"] is not None else None)
+        seeds = [(out / k, result["modes"][k]["step_after"]) for k in SYNC_SEEDS
+                 if k in result["modes"] and result["modes"][k]["step_after"] is not None]
         for mode, m in result["modes"].items():
             if mode != "sync" and m["step_after"] is not None:
-                m["vs_sync"] = paired(out / "sync", out / mode, sync["step_after"], m["step_after"])
+                m["vs_sync"] = paired([(out / "sync", sync["step_after"])], out / mode, m["step_after"])
+                if len(seeds) > 1 and mode not in SYNC_SEEDS:
+                    m["vs_sync_seeds_mean"] = paired(seeds, out / mode, m["step_after"])
     json_path = Path(args.json) if args.json else out / f"learning_arith_smollm2_{device}.json"
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=1))
     if result["modes"]:
         plot(result, json_path.with_suffix(".png"))
-    print(f"{'mode':<14} {'steps':>5} {'acc before':>10} {'acc after':>10} {'train s':>8} {'step s':>7}")
+    print(f"split: {result['split']}")
+    print(f"{'mode':<22} {'steps':>5} {'acc before':>10} {'acc after':>10} {'train s':>8} {'step s':>7} "
+          f"{f'+{args.gain:g} at s':>10}")
     for mode, m in result["modes"].items():
         fmt = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
-        print(f"{mode:<14} {m['steps_run']:>5} {fmt(m['acc_before']):>10} {fmt(m['acc_after']):>10} "
-              f"{m['train_wall_s']:>8.0f} {m['mean_step_s']:>7.2f}")
+        at = m["gain"]["wall_s"] if m["gain"] else None
+        print(f"{mode:<22} {m['steps_run']:>5} {fmt(m['acc_before']):>10} {fmt(m['acc_after']):>10} "
+              f"{m['train_wall_s']:>8.0f} {m['mean_step_s']:>7.2f} {'-' if at is None else f'{at:.0f}':>10}")
     print(f"wrote {json_path}")
     failed = [m for m in modes if not args.collect and meta.get(m, {}).get("rc") not in (0,)]
     if failed:

@@ -1,7 +1,7 @@
 """RL algorithm math: advantage estimators, policy losses, the critic's value loss,
 KL terms and controllers, and the masked tensor helpers they share. Pure tensor functions, no distributed code.
-Estimators and losses are registered by name (``ADV_ESTIMATORS``,
-``POLICY_LOSSES``) beside their definitions."""
+Estimators, losses and decoupled PPO's off-policy corrections are registered by name (``ADV_ESTIMATORS``,
+``POLICY_LOSSES``, ``ROLLOUT_CORRECTIONS``) beside their definitions."""
 
 from .advantages import (
     ADV_ESTIMATORS,
@@ -37,17 +37,32 @@ from .kl import (
     sequence_kl,
 )
 from .policy_loss import POLICY_LOSSES, PolicyLossInfo, decoupled_ppo_loss, ppo_clip_loss, register_policy_loss
+from .rollout_correction import (
+    ROLLOUT_CORRECTIONS,
+    Correction,
+    CorrectionInfo,
+    geo_mask,
+    make_correction,
+    register_correction,
+    sequence_mask,
+    sequence_truncate,
+    token_mask,
+    token_truncate,
+)
 from .value_loss import clipped_value_loss
 
 __all__ = [
     "ADV_ESTIMATORS",
     "AdaptiveKLController",
+    "Correction",
+    "CorrectionInfo",
     "FixedKLController",
     "EstimatorInfo",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
     "PolicyLossInfo",
+    "ROLLOUT_CORRECTIONS",
     "agg_loss",
     "apply_kl_in_reward",
     "clipped_value_loss",
@@ -55,6 +70,7 @@ __all__ = [
     "dr_grpo_advantage",
     "entropy_from_logits",
     "gae_advantage",
+    "geo_mask",
     "grpo_advantage",
     "kl_k1",
     "kl_k2",
@@ -62,15 +78,21 @@ __all__ = [
     "kl_loss",
     "kl_penalty",
     "logprobs_from_logits",
+    "make_correction",
     "make_kl_controller",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
     "ppo_clip_loss",
+    "register_correction",
     "register_estimator",
     "register_policy_loss",
     "reinforce_pp_advantage",
     "rloo_advantage",
     "sequence_kl",
+    "sequence_mask",
+    "sequence_truncate",
+    "token_mask",
+    "token_truncate",
 ]

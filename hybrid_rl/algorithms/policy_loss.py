@@ -16,8 +16,9 @@ keyword arguments every loss shares (``log_prob``, ``advantages``,
 ``response_mask``, the clip ratios, ``loss_agg_mode``, ``num_tokens``,
 ``num_seqs``, ``norm_length``) plus what the registration's ``inputs(tensors,
 cfg)`` returns: the loss's own arguments, read from the micro-batch's tensors
-and the config (e.g. decoupled PPO's behaviour log-probs). A new loss is one
-function plus one ``register_policy_loss(...)``.
+and the config (e.g. decoupled PPO's behaviour log-probs and its off-policy
+correction, ``rollout_correction.py``). A new loss is one function plus one
+``register_policy_loss(...)``.
 
 Left out: entropy bonus and KL loss (separate terms the caller adds, see
 ``core.entropy_from_logits`` and ``kl.kl_loss``), value loss, CISPO
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
@@ -36,6 +38,7 @@ from torch import Tensor
 from hybrid_rl.registry import Registry
 
 from .core import Number, check_same_shape, select_masked, agg_loss, masked_mean, masked_sum
+from .rollout_correction import Correction, make_correction, token_truncate
 
 __all__ = ["POLICY_LOSSES", "PolicyLossInfo", "decoupled_ppo_loss", "gspo_loss", "ppo_clip_loss", "register_policy_loss"]
 
@@ -155,39 +158,11 @@ def ppo_clip_loss(
 # ---------------------------------------------------------------------------
 
 
-def _token_is_log_weights(log_diff: Tensor, response_mask: Tensor) -> Tensor:
-    return log_diff  # [B, R]
-
-
-def _sequence_is_log_weights(log_diff: Tensor, response_mask: Tensor) -> Tensor:
-    seq = masked_sum(log_diff, response_mask, dim=-1)  # [B]
-    return seq.unsqueeze(-1).expand_as(log_diff)  # [B, R]
-
-
-def _truncate_weights(weights: Tensor, is_cap: float) -> Tensor:
-    return torch.clamp(weights, max=is_cap)
-
-
-def _mask_weights(weights: Tensor, is_cap: float) -> Tensor:
-    return torch.where(weights > is_cap, torch.zeros_like(weights), weights)
-
-
-_IS_LEVELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "token": _token_is_log_weights,
-    "sequence": _sequence_is_log_weights,
-}
-_IS_MODES: dict[str, Callable[[Tensor, float], Tensor]] = {
-    "truncate": _truncate_weights,
-    "mask": _mask_weights,
-}
-
-
 def _decoupled_inputs(t: Mapping[str, Tensor], cfg: Any) -> dict[str, Any]:
     # Trust region around the proximal policy (the trainer's old_log_probs under θ_k), importance-weighted back
     # to the behaviour policy that sampled (the engine's log-probs, possibly θ_{k-1}).
-    rc = cfg.algorithm.rollout_correction
-    return dict(proximal_log_prob=t["old_log_probs"], behaviour_log_prob=t["rollout_log_probs"], is_cap=rc.cap,
-                is_level=rc.level, is_mode=rc.mode)
+    return dict(proximal_log_prob=t["old_log_probs"], behaviour_log_prob=t["rollout_log_probs"],
+                correction=make_correction(cfg.algorithm.rollout_correction))
 
 
 @register_policy_loss("decoupled_ppo", inputs=_decoupled_inputs)
@@ -200,9 +175,7 @@ def decoupled_ppo_loss(
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
     clip_ratio_c: Optional[float] = None,
-    is_cap: Optional[float] = 2.0,
-    is_level: str = "token",
-    is_mode: str = "truncate",
+    correction: Callable[[Tensor, Tensor], Correction] = partial(token_truncate, cap=2.0),
     loss_agg_mode: str = "token-mean",
     num_tokens: Optional[Number] = None,
     num_seqs: Optional[Number] = None,
@@ -213,26 +186,18 @@ def decoupled_ppo_loss(
     The trust region is taken around the *proximal* policy (the weights
     just before this update), while the samples came from an older
     *behaviour* policy. So: clipped PPO loss on pi_theta / pi_prox, times
-    the detached importance weight w = pi_prox / pi_behav.
-
-    is_level: "token" (per-token w) or "sequence" (w = exp of the masked
-      sum of per-token log ratios, shared by the sequence's tokens).
-    is_mode:  "truncate" (w = min(w, is_cap)) or "mask" (w > is_cap -> 0,
-      i.e. excluded; the loss denominator is not reduced).
-    is_cap None disables both. Log-weights are clamped to [-20, 20] before
-    exp. When behaviour == proximal every w is exactly 1 and the result
+    a detached factor w computed from the behaviour ratio
+    rho = pi_prox / pi_behav by ``correction(log_ratio, response_mask)``,
+    one of ``rollout_correction.ROLLOUT_CORRECTIONS`` with its knobs bound
+    (default: token-level truncation, w = min(rho, 2)). A token the
+    correction masks (w = 0) stays in the loss's denominator. When
+    behaviour == proximal every correction gives w = 1 and the result
     equals ppo_clip_loss.
-    Extra metrics: is_ratio_mean, is_ratio_max (before truncation, masked
-    tokens), is_truncated_frac (masked tokens with w > is_cap).
+    Extra metrics: is_ratio_mean, is_ratio_max (masked tokens, of the ratio
+    the correction acted on, before truncation), and the share of masked
+    tokens it changed: is_truncated_frac for a truncating correction,
+    is_masked_frac for a masking one.
     """
-    level_fn = _IS_LEVELS.get(is_level)
-    if level_fn is None:
-        raise ValueError(f"unknown is_level {is_level!r}; valid: {', '.join(_IS_LEVELS)}")
-    mode_fn = _IS_MODES.get(is_mode)
-    if mode_fn is None:
-        raise ValueError(f"unknown is_mode {is_mode!r}; valid: {', '.join(_IS_MODES)}")
-    if is_cap is not None and not is_cap > 0:
-        raise ValueError(f"is_cap must be > 0 or None, got {is_cap}")
     check_same_shape(
         proximal_log_prob=proximal_log_prob, behaviour_log_prob=behaviour_log_prob, response_mask=response_mask
     )
@@ -243,20 +208,17 @@ def decoupled_ppo_loss(
 
     with torch.no_grad():
         log_diff = (proximal_log_prob - behaviour_log_prob).to(pg_losses.dtype)  # [B, R]
-        log_w = torch.clamp(level_fn(log_diff, response_mask), -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-        raw_w = torch.exp(log_w)  # [B, R]
-        if is_cap is None:
-            weights = raw_w
-            exceeded = torch.zeros_like(raw_w, dtype=torch.bool)
-        else:
-            weights = mode_fn(raw_w, is_cap)
-            exceeded = raw_w > is_cap
-        metrics["is_ratio_mean"] = masked_mean(raw_w, response_mask)
-        # Weights are positive, so 0 outside the mask never wins the max.
-        metrics["is_ratio_max"] = select_masked(raw_w, response_mask).max() if raw_w.numel() else raw_w.new_zeros(())
-        metrics["is_truncated_frac"] = masked_mean(exceeded.to(raw_w.dtype), response_mask)
+        c = correction(log_diff, response_mask)
+        metrics["is_ratio_mean"] = masked_mean(c.ratio, response_mask)
+        # Ratios are positive, so 0 outside the mask never wins the max.
+        metrics["is_ratio_max"] = (select_masked(c.ratio, response_mask).max() if c.ratio.numel()
+                                   else c.ratio.new_zeros(()))
+        if c.truncated is not None:
+            metrics["is_truncated_frac"] = masked_mean(c.truncated.to(c.ratio.dtype), response_mask)
+        if c.masked is not None:
+            metrics["is_masked_frac"] = masked_mean(c.masked.to(c.ratio.dtype), response_mask)
 
-    loss = agg_loss(pg_losses * weights, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+    loss = agg_loss(pg_losses * c.weights, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
                     norm_length=norm_length)
     return loss, metrics
 

@@ -12,17 +12,41 @@ from hybrid_rl.config.errors import ConfigError
 class RolloutCorrectionConfig:
     apply: Literal["auto", "always", "never"] = "auto"
     """Decoupled PPO (π_θ/π_prox clipped, weighted by π_prox/π_behav); ``auto`` = only in overlap mode with staleness ≥ 1."""
-    level: Literal["token", "sequence"] = "token"
-    """Importance weight per token, or one per sequence (product of token ratios)."""
-    mode: Literal["truncate", "mask"] = "truncate"
-    """Weights above ``cap`` are cut to ``cap`` (truncate) or drop their tokens/sequences (mask)."""
+    method: str = "token_truncate"
+    """How the behaviour ratio ρ = π_prox/π_behav weighs each token's loss, a name in
+    ``hybrid_rl.algorithms.ROLLOUT_CORRECTIONS``: ``token_truncate`` min(ρ_t, cap) (AReaL, TIS); ``sequence_truncate``
+    min(∏ρ_t, cap) per sequence; ``sequence_mask`` ∏ρ_t, the sequence dropped above ``cap``; ``geo_mask`` weight 1, the
+    sequence dropped when the geometric mean of its ρ_t leaves [1 − ``geo_delta``, 1 + ``geo_delta``] (SkyRL);
+    ``token_mask`` ρ_t, the token dropped outside [``band_low``, ``band_high``] (IcePop). Metric: the share of
+    response tokens truncated (``rollout/is_truncated_frac``, the truncations) or masked (``rollout/is_masked_frac``)."""
     cap: Optional[float] = 2.0
-    """Upper bound on π_prox/π_behav (null = none)."""
+    """``token_truncate``, ``sequence_truncate``: the bound on the weight; ``sequence_mask``: the sequence ratio above
+    which a sequence is dropped (null = no bound: plain importance weights)."""
+    geo_delta: float = 0.01
+    """``geo_mask``: δ, the band [1 − δ, 1 + δ] a sequence's geometric-mean ratio must stay in (SkyRL: 0.01)."""
+    band_low: float = 0.5
+    """``token_mask``: tokens with ρ_t below this are dropped (IcePop's α = 0.5; 0 = no lower bound)."""
+    band_high: float = 5.0
+    """``token_mask``: tokens with ρ_t above this are dropped (IcePop's β = 5)."""
 
 
     def validate(self) -> None:
+        key = "algorithm.rollout_correction"
         if self.cap is not None and self.cap <= 1:
-            raise ConfigError(f"algorithm.rollout_correction.cap={self.cap} must be > 1 (or null for no cap)")
+            raise ConfigError(f"{key}.cap={self.cap} must be > 1 (or null for no cap)")
+        if not 0 < self.geo_delta < 1:
+            raise ConfigError(f"{key}.geo_delta={self.geo_delta} must be in (0, 1): sequences are kept while their "
+                              f"geometric-mean ratio is within [1 - geo_delta, 1 + geo_delta] (SkyRL uses 0.01)")
+        if not 0 <= self.band_low < 1 < self.band_high:
+            raise ConfigError(f"{key}.band_low={self.band_low}, {key}.band_high={self.band_high}: the band must hold "
+                              f"1 (0 <= band_low < 1 < band_high), or on-policy tokens would be dropped; IcePop uses "
+                              f"0.5 and 5")
+
+
+REMOVED_KEYS = {f"algorithm.rollout_correction.{k}": "replaced by algorithm.rollout_correction.method (token_truncate, "
+                "sequence_truncate, sequence_mask, geo_mask, token_mask); delete the key and name the method"
+                for k in ("level", "mode")}
+"""Keys of this section that no longer exist, with what to do instead."""
 
 
 @dataclass

@@ -15,7 +15,9 @@ from hybrid_rl.config.errors import ConfigError
 
 REGISTERED_KEYS = {"algorithm.adv_estimator": ("hybrid_rl.algorithms.advantages", "ADV_ESTIMATORS"),
                    "rollout.name": ("hybrid_rl.rollout", "ROLLOUT_ENGINES"),
-                   "actor.policy_loss": ("hybrid_rl.algorithms.policy_loss", "POLICY_LOSSES")}
+                   "actor.policy_loss": ("hybrid_rl.algorithms.policy_loss", "POLICY_LOSSES"),
+                   "algorithm.rollout_correction.method": ("hybrid_rl.algorithms.rollout_correction",
+                                                           "ROLLOUT_CORRECTIONS")}
 _AUTO_KEYS = frozenset({"actor.policy_loss"})
 
 
@@ -42,5 +44,7 @@ def check_choice(key: str, value: Any) -> None:
 def check_registered(cfg: Any) -> None:
     """Every registered key of ``cfg`` (a ``Config``) names a registered object."""
     for key in REGISTERED_KEYS:
-        section, name = key.split(".")
-        check_choice(key, getattr(getattr(cfg, section), name))
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        check_choice(key, value)

@@ -8,27 +8,38 @@ Five families, each a short question with one integer answer:
 - ``max``: ``Which number is the largest: 12, 85, 33, 7, 61?`` (``list_length`` distinct numbers below 10**digits)
 - ``word``: one-step word problems (``Tom has 37 apples and buys 45 more. ...``) that add, subtract or multiply
 
-**Train and test never share a problem.** A problem's identity is its family and operands (a word problem's:
-its template and numbers, whatever the names and objects in it), and a fixed hash of that identity puts a fifth of
-every family's problems in the test split, so no seed, row count or family mix can leak a test problem into
-training. The test set is the same for every run (its own fixed seed), families interleaved so that any prefix is
-balanced between them. Training rows are drawn with replacement from the rest, the families in turn.
+**Train and test never share a problem** (``data.arith.split: canonical``, the only split). A problem is its
+*canonical identity*: the operation and its operands as that operation sees them, whatever the family, wording or
+order. Addition and multiplication are commutative, so their operands count unordered (``7 * 46`` and ``46 * 7`` are
+one problem); subtraction's count in order; the largest of a list is the same problem for any order of the list (a
+multiset); a word problem is its underlying operation and numbers, whatever the template, names and objects (so
+``Tom has 37 apples and buys 45 more`` is the problem ``37 + 45``, the same as the ``add`` family's). A fixed hash of
+the canonical identity puts two in five problems in the test split (multiplication has only 720 distinct problems
+at two digits: a fifth would not hold its 200 test problems and the word problems' products), so no seed, row
+count or family mix can put a test problem, in any wording or order, into training. The test set is the same for
+every run (its own fixed seed), distinct canonical problems, families interleaved so that any prefix is balanced
+between them. Training rows are drawn with replacement from the rest, the families in turn.
 
 Rows are plain dicts (``family``, ``question``, ``answer``); ``ArithTask`` in ``tasks.py`` turns them into chat
-prompts. Left out: carries/borrows as an explicit difficulty knob, division, multi-step problems.
+prompts. Left out: carries/borrows as an explicit difficulty knob, division, multi-step problems, and any split
+by the problems' text or operand order (a test problem's commuted or reworded twin would be a training row).
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import numpy as np
 
 FAMILIES = ("add", "sub", "mul", "max", "word")
+SPLITS = ("canonical",)
+"""The train/test splits by name (``data.arith.split``): ``canonical``, by the canonical identity above."""
 TEST_BUCKETS = 5
-"""A problem is held out when the hash of its identity is 0 modulo this: a fifth of each family's problems."""
+"""A problem's hash modulo this picks its bucket; ``TEST_SHARE`` of the buckets are the test split."""
+TEST_SHARE = 2
+"""Buckets ``0 .. TEST_SHARE - 1`` are held out: two in five canonical problems of every operation."""
 TEST_SEED = 20261128
 """The test set's own seed: every run validates on the same problems."""
 
@@ -54,12 +65,24 @@ class ArithConfig:
     """Numbers in a ``max`` problem, 2-20."""
     test_size: int = 1000
     """Held-out problems in the test set (``data.val_path: synthetic:arith``), split evenly over the families."""
+    split: Literal["canonical"] = "canonical"
+    """How problems are held out: ``canonical``, by operation and operands whatever their order (for + and *) or
+    wording (word problems), so no training row is a test problem commuted or reworded (the module's docstring)."""
+
+
+def canonical_identity(op: str, operands: tuple[int, ...]) -> tuple:
+    """The problem ``op`` (``+``, ``-``, ``*``, ``max``) asks of ``operands``, as a tuple: the operands sorted for the
+    commutative operations (+, *, and max, whose list is a multiset), in order for subtraction."""
+    if op not in ("+", "-", "*", "max"):
+        raise ValueError(f"unknown operation {op!r}")
+    return (op, *(operands if op == "-" else sorted(operands)))
 
 
 def problem_is_held_out(identity: tuple) -> bool:
-    """Whether the problem with this identity belongs to the test split (a fixed hash: the same on every machine)."""
+    """Whether the problem with this canonical identity belongs to the test split (a fixed hash: the same on every
+    machine and Python)."""
     digest = hashlib.blake2b(repr(identity).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % TEST_BUCKETS == 0
+    return int.from_bytes(digest, "little") % TEST_BUCKETS < TEST_SHARE
 
 
 def check_config(cfg: ArithConfig, key: str = "data.arith") -> None:
@@ -76,6 +99,8 @@ def check_config(cfg: ArithConfig, key: str = "data.arith") -> None:
     if "max" in cfg.families and cfg.list_length > 10 ** cfg.digits - 1:
         raise ValueError(f"{key}.list_length={cfg.list_length} distinct numbers below {10 ** cfg.digits} do not exist; "
                          f"raise {key}.digits or lower {key}.list_length")
+    if cfg.split not in SPLITS:
+        raise ValueError(f"{key}.split={cfg.split!r} is not a split; use one of {list(SPLITS)}")
     if cfg.test_size < len(cfg.families):
         raise ValueError(f"{key}.test_size={cfg.test_size} must be at least one problem per family "
                          f"({len(cfg.families)})")
@@ -87,23 +112,24 @@ def _operand(rng: np.random.Generator, digits: int) -> int:
 
 def _add(rng: np.random.Generator, cfg: ArithConfig) -> tuple[tuple, str, int]:
     a, b = _operand(rng, cfg.digits), _operand(rng, cfg.digits)
-    return ("add", a, b), f"What is {a} + {b}?", a + b
+    return canonical_identity("+", (a, b)), f"What is {a} + {b}?", a + b
 
 
 def _sub(rng: np.random.Generator, cfg: ArithConfig) -> tuple[tuple, str, int]:
     a, b = sorted((_operand(rng, cfg.digits), _operand(rng, cfg.digits)), reverse=True)
-    return ("sub", a, b), f"What is {a} - {b}?", a - b
+    return canonical_identity("-", (a, b)), f"What is {a} - {b}?", a - b
 
 
 def _mul(rng: np.random.Generator, cfg: ArithConfig) -> tuple[tuple, str, int]:
     small, big = int(rng.integers(2, 10)), _operand(rng, cfg.digits)
     a, b = (small, big) if rng.integers(2) else (big, small)
-    return ("mul", a, b), f"What is {a} * {b}?", a * b
+    return canonical_identity("*", (a, b)), f"What is {a} * {b}?", a * b
 
 
 def _max(rng: np.random.Generator, cfg: ArithConfig) -> tuple[tuple, str, int]:
     nums = [int(x) + 1 for x in rng.choice(10 ** cfg.digits - 1, size=cfg.list_length, replace=False)]
-    return ("max", *nums), f"Which number is the largest: {', '.join(map(str, nums))}?", max(nums)
+    question = f"Which number is the largest: {', '.join(map(str, nums))}?"
+    return canonical_identity("max", tuple(nums)), question, max(nums)
 
 
 def _word(rng: np.random.Generator, cfg: ArithConfig) -> tuple[tuple, str, int]:
@@ -118,7 +144,7 @@ def _word(rng: np.random.Generator, cfg: ArithConfig) -> tuple[tuple, str, int]:
             a, b = max(a, b), min(a, b)
         answer = a + b if op == "+" else a - b
     text = template.format(n=NAMES[int(rng.integers(len(NAMES)))], i=ITEMS[int(rng.integers(len(ITEMS)))], a=a, b=b)
-    return ("word", t, a, b), text, answer
+    return canonical_identity(op, (a, b)), text, answer
 
 
 DRAW: dict[str, Callable[[np.random.Generator, ArithConfig], tuple[tuple, str, int]]] = {
@@ -136,7 +162,7 @@ def training_rows(num: int, seed: int, cfg: ArithConfig) -> list[dict[str, Any]]
     rows = []
     for i in range(num):
         family = cfg.families[i % len(cfg.families)]
-        while True:  # four in five draws are training problems
+        while True:  # three in five draws are training problems
             identity, question, answer = DRAW[family](rng, cfg)
             if not problem_is_held_out(identity):
                 break
@@ -145,13 +171,14 @@ def training_rows(num: int, seed: int, cfg: ArithConfig) -> list[dict[str, Any]]
 
 
 def held_out_rows(cfg: ArithConfig) -> list[dict[str, Any]]:
-    """The held-out test set: ``cfg.test_size`` distinct problems, the families in turn (the same for every run)."""
+    """The held-out test set: ``cfg.test_size`` problems of distinct canonical identities (across families too: a word
+    problem is never an ``add`` test problem reworded), the families in turn (the same for every run)."""
     check_config(cfg)
     rng = np.random.default_rng(TEST_SEED)
     per_family = {f: [] for f in cfg.families}
+    seen: set[tuple] = set()
     for k, family in enumerate(cfg.families):
         want = cfg.test_size // len(cfg.families) + (k < cfg.test_size % len(cfg.families))
-        seen: set[tuple] = set()
         tries = 0
         while len(per_family[family]) < want and tries < 200 * want * TEST_BUCKETS:  # gives up when they run out
             tries += 1

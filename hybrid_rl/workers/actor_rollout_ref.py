@@ -439,7 +439,7 @@ class ActorRolloutRefWorker:
         pg_loss, pg_m = policy_loss(log_prob=log_prob, advantages=t["advantages"], response_mask=mask, **own, **clip)
         loss = pg_loss
         names = {"pg_clipfrac": "actor/pg_clipfrac", "ppo_kl": "actor/ppo_kl", "pg_clipfrac_lower": "actor/pg_clipfrac_lower",
-                 "is_truncated_frac": "rollout/is_truncated_frac"}
+                 "is_truncated_frac": "rollout/is_truncated_frac", "is_masked_frac": "rollout/is_masked_frac"}
         metrics = {names[k]: torch.as_tensor(v).detach() for k, v in pg_m.items() if k in names}
         if entropy is not None:
             ent_loss = alg.agg_loss(entropy, mask, a.loss_agg_mode, **denoms)

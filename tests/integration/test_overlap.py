@@ -87,6 +87,21 @@ def test_decoupled_loss_reweights_stale_samples(tiny_model_path):
     assert stats_b["rollout/is_truncated_frac"][0] == 0.0
 
 
+def test_the_configured_correction_reaches_the_update(tiny_model_path):
+    """``algorithm.rollout_correction.method`` picks the loss's correction and its share is logged: behaviour
+    log-probs 0.05 below the proximal ones put every sequence's geometric-mean ratio at e^0.05 ≈ 1.051, outside
+    geo_mask's [0.99, 1.01] (all dropped), while 0.005 below (≈ 1.005) keeps them all."""
+    torch.manual_seed(0)
+    w = ActorRolloutRefWorker(make_cfg("algorithm.rollout_correction.apply=always",
+                                       "algorithm.rollout_correction.method=geo_mask"), cpu_dist())
+    base = score_batch(w, generate_batch(w))
+    for shift, masked in ((0.05, 1.0), (0.005, 0.0)):
+        stats = w.update_actor(base.union(tensors=dict(rollout_log_probs=base["old_log_probs"] - shift)))
+        total, tokens = stats["rollout/is_masked_frac"]  # a (sum, count) pair over the response tokens
+        assert tokens > 0 and total / tokens == pytest.approx(masked)
+        assert "rollout/is_truncated_frac" not in stats  # a masking rule logs its masks only
+
+
 def test_engine_stays_awake_in_overlap_mode(tiny_model_path):
     """The background rollout needs the engine resident: overlap mode never puts it to sleep."""
     from hybrid_rl.config import ConfigError, load_config

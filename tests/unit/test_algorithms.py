@@ -7,6 +7,7 @@ comments), never re-derived with the formula under test.
 from __future__ import annotations
 
 import math
+from functools import partial
 import sys
 from pathlib import Path
 
@@ -46,6 +47,15 @@ from hybrid_rl.algorithms import (
     rloo_advantage,
 )
 from hybrid_rl.algorithms.policy_loss import gspo_loss
+from hybrid_rl.algorithms.rollout_correction import (
+    ROLLOUT_CORRECTIONS,
+    make_correction,
+    sequence_mask,
+    sequence_truncate,
+    token_mask,
+    token_truncate,
+)
+from hybrid_rl.config.algorithm import RolloutCorrectionConfig
 
 LN = math.log
 
@@ -470,10 +480,9 @@ def test_ppo_clip_loss_validation():
         ppo_clip_loss(log_prob, old, adv, mask, loss_agg_mode="nope")
 
 
-@pytest.mark.parametrize("is_level", ["token", "sequence"])
-@pytest.mark.parametrize("is_mode", ["truncate", "mask"])
+@pytest.mark.parametrize("method", list(ROLLOUT_CORRECTIONS))
 @pytest.mark.parametrize("loss_agg_mode", LOSS_AGG_MODES)
-def test_decoupled_equals_ppo_when_behaviour_is_proximal(is_level, is_mode, loss_agg_mode):
+def test_decoupled_equals_ppo_when_behaviour_is_proximal(method, loss_agg_mode):
     g = torch.Generator().manual_seed(0)
     prox = -torch.rand(3, 5, generator=g) * 3
     log_prob = (prox + torch.randn(3, 5, generator=g) * 0.4).requires_grad_(True)
@@ -482,7 +491,8 @@ def test_decoupled_equals_ppo_when_behaviour_is_proximal(is_level, is_mode, loss
     mask = t([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]])
     kw = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode=loss_agg_mode)
     ppo, ppo_m = ppo_clip_loss(log_prob, prox, adv, mask, **kw)
-    dec, dec_m = decoupled_ppo_loss(log_prob2, prox, prox.clone(), adv, mask, is_level=is_level, is_mode=is_mode, **kw)
+    correction = make_correction(RolloutCorrectionConfig(method=method))  # its default knobs
+    dec, dec_m = decoupled_ppo_loss(log_prob2, prox, prox.clone(), adv, mask, correction=correction, **kw)
     assert torch.equal(ppo, dec)
     ppo.backward()
     dec.backward()
@@ -491,7 +501,9 @@ def test_decoupled_equals_ppo_when_behaviour_is_proximal(is_level, is_mode, loss
         assert torch.equal(ppo_m[k], dec_m[k])
     close(dec_m["is_ratio_mean"], 1.0)
     close(dec_m["is_ratio_max"], 1.0)
-    close(dec_m["is_truncated_frac"], 0.0)
+    close(dec_m.get("is_truncated_frac", 0.0), 0.0)
+    close(dec_m.get("is_masked_frac", 0.0), 0.0)
+    assert ("is_masked_frac" in dec_m) != ("is_truncated_frac" in dec_m)  # the one share the correction changes
 
 
 # log_prob == proximal, so ratio 1 and the per-token PPO loss is just -A.
@@ -503,55 +515,62 @@ DEC_ADV = [[1.0, 2.0], [-1.0, 1.0]]
 DEC_MASK = [[1, 1], [1, 0]]
 
 
-def _decoupled(**kw):
+def _decoupled(correction):
     prox = t(DEC_PROX)
     behav = prox - torch.log(t(DEC_W))
-    return decoupled_ppo_loss(prox.clone(), prox, behav, t(DEC_ADV), t(DEC_MASK), is_cap=2.0, **kw)
+    return decoupled_ppo_loss(prox.clone(), prox, behav, t(DEC_ADV), t(DEC_MASK), correction=correction)
 
 
 def test_decoupled_token_level_truncate_and_mask():
-    loss, m = _decoupled(is_level="token", is_mode="truncate")
+    loss, m = _decoupled(partial(token_truncate, cap=2.0))
     # weights min(w, 2) = 2, 1, 1.5 -> (-1*2 - 2*1 + 1*1.5) / 3 = -2.5 / 3
     close(loss, -0.8333333)
     close(m["is_ratio_mean"], 1.8333333)  # (3 + 1 + 1.5) / 3
     close(m["is_ratio_max"], 3.0)  # the padded 10 is ignored
     close(m["is_truncated_frac"], 1 / 3)
-    loss, m = _decoupled(is_level="token", is_mode="mask")
+    assert "is_masked_frac" not in m
+    loss, m = _decoupled(partial(token_mask, low=0.0, high=2.0))
     # weights 0 (3 > 2), 1, 1.5 -> (0 - 2 + 1.5) / 3; denominator stays 3 tokens
     close(loss, -0.1666667)
-    close(m["is_truncated_frac"], 1 / 3)
+    close(m["is_masked_frac"], 1 / 3)
+    assert "is_truncated_frac" not in m
+    loss, m = _decoupled(partial(token_mask, low=1.2, high=2.0))
+    # the band [1.2, 2] also drops the ratio-1 token: weights 0, 0, 1.5 -> 1.5 / 3
+    close(loss, 0.5)
+    close(m["is_masked_frac"], 2 / 3)
 
 
 def test_decoupled_sequence_level_truncate_and_mask():
     # seq weights: seq0 3 * 1 = 3, seq1 1.5 (the padded 10 is not in the product)
-    loss, m = _decoupled(is_level="sequence", is_mode="truncate")
+    loss, m = _decoupled(partial(sequence_truncate, cap=2.0))
     # seq0 weight 2: (-1 - 2) * 2 = -6 ; seq1: 1 * 1.5 -> -4.5 / 3
     close(loss, -1.5)
     close(m["is_ratio_mean"], 2.5)  # per token: 3, 3, 1.5
     close(m["is_ratio_max"], 3.0)
     close(m["is_truncated_frac"], 2 / 3)  # both tokens of seq0
-    loss, m = _decoupled(is_level="sequence", is_mode="mask")
+    loss, m = _decoupled(partial(sequence_mask, cap=2.0))
     close(loss, 0.5)  # seq0 dropped: 1.5 / 3
-    close(m["is_truncated_frac"], 2 / 3)
+    close(m["is_masked_frac"], 2 / 3)
+    assert "is_truncated_frac" not in m
 
 
 def test_decoupled_no_cap_and_validation():
     prox = t(DEC_PROX)
     behav = prox - torch.log(t(DEC_W))
-    loss, m = decoupled_ppo_loss(prox.clone(), prox, behav, t(DEC_ADV), t(DEC_MASK), is_cap=None)
+    loss, m = _decoupled(partial(token_truncate, cap=None))
     close(loss, -1.1666667)  # (-3 - 2 + 1.5) / 3
     close(m["is_truncated_frac"], 0.0)
-    with pytest.raises(ValueError, match="is_level"):
-        _decoupled(is_level="tok")
-    with pytest.raises(ValueError, match="is_mode"):
-        _decoupled(is_mode="clip")
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        _decoupled(partial(token_truncate, cap=0.0))
+    with pytest.raises(ValueError, match="0 <= low < high"):
+        _decoupled(partial(token_mask, low=2.0, high=1.0))
 
 
 def test_decoupled_weights_are_detached():
     prox = t(DEC_PROX)
     behav = (prox - torch.log(t(DEC_W))).requires_grad_(True)
     log_prob = prox.clone().requires_grad_(True)
-    loss, _ = decoupled_ppo_loss(log_prob, prox, behav, t(DEC_ADV), t(DEC_MASK), is_cap=2.0)
+    loss, _ = decoupled_ppo_loss(log_prob, prox, behav, t(DEC_ADV), t(DEC_MASK))  # default: token_truncate, cap 2
     loss.backward()
     assert behav.grad is None
     # truncate: d(-A r w)/dlogp / 3 at r = 1 -> -A w / 3 = [-2/3, -2/3, 1.5/3], pad 0

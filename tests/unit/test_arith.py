@@ -1,5 +1,5 @@
-"""The arithmetic task: deterministic problems, a test split no training row can reach, right answers, the reward's
-rule as a table, config errors, and the recipe running two steps on CPU with the real model."""
+"""The arithmetic task: deterministic problems, a test split no training row can reach in any order or wording, right
+answers, the reward's rule as a table, config errors, and the recipe running two steps on CPU with the real model."""
 
 from __future__ import annotations
 
@@ -20,19 +20,33 @@ from hybrid_rl.rewards.arith import compute_score, compute_score_strict
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _solve(question: str) -> int:
-    """The answer worked out from the question's text alone (not from the generator's own arithmetic)."""
+def _operation(question: str) -> tuple[str, list[int]]:
+    """The operation a question asks and its numbers, read from the text alone (not from the generator)."""
     nums = [int(x) for x in re.findall(r"\d+", question)]
     if question.startswith("Which number is the largest"):
+        return "max", nums
+    if " + " in question or "buys" in question and "more" in question or "collected" in question:
+        return "+", nums
+    if " - " in question or "gives" in question or "takes out" in question:
+        return "-", nums
+    if " * " in question or "in each bag" in question:
+        return "*", nums
+    raise AssertionError(f"unrecognised question {question!r}")
+
+
+def _solve(question: str) -> int:
+    op, nums = _operation(question)
+    if op == "max":
         return max(nums)
     a, b = nums
-    if " + " in question or "buys" in question and "more" in question or "collected" in question:
-        return a + b
-    if " - " in question or "gives" in question or "takes out" in question:
-        return a - b
-    if " * " in question or "in each bag" in question:
-        return a * b
-    raise AssertionError(f"unrecognised question {question!r}")
+    return {"+": a + b, "-": a - b, "*": a * b}[op]
+
+
+def _canonical(question: str) -> tuple:
+    """The problem a question asks whatever its wording and the order of commutative operands: + and * by their
+    operands as a multiset, the largest of a list by the list as a multiset, - by its operands in order."""
+    op, nums = _operation(question)
+    return (op, tuple(nums) if op == "-" else tuple(sorted(nums)))
 
 
 def test_rows_are_deterministic_and_seeded():
@@ -48,25 +62,47 @@ def test_test_set_is_balanced_distinct_and_right():
     assert [r["family"] for r in rows[:10]] == ["add", "sub", "mul", "max", "word"] * 2  # any prefix is balanced
     for family in ("add", "sub", "mul", "max", "word"):
         assert sum(r["family"] == family for r in rows) == 200
-    assert len({r["question"] for r in rows}) == 1000
+    # 1,000 distinct problems, not only distinct texts: no test problem is another one commuted or reworded
+    assert len({_canonical(r["question"]) for r in rows}) == 1000
     for r in rows:
         assert int(r["answer"]) == _solve(r["question"]), r
 
 
-def test_no_test_problem_is_ever_trained_on():
-    test = held_out_rows(ArithConfig())
-    test_q = {r["question"] for r in test}
-    # the identity of a problem ignores the names and objects of word problems: compare numbers and operation too
-    test_ids = {(r["family"], tuple(re.findall(r"\d+", r["question"])), _solve(r["question"])) for r in test
-                if r["family"] != "word"}
-    for seed in (0, 1, 7):
-        train = training_rows(20000, seed, ArithConfig())
-        assert not test_q & {r["question"] for r in train}
-        train_ids = {(r["family"], tuple(re.findall(r"\d+", r["question"])), _solve(r["question"])) for r in train
-                     if r["family"] != "word"}
-        assert not test_ids & train_ids
-        for r in train[:500]:
-            assert int(r["answer"]) == _solve(r["question"])
+@pytest.fixture(scope="module")
+def test_set() -> list[dict]:
+    return held_out_rows(ArithConfig())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7])
+def test_no_test_problem_is_ever_trained_on(test_set, seed):
+    """No training row, in any family, order or wording, is a test problem: ``46 * 7`` in training would be the test
+    problem ``7 * 46``, and ``Tom has 37 apples and buys 45 more`` the test problem ``37 + 45``."""
+    test_ids = {_canonical(r["question"]) for r in test_set}
+    train = training_rows(50000, seed, ArithConfig())
+    train_ids = {_canonical(r["question"]) for r in train}
+    assert not test_ids & train_ids
+    families = ("add", "sub", "mul", "max", "word")
+    assert {r["family"] for r in train} == {r["family"] for r in test_set} == set(families)
+    for family in families:
+        assert sum(r["family"] == family for r in train) == 10000
+    # word problems reach all three operations, in both splits: the check above compares them with add/sub/mul
+    for rows in (train, test_set):
+        assert {_operation(r["question"])[0] for r in rows if r["family"] == "word"} == {"+", "-", "*"}
+    # disjoint although together they nearly cover the space: of the 8 * 90 distinct products of a factor 2-9 and a
+    # two-digit one, training holds about three in five and the test set the rest it needs (a split by chance
+    # would overlap on most of them)
+    mul_train = {i for i in train_ids if i[0] == "*"}
+    mul_test = {i for i in test_ids if i[0] == "*"}
+    assert len(mul_test) > 200 and len(mul_train) + len(mul_test) > 0.85 * 8 * 90
+    for r in train[:2000]:
+        assert int(r["answer"]) == _solve(r["question"])
+
+
+def test_the_split_is_named_in_the_config():
+    cfg = load_config(str(ROOT / "recipes/arith_grpo_smollm2.yaml"), [])
+    assert cfg.data.arith.split == "canonical" and ArithConfig().split == "canonical"
+    with pytest.raises(ConfigError, match=r"data.arith.split='ordered' is not one of \['canonical'\]"):
+        load_config(str(ROOT / "recipes/arith_grpo_smollm2.yaml"), ["data.arith.split=ordered"])
 
 
 def test_held_out_rows_through_load_rows():
@@ -74,7 +110,8 @@ def test_held_out_rows_through_load_rows():
     val = load_rows("synthetic:arith", "test", None, "arith", 64, 1, options=cfg, held_out=True)
     assert len(val) == 100 and {r["family"] for r in val} == {"add", "max"}
     train = load_rows("synthetic:arith", "train", None, "arith", 64, 0, options=cfg)
-    assert len(train) == 64 and not {r["question"] for r in val} & {r["question"] for r in train}
+    assert len(train) == 64
+    assert not {_canonical(r["question"]) for r in val} & {_canonical(r["question"]) for r in train}
     # a synthetic task without a test set validates on rows of another seed
     assert len(load_rows("synthetic:successor", "test", None, "successor", 8, 1, held_out=True)) == 8
 

@@ -1,0 +1,77 @@
+"""benchmarks/learning_arith.py on finished runs (``--collect``): the test split's name from each run's resolved
+config, the first step and time at +N points, and each mode's final accuracy paired per question with sync's and with
+the mean of the two sync seeds. Expected values are worked out here from the fabricated scores."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from benchmarks import learning_arith  # noqa: E402
+
+
+def _run(out: Path, mode: str, curve: list[float], final: list[float], split: str | None) -> None:
+    """A finished run: validations at steps 0, 10, 20 with ``curve`` accuracies (10 s of loop per step) and the last
+    one's per-question scores; ``split=None`` writes a config from before ``data.arith.split`` existed."""
+    run = out / mode
+    (run / "validation").mkdir(parents=True)
+    rows = []
+    for step in range(21):
+        r = {"step": step}
+        if step:
+            r.update({"reward/mean": 0.5, "timing/iteration": 10.0, "rollout/is_truncated_frac": 0.01})
+        if step % 10 == 0:
+            r["val/reward_mean"] = curve[step // 10]
+        rows.append(r)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "validation" / "step_00000020_rank0.jsonl").write_text(
+        "".join(json.dumps({"index": i, "score": s}) + "\n" for i, s in enumerate(final)))
+    arith = {"families": ["add"], "digits": 2} if split is None else {"families": ["add"], "split": split}
+    (run / "config.yaml").write_text(yaml.safe_dump({"data": {"arith": arith}}))
+
+
+def test_collect_records_the_split_the_gain_and_the_pairing(tmp_path, monkeypatch):
+    seed0 = [1, 1, 0, 0, 1, 0, 1, 1]
+    seed1 = [1, 0, 0, 1, 1, 0, 1, 1]
+    over = [1, 1, 0, 0, 0, 0, 1, 0]
+    _run(tmp_path, "sync", [0.2, 0.45, 0.625], seed0, "canonical")
+    _run(tmp_path, "sync_seed1", [0.2, 0.55, 0.625], seed1, "canonical")
+    _run(tmp_path, "overlap", [0.2, 0.3, 0.375], over, "canonical")
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["learning_arith.py", "--collect", str(tmp_path), "--modes",
+                                      "sync,sync_seed1,overlap", "--json", str(out), "--n-test", "8"])
+    assert learning_arith.main() == 0
+    res = json.loads(out.read_text())
+    assert res["split"] == "canonical" and all(m["split"] == "canonical" for m in res["modes"].values())
+    # +30 points over 0.2: sync at step 20 (200 s of loop), seed 1 at step 10 (100 s), overlap never
+    assert res["modes"]["sync"]["gain"] == {"points": 30.0, "step": 20, "wall_s": 200.0}
+    assert res["modes"]["sync_seed1"]["gain"] == {"points": 30.0, "step": 10, "wall_s": 100.0}
+    assert res["modes"]["overlap"]["gain"] == {"points": 30.0, "step": None, "wall_s": None}
+    # per question, overlap minus the seeds' mean: 0, .5, 0, -.5, -1, 0, 0, -1 -> mean -0.25
+    d = [0, 0.5, 0, -0.5, -1, 0, 0, -1]
+    mean = sum(d) / 8
+    err = math.sqrt(sum((x - mean) ** 2 for x in d) / 7 / 8)
+    p = res["modes"]["overlap"]["vs_sync_seeds_mean"]
+    assert math.isclose(p["diff"], -0.25) and math.isclose(p["se"], err)
+    assert p["within_2se"] == (0.25 <= 2 * err) and (p["gained"], p["lost"]) == (1, 3)
+    # against sync seed 0 alone: overlap lost questions 4 and 7 -> -2/8
+    assert math.isclose(res["modes"]["overlap"]["vs_sync"]["diff"], -0.25)
+    assert "vs_sync_seeds_mean" not in res["modes"]["sync_seed1"]
+    assert out.with_suffix(".png").is_file()
+
+
+def test_runs_from_before_the_split_key_are_labelled_ordered(tmp_path, monkeypatch):
+    _run(tmp_path, "sync", [0.2, 0.3, 0.4], [1, 0], None)
+    _run(tmp_path, "overlap", [0.2, 0.3, 0.4], [1, 0], "canonical")
+    assert learning_arith.arith_split(tmp_path / "sync") == "ordered"
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["learning_arith.py", "--collect", str(tmp_path), "--modes", "sync,overlap",
+                                      "--json", str(out), "--n-test", "2"])
+    assert learning_arith.main() == 0
+    assert json.loads(out.read_text())["split"] == ["canonical", "ordered"]  # mixed: not comparable
