@@ -301,6 +301,39 @@ def check_local_path(path: str, key: str) -> None:
         raise ModelLoadError(f"{key}: {path!r} does not exist; point it at a model directory or a hub id such as 'Qwen/Qwen2.5-0.5B-Instruct'")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""Files of which a local tokenizer directory holds at least one (fast, slow, sentencepiece, byte-level BPE)."""
+
+
+def check_model_dir(path: str, key: str, want: str) -> None:
+    """Raise ModelLoadError naming ``key`` when the local directory ``path`` lacks what loading it needs: ``want`` is
+    ``"model"`` (a ``config.json``) or ``"tokenizer"`` (one of ``TOKENIZER_FILES``). A path that is not here (a hub
+    id) passes. Without this, transformers answers an empty directory with a page of traceback."""
+    local = Path(path).expanduser()
+    if not local.exists():
+        return
+    fix = (f"point {key} at a Hugging Face checkpoint directory (config.json, *.safetensors and the tokenizer files), "
+           f"a hub name such as 'Qwen/Qwen2.5-0.5B-Instruct', or a built-in model ({key}=builtin:{TINY_MODEL})")
+    if not local.is_dir():
+        raise ModelLoadError(f"{key}={path!r} is a file, not a model directory; {fix}")
+    if want == "model" and not (local / "config.json").is_file():
+        raise ModelLoadError(f"{key}={path!r}: the directory has no config.json ({_contents(local)}); {fix}")
+    if want == "tokenizer" and not any((local / f).is_file() for f in TOKENIZER_FILES):
+        if key == "model.path":
+            fix = ("copy the tokenizer files of the model there, or set model.tokenizer_path to the directory or hub "
+                   "name that has them")
+        raise ModelLoadError(f"{key}={path!r}: the directory has no tokenizer files ({' / '.join(TOKENIZER_FILES)}; "
+                             f"{_contents(local)}); {fix}")
+
+
+def _contents(folder: Path, shown: int = 4) -> str:
+    names = sorted(p.name for p in folder.iterdir())
+    if not names:
+        return "it is empty"
+    more = f", ... ({len(names)} entries)" if len(names) > shown else ""
+    return f"it holds {', '.join(names[:shown])}{more}"
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto`` is bf16 on GPU and fp32 on CPU."""
     if name == "auto":
@@ -314,6 +347,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model
 
     path = resolve_model_path(path)
     check_local_path(path, key)
+    check_model_dir(path, key, "tokenizer")
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as e:
@@ -337,6 +371,7 @@ def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool = Fals
 
     path = resolve_model_path(path)
     check_local_path(path, "model.path")
+    check_model_dir(path, "model.path", "model")
     kwargs: dict[str, Any] = dict(dtype=dtype, trust_remote_code=trust_remote_code)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation

@@ -127,10 +127,17 @@ def check_gpu_memory(cfg: Config, nproc: int) -> None:
 
 # --------------------------------------------------------------------------- model
 def check_model(cfg: Config) -> None:
+    """``model.path`` (and ``model.tokenizer_path``) name a built-in, a local directory holding a config and a
+    tokenizer, or a hub model that is cached or reachable."""
+    from hybrid_rl.models import check_model_dir
+
     m = cfg.model
     _check_model_path(m.path, "model.path", "config.json")
+    check_model_dir(m.path, "model.path", "model")
     if m.tokenizer_path:
         _check_model_path(m.tokenizer_path, "model.tokenizer_path", "tokenizer_config.json")
+    tokenizer_key = "model.tokenizer_path" if m.tokenizer_path else "model.path"
+    check_model_dir(m.tokenizer_path or m.path, tokenizer_key, "tokenizer")
 
 
 def _check_model_path(path: str, key: str, marker: str) -> None:
