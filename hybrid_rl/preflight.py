@@ -6,8 +6,10 @@ retries. ``preflight`` looks only at the config, the installed packages, the vis
 GPUs, the file system and the local Hugging Face cache, and it reaches for the network
 only once, with a short timeout, when a hub model or dataset is not cached. Each
 failure is one ``PreflightError`` line naming the key and the fix. ``builtin:`` models
-and ``synthetic:`` data pass without building anything. On CUDA the memory planner
-(``hybrid_rl.planner``) refuses a config predicted not to fit the GPU.
+and ``synthetic:`` data pass without building anything. A local model directory must hold
+a config and tokenizer files; ``reward.function`` is imported (a user's file runs here once)
+and must take ``(response, ground_truth)``. On CUDA the memory planner (``hybrid_rl.planner``)
+refuses a config predicted not to fit the GPU.
 
 Left out on purpose: whatever needs the model or data loaded (a tokenizer without a
 chat template, a malformed row, prompts that are too long) stays with the trainer,
@@ -55,6 +57,7 @@ def preflight(cfg: Config, nproc: int = 1) -> None:
     check_devices(cfg, nproc)
     check_model(cfg)
     check_data(cfg)
+    check_reward(cfg)
     check_outputs(cfg)
     check_gpu_memory(cfg, nproc)
 
@@ -185,6 +188,15 @@ def _check_data_path(path: str, key: str) -> None:
                              f"is unreachable ({why}); point {key} at a local .jsonl/.parquet file, use "
                              f"{key}=synthetic:successor with data.task=successor, or run once with network access "
                              f"so that the datasets library caches it")
+
+
+# --------------------------------------------------------------------------- reward
+def check_reward(cfg: Config) -> None:
+    """``reward.function`` resolves (its module or file imports, the function exists) and can be called as
+    ``fn(response, ground_truth)``: caught here rather than at the first reward, after the model has loaded."""
+    from hybrid_rl.rewards import get_reward_fn
+
+    get_reward_fn(cfg.reward.function, cfg.data.task)
 
 
 # --------------------------------------------------------------------------- outputs

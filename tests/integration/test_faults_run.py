@@ -140,7 +140,7 @@ def test_hanging_reward_fails_within_the_timeout_with_one_line(reward_file):
     assert time.monotonic() - start < 10  # worker start-up + 1 s, not 30 s
     msg = str(e.value)
     assert "\n" not in msg
-    for part in ("my_rewards.hang", "did not return within reward.timeout_s=1", "on sample 1", "response='hang'",
+    for part in (f"reward.function='{reward_file}:hang'", "did not return within reward.timeout_s=1", "on sample 1", "response='hang'",
                  "ground_truth='2'", "raise reward.timeout_s", "reward.on_error=zero"):
         assert part in msg, (part, msg)
 
