@@ -56,6 +56,7 @@ def preflight(cfg: Config, nproc: int = 1) -> None:
     check_rollout_engine(cfg)
     check_devices(cfg, nproc)
     check_model(cfg)
+    check_sequence_length(cfg)
     check_data(cfg)
     check_reward(cfg)
     check_outputs(cfg)
@@ -161,6 +162,27 @@ def _check_model_path(path: str, key: str, marker: str) -> None:
                              f"({_hub_cache()}), and the hub is unreachable ({why}); point {key} at a local model "
                              f"directory, use a built-in model ({key}=builtin:tiny-qwen2), or download it with network "
                              f"access (hf download {path})")
+
+
+def check_sequence_length(cfg: Config) -> None:
+    """A prompt and a response together fit the positions the model was built for (``max_position_embeddings``,
+    read from its config or a built-in's table, no weights loaded); a model whose config cannot be read here passes."""
+    from hybrid_rl.planner.shape import ShapeError, read_shape
+
+    d = cfg.data
+    try:
+        positions = read_shape(cfg.model.path).positions
+    except (ShapeError, OSError, ValueError):
+        return
+    full = d.max_prompt_length + d.max_response_length
+    if positions is not None and full > positions:
+        room = positions - d.max_prompt_length
+        fix = (f"lower data.max_response_length to at most {room}" if room > 0 else
+               f"lower data.max_prompt_length and data.max_response_length")
+        raise PreflightError(f"data.max_prompt_length + data.max_response_length = {d.max_prompt_length} + "
+                             f"{d.max_response_length} = {full} tokens, more than the {positions} positions of "
+                             f"model.path={cfg.model.path!r} (max_position_embeddings in its config); {fix} (or use a "
+                             f"model built for longer sequences)")
 
 
 # --------------------------------------------------------------------------- data

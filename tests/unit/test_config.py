@@ -148,6 +148,14 @@ def test_an_override_value_with_a_key_twice_is_refused():
         load_config(None, ["rollout.vllm.engine_kwargs={a: 1, a: 2}"])
 
 
+def test_vllm_max_model_len_shorter_than_a_prompt_and_its_response_is_refused():
+    base = ["rollout.name=vllm", "trainer.device=cuda", "data.max_prompt_length=100", "data.max_response_length=28"]
+    load_config(None, base + ["rollout.vllm.max_model_len=128"]).validate()
+    with pytest.raises(ConfigError, match=r"rollout.vllm.max_model_len=127 is shorter than data.max_prompt_length \+ "
+                                          r"data.max_response_length = 100 \+ 28 = 128: .*at least 128"):
+        load_config(None, base + ["rollout.vllm.max_model_len=127"]).validate()
+
+
 def test_saved_config_round_trips(tmp_path):
     cfg = load_config(ROOT / "recipes" / "cpu_successor.yaml", ["actor.lr=0.5"])
     save_config(cfg, tmp_path / "config.yaml")
