@@ -111,8 +111,9 @@ class Trainer:
                                                     "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
         options = getattr(d, d.task, None)  # a synthetic task's own section (data.arith)
         rows = load_rows(d.train_path, d.train_split, d.hub_config, d.task, d.num_synthetic, cfg.trainer.seed,
-                         options=options)
-        self.train_set = PromptDataset(rows, d.task, tokenizer, d.max_prompt_length, d.truncation, d.system_prompt)
+                         key="data.train_path", options=options)
+        self.train_set = PromptDataset(rows, d.task, tokenizer, d.max_prompt_length, d.truncation, d.system_prompt,
+                                       source=f"data.train_path={d.train_path!r}")
         pl = self.placement
         self.sampler = PromptSampler(len(self.train_set), d.train_batch_size, pl.sampler_rank, pl.sampler_world,
                                      cfg.trainer.seed, d.shuffle)
@@ -122,7 +123,8 @@ class Trainer:
                                  cfg.trainer.seed + 1, key="data.val_path", options=options, held_out=True)
             if d.max_val_samples:
                 val_rows = val_rows[: d.max_val_samples]
-            self.val_set = PromptDataset(val_rows, d.task, tokenizer, d.max_prompt_length, d.truncation, d.system_prompt)
+            self.val_set = PromptDataset(val_rows, d.task, tokenizer, d.max_prompt_length, d.truncation, d.system_prompt,
+                                         source=f"data.val_path={d.val_path!r}")
         self.reward_fn = RewardScorer.from_config(cfg.reward, d.task)  # user functions score in worker processes
         self.task = TASKS.get(d.task)  # its answer-shape counts are logged beside the reward (None: an unknown task)
         self.reward = RewardPhase(cfg, tokenizer, self.reward_fn, self.task, self.dist)
