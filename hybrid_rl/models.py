@@ -26,7 +26,7 @@ import torch
 
 from .gguf_convert import write_gguf_model
 from .gguf_fetch import GGUF_BUILTINS, GgufSourceError
-from .model_cache import build_once, cache_dir, holds_build, remove, stage_build
+from .model_cache import NOT_WRITABLE, build_once, cache_dir, holds_build, remove, stage_build, unwritable
 from .random_init import write_random_qwen2
 
 BUILTIN_PREFIX = "builtin:"
@@ -280,12 +280,36 @@ def resolve_model_path(path: str) -> str:
         if not _is_disk_error(e):
             raise
         reason = " ".join(str(e).split())[:300]
+        if isinstance(e, OSError) and e.errno in NOT_WRITABLE:
+            raise ModelLoadError(cache_not_writable(path, out.parent, reason)) from e
         raise ModelLoadError(f"model.path: cannot build {path} in the cache {out.parent} ({reason}); free space there or "
                              f"set HYBRID_RL_CACHE to a writable directory with room for it") from e
     if not is_builtin_complete(out, name, seed):
         raise ModelLoadError(f"model.path: {path} in {out} is still incomplete after building it; remove that directory "
                              f"or set HYBRID_RL_CACHE to another one")
     return str(out)
+
+
+def cache_not_writable(path: str, cache: Path, reason: str) -> str:
+    """The line for a built-in that cannot be built because this user may not write the cache."""
+    whose = "$HYBRID_RL_CACHE" if os.environ.get("HYBRID_RL_CACHE") else "the default, as HYBRID_RL_CACHE is unset"
+    return (f"model.path={path}: the cache {cache} ({whose}) is not writable ({reason}), so the model cannot be built "
+            f"there; point HYBRID_RL_CACHE at a directory you can write (e.g. HYBRID_RL_CACHE=$HOME/hybrid_rl_cache "
+            f"make train), or make {cache} writable")
+
+
+def builtin_unbuildable(path: str) -> str | None:
+    """Why the ``builtin:NAME`` model cannot be built here (its cache is not writable), or None when it is built
+    already or can be; nothing is created."""
+    name = path[len(BUILTIN_PREFIX):]
+    out = cache_dir() / name
+    if name not in BUILTIN_NAMES or is_builtin_complete(out, name):
+        return None
+    blocked = unwritable(out.parent)
+    if blocked is None:
+        return None
+    why = "is not writable by this user" if blocked.is_dir() else "is a file, not a directory"
+    return cache_not_writable(path, out.parent, f"{blocked} {why}")
 
 
 def _is_disk_error(e: BaseException) -> bool:

@@ -145,13 +145,16 @@ def check_model(cfg: Config) -> None:
 
 
 def _check_model_path(path: str, key: str, marker: str) -> None:
-    from hybrid_rl.models import BUILTIN_NAMES, BUILTIN_PREFIX, ModelLoadError, check_local_path
+    from hybrid_rl.models import BUILTIN_NAMES, BUILTIN_PREFIX, ModelLoadError, builtin_unbuildable, check_local_path
 
-    if path.startswith(BUILTIN_PREFIX):  # built on first use by the ranks; here only the name is checked
+    if path.startswith(BUILTIN_PREFIX):  # built on first use by the ranks; here the name and the cache are checked
         known = list(BUILTIN_NAMES)
         if path[len(BUILTIN_PREFIX):] not in known:
             raise ModelLoadError(f"{key}: unknown built-in model {path[len(BUILTIN_PREFIX):]!r}; "
                                  f"choose one of {[BUILTIN_PREFIX + k for k in known]}")
+        problem = builtin_unbuildable(path)
+        if problem:
+            raise ModelLoadError(problem)
         return
     check_local_path(path, key)  # the loader's own message for a local-looking path that is missing
     if Path(path).expanduser().exists() or _hub_cached(path, "model", marker):
