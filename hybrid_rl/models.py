@@ -308,8 +308,11 @@ def builtin_unbuildable(path: str) -> str | None:
     blocked = unwritable(out.parent)
     if blocked is None:
         return None
-    why = "is not writable by this user" if blocked.is_dir() else "is a file, not a directory"
-    return cache_not_writable(path, out.parent, f"{blocked} {why}")
+    if not blocked.is_dir():
+        why = f"{blocked} is a file, not a directory"
+    else:
+        why = "this user may not create files in " + ("it" if blocked == out.parent else str(blocked))
+    return cache_not_writable(path, out.parent, why)
 
 
 def _is_disk_error(e: BaseException) -> bool:

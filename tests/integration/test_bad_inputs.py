@@ -32,7 +32,7 @@ def _setup(tmp: Path) -> dict[str, str]:
     raising.write_text("def score(response, ground_truth):\n    raise ZeroDivisionError('boom')\n")
     broken = tmp / "broken.yaml"  # a colon inside a value, on line 3
     broken.write_text("model:\n  path: builtin:tiny-qwen2\n  dtype: float32: x\n")
-    twice = tmp / "twice.yaml"  # the CPU recipe with a second rollout section, on line 6
+    twice = tmp / "twice.yaml"  # the CPU recipe with a second rollout section at its end
     twice.write_text((ROOT / RECIPE).read_text() + "\nrollout:\n  n: 4\n")
     twice_line = twice.read_text().splitlines().index("rollout:", len((ROOT / RECIPE).read_text().splitlines())) + 1
     first_line = (ROOT / RECIPE).read_text().splitlines().index("rollout:") + 1
