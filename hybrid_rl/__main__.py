@@ -11,6 +11,10 @@ started it. Every rank runs the same command, ``--import`` flags included: each
 process imports the plug-in modules they name (and those of ``trainer.imports``)
 before it reads the config, so their registered names are valid on every rank.
 
+Every rank dies with the process that started it (``lifeline.py``): SIGKILL of the launcher, or of
+``make train``'s process group, ends the ranks within a second, and with them their reward
+workers and the run's lock.
+
 User errors (a bad recipe, a missing file, a reward function that raises) end the
 run with one line on stderr and exit code 2, also through the launcher: ranks hand
 their line to the launcher, which prints one and keeps the elastic agent's failure
@@ -30,6 +34,8 @@ ENV_PREFLIGHT_DONE = "HYBRID_RL_PREFLIGHT_DONE"
 """Set by the launcher for its ranks: the config was validated and preflighted once, before they started."""
 ENV_ERROR_DIR = "HYBRID_RL_ERROR_DIR"
 """Set by the launcher: a rank writes its user-error line to ``<dir>/rank<R>`` instead of printing it."""
+ENV_LAUNCHER_PID = "HYBRID_RL_LAUNCHER_PID"
+"""Set by the launcher: its pid, the parent every rank dies with (``lifeline.py``), however the launcher dies."""
 USER_ERROR = 2
 
 
@@ -49,6 +55,11 @@ def _is_user_error(e: BaseException) -> bool:
 def cmd_train(args: argparse.Namespace) -> int:
     from hybrid_rl.config import import_plugins, load_config
 
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank: torchrun started it in a session of its own, so a kill of the
+        from hybrid_rl.lifeline import die_with_parent  # launcher's process group would miss it
+
+        launcher = os.environ.get(ENV_LAUNCHER_PID)
+        die_with_parent(int(launcher) if launcher and launcher.isdigit() else None)
     import_plugins(args.imports, "--import")
     if args.nproc is not None:
         return launch(args.recipe, args.overrides, args.nproc, args.imports)
@@ -125,6 +136,7 @@ def launch(recipe: str, overrides: list[str], nproc_arg: str, imports: list[str]
     with tempfile.TemporaryDirectory(prefix="hybrid_rl_errors_") as error_dir:
         os.environ[ENV_PREFLIGHT_DONE] = "1"
         os.environ[ENV_ERROR_DIR] = error_dir
+        os.environ[ENV_LAUNCHER_PID] = str(os.getpid())
         torchrun_args = parse_args(["--standalone", f"--nproc_per_node={nproc}", "--module", "hybrid_rl",
                                     "train", *(f"--import={m}" for m in imports), recipe, *overrides])
         _quiet_elastic_agent()
@@ -142,6 +154,7 @@ def launch(recipe: str, overrides: list[str], nproc_arg: str, imports: list[str]
         finally:
             os.environ.pop(ENV_PREFLIGHT_DONE, None)
             os.environ.pop(ENV_ERROR_DIR, None)
+            os.environ.pop(ENV_LAUNCHER_PID, None)
     return 0
 
 

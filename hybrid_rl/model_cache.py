@@ -30,6 +30,22 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HYBRID_RL_CACHE", Path.home() / ".cache" / "hybrid_rl"))
 
 
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST)
+"""The ``errno`` values of a directory this process cannot write: no permission, a read-only file system, a file in
+the way (as opposed to a full disk, ``ENOSPC``)."""
+
+
+def unwritable(path: Path) -> Path | None:
+    """The directory that stops this process from creating ``path`` (``path`` itself, or its nearest existing
+    ancestor, when this user may not write there), or None. Nothing is created."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK):
+        return None
+    return existing
+
+
 def holds_build(out: Path, stamp: str) -> bool:
     """Whether ``out`` is a finished build whose marker carries ``stamp``."""
     try:

@@ -26,7 +26,7 @@ import torch
 
 from .gguf_convert import write_gguf_model
 from .gguf_fetch import GGUF_BUILTINS, GgufSourceError
-from .model_cache import build_once, cache_dir, holds_build, remove, stage_build
+from .model_cache import NOT_WRITABLE, build_once, cache_dir, holds_build, remove, stage_build, unwritable
 from .random_init import write_random_qwen2
 
 BUILTIN_PREFIX = "builtin:"
@@ -280,12 +280,39 @@ def resolve_model_path(path: str) -> str:
         if not _is_disk_error(e):
             raise
         reason = " ".join(str(e).split())[:300]
+        if isinstance(e, OSError) and e.errno in NOT_WRITABLE:
+            raise ModelLoadError(cache_not_writable(path, out.parent, reason)) from e
         raise ModelLoadError(f"model.path: cannot build {path} in the cache {out.parent} ({reason}); free space there or "
                              f"set HYBRID_RL_CACHE to a writable directory with room for it") from e
     if not is_builtin_complete(out, name, seed):
         raise ModelLoadError(f"model.path: {path} in {out} is still incomplete after building it; remove that directory "
                              f"or set HYBRID_RL_CACHE to another one")
     return str(out)
+
+
+def cache_not_writable(path: str, cache: Path, reason: str) -> str:
+    """The line for a built-in that cannot be built because this user may not write the cache."""
+    whose = "$HYBRID_RL_CACHE" if os.environ.get("HYBRID_RL_CACHE") else "the default, as HYBRID_RL_CACHE is unset"
+    return (f"model.path={path}: the cache {cache} ({whose}) is not writable ({reason}), so the model cannot be built "
+            f"there; point HYBRID_RL_CACHE at a directory you can write (e.g. HYBRID_RL_CACHE=$HOME/hybrid_rl_cache "
+            f"make train), or make {cache} writable")
+
+
+def builtin_unbuildable(path: str) -> str | None:
+    """Why the ``builtin:NAME`` model cannot be built here (its cache is not writable), or None when it is built
+    already or can be; nothing is created."""
+    name = path[len(BUILTIN_PREFIX):]
+    out = cache_dir() / name
+    if name not in BUILTIN_NAMES or is_builtin_complete(out, name):
+        return None
+    blocked = unwritable(out.parent)
+    if blocked is None:
+        return None
+    if not blocked.is_dir():
+        why = f"{blocked} is a file, not a directory"
+    else:
+        why = "this user may not create files in " + ("it" if blocked == out.parent else str(blocked))
+    return cache_not_writable(path, out.parent, why)
 
 
 def _is_disk_error(e: BaseException) -> bool:
@@ -301,6 +328,39 @@ def check_local_path(path: str, key: str) -> None:
         raise ModelLoadError(f"{key}: {path!r} does not exist; point it at a model directory or a hub id such as 'Qwen/Qwen2.5-0.5B-Instruct'")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""Files of which a local tokenizer directory holds at least one (fast, slow, sentencepiece, byte-level BPE)."""
+
+
+def check_model_dir(path: str, key: str, want: str) -> None:
+    """Raise ModelLoadError naming ``key`` when the local directory ``path`` lacks what loading it needs: ``want`` is
+    ``"model"`` (a ``config.json``) or ``"tokenizer"`` (one of ``TOKENIZER_FILES``). A path that is not here (a hub
+    id) passes. Without this, transformers answers an empty directory with a page of traceback."""
+    local = Path(path).expanduser()
+    if not local.exists():
+        return
+    fix = (f"point {key} at a Hugging Face checkpoint directory (config.json, *.safetensors and the tokenizer files), "
+           f"a hub name such as 'Qwen/Qwen2.5-0.5B-Instruct', or a built-in model ({key}=builtin:{TINY_MODEL})")
+    if not local.is_dir():
+        raise ModelLoadError(f"{key}={path!r} is a file, not a model directory; {fix}")
+    if want == "model" and not (local / "config.json").is_file():
+        raise ModelLoadError(f"{key}={path!r}: the directory has no config.json ({_contents(local)}); {fix}")
+    if want == "tokenizer" and not any((local / f).is_file() for f in TOKENIZER_FILES):
+        if key == "model.path":
+            fix = ("copy the tokenizer files of the model there, or set model.tokenizer_path to the directory or hub "
+                   "name that has them")
+        raise ModelLoadError(f"{key}={path!r}: the directory has no tokenizer files ({' / '.join(TOKENIZER_FILES)}; "
+                             f"{_contents(local)}); {fix}")
+
+
+def _contents(folder: Path, shown: int = 4) -> str:
+    names = sorted(p.name for p in folder.iterdir())
+    if not names:
+        return "it is empty"
+    more = f", ... ({len(names)} entries)" if len(names) > shown else ""
+    return f"it holds {', '.join(names[:shown])}{more}"
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto`` is bf16 on GPU and fp32 on CPU."""
     if name == "auto":
@@ -314,6 +374,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model
 
     path = resolve_model_path(path)
     check_local_path(path, key)
+    check_model_dir(path, key, "tokenizer")
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as e:
@@ -337,6 +398,7 @@ def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool = Fals
 
     path = resolve_model_path(path)
     check_local_path(path, "model.path")
+    check_model_dir(path, "model.path", "model")
     kwargs: dict[str, Any] = dict(dtype=dtype, trust_remote_code=trust_remote_code)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation

@@ -6,8 +6,10 @@ retries. ``preflight`` looks only at the config, the installed packages, the vis
 GPUs, the file system and the local Hugging Face cache, and it reaches for the network
 only once, with a short timeout, when a hub model or dataset is not cached. Each
 failure is one ``PreflightError`` line naming the key and the fix. ``builtin:`` models
-and ``synthetic:`` data pass without building anything. On CUDA the memory planner
-(``hybrid_rl.planner``) refuses a config predicted not to fit the GPU.
+and ``synthetic:`` data pass without building anything. A local model directory must hold
+a config and tokenizer files; ``reward.function`` is imported (a user's file runs here once)
+and must take ``(response, ground_truth)``. On CUDA the memory planner (``hybrid_rl.planner``)
+refuses a config predicted not to fit the GPU.
 
 Left out on purpose: whatever needs the model or data loaded (a tokenizer without a
 chat template, a malformed row, prompts that are too long) stays with the trainer,
@@ -54,7 +56,9 @@ def preflight(cfg: Config, nproc: int = 1) -> None:
     check_rollout_engine(cfg)
     check_devices(cfg, nproc)
     check_model(cfg)
+    check_sequence_length(cfg)
     check_data(cfg)
+    check_reward(cfg)
     check_outputs(cfg)
     check_gpu_memory(cfg, nproc)
 
@@ -127,20 +131,30 @@ def check_gpu_memory(cfg: Config, nproc: int) -> None:
 
 # --------------------------------------------------------------------------- model
 def check_model(cfg: Config) -> None:
+    """``model.path`` (and ``model.tokenizer_path``) name a built-in, a local directory holding a config and a
+    tokenizer, or a hub model that is cached or reachable."""
+    from hybrid_rl.models import check_model_dir
+
     m = cfg.model
     _check_model_path(m.path, "model.path", "config.json")
+    check_model_dir(m.path, "model.path", "model")
     if m.tokenizer_path:
         _check_model_path(m.tokenizer_path, "model.tokenizer_path", "tokenizer_config.json")
+    tokenizer_key = "model.tokenizer_path" if m.tokenizer_path else "model.path"
+    check_model_dir(m.tokenizer_path or m.path, tokenizer_key, "tokenizer")
 
 
 def _check_model_path(path: str, key: str, marker: str) -> None:
-    from hybrid_rl.models import BUILTIN_NAMES, BUILTIN_PREFIX, ModelLoadError, check_local_path
+    from hybrid_rl.models import BUILTIN_NAMES, BUILTIN_PREFIX, ModelLoadError, builtin_unbuildable, check_local_path
 
-    if path.startswith(BUILTIN_PREFIX):  # built on first use by the ranks; here only the name is checked
+    if path.startswith(BUILTIN_PREFIX):  # built on first use by the ranks; here the name and the cache are checked
         known = list(BUILTIN_NAMES)
         if path[len(BUILTIN_PREFIX):] not in known:
             raise ModelLoadError(f"{key}: unknown built-in model {path[len(BUILTIN_PREFIX):]!r}; "
                                  f"choose one of {[BUILTIN_PREFIX + k for k in known]}")
+        problem = builtin_unbuildable(path)
+        if problem:
+            raise ModelLoadError(problem)
         return
     check_local_path(path, key)  # the loader's own message for a local-looking path that is missing
     if Path(path).expanduser().exists() or _hub_cached(path, "model", marker):
@@ -151,6 +165,27 @@ def _check_model_path(path: str, key: str, marker: str) -> None:
                              f"({_hub_cache()}), and the hub is unreachable ({why}); point {key} at a local model "
                              f"directory, use a built-in model ({key}=builtin:tiny-qwen2), or download it with network "
                              f"access (hf download {path})")
+
+
+def check_sequence_length(cfg: Config) -> None:
+    """A prompt and a response together fit the positions the model was built for (``max_position_embeddings``,
+    read from its config or a built-in's table, no weights loaded); a model whose config cannot be read here passes."""
+    from hybrid_rl.planner.shape import ShapeError, read_shape
+
+    d = cfg.data
+    try:
+        positions = read_shape(cfg.model.path).positions
+    except (ShapeError, OSError, ValueError):
+        return
+    full = d.max_prompt_length + d.max_response_length
+    if positions is not None and full > positions:
+        room = positions - d.max_prompt_length
+        fix = (f"lower data.max_response_length to at most {room}" if room > 0 else
+               f"lower data.max_prompt_length and data.max_response_length")
+        raise PreflightError(f"data.max_prompt_length + data.max_response_length = {d.max_prompt_length} + "
+                             f"{d.max_response_length} = {full} tokens, more than the {positions} positions of "
+                             f"model.path={cfg.model.path!r} (max_position_embeddings in its config); {fix} (or use a "
+                             f"model built for longer sequences)")
 
 
 # --------------------------------------------------------------------------- data
@@ -178,6 +213,15 @@ def _check_data_path(path: str, key: str) -> None:
                              f"is unreachable ({why}); point {key} at a local .jsonl/.parquet file, use "
                              f"{key}=synthetic:successor with data.task=successor, or run once with network access "
                              f"so that the datasets library caches it")
+
+
+# --------------------------------------------------------------------------- reward
+def check_reward(cfg: Config) -> None:
+    """``reward.function`` resolves (its module or file imports, the function exists) and can be called as
+    ``fn(response, ground_truth)``: caught here rather than at the first reward, after the model has loaded."""
+    from hybrid_rl.rewards import get_reward_fn
+
+    get_reward_fn(cfg.reward.function, cfg.data.task)
 
 
 # --------------------------------------------------------------------------- outputs

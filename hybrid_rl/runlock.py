@@ -13,8 +13,10 @@ holder on another host is taken for alive.
 
 Under torchrun only rank 0 locks (ranks of one run must not lock each other out); the other ranks wait for its
 verdict (one broadcast) so that every rank of a refused run stops with the same line before writing anything.
-Left out: waiting for the lock to free up, and locking anything but the output directory (a checkpoint path
-given to ``trainer.resume`` is only read).
+A run refused during set-up (bad data, a reward function that cannot load) calls ``release(discard=True)``: the
+lock file it created and the directories it created for it go again, if nothing else was written there; a directory
+or lock file that was there before stays. Left out: waiting for the lock to free up, and locking anything but the
+output directory (a checkpoint path given to ``trainer.resume`` is only read).
 """
 
 from __future__ import annotations
@@ -99,19 +101,35 @@ def _release_fd(fd: int) -> None:
 
 
 class RunLock:
-    """The held lock (or a no-op one on ranks other than 0); ``release`` is idempotent and also runs at exit."""
+    """The held lock (or a no-op one on ranks other than 0); ``release`` is idempotent and also runs at exit.
 
-    def __init__(self, path: Path | None, fd: int | None):
+    ``created``: what ``acquire`` made for it, the lock file and the directories, innermost first."""
+
+    def __init__(self, path: Path | None, fd: int | None, created: tuple[Path, ...] = ()):
         self.path = path
+        self.created = created
         self._finalizer = weakref.finalize(self, _release_fd, fd) if fd is not None else None
 
     @property
     def held(self) -> bool:
         return self._finalizer is not None and self._finalizer.alive
 
-    def release(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer()
+    def release(self, discard: bool = False) -> None:
+        """Unlock. ``discard`` (a run refused before it wrote anything): also remove what ``acquire`` created, the
+        lock file and then each directory while it is empty; nothing else is touched."""
+        if self._finalizer is None or not self._finalizer.alive:
+            return
+        self._finalizer()
+        if discard:
+            _remove_created(self.created)
+
+
+def _remove_created(created: tuple[Path, ...]) -> None:
+    for p in created:
+        try:
+            p.rmdir() if p.is_dir() and not p.is_symlink() else p.unlink()
+        except OSError:  # not empty (something else was written there) or gone: leave it and everything above
+            return
 
 
 def acquire(output_dir: str | os.PathLike) -> RunLock:
@@ -119,10 +137,14 @@ def acquire(output_dir: str | os.PathLike) -> RunLock:
     out = Path(output_dir)
     key = f"trainer.output_dir={str(output_dir)!r}"
     path = out / LOCK_NAME
+    created = [d for d in (out, *out.parents) if not os.path.lexists(d)]
     try:
         out.mkdir(parents=True, exist_ok=True)
+        if not os.path.lexists(path):
+            created.insert(0, path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as e:
+        _remove_created(tuple(d for d in created if d != path))
         raise RunLockError(f"{key} cannot be written ({type(e).__name__}: {e.strerror or e}); "
                            f"choose a writable trainer.output_dir") from e
     try:
@@ -130,7 +152,7 @@ def acquire(output_dir: str | os.PathLike) -> RunLock:
     except BaseException:
         os.close(fd)
         raise
-    return RunLock(path, fd_ok)
+    return RunLock(path, fd_ok, tuple(created))
 
 
 def _lock_or_explain(fd: int, path: Path, key: str) -> int:

@@ -122,13 +122,17 @@ class Tracker:
             print(msg, file=sys.stderr, flush=True)
 
     def close(self) -> None:
+        """End the bar on a line of its own (later writes, the run summary or an error, go below it) and close the
+        files; idempotent."""
         if self.bar is not None:
             self.bar.close()
-            self.bar = None  # later writes (the run summary) go below the finished bar
+            self.bar = None
         if self.tb is not None:
             self.tb.close()
+            self.tb = None
         if self.jsonl is not None:
             self.jsonl.close()
+            self.jsonl = None
 
 
 def export_command() -> str:

@@ -93,7 +93,8 @@ class Trainer:
             with StallWatchdog(stall, label="set-up") if stall > 0 else nullcontext():
                 self._build(cfg, dist)
         except BaseException:
-            self.run_lock.release()
+            self._close_tracker()
+            self.run_lock.release(discard=True)  # a refused run leaves no directory it created
             raise
 
     def _build(self, cfg: Config, dist: DistInfo) -> None:
@@ -111,8 +112,9 @@ class Trainer:
                                                     "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
         options = getattr(d, d.task, None)  # a synthetic task's own section (data.arith)
         rows = load_rows(d.train_path, d.train_split, d.hub_config, d.task, d.num_synthetic, cfg.trainer.seed,
-                         options=options)
-        self.train_set = PromptDataset(rows, d.task, tokenizer, d.max_prompt_length, d.truncation, d.system_prompt)
+                         key="data.train_path", options=options)
+        self.train_set = PromptDataset(rows, d.task, tokenizer, d.max_prompt_length, d.truncation, d.system_prompt,
+                                       source=f"data.train_path={d.train_path!r}")
         pl = self.placement
         self.sampler = PromptSampler(len(self.train_set), d.train_batch_size, pl.sampler_rank, pl.sampler_world,
                                      cfg.trainer.seed, d.shuffle)
@@ -122,7 +124,8 @@ class Trainer:
                                  cfg.trainer.seed + 1, key="data.val_path", options=options, held_out=True)
             if d.max_val_samples:
                 val_rows = val_rows[: d.max_val_samples]
-            self.val_set = PromptDataset(val_rows, d.task, tokenizer, d.max_prompt_length, d.truncation, d.system_prompt)
+            self.val_set = PromptDataset(val_rows, d.task, tokenizer, d.max_prompt_length, d.truncation, d.system_prompt,
+                                         source=f"data.val_path={d.val_path!r}")
         self.reward_fn = RewardScorer.from_config(cfg.reward, d.task)  # user functions score in worker processes
         self.task = TASKS.get(d.task)  # its answer-shape counts are logged beside the reward (None: an unknown task)
         self.reward = RewardPhase(cfg, tokenizer, self.reward_fn, self.task, self.dist)
@@ -157,15 +160,33 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------
     def fit(self) -> list[dict[str, float]]:
-        """Train to ``total_steps``; however it ends, the reward workers stop and the output_dir is free again."""
+        """Train to ``total_steps``; however it ends, the trainer is closed (``close``)."""
         try:
             return self._fit()
         finally:
-            self.reward_fn.close()
-            rollout = getattr(self.worker, "rollout", None)
-            if rollout is not None and not rollout.in_process:  # an engine process (rollout.vllm.engine_process): a
-                rollout.shutdown()  # finished rank leaves through os._exit, which skips the finalizers that end it
-            self.run_lock.release()
+            self.close()
+
+    def close(self) -> None:
+        """End what the trainer holds, on every exit path: the progress bar (so that an error printed next is a line
+        of its own, not the bar's tail), the metric files, the reward workers, an engine process, and the output_dir's
+        lock. Idempotent; ``fit`` calls it, a trainer that is built but never fitted needs it too."""
+        self._close_tracker()
+        self.reward_fn.close()
+        rollout = getattr(self.worker, "rollout", None)
+        if rollout is not None and not rollout.in_process:  # an engine process (rollout.vllm.engine_process): a
+            rollout.shutdown()  # finished rank leaves through os._exit, which skips the finalizers that end it
+        self.run_lock.release()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _close_tracker(self) -> None:
+        tracker = getattr(self, "tracker", None)  # absent when set-up failed before it
+        if tracker is not None:
+            tracker.close()
 
     def _fit(self) -> list[dict[str, float]]:
         history, started = [], time.perf_counter()

@@ -12,6 +12,8 @@ module only stays in that module.
 - ``train_until_learned``: a training run stopped (SIGTERM, the trainer's clean stop) once its reward has
   reached the learning tests' bar, so that a learning curve costs the steps it needs, not the recipe's length.
 - ``liger_patched``: the modules whose ``forward`` Liger's kernels replaced (``model.use_liger``).
+- ``unwritable_dir``: a directory this user cannot write (mode 0555; for root, whom modes do not stop, the
+  immutable attribute), made writable again on exit.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import signal
 import subprocess
 import time
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -79,6 +82,33 @@ def score_batch(worker, batch: Batch, seed: int = 0) -> Batch:
     batch = worker.compute_log_prob(batch)
     batch, _ = compute_advantage(batch, worker.cfg.algorithm)
     return batch
+
+
+# --------------------------------------------------------------------------- file system
+@contextmanager
+def unwritable_dir(path: Path) -> Iterator[Path]:
+    """Create ``path`` as a directory this process (and its children) cannot create anything in, for the ``with``
+    block. Where this machine offers no way to (root on a file system without ``chattr +i``), the test is skipped
+    with the reason."""
+    import pytest
+
+    path.mkdir(parents=True)
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        undo = [["chmod", "755", str(path)]]
+    else:
+        made = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True)
+        if made.returncode != 0:
+            pytest.skip(f"running as root, and chattr +i {path} failed ({made.stderr.strip()}): no directory here "
+                        f"is unwritable for this user")
+        undo = [["chattr", "-i", str(path)]]
+    try:
+        if os.access(path, os.W_OK):
+            pytest.skip(f"{path} stays writable for this user")
+        yield path
+    finally:
+        for cmd in undo:
+            subprocess.run(cmd, check=True)
 
 
 # --------------------------------------------------------------------------- subprocesses from the checkout

@@ -4,7 +4,8 @@ Every recipe in ``recipes/`` mirrors this tree 1:1: ``Config`` (``tree.py``) hol
 each a dataclass beside the checks of its own keys (``model.py``, ``rollout.py``, ``actor.py``, ``algorithm.py``,
 ``trainer.py``; an engine's own options, such as ``rollout.vllm``, are defined beside that engine). ``loading.py``
 reads recipes and overrides strictly: an unknown key is an error naming its full dotted path and the closest valid
-one, a value of the wrong type is an error naming the key and the expected type. ``Config.validate`` checks each
+one, a value of the wrong type is an error naming the key and the expected type, a key given twice is an error
+naming it and both lines (``strict_yaml.py``). ``Config.validate`` checks each
 section, then the facts that span sections (``checks.py``: divisibility of batch sizes, GRPO group sizes), with
 messages that say what to change. The choices of an extension point (``algorithm.adv_estimator``,
 ``rollout.name``) are the names in its registry (``hybrid_rl.registry``), checked like a ``Literal`` when the

@@ -1,7 +1,8 @@
 """Reading a recipe: YAML, dotted overrides, strict coercion of every value to its field's type.
 
 Loading is strict: an unknown key is an error naming its full dotted path and the closest valid one (or, for a key
-that moved, its new place), and a value of the wrong type is an error naming the key and the expected type.
+that moved, its new place), a value of the wrong type is an error naming the key and the expected type, and a key
+given twice in the recipe (at any depth) is an error naming the dotted key and both lines (``strict_yaml.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from hybrid_rl.config.plugins import import_plugins
 from hybrid_rl.config.registered import REGISTERED_KEYS, check_choice
 from hybrid_rl.config.algorithm import REMOVED_KEYS as REMOVED_ALGORITHM_KEYS
 from hybrid_rl.config.rollout import MOVED_KEYS, REMOVED_KEYS
+from hybrid_rl.config.strict_yaml import DuplicateKeyError, load_yaml
 from hybrid_rl.config.tree import Config
 
 
@@ -31,7 +33,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not p.exists():
             raise ConfigError(_missing_recipe(str(path)))
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = load_yaml(p.read_text()) or {}
+        except DuplicateKeyError as e:
+            raise ConfigError(f"recipe {str(path)!r}: {e}, and only the second would count; keep one "
+                              f"of them (merge the two into one)") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"recipe {str(path)!r} is not valid YAML: {_yaml_problem(e)}; fix the syntax "
                               f"there") from e
@@ -41,7 +46,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like key.sub=value (e.g. trainer.total_steps=10)")
-        _set_dotted(raw, key.strip(), _parse_scalar(value))
+        _set_dotted(raw, key.strip(), _parse_scalar(value, key.strip()))
     trainer = raw.get("trainer")
     if isinstance(trainer, dict) and "imports" in trainer:  # plug-ins register their names before the keys are checked
         import_plugins(_coerce(list[str], trainer["imports"], "trainer.imports"), "trainer.imports")
@@ -96,10 +101,12 @@ def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
     return out
 
 
-def _parse_scalar(text: str) -> Any:
+def _parse_scalar(text: str, key: str = "") -> Any:
     # YAML rules give ints, floats, bools, null and [lists] the way recipes spell them.
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
+    except DuplicateKeyError as e:
+        raise ConfigError(f"override {key}={text}: key '{key}.{e.key}' is given twice; give it once") from None
     except yaml.YAMLError:
         return text
 

@@ -32,13 +32,15 @@ class PromptDataset:
     """
 
     def __init__(self, rows: list[dict[str, Any]], task: str, tokenizer: Any, max_prompt_length: int,
-                 truncation: str = "error", system_prompt: Optional[str] = None) -> None:
+                 truncation: str = "error", system_prompt: Optional[str] = None, source: str = "the dataset") -> None:
+        """``source`` names the rows' key and file in messages (``data.train_path='train.jsonl'``); a message names
+        a row by its number, counted from 1 in the order of the file."""
         if truncation not in TRUNCATION_MODES:
             raise DataError(f"data.truncation={truncation!r} is not one of {list(TRUNCATION_MODES)}")
         if max_prompt_length <= 0:
             raise DataError(f"data.max_prompt_length={max_prompt_length} must be a positive number of tokens")
         if not rows:
-            raise DataError("the dataset has no rows; check data.train_path/data.val_path")
+            raise DataError(f"{source}: no rows; point it at a non-empty dataset")
         spec = get_task(task)
         self.task = task
         self.max_prompt_length = max_prompt_length
@@ -47,15 +49,19 @@ class PromptDataset:
         self.num_truncated = 0
         self._items: list[dict[str, Any]] = []
         for i, row in enumerate(rows):
-            formatted = spec.format_row(row, i)
+            try:
+                formatted = spec.format_row(row, i + 1)
+            except DataError as e:
+                raise DataError(f"{source}: {e}") from None
             messages = list(formatted["messages"])
             if system_prompt is not None:
                 messages = [{"role": "system", "content": system_prompt}] + messages
             ids = _encode_chat(tokenizer, messages)
             if len(ids) > max_prompt_length:
                 if truncation == "error":
-                    raise DataError(f"data.max_prompt_length={max_prompt_length}: the prompt of row {i} has {len(ids)} tokens "
-                                    f"after the chat template; raise data.max_prompt_length or set data.truncation to filter/left/right")
+                    raise DataError(f"data.max_prompt_length={max_prompt_length}: the prompt of row {i + 1} of {source} has "
+                                    f"{len(ids)} tokens after the chat template; raise data.max_prompt_length or set "
+                                    f"data.truncation to filter/left/right")
                 if truncation == "filter":
                     self.num_filtered += 1
                     continue
@@ -64,8 +70,8 @@ class PromptDataset:
             self._items.append({"input_ids": ids, "ground_truth": str(formatted["ground_truth"]),
                                 "data_source": str(formatted["data_source"]), "index": i})
         if not self._items:
-            raise DataError(f"data.max_prompt_length={max_prompt_length}: all {len(rows)} prompts are longer and were filtered; "
-                            f"raise data.max_prompt_length or set data.truncation=left")
+            raise DataError(f"data.max_prompt_length={max_prompt_length}: all {len(rows)} prompts of {source} are longer "
+                            f"and were filtered; raise data.max_prompt_length or set data.truncation=left")
 
     @property
     def sources(self) -> list[str]:

@@ -22,7 +22,7 @@ SYNTHETIC_PREFIX = "synthetic:"
 LOCAL_FORMATS = (".jsonl", ".parquet")
 # Extensions that mark a path as meant to be a local file even when it is missing.
 FILE_LIKE = LOCAL_FORMATS + (".json", ".csv", ".arrow", ".txt")
-_DEFAULT_KEY = "data.train_path/data.val_path"
+_DEFAULT_KEY = "data.train_path"
 
 
 def load_rows(path: str, split: str, hub_config: Optional[str], task: str, num_synthetic: int, seed: int,

@@ -36,7 +36,8 @@ class Task:
     synthetic: bool = False
 
     def format_row(self, row: dict[str, Any], row_id: int) -> dict[str, Any]:
-        """``{"messages": [...], "ground_truth": str, "data_source": name}`` for one row."""
+        """``{"messages": [...], "ground_truth": str, "data_source": name}`` for one row; ``row_id`` is the row's
+        number in messages (``PromptDataset`` counts from 1 and adds the key and file)."""
         raise NotImplementedError
 
     def answer_stats(self, responses: list[str]) -> dict[str, float]:
@@ -59,9 +60,11 @@ class Task:
     def _field(self, row: dict[str, Any], key: str, row_id: int) -> Any:
         if not isinstance(row, dict):
             raise DataError(f"row {row_id}: expected a mapping of fields, got {type(row).__name__}; fix the data file")
-        if key not in row or row[key] is None:
-            raise DataError(f"row {row_id}: the {self.name} task needs a {key!r} field but the row has {sorted(row)}; "
-                            f"fix the data or set data.task to the task that matches it")
+        if key not in row:
+            raise DataError(f"row {row_id} has no {key!r} field, which the {self.name} task needs (its fields: "
+                            f"{sorted(row)}); fix the data or set data.task to the task that matches it")
+        if row[key] is None:
+            raise DataError(f"row {row_id}: its {key!r} field, which the {self.name} task needs, is null; fix the data")
         return row[key]
 
 

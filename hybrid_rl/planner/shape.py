@@ -1,6 +1,7 @@
 """A decoder's shape, read without building a model: a built-in's table, or a local ``config.json``.
 
-Only what the memory model needs: hidden size, MLP width, layers, key/value width, vocabulary, tied embeddings.
+Only what the memory model needs: hidden size, MLP width, layers, key/value width, vocabulary, tied embeddings; and
+the positions the model was built for (``max_position_embeddings``), which the preflight holds the sequence length to.
 A hub id is read only from a local directory or the local Hugging Face cache (never downloaded): planning is
 offline and instant. The Qwen2.5 models the recipes name (``HUB_SHAPES``) are planned from their published shapes when
 they are not here yet; any other model that is not here gets one line saying so.
@@ -27,6 +28,8 @@ class ModelShape:
     kv_heads: int
     vocab: int
     tied: bool
+    positions: int | None = None
+    """``max_position_embeddings``: the longest sequence the model was built for (None: its config does not say)."""
 
     @property
     def kv_dim(self) -> int:
@@ -67,7 +70,7 @@ def _tiny_vocab() -> int:
 
 # SmolLM2-135M's published architecture (the GGUF built-in is converted from it at first use)
 _SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                     num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
+                     num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192)
 
 
 HUB_SHAPES: dict[str, str] = {
@@ -85,7 +88,8 @@ def from_hf_config(cfg: dict) -> ModelShape:
         return ModelShape(hidden=cfg["hidden_size"], intermediate=cfg["intermediate_size"],
                           layers=cfg["num_hidden_layers"], heads=cfg["num_attention_heads"],
                           kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-                          vocab=cfg["vocab_size"], tied=bool(cfg.get("tie_word_embeddings", False)))
+                          vocab=cfg["vocab_size"], tied=bool(cfg.get("tie_word_embeddings", False)),
+                          positions=cfg.get("max_position_embeddings"))
     except KeyError as e:
         raise ShapeError(f"config.json has no {e.args[0]}: not a decoder-only transformer the planner knows") from None
 

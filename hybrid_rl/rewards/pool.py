@@ -15,7 +15,7 @@ parent's main script in every worker, which a training script without an ``if __
 not survive. So the function travels by name: a ``module:function`` or ``path/to/file.py:function`` (made
 absolute) is resolved again in each worker, and a built-in or registered function is pickled by reference (which
 needs it importable at module level: not a lambda). Workers ignore SIGINT/SIGTERM (the trainer decides how the run
-ends) and die with their parent (``PR_SET_PDEATHSIG``). Left out: a thread pool (a hung Python call cannot be
+ends) and die with their parent (``lifeline.py``). Left out: a thread pool (a hung Python call cannot be
 abandoned) and batched calls of the user function.
 """
 

@@ -16,6 +16,7 @@ ground truth (verl's ``extra_info``).
 from __future__ import annotations
 
 import importlib
+import inspect
 import pickle
 import sys
 import threading
@@ -64,7 +65,9 @@ def get_reward_fn(name: str, task: str) -> RewardFn:
                               f"use one of {sorted(TASKS)} or set reward.function")
         name = TASKS[task].default_reward
     if name in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[name]
+        fn = BUILTIN_REWARDS[name]
+        check_signature(fn, name)
+        return fn
     module_name, sep, attr = name.rpartition(":")
     if not sep or not module_name or not attr:
         raise RewardError(f"reward.function={name!r} is not 'auto', a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) "
@@ -76,7 +79,24 @@ def get_reward_fn(name: str, task: str) -> RewardFn:
     if not callable(fn):
         raise RewardError(f"reward.function={name!r}: {attr!r} in {module_name!r} is a {type(fn).__name__}, not a function; "
                           f"point reward.function at a callable fn(response, ground_truth) -> float")
+    check_signature(fn, name)
     return fn
+
+
+def check_signature(fn: Any, name: str) -> None:
+    """``fn`` can be called the way every sample is scored, ``fn(response, ground_truth)`` (``call.score_one``);
+    RewardError naming ``reward.function=name`` otherwise. A callable whose signature cannot be read passes."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # some C callables have none
+        return
+    try:
+        sig.bind("response", "ground_truth")
+    except TypeError as e:
+        attr = name.rpartition(":")[2] or name
+        raise RewardError(f"reward.function={name!r}: {attr}{sig} cannot be called as {attr}(response, ground_truth) "
+                          f"({e}), which is how every sample is scored; define it as def {attr}(response, "
+                          f"ground_truth) -> float (any further parameters need defaults)") from None
 
 
 def _import(module_name: str, name: str) -> Any:
@@ -107,8 +127,9 @@ STALL_S = 10.0
 
 
 def score_responses(fn: RewardFn, responses: list[str], ground_truths: list[str],
-                    on_error: str = "raise") -> tuple[list[float], int]:
+                    on_error: str = "raise", who: str | None = None) -> tuple[list[float], int]:
     """Scores for every (response, ground truth) pair and the number of failed samples scored 0, in this process.
+    ``who`` names the function in messages (``RewardScorer.who``; default: its module and name).
 
     A failure is an exception from ``fn``, a return value that is not a number
     (a mapping with a ``"score"`` key, as verl reward functions may return, is
@@ -116,17 +137,18 @@ def score_responses(fn: RewardFn, responses: list[str], ground_truths: list[str]
     reported on stderr; it cannot be abandoned here (``RewardScorer`` with workers can).
     """
     _check_args(on_error, responses, ground_truths)
+    who = who or describe_fn(fn)
     scores: list[float] = []
     num_failed = 0
     current = [0, time.monotonic()]  # the sample being scored and since when, for the stall reporter
-    with _StallReporter(fn, responses, ground_truths, current):
+    with _StallReporter(who, responses, ground_truths, current):
         for i, (response, truth) in enumerate(zip(responses, ground_truths)):
             current[:] = [i, time.monotonic()]
             try:
                 score = score_one(fn, response, truth)
             except Exception as e:
                 if on_error == "raise":
-                    raise RewardError(_failed_message(fn, i, f"{type(e).__name__}: {_first_line(e)}", response, truth)) from e
+                    raise RewardError(_failed_message(who, i, f"{type(e).__name__}: {_first_line(e)}", response, truth)) from e
                 score = 0.0
                 num_failed += 1
             scores.append(score)
@@ -140,19 +162,19 @@ def _check_args(on_error: str, responses: list[str], ground_truths: list[str]) -
         raise ValueError(f"score_responses got {len(responses)} responses but {len(ground_truths)} ground truths")
 
 
-def _failed_message(fn: Any, i: int, what: str, response: str, truth: str) -> str:
-    return (f"reward function {_fn_name(fn)} failed on sample {i} ({what}); "
+def _failed_message(who: str, i: int, what: str, response: str, truth: str) -> str:
+    return (f"{who} failed on sample {i} ({what}); "
             f"response={_short(response)!r}, ground_truth={_short(truth)!r}; fix the function, or set "
             f"reward.on_error=zero to score such samples 0 and count them")
 
 
-def _timeout_message(fn: Any, i: int, timeout_s: float, response: str, truth: str) -> str:
-    return (f"reward function {_fn_name(fn)} did not return within reward.timeout_s={timeout_s:g} on sample {i} "
+def _timeout_message(who: str, i: int, timeout_s: float, response: str, truth: str) -> str:
+    return (f"{who} did not return within reward.timeout_s={timeout_s:g} on sample {i} "
             f"(response={_short(response)!r}, ground_truth={_short(truth)!r}); the call was abandoned: fix the hang "
             f"or make it faster, raise reward.timeout_s, or set reward.on_error=zero to score such samples 0 and count them")
 
 
-def _stall_message(fn: Any, i: int, running_s: float, done: int, total: int, timeout_s: float, in_process: bool,
+def _stall_message(who: str, i: int, running_s: float, done: int, total: int, timeout_s: float, in_process: bool,
                    response: str, truth: str) -> str:
     if timeout_s > 0:
         limit = f"reward.timeout_s={timeout_s:g} abandons it at {timeout_s:g} s"
@@ -161,15 +183,15 @@ def _stall_message(fn: Any, i: int, running_s: float, done: int, total: int, tim
                  "cannot be abandoned")
     else:
         limit = "no time limit (reward.timeout_s=0); set reward.timeout_s to abandon such calls"
-    return (f"warning: reward function {_fn_name(fn)} has been running for {running_s:.0f} s on sample {i} "
+    return (f"warning: {who} has been running for {running_s:.0f} s on sample {i} "
             f"(response={_short(response)!r}, ground_truth={_short(truth)!r}; {done}/{total} samples scored); {limit}")
 
 
 class _StallReporter:
     """In-process scoring: a thread that reports the sample ``current`` = [index, since] every ``STALL_S``."""
 
-    def __init__(self, fn: Any, responses: list[str], truths: list[str], current: list):
-        self.args = fn, responses, truths, current
+    def __init__(self, who: str, responses: list[str], truths: list[str], current: list):
+        self.args = who, responses, truths, current
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -182,7 +204,7 @@ class _StallReporter:
         self._done.set()
 
     def _run(self) -> None:
-        fn, responses, truths, current = self.args
+        who, responses, truths, current = self.args
         reported = (-1, 0)
         while not self._done.wait(STALL_S / 4):
             i, since = current
@@ -190,8 +212,7 @@ class _StallReporter:
             times = int(running // STALL_S)
             if times >= 1 and (i, times) != reported and not self._done.is_set():
                 reported = (i, times)
-                print(_stall_message(fn, i, running, i, len(responses), 0.0, True, responses[i], truths[i]),
-                      file=sys.stderr, flush=True)
+                console_line(_stall_message(who, i, running, i, len(responses), 0.0, True, responses[i], truths[i]))
 
 
 class RewardScorer:
@@ -208,6 +229,8 @@ class RewardScorer:
         if num_workers < -1:
             raise RewardError(f"reward.num_workers={num_workers} must be -1 (auto), 0 (this process) or a number of processes")
         self.fn = get_reward_fn(function, task)  # a bad reward.function fails here, in the parent, at start-up
+        self.who = reward_label(function, task)
+        """How messages name the function: the key and the value the user wrote (``reward.function='f.py:score'``)."""
         self.on_error, self.timeout_s = on_error, timeout_s
         builtin = function == "auto" or function in BUILTIN_REWARDS
         workers = worker_count(num_workers) if not (num_workers == -1 and builtin) else 0
@@ -231,7 +254,7 @@ class RewardScorer:
             pickle.dumps(self.fn)
         except Exception as e:
             raise RewardError(f"reward.num_workers={num_workers} sends the reward function to worker processes, but "
-                              f"{_fn_name(self.fn)} cannot be sent ({type(e).__name__}: {_first_line(e)}); define it at "
+                              f"{self.who} cannot be sent ({type(e).__name__}: {_first_line(e)}); define it at "
                               f"module level, or set reward.num_workers=0 to score in this process") from e
         return ("object", self.fn)
 
@@ -239,27 +262,27 @@ class RewardScorer:
         """Scores for every pair and the number of failed samples scored 0 (``reward.on_error=zero``)."""
         on_error = on_error or self.on_error
         if self.pool is None:
-            return score_responses(self.fn, responses, ground_truths, on_error)
+            return score_responses(self.fn, responses, ground_truths, on_error, self.who)
         _check_args(on_error, responses, ground_truths)
         failed = [0]
 
         def on_failure(f: PoolFailure) -> None:
             r, t = responses[f.index], ground_truths[f.index]
             if on_error == "raise":
-                msg = (_timeout_message(self.fn, f.index, self.timeout_s, r, t) if f.timed_out
-                       else _failed_message(self.fn, f.index, f.detail, r, t))
+                msg = (_timeout_message(self.who, f.index, self.timeout_s, r, t) if f.timed_out
+                       else _failed_message(self.who, f.index, f.detail, r, t))
                 raise RewardError(msg)
             failed[0] += 1
 
         def on_stall(i: int, running: float, done: int, total: int) -> None:
-            print(_stall_message(self.fn, i, running, done, total, self.timeout_s, False, responses[i], ground_truths[i]),
-                  file=sys.stderr, flush=True)
+            console_line(_stall_message(self.who, i, running, done, total, self.timeout_s, False, responses[i],
+                                        ground_truths[i]))
 
         with self._lock:
             try:
                 scores = self.pool.score(responses, ground_truths, self.timeout_s, on_failure, on_stall, STALL_S)
             except WorkerInitError as e:
-                raise RewardError(f"reward function {_fn_name(self.fn)} could not be loaded in a reward worker process "
+                raise RewardError(f"{self.who} could not be loaded in a reward worker process "
                                   f"({e}); make it importable from a fresh Python (module level, on PYTHONPATH), or set "
                                   f"reward.num_workers=0 to score in the training process") from None
         return scores, failed[0]
@@ -267,6 +290,26 @@ class RewardScorer:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+
+
+def reward_label(function: str, task: str) -> str:
+    """``reward.function`` as the user wrote it, for messages; ``auto`` adds the task's reward it stands for."""
+    if function == "auto" and task in TASKS:
+        return f"reward.function='auto' (the {task} task's {TASKS[task].default_reward!r})"
+    return f"reward.function={function!r}"
+
+
+def describe_fn(fn: Any) -> str:
+    """A bare reward function (given as an object, not through ``reward.function``) for messages."""
+    return f"reward function {_fn_name(fn)}"
+
+
+def console_line(msg: str) -> None:
+    """A warning on stderr on a line of its own, above the progress bar when one is drawn (``tqdm.write``)."""
+    from tqdm import tqdm
+
+    tqdm.write(msg, file=sys.stderr)
+    sys.stderr.flush()
 
 
 def _fn_name(fn: Any) -> str:

@@ -9,18 +9,10 @@ from __future__ import annotations
 import signal
 from typing import Any, Callable
 
+from ..lifeline import die_with_parent
 from .call import describe_error, score_one
 from .pool import FnRef
 from .registry import get_reward_fn
-
-
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # not Linux: the parent's exit still closes the pipe, and an idle worker ends on EOF
-        pass
 
 
 def _resolve(ref: FnRef) -> Callable[[str, str], Any]:
@@ -31,7 +23,7 @@ def _resolve(ref: FnRef) -> Callable[[str, str], Any]:
 
 def worker_main(conn, ref: FnRef) -> None:
     """A worker process's life: resolve the function, say ready, then score chunks until the parent hangs up."""
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:

@@ -59,6 +59,13 @@ class VLLMOptions:
             raise ValueError("rollout.dtype=float32 with rollout.name=vllm: vLLM 0.26 in float32 crashed in step 2's "
                              "generate (CUDA illegal memory access, on H200); use rollout.dtype=auto (a bfloat16 engine, "
                              "the actor keeps model.dtype) or rollout.name=hf")
+        d = cfg.data
+        full = d.max_prompt_length + d.max_response_length
+        if self.max_model_len is not None and self.max_model_len < full:
+            raise ValueError(f"rollout.vllm.max_model_len={self.max_model_len} is shorter than data.max_prompt_length + "
+                             f"data.max_response_length = {d.max_prompt_length} + {d.max_response_length} = {full}: "
+                             f"the engine could not hold one prompt with its response; raise rollout.vllm.max_model_len "
+                             f"to at least {full} (or leave it unset: the sum), or lower data.max_response_length")
         if t.placement == "split" and cfg.split_layout(world_size)[0] % tp:
             raise ValueError(f"rollout.vllm.tensor_parallel_size={tp} must divide the {cfg.split_layout(world_size)[0]} "
                              f"rollout ranks")

@@ -49,9 +49,9 @@ def test_second_run_on_the_same_output_dir_refuses_while_the_first_holds_it(tmp_
                  f"kill {os.getpid()}"):
         assert part in msg, (part, msg)
     assert sorted(p.name for p in out.iterdir()) == written  # the refused run wrote nothing
-    first.run_lock.release()  # what the end of fit does: the directory is free again, with no stale description
+    first.close()  # what the end of fit does: the directory is free again, with no stale description
     assert (out / "run.lock").read_text() == ""
-    Trainer(_cfg(out, "trainer.seed=1"), cpu_dist()).run_lock.release()
+    Trainer(_cfg(out, "trainer.seed=1"), cpu_dist()).close()
 
 
 def test_lock_held_by_another_process_names_it(tmp_path):
@@ -67,6 +67,7 @@ def test_lock_held_by_another_process_names_it(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+        holder.stdout.close()
 
 
 def test_stale_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path, capsys):
@@ -80,6 +81,7 @@ def test_stale_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path, capsy
     assert holder.stdout.readline().strip() == "locked"
     os.kill(holder.pid, signal.SIGKILL)
     holder.wait()
+    holder.stdout.close()
     stale = json.loads((out / "run.lock").read_text())
     assert stale["pid"] == holder.pid  # the dead run's description is still there
     trainer = Trainer(_cfg(out), cpu_dist())
@@ -88,7 +90,7 @@ def test_stale_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path, capsy
     assert len(warning) == 1, err
     assert f"pid {holder.pid} on host {socket.gethostname()}" in warning[0] and "taken over" in warning[0]
     assert json.loads((out / "run.lock").read_text())["pid"] == os.getpid()
-    trainer.run_lock.release()
+    trainer.close()
 
 
 # -- item 5: a reward function that hangs or is slow ----------------------------------------------------------
@@ -140,7 +142,7 @@ def test_hanging_reward_fails_within_the_timeout_with_one_line(reward_file):
     assert time.monotonic() - start < 10  # worker start-up + 1 s, not 30 s
     msg = str(e.value)
     assert "\n" not in msg
-    for part in ("my_rewards.hang", "did not return within reward.timeout_s=1", "on sample 1", "response='hang'",
+    for part in (f"reward.function='{reward_file}:hang'", "did not return within reward.timeout_s=1", "on sample 1", "response='hang'",
                  "ground_truth='2'", "raise reward.timeout_s", "reward.on_error=zero"):
         assert part in msg, (part, msg)
 
@@ -215,3 +217,65 @@ def test_builtin_rewards_stay_in_process_and_slow_in_process_calls_are_reported(
 def test_bad_reward_pool_settings_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(RECIPE, [override]).validate()
+
+
+def test_a_refused_run_removes_only_what_it_created(tmp_path):
+    """release(discard=True), what a run refused during set-up calls: the lock file and the directories acquire made
+    go; a directory that was there before, its files, and a lock file of an earlier run stay."""
+    from hybrid_rl.runlock import LOCK_NAME, acquire
+
+    fresh = tmp_path / "a" / "b" / "run"
+    acquire(fresh).release(discard=True)
+    assert list(tmp_path.iterdir()) == []
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    acquire(kept / "run").release(discard=True)
+    acquire(kept).release(discard=True)
+    assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"] and (kept / "notes.txt").read_text() == "mine"
+    earlier = tmp_path / "earlier"
+    acquire(earlier).release()  # a run that ended: its directory and empty lock file stay
+    acquire(earlier).release(discard=True)
+    assert (earlier / LOCK_NAME).read_text() == ""
+    written = tmp_path / "written" / "run"  # something else was written there after the lock: the directory stays
+    lock = acquire(written)
+    (written / "metrics.jsonl").write_text("")
+    lock.release(discard=True)
+    assert sorted(p.name for p in written.iterdir()) == ["metrics.jsonl"]
+
+
+def test_a_run_refused_during_set_up_leaves_no_output_dir(tmp_path):
+    from hybrid_rl.data.tasks import DataError
+    from hybrid_rl.trainer import Trainer
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1?"}\n')
+    out = tmp_path / "new" / "run"
+    with pytest.raises(DataError, match="data.train_path="):
+        Trainer(_cfg(out, f"data.train_path={bad}", "data.task=gsm8k", "data.val_path=null"), cpu_dist())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+
+
+def test_a_run_that_fails_in_a_step_closes_its_bar_and_files(tmp_path, capsys):
+    """The progress bar ends on a line of its own before the error propagates (the line printed next is not the bar's
+    tail), and the metric files are closed on that path too (no ResourceWarning at exit)."""
+    import gc
+    import warnings
+
+    from hybrid_rl.rewards import RewardError
+    from hybrid_rl.trainer import Trainer
+
+    raising = tmp_path / "raising.py"
+    raising.write_text("def score(response, ground_truth):\n    raise ZeroDivisionError('boom')\n")
+    trainer = Trainer(_cfg(tmp_path / "run", f"reward.function={raising}:score", "reward.num_workers=0",
+                           "trainer.logger=[console,jsonl,tensorboard]"), cpu_dist())
+    bar, jsonl, tb = trainer.tracker.bar, trainer.tracker.jsonl, trainer.tracker.tb
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        with pytest.raises(RewardError, match="ZeroDivisionError"):
+            trainer.fit()
+        assert bar.disable and jsonl.closed and tb.all_writers is None
+        del trainer, bar, jsonl, tb
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
+    assert capsys.readouterr().err.endswith("\n")  # the bar's line is finished: what is printed next starts a line

@@ -78,3 +78,43 @@ def test_signal_checkpoints_and_resume_is_exact(tmp_path, mode, sig):
 def test_the_same_signal_twice_stops_at_once(tmp_path):
     proc, err = _start_and_signal(tmp_path / "run", signal.SIGTERM, twice=True)
     assert proc.returncode == -signal.SIGTERM, (proc.returncode, err[-2000:])
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_launcher_ends_every_rank_and_frees_the_lock(tmp_path):
+    """``kill -KILL`` of the launcher alone (``make train`` killed with its process group kills the same process):
+    the ranks, which torchrun starts in a session of their own, and their children end within seconds, and a new run
+    can lock the output directory."""
+    import psutil
+
+    from hybrid_rl.runlock import acquire
+
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    launcher = subprocess.Popen([sys.executable, "-m", "hybrid_rl", "train", "--nproc", "1", RECIPE, *SMALL,
+                                 f"trainer.output_dir={out}", "trainer.total_steps=200"], cwd=ROOT, env=env,
+                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    run: list = []
+    try:
+        deadline = time.monotonic() + 240  # idle: ~20 s to the first logged step
+        while not _rows(out):
+            assert launcher.poll() is None and time.monotonic() < deadline, (
+                launcher.stderr.read()[-3000:] if launcher.poll() is not None else "no step within 240 s")
+            time.sleep(0.2)
+        run = psutil.Process(launcher.pid).children(recursive=True)
+        assert any("hybrid_rl" in " ".join(p.cmdline()) for p in run), [p.cmdline() for p in run]
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        _, alive = psutil.wait_procs(run, timeout=10)
+        assert not alive, [(p.pid, p.cmdline()) for p in alive]
+        acquire(out).release()  # the dead rank's flock is gone: a new run takes the directory
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        for p in run:  # nothing of the run may outlive the test
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        launcher.stderr.close()

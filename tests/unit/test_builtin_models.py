@@ -257,3 +257,24 @@ def test_a_nonzero_rank_builds_a_complete_model(tmp_path):
         assert p.returncode == 0, err[-2000:]
         files = json.loads(out.split("RESULT ", 1)[1])["files"]
         assert "config.json" in files and "model.safetensors" in files and MARKER in files
+
+
+def test_a_cache_that_cannot_be_written_is_named_with_how_to_point_elsewhere(tmp_path, monkeypatch):
+    """Permission denied (not a full disk): the rank's build and the preflight both say the cache is not writable
+    and how to point HYBRID_RL_CACHE elsewhere, never to free space; nothing is created."""
+    import hybrid_rl.models as models
+    from hybrid_rl import preflight as pf
+    from hybrid_rl.config import load_config
+    from helpers import unwritable_dir
+
+    with unwritable_dir(tmp_path / "locked") as locked:
+        monkeypatch.setenv("HYBRID_RL_CACHE", str(locked))
+        with pytest.raises(models.ModelLoadError) as build:
+            models.resolve_model_path(f"builtin:{NAME}")
+        with pytest.raises(models.ModelLoadError) as checked:
+            pf.preflight(load_config(REPO / "recipes" / "cpu_successor.yaml"))
+        assert list(locked.iterdir()) == []
+    for msg in (str(build.value), str(checked.value)):
+        assert f"the cache {locked} ($HYBRID_RL_CACHE) is not writable" in msg, msg
+        assert "point HYBRID_RL_CACHE at a directory you can write" in msg and "free space" not in msg, msg
+        assert "\n" not in msg

@@ -117,6 +117,45 @@ def test_missing_recipe_and_bad_yaml(tmp_path):
         load_config(bad)
 
 
+@pytest.mark.parametrize("text, key, lines", [
+    ("model:\n  path: builtin:tiny-qwen2\nrollout:\n  n: 4\ndata:\n  task: successor\nrollout:\n  n: 8\n",
+     "rollout", (3, 7)),
+    ("rollout:\n  n: 4\n  temperature: 1.0\n  n: 8\n", "rollout.n", (2, 4)),
+    ("rollout:\n  vllm:\n    engine_kwargs: {swap_space: 1, swap_space: 2}\n",
+     "rollout.vllm.engine_kwargs.swap_space", (3, 3)),
+    ("trainer:\n  logger:\n    - {a: 1}\n    - {a: 1,\n       a: 2}\n", "trainer.logger[1].a", (4, 5)),
+], ids=["section", "leaf", "flow mapping", "inside a list"])
+def test_a_key_given_twice_is_refused_naming_the_dotted_key_the_file_and_both_lines(tmp_path, text, key, lines):
+    recipe = tmp_path / "dup.yaml"
+    recipe.write_text(text)
+    with pytest.raises(ConfigError) as ei:
+        load_config(recipe)
+    msg = str(ei.value)
+    assert f"'{key}' appears twice (lines {lines[0]} and {lines[1]})" in msg and str(recipe) in msg, msg
+    assert "\n" not in msg
+
+
+def test_merge_keys_may_be_overridden_and_equal_values_elsewhere_are_not_duplicates(tmp_path):
+    from hybrid_rl.config.strict_yaml import load_yaml
+
+    assert load_yaml("base: &b {x: 1, y: 2}\nd:\n  <<: *b\n  x: 3\n") == {"base": {"x": 1, "y": 2},
+                                                                         "d": {"x": 3, "y": 2}}
+    assert load_yaml("a: {n: 1}\nb: {n: 1}\n1: x\n'1': y\n") == {"a": {"n": 1}, "b": {"n": 1}, 1: "x", "1": "y"}
+
+
+def test_an_override_value_with_a_key_twice_is_refused():
+    with pytest.raises(ConfigError, match=r"'rollout\.vllm\.engine_kwargs\.a' is given twice"):
+        load_config(None, ["rollout.vllm.engine_kwargs={a: 1, a: 2}"])
+
+
+def test_vllm_max_model_len_shorter_than_a_prompt_and_its_response_is_refused():
+    base = ["rollout.name=vllm", "trainer.device=cuda", "data.max_prompt_length=100", "data.max_response_length=28"]
+    load_config(None, base + ["rollout.vllm.max_model_len=128"]).validate()
+    with pytest.raises(ConfigError, match=r"rollout.vllm.max_model_len=127 is shorter than data.max_prompt_length \+ "
+                                          r"data.max_response_length = 100 \+ 28 = 128: .*at least 128"):
+        load_config(None, base + ["rollout.vllm.max_model_len=127"]).validate()
+
+
 def test_saved_config_round_trips(tmp_path):
     cfg = load_config(ROOT / "recipes" / "cpu_successor.yaml", ["actor.lr=0.5"])
     save_config(cfg, tmp_path / "config.yaml")

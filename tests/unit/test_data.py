@@ -46,7 +46,7 @@ def test_missing_local_file(tmp_path):
     with pytest.raises(DataError) as ei:
         load_rows(str(missing), "train", None, "gsm8k", 0, 0)
     msg = str(ei.value)
-    assert str(missing) in msg and "data.train_path" in msg and "data.val_path" in msg
+    assert str(missing) in msg and "data.train_path" in msg and "data.val_path" not in msg  # the key at fault only
     with pytest.raises(DataError, match="data.val_path"):
         load_rows("nope.parquet", "test", None, "gsm8k", 0, 0, key="data.val_path")
 
@@ -162,11 +162,11 @@ def test_prompt_dataset_items(tokenizer):
 def test_truncation_modes(tokenizer):
     base = len(PromptDataset(_rows([0]), "gsm8k", tokenizer, 10_000, "error")[0]["input_ids"])
     limit = base + 10
-    rows = _rows([5, 30, 8, 40])  # rows 1 and 3 are too long
+    rows = _rows([5, 30, 8, 40])  # rows 2 and 4 (counted from 1) are too long
 
     with pytest.raises(DataError) as ei:
         PromptDataset(rows, "gsm8k", tokenizer, limit, "error")
-    assert "data.max_prompt_length" in str(ei.value) and "row 1" in str(ei.value)
+    assert "data.max_prompt_length" in str(ei.value) and "the prompt of row 2 of the dataset has" in str(ei.value)
 
     filt = PromptDataset(rows, "gsm8k", tokenizer, limit, "filter")
     assert (len(filt), filt.num_filtered, filt.num_truncated) == (2, 2, 0)
@@ -285,3 +285,29 @@ def test_batch_moves_to_the_gpu_through_pinned_memory_without_blocking():
     for k, v in host.tensors.items():
         assert moved.tensors[k].is_cuda and torch.equal(moved.tensors[k].cpu(), v)
         assert torch.equal(gathered.tensors[k].cpu(), v[torch.as_tensor(idx)])
+
+
+def test_a_row_without_the_tasks_field_names_the_key_the_file_the_row_and_the_field(tokenizer, tmp_path):
+    path = tmp_path / "val.jsonl"
+    path.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"prompt": "2+2?", "answer": "#### 4"}\n')
+    rows = load_rows(str(path), "test", None, "gsm8k", 0, 0, key="data.val_path")
+    with pytest.raises(DataError) as ei:
+        PromptDataset(rows, "gsm8k", tokenizer, 1000, source=f"data.val_path={str(path)!r}")
+    msg = str(ei.value)
+    assert msg.startswith(f"data.val_path={str(path)!r}: row 2 has no 'question' field, which the gsm8k task needs "
+                          f"(its fields: ['answer', 'prompt'])"), msg
+    assert "data.train_path" not in msg
+    with pytest.raises(DataError, match=r"data.train_path='x.jsonl': row 1: its 'question' field, which the gsm8k "
+                                        r"task needs, is null"):
+        PromptDataset([{"question": None, "answer": "#### 1"}], "gsm8k", tokenizer, 1000,
+                      source="data.train_path='x.jsonl'")
+
+
+def test_the_loader_names_only_the_key_at_fault(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    for key in ("data.train_path", "data.val_path"):
+        with pytest.raises(DataError) as ei:
+            load_rows(str(empty), "train", None, "gsm8k", 0, 0, key=key)
+        other = "data.val_path" if key == "data.train_path" else "data.train_path"
+        assert key in str(ei.value) and other not in str(ei.value) and str(empty) in str(ei.value)

@@ -152,7 +152,7 @@ def test_trainer_step_trains_only_informative_groups(tmp_path, monkeypatch):
     try:
         metrics = trainer.step(last=True)
     finally:
-        trainer.reward_fn.close()
+        trainer.close()
     assert generated == [4, 4, 4] and len(calls) == 3  # the first batch and two refills of a step's 4 prompts
     assert metrics["rollout/filtered_groups"] == 2 + 4 + 1
     assert metrics["rollout/filter_rounds"] == 2 and metrics["rollout/filter_short_groups"] == 0

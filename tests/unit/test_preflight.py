@@ -164,3 +164,57 @@ def test_validation_data_dir_that_cannot_be_created_is_named(tmp_path, no_networ
     pf.preflight(load_config(RECIPE, [f"trainer.output_dir={run}", "trainer.test_freq=0", "trainer.val_before_train=false",
                                       "trainer.validation_data_dir=blocked/val"]))
     assert sorted(p.name for p in run.iterdir()) == ["blocked"]
+
+
+def test_a_local_model_directory_without_config_or_tokenizer_is_named(tmp_path, no_network):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelLoadError) as ei:
+        pf.preflight(load_config(RECIPE, [f"model.path={empty}"]))
+    msg = str(ei.value)
+    assert msg.startswith(f"model.path={str(empty)!r}: the directory has no config.json (it is empty)"), msg
+    assert "builtin:tiny-qwen2" in msg and "hub name" in msg
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match=r"model.path=.*config_only': the directory has no tokenizer files .*"
+                                             r"it holds config.json\); .*model.tokenizer_path"):
+        pf.preflight(load_config(RECIPE, [f"model.path={config_only}"]))
+    with pytest.raises(ModelLoadError, match=r"model.tokenizer_path=.*empty': the directory has no tokenizer files"):
+        pf.preflight(load_config(RECIPE, [f"model.path={config_only}", f"model.tokenizer_path={empty}"]))
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match=r"weights.bin' is a file, not a model directory"):
+        pf.preflight(load_config(RECIPE, [f"model.path={tmp_path / 'weights.bin'}"]))
+
+
+def test_the_loader_names_an_empty_model_directory_too(tmp_path):
+    from hybrid_rl.models import load_causal_lm, load_tokenizer
+
+    with pytest.raises(ModelLoadError, match="model.path=.*: the directory has no config.json"):
+        load_causal_lm(str(tmp_path), dtype=__import__("torch").float32)
+    with pytest.raises(ModelLoadError, match="model.path=.*: the directory has no tokenizer files"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_prompt_plus_response_longer_than_the_models_positions_is_refused(tiny_model_path, tmp_path, no_network):
+    import json
+    import shutil
+
+    positions = json.loads((Path(tiny_model_path) / "config.json").read_text())["max_position_embeddings"]
+    fits = positions - 32
+    for path in ("builtin:tiny-qwen2", tiny_model_path):
+        pf.preflight(load_config(RECIPE, [f"model.path={path}", "data.max_prompt_length=32",
+                                          f"data.max_response_length={fits}"]))
+        with pytest.raises(pf.PreflightError) as ei:
+            pf.preflight(load_config(RECIPE, [f"model.path={path}", "data.max_prompt_length=32",
+                                              f"data.max_response_length={fits + 1}"]))
+        msg = str(ei.value)
+        assert (f"data.max_prompt_length + data.max_response_length = 32 + {fits + 1} = {positions + 1} tokens, more "
+                f"than the {positions} positions of model.path={path!r}") in msg, msg
+        assert f"lower data.max_response_length to at most {fits}" in msg
+    short = tmp_path / "short"  # a local copy whose config says 40 positions
+    shutil.copytree(tiny_model_path, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 40}))
+    with pytest.raises(pf.PreflightError, match=r"32 \+ 16 = 48 tokens, more than the 40 positions"):
+        pf.preflight(load_config(RECIPE, [f"model.path={short}", "data.max_response_length=16"]))

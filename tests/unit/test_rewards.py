@@ -161,6 +161,52 @@ def test_module_function(tmp_path, monkeypatch):
         assert "reward.function" in str(ei.value) and what in str(ei.value)
 
 
+@pytest.mark.parametrize("source, called_ok", [
+    ("def score():\n    return 1.0\n", False),
+    ("def score(response):\n    return 1.0\n", False),
+    ("def score(response, ground_truth, extra):\n    return 1.0\n", False),
+    ("def score(*, response, ground_truth):\n    return 1.0\n", False),
+    ("def score(response, ground_truth, extra=1, **kw):\n    return 1.0\n", True),
+    ("def score(*args):\n    return 1.0\n", True),
+    ("class Score:\n    def __call__(self, response, ground_truth):\n        return 1.0\nscore = Score()\n", True),
+], ids=["no arguments", "one", "three", "keyword-only", "extra with defaults", "varargs", "callable object"])
+def test_a_reward_function_that_cannot_take_response_and_ground_truth_is_refused_by_its_key(tmp_path, source,
+                                                                                             called_ok):
+    path = tmp_path / "user_reward.py"
+    path.write_text(source)
+    spec = f"{path}:score"
+    # what calling it the way every sample is scored does, independently of the check
+    namespace: dict = {}
+    exec(source, namespace)
+    try:
+        namespace["score"]("r", "g")
+        callable_as_scored = True
+    except TypeError:
+        callable_as_scored = False
+    assert callable_as_scored == called_ok
+    if called_ok:
+        assert get_reward_fn(spec, "gsm8k")("r", "g") == 1.0
+        return
+    with pytest.raises(RewardError) as ei:
+        get_reward_fn(spec, "gsm8k")
+    msg = str(ei.value)
+    assert msg.startswith(f"reward.function={spec!r}: score(") and "(response, ground_truth)" in msg, msg
+    assert "_hybrid_rl_reward" not in msg and "\n" not in msg
+
+
+def test_a_failing_reward_is_named_by_the_key_and_the_value_as_written(tmp_path):
+    from hybrid_rl.rewards import RewardScorer
+
+    path = tmp_path / "raising.py"
+    path.write_text("def score(response, ground_truth):\n    raise ZeroDivisionError('boom')\n")
+    scorer = RewardScorer(f"{path}:score", "gsm8k", num_workers=0)
+    with pytest.raises(RewardError) as ei:
+        scorer.score(["a"], ["b"])
+    msg = str(ei.value)
+    assert msg.startswith(f"reward.function='{path}:score' failed on sample 0 (ZeroDivisionError: boom)"), msg
+    assert "_hybrid_rl_reward" not in msg
+
+
 def _raising(response, ground_truth):
     if response == "boom":
         raise KeyError("missing thing")

@@ -73,7 +73,7 @@ def test_trainer_meets_before_it_builds_the_worker(monkeypatch, tmp_path):
     cfg = make_cfg("model.path=builtin:tiny-qwen2", "data.train_path=synthetic:successor", "data.task=successor",
                    "data.max_prompt_length=32", "trainer.total_steps=1", f"trainer.output_dir={tmp_path}")
     t = trainer_mod.Trainer(cfg, cpu_dist())
-    t.run_lock.release()
+    t.close()
     assert order == ["meet", "worker"]
 
 

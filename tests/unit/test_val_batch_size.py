@@ -36,7 +36,7 @@ def test_validation_generates_in_val_batch_size_chunks(tmp_path, monkeypatch, ex
     try:
         out = trainer.validate()
     finally:
-        trainer.close() if hasattr(trainer, "close") else None
+        trainer.close()
     assert seen == calls
     assert 0.0 <= out["val/reward_mean"] <= 1.0
     # successor has no answer-shape counts; the validation's own time is logged beside its figures
@@ -70,7 +70,7 @@ def test_gsm8k_validation_logs_the_answer_shape_on_every_rank_layout(tmp_path):
         empty = trainer._validate_on_engine(rank=7, world=8)  # a rank past the 6 prompts: same keys, no samples
         assert set(empty) == set(out) and not any(empty.values())
     finally:
-        trainer.close() if hasattr(trainer, "close") else None
+        trainer.close()
 
 
 def test_val_batch_size_must_be_positive():
@@ -94,7 +94,7 @@ def test_validation_data_dir_writes_every_sample_per_step(tmp_path):
         trainer.current_step = 3
         trainer.validate()
     finally:
-        trainer.close() if hasattr(trainer, "close") else None
+        trainer.close()
     files = sorted(p.name for p in (tmp_path / "run" / "val_samples").iterdir())
     assert files == ["step_00000000_rank0.jsonl", "step_00000003_rank0.jsonl"]
     rows = [json.loads(line) for line in (tmp_path / "run" / "val_samples" / files[0]).read_text().splitlines()]
