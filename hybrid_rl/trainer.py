@@ -45,7 +45,7 @@ from hybrid_rl.models import load_tokenizer
 from hybrid_rl.perf import ModelFlops, host_wait_summary, peak_flops, step_perf_means, step_perf_metrics
 from hybrid_rl.phases.advantage import compute_advantage, kl_in_reward_stats
 from hybrid_rl.phases.group_rows import gather_group_rows, own_rows, per_member
-from hybrid_rl.phases.old_log_prob import old_log_prob_source, old_log_probs
+from hybrid_rl.phases.old_log_prob import old_log_probs, plan_old_log_prob
 from hybrid_rl.phases.reward import RewardPhase
 from hybrid_rl.placement import make_placement, meet_at_engines
 from hybrid_rl.rewards import RewardScorer
@@ -265,8 +265,8 @@ class Trainer:
         # a sequence-parallel group trains on all its members' rows (actor.ulysses_sequence_parallel_size)
         batch, members = gather_group_rows(batch, w.sp, self.tokenizer.pad_token_id,
                                            mini_batch_seqs(cfg.actor, w.dist.world_size, cfg.rollout.n))
-        old_source = old_log_prob_source(cfg, w.num_mini_batches(batch), self._actor_updates())
-        batch, skipped = old_log_probs(w, batch, old_source, timer)
+        old_plan = plan_old_log_prob(cfg, w, batch, self._actor_updates())
+        batch = old_log_probs(w, batch, old_plan, timer)
         if cfg.need_ref:
             with timer("ref"):
                 batch = w.compute_ref_log_prob(batch)
@@ -275,13 +275,13 @@ class Trainer:
                 batch = critic.compute_values(batch)
         with timer("adv"):
             batch, adv_metrics = self._advantage(batch, members)
-        update_stats: dict = {"actor/old_log_prob_skipped": (skipped, 1.0)}  # the share of the pass not run
+        update_stats: dict = {"actor/old_log_prob_skipped": (old_plan.skipped, 1.0)}  # the share of the pass not run
         if critic is not None:
             with timer("update_critic"):
                 update_stats.update(critic.update_critic(batch))
         if self._actor_updates():
             with timer("update"):
-                stats, batch = w.update_policy(batch, old_source)
+                stats, batch = w.update_policy(batch, old_plan)
                 update_stats.update(stats)
         return dict(batch=own_rows(batch, members[w.sp.rank]), reward_stats=reward_stats, update_stats=update_stats,
                     adv_metrics=adv_metrics)

@@ -135,14 +135,13 @@ def test_trainer_step_trains_only_informative_groups(tmp_path, monkeypatch):
         return (batch.union(tensors=dict(token_level_scores=sparse_scores(scores, batch.tensors["response_mask"]),
                                          scores=scores)), {f"{prefix}/errors": (0.0, 1.0)})
 
-    for name in ("update_actor", "update_actor_own_old"):
-        real = getattr(ActorRolloutRefWorker, name)
+    real = ActorRolloutRefWorker.update_policy
 
-        def spy(self, batch, _real=real):
-            trained.append(batch)
-            return _real(self, batch)
+    def spy(self, batch, plan=None):
+        trained.append(batch)
+        return real(self, batch, plan)
 
-        monkeypatch.setattr(ActorRolloutRefWorker, name, spy)
+    monkeypatch.setattr(ActorRolloutRefWorker, "update_policy", spy)
     generate = ActorRolloutRefWorker.generate
     monkeypatch.setattr(ActorRolloutRefWorker, "generate",
                         lambda self, prompts, *a, **k: generated.append(len(prompts)) or generate(self, prompts, *a, **k))

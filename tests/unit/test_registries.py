@@ -68,9 +68,7 @@ def test_registered_estimator_trains_a_step_through_the_config(mean_baseline, tm
             return update(self, batch, *a, **k)
         return spy_update
 
-    # update_actor_own_old: the update when actor.old_log_prob=auto skips the old-log-prob pass (one mini-batch here)
-    for name in ("update_actor", "update_actor_own_old"):
-        monkeypatch.setattr(ActorRolloutRefWorker, name, spy(getattr(ActorRolloutRefWorker, name)))
+    monkeypatch.setattr(ActorRolloutRefWorker, "update_policy", spy(ActorRolloutRefWorker.update_policy))
     register_reward("parity", parity_reward)
     try:
         cfg = load_config(RECIPE, [*SMALL, f"trainer.output_dir={tmp_path / 'run'}", "reward.function=parity",
