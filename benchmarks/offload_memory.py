@@ -63,7 +63,8 @@ from bench_common import git_commit  # noqa: E402
 
 from modes import device_name  # noqa: E402
 
-from hybrid_rl.phases.advantage import compute_advantage, sparse_scores  # noqa: E402
+from hybrid_rl.phases.advantage import compute_advantage  # noqa: E402
+from hybrid_rl.phases.reward import sparse_scores  # noqa: E402
 from hybrid_rl.batch import Batch  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
 

@@ -51,7 +51,7 @@ from hybrid_rl.placement import make_placement, meet_at_engines
 from hybrid_rl.rewards import RewardScorer
 from hybrid_rl.rollout_source import make_source
 from hybrid_rl.runlock import take_run_lock
-from hybrid_rl.scoring import compute_scores, sample_records
+from hybrid_rl.phases.reward import compute_scores, sample_records
 from hybrid_rl.tracking import Timer, Tracker, run_summary
 from hybrid_rl.watchdog import StallWatchdog
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker

@@ -11,8 +11,6 @@ samples live on one rank.
 
 from __future__ import annotations
 
-import torch
-
 from hybrid_rl import algorithms as alg
 from hybrid_rl.batch import Batch
 from hybrid_rl.config import AlgorithmConfig
@@ -50,11 +48,3 @@ def kl_in_reward_stats(batch: Batch, cfg: AlgorithmConfig) -> tuple[float, float
     t = batch.tensors
     seq_kl = alg.sequence_kl(t["old_log_probs"], t["ref_log_prob"], t["response_mask"].float(), cfg.kl_penalty)  # [B]
     return float(seq_kl.sum()), float(len(batch))
-
-
-def sparse_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Place each sequence's scalar score on its last response token: [B] → [B, R]."""
-    out = torch.zeros_like(response_mask, dtype=torch.float32)
-    last = (response_mask.sum(dim=1) - 1).clamp(min=0).long()
-    out[torch.arange(len(scores)), last] = scores.float().to(out.device)
-    return out
