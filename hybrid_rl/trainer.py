@@ -9,7 +9,7 @@ reward → log-probs → (values) → advantage → (critic update) → actor up
 one call per phase (``phases/``: the reward phase, where π_old comes from, the
 advantage); the old-log-prob pass is skipped where ``actor.old_log_prob`` allows,
 the critic phases run when the estimator needs a critic (gae, ``workers/critic.py``),
-and the first ``critic.warmup_steps`` steps update the critic only. With
+and the first ``critic.freeze_actor_steps`` steps update the critic only. With
 ``algorithm.filter_groups`` (sync mode) the reward phase drops the groups of
 equal rewards and generates more (DAPO's dynamic sampling). Metrics are gathered
 per rank, reduced across ranks (weighted means, maxima; ``metrics.py``, ``perf.py``)
@@ -288,7 +288,7 @@ class Trainer:
 
     def _actor_updates(self) -> bool:
         """Whether the actor updates this step (during the critic's warm-up it waits)."""
-        return self.critic is None or self.current_step > self.cfg.critic.warmup_steps
+        return self.critic is None or self.current_step > self.cfg.critic.freeze_actor_steps
 
     def _advantage(self, batch: Batch, members: list[np.ndarray]) -> tuple[Batch, dict[str, float]]:
         """The advantage phase under the KL controller's β, then (KL-in-reward) the controller fed this step's

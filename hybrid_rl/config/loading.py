@@ -18,7 +18,7 @@ import yaml
 from hybrid_rl.config.errors import ConfigError
 from hybrid_rl.config.plugins import import_plugins
 from hybrid_rl.config.registered import REGISTERED_KEYS, check_choice
-from hybrid_rl.config.rollout import MOVED_KEYS, REMOVED_KEYS
+from hybrid_rl.config.moved import MOVED_KEYS, REMOVED_KEYS
 from hybrid_rl.config.tree import Config
 
 

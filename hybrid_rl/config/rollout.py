@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from hybrid_rl.config.errors import ConfigError, require_positive
+from hybrid_rl.config.fields import harmless
 from hybrid_rl.rollout.vllm_options import VLLMOptions
 
 
@@ -25,22 +26,22 @@ class RolloutConfig:
     """Nucleus sampling mass."""
     top_k: int = 0
     """Top-k sampling (0 = off)."""
-    val_temperature: float = 0.0
+    val_temperature: float = harmless(0.0)
     """Temperature for validation (0 = greedy pass@1)."""
-    max_num_seqs: int = 256
+    max_num_seqs: int = harmless(256)
     """Sequences generated at once by the engine (the hf engine chunks by this)."""
-    weight_sync_bucket_mb: int = 512
+    weight_sync_bucket_mb: int = harmless(512)
     """Bucket size for pushing weights into the engine."""
-    weight_load_replay: bool = True
+    weight_load_replay: bool = harmless(True)
     """Record where the engine's ``load_weights`` copies each tensor on the first push and replay later pushes
     as one fused copy per bucket (falls back to the real loader whenever the recording is not a plain copy)."""
-    free_cache_engine: bool = True
+    free_cache_engine: bool = harmless(True)
     """Put the engine to sleep between rollouts (frees its memory for training)."""
     forced_lengths: Optional[str] = None
     """Benchmarks only: ignore EOS and draw response lengths from ``lognormal:MEAN:SIGMA`` or ``fixed:N`` (capped at max_response_length)."""
-    sleep_level: Literal[1, 2] = 1
+    sleep_level: Literal[1, 2] = harmless(1)
     """Engine sleep depth: 1 offloads its weights to CPU, 2 discards them (re-pushed on wake)."""
-    cuda_stream: Literal["shared", "own", "high"] = "shared"
+    cuda_stream: Literal["shared", "own", "high"] = harmless("shared")
     """Which CUDA stream generation runs on (``hybrid_rl.rollout.base.GenerationStream``): ``shared``, the calling
     thread's, which in overlap mode colocated is the trainer's too (vLLM 0.26's runner caches one stream), so the two
     never run kernels at the same time;

@@ -13,22 +13,26 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:
     from hybrid_rl.config import Config
 
+HARMLESS = {"resume": "harmless"}
+"""A field a resume may change, as ``hybrid_rl.config.fields.harmless`` marks it (spelt out: the config package
+imports this module, so this module cannot import it)."""
+
 
 @dataclass
 class VLLMOptions:
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = field(default=0.5, metadata=HARMLESS)
     """Fraction of GPU memory the engine may take (weights + KV cache)."""
     tensor_parallel_size: int = 1
     """GPUs per engine; ranks form data-parallel groups of this size."""
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = field(default=8192, metadata=HARMLESS)
     """Tokens per scheduler step."""
-    max_model_len: Optional[int] = None
+    max_model_len: Optional[int] = field(default=None, metadata=HARMLESS)
     """Context length (default: max_prompt_length + max_response_length)."""
-    enforce_eager: bool = False
+    enforce_eager: bool = field(default=False, metadata=HARMLESS)
     """Skip CUDA graphs (faster start, slower decode)."""
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = field(default=True, metadata=HARMLESS)
     """Reuse KV for shared prompt prefixes (the n samples of a prompt)."""
-    engine_process: bool = False
+    engine_process: bool = field(default=False, metadata=HARMLESS)
     """Run the engine core (scheduler and model runner) in a process of its own on this rank's GPU, instead of
     in the trainer's process (vLLM's multiprocessing front end, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``). In overlap
     mode the trainer then no longer shares one Python interpreter with the engine: on SmolLM2-135M the trainer's

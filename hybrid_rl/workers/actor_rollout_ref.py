@@ -134,7 +134,7 @@ class ActorRolloutRefWorker:
                                         remove_padding=self.remove_padding, fused_logprob=self.fused_logprob,
                                         share_prompts=self.share_prompts, sp=self.sp)
             a = cfg.actor
-            self.actor.configure_optimizer(a.lr, (a.betas[0], a.betas[1]), a.weight_decay, a.warmup_steps, a.lr_scheduler,
+            self.actor.configure_optimizer(a.lr, (a.betas[0], a.betas[1]), a.weight_decay, a.lr_warmup_steps, a.lr_scheduler,
                                            lr_schedule_steps(a, cfg.data.train_batch_size, total_training_steps),
                                            a.min_lr_ratio)
         self.ref: FrozenReference | AdapterDisabledReference | None = None
