@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hybrid_rl.perf import PEAK_TFLOPS_BF16, ModelFlops  # noqa: E402
+from hybrid_rl.perf import PEAK_TFLOPS_BF16, UPDATE_FORWARDS, ModelFlops  # noqa: E402
 
 PHASES = ["gen", "switch", "reward", "old_log_prob", "ref", "adv", "update"]
 
@@ -64,7 +64,7 @@ def summarise(run_dir: Path, flops: ModelFlops, peak: float, gpus: int, skip: in
                forward_flops=fwd)
     # the old-log-prob pass leaves out the update's first mini-batch under actor.old_log_prob=auto (older commits: 0)
     lp_share = 1.0 - (mean("actor/old_log_prob_skipped") if any("actor/old_log_prob_skipped" in r for r in rows) else 0.0)
-    for name, phase, passes in (("mfu_update", "update", 3), ("mfu_log_prob", "old_log_prob", lp_share),
+    for name, phase, passes in (("mfu_update", "update", UPDATE_FORWARDS), ("mfu_log_prob", "old_log_prob", lp_share),
                                 ("mfu_ref", "ref", 1)):
         t = out["phases_s"].get(phase)
         if t:

@@ -32,7 +32,7 @@ from bench_common import git_commit, gpu_short_name  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
 from hybrid_rl.data import collate_prompts  # noqa: E402
 from hybrid_rl.distributed import init_distributed  # noqa: E402
-from hybrid_rl.perf import ModelFlops, peak_flops  # noqa: E402
+from hybrid_rl.perf import UPDATE_FORWARDS, ModelFlops, peak_flops  # noqa: E402
 from hybrid_rl.rollout.base import assemble_rollout  # noqa: E402
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker  # noqa: E402
 
@@ -156,7 +156,7 @@ def run_config(name: str, overrides: list[str], args, d) -> dict:
     lp = statistics.median(r["log_prob_s"] for r in measured)
     up = statistics.median(r["update_s"] for r in measured)
     mem = torch.cuda.max_memory_allocated(worker.device) / 2**30 if worker.device.type == "cuda" else 0.0
-    mfu = {"mfu_log_prob": fwd_flops / (lp * peak), "mfu_update": 3 * cfg.actor.ppo_epochs * fwd_flops / (up * peak)} \
+    mfu = {"mfu_log_prob": fwd_flops / (lp * peak), "mfu_update": UPDATE_FORWARDS * cfg.actor.ppo_epochs * fwd_flops / (up * peak)} \
         if peak else {}
     del worker, batch, scored
     gc.collect()

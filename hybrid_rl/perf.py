@@ -121,11 +121,13 @@ class ModelFlops:
         return fwd + bwd
 
 
-PASSES = (("perf/mfu_update", "timing/update", "update", 3.0), ("perf/mfu_log_prob", "timing/old_log_prob",
-                                                                "old_log_prob", 1.0),
+UPDATE_FORWARDS = 3.0
+"""An update's FLOPs in forward passes, per epoch, in the equivalent count: its forward and a backward of two."""
+
+PASSES = (("perf/mfu_update", "timing/update", "update", UPDATE_FORWARDS),
+          ("perf/mfu_log_prob", "timing/old_log_prob", "old_log_prob", 1.0),
           ("perf/mfu_ref", "timing/ref", "ref", 1.0))
-"""(metric, the pass's timer, its ``Work`` key, its FLOPs in forward passes in the equivalent count: backward costs
-two)."""
+"""(metric, the pass's timer, its ``Work`` key, its FLOPs in forward passes in the equivalent count)."""
 
 
 def pass_mfu(times: dict[str, float], forward_flops: float, peak: float | None, gpus: int,

@@ -45,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from hybrid_rl.config.geometry import mini_batch_seqs
 from hybrid_rl.planner.shape import ModelShape
 from hybrid_rl.workers.packed import LOGIT_CHUNK_ROWS
 
@@ -203,7 +204,7 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> lis
     P_train = shape.lora_params(cfg.model.lora.rank, cfg.model.lora.target_modules) if lora else P
     sp, dp = lay.sp, max(W // lay.sp, 1)  # a sequence-parallel group holds one of dp shares of the batch
     rank_seqs = max(d.train_batch_size * cfg.rollout.n // dp, 1)
-    mini_seqs = max(a.ppo_mini_batch_size * cfg.rollout.n // dp, 1)
+    mini_seqs = max(mini_batch_seqs(a, dp, cfg.rollout.n), 1)
     budget = a.max_token_len_per_device if a.use_dynamic_bsz else None
 
     actor = {"actor params (fp32, sharded)": 4 * P / W, "actor grads (fp32, sharded)": 4 * P_train / W,
@@ -298,7 +299,7 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> lis
         out.append(Phase("critic values", {**kept(critic_on=True), **awake, **gathered(Pc, Pc, grad=False),
                                            f"activations, no grad ({tokens_label(tv, csp)})":
                                                slice_of(tv, csp) * no_grad_bytes_per_token(shape) * c / 2}))
-        cmini = max(cr.ppo_mini_batch_size * cfg.rollout.n // dp, 1)
+        cmini = max(mini_batch_seqs(cr, dp, cfg.rollout.n), 1)
         tc = micro_tokens(cfg, min(cr.ppo_micro_batch_size_per_device, cmini), cbudget, rank_seqs)
         out.append(Phase("critic update", {
             **kept(critic_on=True), **awake, **gathered(Pc, Pc, grad=True),
