@@ -17,7 +17,7 @@ class RolloutConfig:
     """Rollout engine registered in ``hybrid_rl.rollout.ROLLOUT_ENGINES``: ``hf`` (transformers, anywhere) or ``vllm`` (GPU)."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """The engine's weight dtype (the push casts the actor's weights to it): ``auto`` = ``model.dtype``, except that
-    vLLM runs a float32 model in bfloat16 (vLLM 0.26 in float32 crashed in generate on H200)."""
+    vLLM runs a float32 model in bfloat16 (vLLM 0.26's float32 generate crashes on H200)."""
     n: int = 8
     """Samples per prompt (the GRPO group size)."""
     temperature: float = 1.0
@@ -46,9 +46,9 @@ class RolloutConfig:
     thread's, which in overlap mode colocated is the trainer's too (vLLM 0.26's runner caches one stream), so the two
     never run kernels at the same time;
     ``own``, a stream of the engine's own; ``high``, that at the highest priority. Matters in overlap mode with
-    colocated placement. On SmolLM2-135M (1xH200, overlap) ``high`` was no faster than ``shared``: median step 1.44
-    against 1.37 s (``benchmarks/results/learning_smollm2_H200x1_overlong.json``); other models and lengths have not
-    been measured."""
+    colocated placement. On SmolLM2-135M (1xH200, overlap) ``high`` is no faster than ``shared``: median step 1.44
+    against 1.37 s (``benchmarks/results/learning_smollm2_H200x1_overlong.json``); other models and lengths are not
+    measured."""
     vllm: VLLMOptions = field(default_factory=VLLMOptions)
     """The vLLM engine's own options (``hybrid_rl/rollout/vllm_options.py``)."""
 

@@ -72,10 +72,10 @@ class TrainerConfig:
     expandable_segments: bool = harmless(False)
     """CUDA: PyTorch's expandable segments for the trainer's allocations (``PYTORCH_CUDA_ALLOC_CONF``; vLLM turns
     them off around its own pools). Packed micro-batches change size every call, and the caching allocator fragments:
-    on 4xH200 the flagship with 16k-token micro-batches peaked at ~135 GB reserved per GPU for ~68 GB allocated
-    (``perf/max_memory_*`` less vLLM's sleeping 70 GB pool, which they count) and made 718 ``cudaFree`` calls in one
-    profiled step. Off by default: on the flagship recipe (4xH200) it made the step slower, 19.3 against 17.3 s
-    (``benchmarks/results/flagship_H200x4.json``)."""
+    on 4xH200 the flagship with 16k-token micro-batches reserves ~135 GB per GPU for ~68 GB allocated
+    (``perf/max_memory_*`` less vLLM's sleeping 70 GB pool, which they count) and makes 718 ``cudaFree`` calls in a
+    step. Off by default all the same: with it the flagship recipe's step on 4xH200 takes 19.3 s, against 17.3 s
+    without (``benchmarks/results/flagship_H200x4.json``)."""
     check_memory: bool = harmless(True)
     """On CUDA, before any rank starts: refuse a config whose predicted peak memory per GPU (``hybrid-rl plan``,
     ``hybrid_rl/planner/``) exceeds the GPU's by more than 5%, naming the one setting to change; false skips it."""

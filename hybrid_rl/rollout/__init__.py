@@ -71,4 +71,4 @@ register_rollout_engine("hf", "hybrid_rl.rollout.hf:HFRolloutEngine")
 register_rollout_engine("vllm", "hybrid_rl.rollout.vllm:VLLMRolloutEngine",
                         EngineInfo(package="vllm", package_label="vLLM", pip_extra="vllm", tested_with="vllm 0.26",
                                    gpu_only=True, split_twin=True,
-                                   float32_as="bfloat16"))  # vLLM 0.26 in float32 crashed on H200 (not on H100)
+                                   float32_as="bfloat16"))  # vLLM 0.26's float32 generate crashes on H200

@@ -36,7 +36,7 @@ class VLLMOptions:
     """Run the engine core (scheduler and model runner) in a process of its own on this rank's GPU, instead of
     in the trainer's process (vLLM's multiprocessing front end, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``). In overlap
     mode the trainer then no longer shares one Python interpreter with the engine: on SmolLM2-135M the trainer's
-    passes ran 2.3-5x slower beside the in-process engine thread. Weights are pushed as CUDA IPC handles (no copy
+    passes run 2.3-5x slower beside an in-process engine thread. Weights are pushed as CUDA IPC handles (no copy
     through the host); the engine's own memory is not in this process's ``perf/`` figures. Needs
     ``tensor_parallel_size=1`` and ``rollout.cuda_stream=shared``; costs a second CUDA context (~0.5 GB) per GPU."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -60,9 +60,9 @@ class VLLMOptions:
             self._validate_unused(r.name)
             return
         if r.dtype == "float32":
-            raise ValueError("rollout.dtype=float32 with rollout.name=vllm: vLLM 0.26 in float32 crashed in step 2's "
-                             "generate (CUDA illegal memory access, on H200); use rollout.dtype=auto (a bfloat16 engine, "
-                             "the actor keeps model.dtype) or rollout.name=hf")
+            raise ValueError("rollout.dtype=float32 with rollout.name=vllm: vLLM 0.26's float32 generate crashes after "
+                             "its first sleep/wake (CUDA illegal memory access, on H200); use rollout.dtype=auto (a "
+                             "bfloat16 engine, the actor keeps model.dtype) or rollout.name=hf")
         if t.placement == "split" and cfg.split_layout(world_size)[0] % tp:
             raise ValueError(f"rollout.vllm.tensor_parallel_size={tp} must divide the {cfg.split_layout(world_size)[0]} "
                              f"rollout ranks")
