@@ -1,4 +1,4 @@
-"""Keys that moved or were removed, gathered from the sections that own them.
+"""Keys that moved or were removed, gathered from the sections that own them (an engine's own from its options module).
 
 A recipe or override naming an old key is told the new one (``loading.py``); a checkpoint's saved config is read
 under the new names before a resume compares it (``resume.py``).
@@ -7,10 +7,10 @@ under the new names before a resume compares it (``resume.py``).
 from __future__ import annotations
 
 from hybrid_rl.config.actor import MOVED_KEYS as _ACTOR_MOVED
-from hybrid_rl.config.rollout import MOVED_KEYS as _ROLLOUT_MOVED
-from hybrid_rl.config.rollout import REMOVED_KEYS
+from hybrid_rl.rollout.vllm_options import MOVED_KEYS as _VLLM_MOVED
+from hybrid_rl.rollout.vllm_options import REMOVED_KEYS
 
-MOVED_KEYS = {**_ROLLOUT_MOVED, **_ACTOR_MOVED}
+MOVED_KEYS = {**_VLLM_MOVED, **_ACTOR_MOVED}
 """Old dotted key → its new one."""
 
 __all__ = ["MOVED_KEYS", "REMOVED_KEYS"]

@@ -8,6 +8,7 @@ from typing import Literal, Optional
 
 from hybrid_rl.config.errors import ConfigError, require_positive
 from hybrid_rl.config.fields import harmless
+from hybrid_rl.rollout import EngineMemory
 from hybrid_rl.rollout.vllm_options import VLLMOptions
 
 
@@ -67,18 +68,11 @@ class RolloutConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if dataclasses.is_dataclass(getattr(self, f.name))}
 
-
-MOVED_KEYS = {**{f"rollout.{f.name}": f"rollout.vllm.{f.name}" for f in dataclasses.fields(VLLMOptions)
-                 if f.name != "engine_kwargs"},
-              **{k: "rollout.vllm.engine_kwargs.kv_cache_dtype" for k in ("rollout.kv_cache_dtype",
-                                                                          "rollout.vllm.kv_cache_dtype")}}
-"""Keys that once sat directly under ``rollout`` and are now an engine's own, or vLLM options now passed through
-``rollout.vllm.engine_kwargs`` (a recipe naming the old key is told the new one; a checkpoint's saved config is read
-under the new one)."""
-
-REMOVED_KEYS = {k: "removed: a round after a weight push prefills its carried samples' context again under the new "
-                   "weights; delete the key" for k in ("rollout.reuse_stale_kv", "rollout.vllm.reuse_stale_kv")}
-"""Keys that no longer exist, with what to do instead."""
+    def engine_memory(self) -> EngineMemory:
+        """The GPU memory the engine ``name`` picks takes, as its options section says (``EngineMemory()`` for an
+        engine without one)."""
+        options = self.engine_options().get(self.name)
+        return options.memory() if options is not None else EngineMemory()
 
 
 def parse_forced_lengths(spec: str) -> tuple[str, list[float]]:

@@ -180,9 +180,11 @@ def slice_of(tokens: int, sp: int) -> int:
 
 
 def engine_bytes(cfg: "Config", shape: ModelShape, gpu_bytes: float, rank_seqs: int) -> float:
-    """The awake engine: vLLM's share of the GPU, or the transformers engine's weights, KV cache and one step's logits."""
-    if cfg.rollout.name == "vllm":
-        return cfg.rollout.vllm.gpu_memory_utilization * gpu_bytes
+    """The awake engine: the share of the GPU it reserves (vLLM's), or else what it holds: its weights, KV cache and
+    one step's logits (the transformers engine's)."""
+    share = cfg.rollout.engine_memory().gpu_share
+    if share is not None:
+        return share * gpu_bytes
     wb = 4 if cfg.rollout_dtype == "float32" or (cfg.rollout_dtype == "auto" and cfg.model.dtype == "float32") else 2
     seqs = min(cfg.rollout.max_num_seqs, rank_seqs)
     kv = seqs * seq_len(cfg) * shape.layers * 2 * shape.kv_dim * wb
@@ -262,9 +264,9 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> lis
                                                         "push buckets": cfg.rollout.weight_sync_bucket_mb * 2**20}))
     else:
         wb = 2 if cfg.rollout_dtype != "float32" else 4
-        tp = cfg.rollout.vllm.tensor_parallel_size if cfg.rollout.name == "vllm" else 1
-        in_engine = engine if lay.engine_awake_in_training else (min(shape.params * wb / tp, engine)
-                                                                  if cfg.rollout.name == "vllm" else shape.params * wb)
+        mem = cfg.rollout.engine_memory()  # a reserving engine's weights are within its share, over its GPUs
+        in_engine = engine if lay.engine_awake_in_training else (min(shape.params * wb / mem.tensor_parallel, engine)
+                                                                  if mem.gpu_share is not None else shape.params * wb)
         push = {**kept(), "engine weights": in_engine, "push gather + bucket":
                 PUSH_GATHER_BYTES + cfg.rollout.weight_sync_bucket_mb * 2**20}
         out.append(Phase("weight push", push))

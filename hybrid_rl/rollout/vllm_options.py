@@ -1,4 +1,5 @@
-"""``VLLMOptions``: the vLLM engine's own keys, the ``rollout.vllm`` section, and the checks the engine owns.
+"""``VLLMOptions``: the vLLM engine's own keys, the ``rollout.vllm`` section, the checks the engine owns, the GPU memory
+they make it take (``memory``, for the planner), and the former names of its keys (``MOVED_KEYS``, ``REMOVED_KEYS``).
 
 Importable without vLLM (and without torch): the config tree holds this section whichever engine ``rollout.name``
 picks, and validation calls ``validate``. Errors are ``ValueError``s naming the dotted key; the config turns them
@@ -7,8 +8,11 @@ into ``ConfigError``s.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
+
+from hybrid_rl.rollout import EngineMemory
 
 if TYPE_CHECKING:
     from hybrid_rl.config import Config
@@ -47,6 +51,12 @@ class VLLMOptions:
     corrects: 0.040 on average against ~0.014 with a bf16 cache (1xH200,
     ``benchmarks/results/gpu_tests_H200x1_fp8kv_partial.json``); ``rollout/logprob_diff`` shows it per step."""
 
+    def memory(self) -> EngineMemory:
+        """The planner's view: vLLM reserves ``gpu_memory_utilization`` of each GPU, its weights split over
+        ``tensor_parallel_size`` of them."""
+        return EngineMemory(gpu_share=self.gpu_memory_utilization, gpu_share_key="rollout.vllm.gpu_memory_utilization",
+                            tensor_parallel=self.tensor_parallel_size)
+
     def validate(self, cfg: "Config", world_size: int, in_use: bool) -> None:
         """These keys, and the rest of ``cfg`` as vLLM needs it when ``in_use`` (``rollout.name`` picks vLLM); otherwise
         only that the keys which change nothing but vLLM's behaviour are off. ``world_size``: all ranks."""
@@ -82,3 +92,16 @@ class VLLMOptions:
         if self.engine_process:
             raise ValueError(f"rollout.vllm.engine_process=true is for rollout.name=vllm (got {engine!r}); set "
                              f"rollout.vllm.engine_process=false")
+
+
+MOVED_KEYS = {**{f"rollout.{f.name}": f"rollout.vllm.{f.name}" for f in dataclasses.fields(VLLMOptions)
+                 if f.name != "engine_kwargs"},
+              **{k: "rollout.vllm.engine_kwargs.kv_cache_dtype" for k in ("rollout.kv_cache_dtype",
+                                                                          "rollout.vllm.kv_cache_dtype")}}
+"""Keys that once sat directly under ``rollout`` and are now vLLM's own, or vLLM options now passed through
+``rollout.vllm.engine_kwargs`` (a recipe naming the old key is told the new one; a checkpoint's saved config is read
+under the new one; ``hybrid_rl.config.moved`` gathers them)."""
+
+REMOVED_KEYS = {k: "removed: a round after a weight push prefills its carried samples' context again under the new "
+                   "weights; delete the key" for k in ("rollout.reuse_stale_kv", "rollout.vllm.reuse_stale_kv")}
+"""vLLM keys that no longer exist, with what to do instead."""
