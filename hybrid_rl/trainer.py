@@ -103,7 +103,7 @@ class Trainer:
         self.start_step = 0  # nothing written before this
         if resume_from is not None:
             self.start_step, self.loop = self.checkpointer.restore(resume_from)
-        self.current_step = self.start_step  # the step being run (``step`` counts); the critic's warm-up reads it
+        self.current_step = self.start_step  # the step being run (``step`` counts); critic.freeze_actor_steps reads it
         if self.is_logger:
             trim_metrics(Path(t.output_dir) / "metrics.jsonl", self.start_step)
         self.tracker = Tracker(t.output_dir, t.logger, self.total_steps, enabled=self.is_logger, initial_step=self.start_step)
@@ -243,7 +243,7 @@ class Trainer:
                     adv_metrics=adv_metrics)
 
     def _actor_updates(self) -> bool:
-        """Whether the actor updates this step (during the critic's warm-up it waits)."""
+        """Whether the actor updates this step (it stays frozen for the first ``critic.freeze_actor_steps``)."""
         return self.critic is None or self.current_step > self.cfg.critic.freeze_actor_steps
 
     def _guard_skipped_updates(self, metrics: dict[str, float]) -> None:

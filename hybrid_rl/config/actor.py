@@ -151,5 +151,5 @@ class CriticConfig(UpdateConfig):
 
 
 MOVED_KEYS = {"actor.warmup_steps": "actor.lr_warmup_steps", "critic.warmup_steps": "critic.freeze_actor_steps"}
-"""Keys of these sections under their former names: the actor's LR warm-up now has the critic's name for it, and the
-critic's former ``warmup_steps`` (which froze the actor, not the LR) says what it does."""
+"""Former names of these sections' keys: ``actor.warmup_steps`` was the actor's LR warm-up (the critic's name for it,
+``lr_warmup_steps``, is both roles'), ``critic.warmup_steps`` the steps that freeze the actor (not an LR warm-up)."""
