@@ -1,4 +1,12 @@
-"""Small helpers shared by the benchmark scripts (not part of the package)."""
+"""Small helpers shared by the benchmark scripts (not part of the package), and where they write.
+
+Output policy, one for every benchmark: a script writes its results (one JSON per benchmark and device, with the
+commit and the settings, a PNG beside it where it plots, and any runs and logs) into a run directory,
+``runs/<bench>/<UTC time>/`` in the repository unless ``--out`` (or ``--out-dir``) names another (``run_dir``).
+``benchmarks/results/`` holds the curated results the READMEs quote and is written by one step only,
+``benchmarks/publish.py``, which copies a finished result (its JSON and PNG) there after checking that it records
+its commit, device and settings; a script asked to write there itself refuses in one line.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +18,28 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+"""The curated results: written only by ``publish.py``."""
+
+
+def inside(path: Path, folder: Path) -> bool:
+    """Whether ``path`` is ``folder`` or lies below it (both resolved)."""
+    try:
+        Path(path).resolve().relative_to(folder.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def run_dir(bench: str, out: str | os.PathLike | None = None) -> Path:
+    """Where benchmark ``bench`` writes: ``out``, else ``runs/<bench>/<UTC time>/`` in the repository. A directory
+    inside ``benchmarks/results/`` is refused (SystemExit, one line): that is ``publish.py``'s to write."""
+    path = Path(out) if out else ROOT / "runs" / bench / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    if inside(path, RESULTS):
+        raise SystemExit(f"error: --out {path}: benchmarks/results/ holds curated results, written only by "
+                         f"benchmarks/publish.py; write to a run directory (default runs/{bench}/<UTC time>/) and "
+                         f"publish what is worth keeping")
+    return path
 
 
 def git_commit(root: Path = ROOT) -> str:

@@ -23,8 +23,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "benchmarks"))
 
-from hybrid_rl.perf import PEAK_TFLOPS_BF16, ModelFlops  # noqa: E402
+from bench_common import git_commit, run_dir  # noqa: E402
+from hybrid_rl.perf import PEAK_TFLOPS_BF16, UPDATE_FORWARDS, ModelFlops  # noqa: E402
 
 PHASES = ["gen", "switch", "reward", "old_log_prob", "ref", "adv", "update"]
 
@@ -64,7 +66,7 @@ def summarise(run_dir: Path, flops: ModelFlops, peak: float, gpus: int, skip: in
                forward_flops=fwd)
     # the old-log-prob pass leaves out the update's first mini-batch under actor.old_log_prob=auto (older commits: 0)
     lp_share = 1.0 - (mean("actor/old_log_prob_skipped") if any("actor/old_log_prob_skipped" in r for r in rows) else 0.0)
-    for name, phase, passes in (("mfu_update", "update", 3), ("mfu_log_prob", "old_log_prob", lp_share),
+    for name, phase, passes in (("mfu_update", "update", UPDATE_FORWARDS), ("mfu_log_prob", "old_log_prob", lp_share),
                                 ("mfu_ref", "ref", 1)):
         t = out["phases_s"].get(phase)
         if t:
@@ -126,7 +128,8 @@ def main() -> None:
     ap.add_argument("--model", default="builtin:qwen2.5-1.5b-random")
     ap.add_argument("--skip", type=int, default=1, help="steps dropped at the start")
     ap.add_argument("--settings", default="", help="the overrides both runs used (recorded)")
-    ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out-dir", default=None, help="run directory (default runs/flagship/<UTC time>/; "
+                    "benchmarks/publish.py copies a result to benchmarks/results/)")
     args = ap.parse_args()
     name, _, count = args.device.partition("x")
     peak = next(v for k, v in sorted(PEAK_TFLOPS_BF16.items(), key=lambda kv: -len(kv[0])) if k in name) * 1e12
@@ -140,9 +143,10 @@ def main() -> None:
     for v in runs.values():
         if first and "step_s" in v:
             v["speedup_vs_first"] = first["step_s"] / v["step_s"]
-    doc = {"bench": "flagship", "device": args.device, "model": args.model, "settings": args.settings,
+    doc = {"bench": "flagship", "device": args.device, "commit": git_commit(), "model": args.model,
+           "settings": args.settings,
            "skip_first_steps": args.skip, "runs": runs}
-    out = Path(args.out_dir)
+    out = run_dir("flagship", args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     Path(out / f"flagship_{args.device}.json").write_text(json.dumps(doc, indent=2))
     plot(doc, out / f"flagship_{args.device}.png")

@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_common import ROOT, git_commit, gpu_short_name, kill_tree  # noqa: E402
+from benchmarks.bench_common import ROOT, git_commit, gpu_short_name, kill_tree, run_dir  # noqa: E402
 
 RECIPE = "recipes/arith_grpo_smollm2.yaml"
 OVERLAP = ["trainer.mode=overlap", "trainer.max_staleness=1"]
@@ -240,7 +240,8 @@ def main() -> int:
     ap.add_argument("--modes", help="comma-separated (default: sync,sync_seed1,overlap,overlap_partial, and "
                                     "split_partial with --gpus 2 or more)")
     ap.add_argument("--steps", type=int, default=200, help="steps per run (the recipe's 200)")
-    ap.add_argument("--out", default="runs/learning_arith", help="run directory (one folder per mode)")
+    ap.add_argument("--out", default=None, help="run directory, one folder per mode (default runs/learning_arith/<UTC "
+                    "time>/; benchmarks/publish.py copies the result to benchmarks/results/)")
     ap.add_argument("--collect", metavar="DIR", help="only summarise the finished runs in DIR")
     ap.add_argument("--mode-timeout", type=float, default=900.0, help="seconds per mode's run")
     ap.add_argument("--gain", type=float, default=30.0, help="points of accuracy whose first step and time are reported")
@@ -258,7 +259,7 @@ def main() -> int:
         ap.error(f"--modes: unknown {unknown}; choose from {list(MODES)}")
     if "split_partial" in modes and args.gpus < 2 and not args.collect:
         ap.error("--modes split_partial needs --gpus 2 or more (one rank generates, the others train)")
-    out = Path(args.collect or args.out)
+    out = Path(args.collect) if args.collect else run_dir("learning_arith", args.out)
     meta_path = out / "runs.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     if not args.collect:
@@ -296,6 +297,7 @@ def main() -> int:
                 if len(seeds) > 1 and mode not in SYNC_SEEDS:
                     m["vs_sync_seeds_mean"] = paired(seeds, out / mode, m["step_after"])
     json_path = Path(args.json) if args.json else out / f"learning_arith_smollm2_{device}.json"
+    run_dir("learning_arith", json_path.parent)  # never among the curated results: publish.py copies it there
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=1))
     if result["modes"]:

@@ -1,8 +1,10 @@
 """Does a real model learn? SmolLM2-135M-Instruct on GSM8K (recipes/gsm8k_grpo_smollm2.yaml), from run directories.
 
 Reads the ``metrics.jsonl`` of one or more finished runs (e.g. sync and overlap mode), and writes
-``benchmarks/results/learning_smollm2_<device>[_<tag>].json`` and a ``.png``: greedy test accuracy before and after
-training with its standard error sqrt(p(1-p)/n) (n = validation questions), and the accuracy of answers that also
+``learning_smollm2_<device>[_<tag>].json`` and a ``.png`` into its run directory (``runs/learning_smollm2/<UTC
+time>/`` unless ``--out-dir``; ``benchmarks/publish.py`` copies them to ``benchmarks/results/``): greedy test
+accuracy before and after training with its standard error sqrt(p(1-p)/n) (n = validation questions), and the
+accuracy of answers that also
 finished before the length cap where the run logged ``val/clipped_reward_mean``; the validation curve; and per step
 the training reward, response length, clip ratio (responses at the length cap), engine-vs-trainer log-prob gap and
 time. Wall-clock
@@ -27,7 +29,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_common import ROOT, git_commit  # noqa: E402
+from benchmarks.bench_common import git_commit, run_dir  # noqa: E402
 
 CURVES = ["reward/mean", "rollout/response_length_mean", "rollout/response_clip_ratio", "rollout/logprob_diff",
           "rollout/logprob_diff_max", "timing/step", "timing/gen", "timing/update", "reward/format_strict",
@@ -228,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--val-n", type=int, default=None, help="validation questions (default: from the run's config)")
     ap.add_argument("--tag", default="", help="appended to the result files' name, so that another setting's runs on "
                     "the same device do not overwrite them (e.g. overlong)")
-    ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out-dir", default=None, help="run directory (default runs/learning_smollm2/<UTC time>/; "
+                    "benchmarks/publish.py copies a result to benchmarks/results/)")
     args = ap.parse_args(argv)
     runs = []
     for spec in args.run:
@@ -238,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.append((label, Path(d)))
     device = args.device or default_device()
     results = [summarise(label, d, args.val_n) for label, d in runs]
-    out_dir = Path(args.out_dir)
+    out_dir = run_dir("learning_smollm2", args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"learning_smollm2_{device}{'_' + args.tag if args.tag else ''}"
     doc = {"benchmark": "learning_smollm2", "device": device, "commit": git_commit(),

@@ -8,7 +8,8 @@ layout the trainer sees (``assemble_rollout``). It prints the gaps and the 20 wo
 text before them, and whether an end-of-turn token came earlier in the response; ``--load push`` starts vLLM from
 dummy weights and pushes the actor's tensors under the push plan's names (as training does) instead of loading the
 checkpoint, which separates a naming/tying problem from plain numerics. Writes
-``benchmarks/results/logprob_parity_smollm2_<device>.json``.
+``logprob_parity_smollm2_<device>_<load>_eos<ids>.json`` into its run directory (``runs/logprob_parity_smollm2/<UTC
+time>/`` unless ``--out``; ``benchmarks/publish.py`` copies it to ``benchmarks/results/``).
 
     python benchmarks/logprob_parity_smollm2.py --prompts 64 --n 8 [--eos-ids 1] [--load push]
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_common import ROOT, git_commit, gpu_short_name  # noqa: E402
+from benchmarks.bench_common import ROOT, git_commit, gpu_short_name, run_dir  # noqa: E402
 
 NAME = "builtin:smollm2-135m-instruct"
 
@@ -70,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                                                     "1 reproduces the run where <|im_start|> was the eos")
     ap.add_argument("--load", choices=["checkpoint", "push"], default="checkpoint")
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--out", default=None, help="run directory (default runs/logprob_parity_smollm2/<UTC time>/; "
+                    "benchmarks/publish.py copies a result to benchmarks/results/)")
     args = ap.parse_args(argv)
 
     from vllm import LLM, SamplingParams
@@ -132,8 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     doc = dict(benchmark="logprob_parity_smollm2", device=device, commit=git_commit(), load=args.load, eos_ids=eos,
                prompts=len(ds), n=args.n, temperature=args.temperature, max_tokens=args.max_tokens,
                stopped_on_eos=stopped, sequences=len(resp), mean_response_len=float(lens.float().mean()),
-               gaps=summary, worst=worst)
-    out = ROOT / "benchmarks" / "results" / f"logprob_parity_smollm2_{device}_{args.load}_eos{'-'.join(map(str, eos))}.json"
+               gaps=summary, worst=worst,
+               settings={k: v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
+                         for k, v in vars(args).items()})
+    out = run_dir("logprob_parity_smollm2", args.out)
+    out /= f"logprob_parity_smollm2_{device}_{args.load}_eos{'-'.join(map(str, eos))}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
     print(json.dumps({k: doc[k] for k in ("device", "commit", "load", "eos_ids", "stopped_on_eos", "sequences",

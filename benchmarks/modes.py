@@ -27,7 +27,7 @@ Trailing ``key=value`` arguments override the recipe for every mode (e.g. ``roll
 data.max_response_length=2048``); ``--mode-override MODE:key=value`` for one mode.
 
 Output: a table on the terminal, and ``modes_<device>_<model>.json`` + ``.png`` in the run directory (default
-``runs/bench/<UTC time>/``, ``--out`` to change; never ``benchmarks/results/``, which holds curated results only),
+``runs/bench/<UTC time>/``, ``--out`` to change; never ``benchmarks/results/``, which ``benchmarks/publish.py`` writes),
 with each mode's run (``run_<mode>/``: metrics.jsonl, stderr.log). A mode that fails is one line naming it and
 its error, with the path of its full log; the exit status is then 1.
 
@@ -58,7 +58,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import git_commit, gpu_short_name, kill_tree, process_tree, signal_pid  # noqa: E402
+from bench_common import git_commit, gpu_short_name, kill_tree, process_tree, run_dir, signal_pid  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ["gen", "wait_gen", "sync_weights", "reward", "old_log_prob", "ref", "adv", "update"]
@@ -330,7 +330,6 @@ SPLIT_OVERRIDES = ["rollout.vllm.gpu_memory_utilization=0.6"]
 
 DATA = ROOT / "benchmarks" / "data" / "gsm8k_train_1k.jsonl"
 RECIPE = ROOT / "benchmarks" / "bench_modes.yaml"
-CURATED = ROOT / "benchmarks" / "results"
 GPU_RUN = dict(model="builtin:qwen2.5-1.5b-random", prompts=24, n=8, steps=11, warmup=3, mode_timeout=180.0,
                overrides=["rollout.name=vllm", "rollout.forced_lengths=lognormal:256:0.8", "data.max_response_length=512",
                           "data.max_prompt_length=512", "model.enable_gradient_checkpointing=false",
@@ -434,18 +433,6 @@ def check_mode(args, overrides: list[str]) -> tuple[int | None, str | None]:
     return args.steps + (t.partial_pool_steps if t.partial_rollouts else 1), None
 
 
-def default_out() -> Path:
-    return ROOT / "runs" / "bench" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-
-
-def _inside(path: Path, folder: Path) -> bool:
-    try:
-        path.resolve().relative_to(folder.resolve())
-        return True
-    except ValueError:
-        return False
-
-
 def _show(path: Path | str) -> str:
     """``path`` relative to the current directory when it is below it."""
     try:
@@ -519,10 +506,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sys.path.insert(1, str(ROOT))
-    out_dir = Path(args.out) if args.out else default_out()
-    if _inside(out_dir, CURATED) and not args.from_runs:
-        raise SystemExit(f"error: --out {args.out}: benchmarks/results/ holds curated results only; write to a run "
-                         f"directory (the default runs/bench/<time>/, or another --out) and copy what is worth keeping")
+    # --from-runs rebuilds the JSON/PNG in the run directory it reads, wherever that is
+    out_dir = Path(args.out) if args.from_runs and args.out else run_dir("bench", args.out)
     if not args.cpu_smoke and not args.from_runs:
         why = check_machine(args) if args.gpus is None or args.gpus > 0 else "--gpus must be at least 1"
         if why:

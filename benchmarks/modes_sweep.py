@@ -57,6 +57,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(ROOT))
 
 import modes  # noqa: E402  (benchmarks/modes.py: the runs themselves)
+from bench_common import run_dir  # noqa: E402
 
 TRAIN_PHASES = ("old_log_prob", "ref", "values", "update_critic", "update", "sync_weights")
 """Timed phases that keep a training GPU busy (reward and advantage run on the host, ``wait_gen`` idles)."""
@@ -604,7 +605,8 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--run-timeout", type=float, default=0.0, help="seconds for one run (0: no limit but --budget)")
     ap.add_argument("--init-s", type=float, default=60.0,
                     help="start-up estimate of a run (model load, engine init) until one has been measured")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=None, help="run directory (default runs/modes_sweep/<UTC time>/; "
+                    "benchmarks/publish.py copies a result to benchmarks/results/)")
     ap.add_argument("--tag", default="", help="suffix for the result files")
     ap.add_argument("--fresh", action="store_true", help="replace the JSON already there instead of merging into it")
     ap.add_argument("--resume", action="store_true",
@@ -650,7 +652,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.dry_run:
         sys.exit(1 if dry_run(args) else 0)
-    out = Path(args.out)
+    out = run_dir("modes_sweep", args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = f"cpux{args.gpus}" if args.cpu_smoke else modes.device_name(args.gpus)
     if device == "CPU":

@@ -26,8 +26,9 @@ Both are per rank: the figures report the largest rank and list every rank. ``ra
 from. ``on`` runs first, so what the process allocates once and keeps (cuBLAS workspaces) counts against the
 offloaded mode: the ratio errs high, not low.
 
-Printed as one JSON line and written to ``benchmarks/results/offload_memory_<device>_<model>.json``
-(device as ``benchmarks/modes.py`` names it, e.g. ``H200x2``; ``CPU`` for the smoke run).
+Printed as one JSON line and written to ``offload_memory_<device>_<model>.json`` (device as ``benchmarks/modes.py``
+names it, e.g. ``H200x2``; ``CPU`` for the smoke run) in its run directory (``runs/offload_memory/<UTC time>/`` unless
+``--out``; ``benchmarks/publish.py`` copies it to ``benchmarks/results/``).
 
 On CPU (``--cpu-smoke``: tiny model, a gloo world of one, or more ranks under torchrun) there is no GPU
 memory to read and the offload target is the training device itself, so offload copies the state but
@@ -59,11 +60,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import git_commit  # noqa: E402
+from bench_common import git_commit, run_dir  # noqa: E402
 
 from modes import device_name  # noqa: E402
 
-from hybrid_rl.phases.advantage import compute_advantage, sparse_scores  # noqa: E402
+from hybrid_rl.phases.advantage import compute_advantage  # noqa: E402
+from hybrid_rl.phases.reward import sparse_scores  # noqa: E402
 from hybrid_rl.batch import Batch  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
 
@@ -249,7 +251,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=4, help="prompts per rank (2 samples each)")
     ap.add_argument("--prompt-length", type=int, default=64)
     ap.add_argument("--response-length", type=int, default=64)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=None, help="run directory (default runs/offload_memory/<UTC time>/; "
+                    "benchmarks/publish.py copies a result to benchmarks/results/)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU: checks the plumbing only")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for both modes")
     args = ap.parse_args(argv)
@@ -292,7 +295,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     if dist.is_main:
         print(json.dumps(record), flush=True)
-        out = Path(args.out)
+        out = run_dir("offload_memory", args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"offload_memory_{device}_{model_tag}.json").write_text(json.dumps(record, indent=1) + "\n")
     if tdist.is_initialized():

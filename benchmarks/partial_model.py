@@ -34,7 +34,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parent))
 
+from bench_common import run_dir  # noqa: E402
 from hybrid_rl.config import partial_pool_steps  # noqa: E402
 from hybrid_rl.partial import CarryOver, Group, Round, Sample  # noqa: E402
 from hybrid_rl.rollout.base import Segment  # noqa: E402
@@ -183,7 +185,8 @@ def main() -> None:
                          "(a window that drains); default: the pool's steps after, as modes_sweep.py now runs")
     ap.add_argument("--seeds", type=int, default=4)
     ap.add_argument("--tag", default="4k_split2")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--out", default=None, help="run directory (default runs/partial_model/<UTC time>/; "
+                    "benchmarks/publish.py copies a result to benchmarks/results/)")
     args = ap.parse_args()
     try:
         aheads = [float(a) for a in args.aheads.split(",") if a.strip()]
@@ -199,7 +202,7 @@ def main() -> None:
                      "step_s": mean, "speedup_vs_sync": sync / mean,
                      "steps_s_first_seed": [round(x, 1) for x in steps[:min(args.measure, 16)]]})
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}), flush=True)
-    out = Path(args.out)
+    out = run_dir("partial_model", args.out)
     out.mkdir(parents=True, exist_ok=True)
     suffix = "".join(f"_{k}" for k in ("paused", "drained") if getattr(args, k))
     path = out / f"partial_model_{args.tag}{suffix}.json"

@@ -1,69 +1,130 @@
-"""The memory planner's predictions beside the peaks committed in ``results/``, one row per reconstructable run.
+"""The memory planner's predictions beside the peaks the curated results measured, one row per reconstructable run.
 
     PYTHONPATH=. python benchmarks/plan_calibration.py
 
-Each row names the result file, the config it ran (the recipe of its commit, as its overrides), and the phase whose
-peak that measurement is: ``perf/max_memory_allocated_outside_engine_gb`` and ``update_step``'s peak are the trainer's
-largest phase (``update_step`` runs the log-prob pass and the update only: no engine, no reference), ``engine_pool_gb``
-is the engine's share. Measured and predicted are torch's allocated bytes, GiB.
+Each row names the result file and the run or configuration in it, the config it ran (the recipe of its commit, as
+its overrides), and the phase whose peak that measurement is: ``flagship`` runs' ``peak_memory_outside_engine_gb``
+and ``update_step`` configurations' ``peak_memory_allocated_gb`` are the trainer's largest phase (``update_step``
+runs the log-prob pass and the update only: no engine, no reference), the ``perf/engine_pool_gb`` a flagship run
+logged is the engine's share. The measured figures, the GPUs and the card of each row are read from the result file
+(``benchmarks/results/``); a row whose file or entry is missing says so. Measured and predicted are torch's
+allocated bytes, GiB. Prints a table; writes nothing.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "benchmarks"))
 
+from bench_common import RESULTS  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
 from hybrid_rl.planner.estimate import GIB, phases  # noqa: E402
+from hybrid_rl.planner.gpus import card_memory_gib  # noqa: E402
 from hybrid_rl.planner.shape import read_shape  # noqa: E402
 
+RECIPE = ROOT / "recipes" / "gsm8k_grpo.yaml"
 M15 = "model.path=builtin:qwen2.5-1.5b-random"
 # the flagship recipe before its memory levers (46cdd3a, cba16b7): recomputation, micro-batches of 16 / 32 sequences
 OLD = ["model.enable_gradient_checkpointing=true", "actor.use_dynamic_bsz=false", "actor.accumulate_unsharded=false",
        "actor.share_prompts=false"]
-UPDATE_STEP = ["actor.use_kl_loss=false", "data.train_batch_size={p}", "actor.ppo_mini_batch_size={m}"]
+UNPACKED = ["actor.use_remove_padding=false", "actor.fused_logprob=false"]
+NO_CKPT = ["model.enable_gradient_checkpointing=false"]
+ENGINE_POOL_H100_GIB = 39.5
+"""vLLM's pool in the 1xH100 flagship run at cba16b7 (``gpu_memory_utilization`` 0.5 of the card, as its log reported
+it): that run predates ``perf/engine_pool_gb``, so its file holds the peak with the pool in it, and this is taken off."""
+
+
+@dataclass(frozen=True)
+class Row:
+    file: str
+    """The result file's name under ``benchmarks/results/``, without ``.json``."""
+    entry: str
+    """The run (a flagship file's ``runs`` key) or configuration (an update_step file's ``config``) measured."""
+    what: str
+    """What the row is, in the table."""
+    overrides: list[str] = field(default_factory=list)
+    """The config it ran, as overrides of ``recipes/gsm8k_grpo.yaml``."""
+    which: str = "trainer"
+    """``trainer``: the trainer's largest phase; ``engine``: the engine's share."""
+    less_gib: float = 0.0
+    """Taken off the measured peak (what the file cannot separate)."""
+
+
 ROWS = [
-    # (result file, what, overrides, GPUs, GiB per GPU, measured GiB, phases the measurement spans)
-    ("flagship_H200x4", "trainer peak, levers on", [M15], 4, 139.8, 67.4, "trainer"),
-    ("flagship_H200x4", "engine pool", [M15], 4, 139.8, 69.68, "engine"),
-    ("flagship_H100x1 (cba16b7)", "trainer peak, padded, unfused", [M15, "data.train_batch_size=64",
-     "actor.ppo_mini_batch_size=16", *OLD, "actor.use_remove_padding=false", "actor.fused_logprob=false"],
-     1, 79.2, 86.4 - 39.5, "trainer"),
-    ("update_step_H200x4", "padded, unfused", [M15, *OLD, *UPDATE_STEP, "actor.use_remove_padding=false",
-     "actor.fused_logprob=false"], 4, 139.8, 27.35, "trainer"),
-    ("update_step_H200x4", "packed+fused", [M15, *OLD, *UPDATE_STEP], 4, 139.8, 11.98, "trainer"),
-    ("update_step_H200x4", "no ckpt, Liger", [M15, *OLD, *UPDATE_STEP, "model.enable_gradient_checkpointing=false",
-     "model.use_liger=true"], 4, 139.8, 43.90, "trainer"),
-    ("update_step_H200x4", "no ckpt, 16k budget, unsharded, Liger", [M15, *OLD, *UPDATE_STEP,
-     "model.enable_gradient_checkpointing=false", "actor.use_dynamic_bsz=true", "actor.max_token_len_per_device=16384",
-     "actor.accumulate_unsharded=true", "model.use_liger=true"], 4, 139.8, 50.95, "trainer"),
-    ("update_step_H100x1", "padded, unfused", [M15, *OLD, *UPDATE_STEP, "actor.use_remove_padding=false",
-     "actor.fused_logprob=false"], 1, 79.2, 44.61, "trainer"),
-    ("update_step_H100x1", "packed+fused", [M15, *OLD, *UPDATE_STEP], 1, 79.2, 29.15, "trainer"),
-    ("update_step_H100x1", "packed+fused, no ckpt", [M15, *OLD, *UPDATE_STEP,
-     "model.enable_gradient_checkpointing=false"], 1, 79.2, 70.14, "trainer"),
+    Row("flagship_H200x4", "076941d", "trainer peak, levers on", [M15]),
+    Row("flagship_H200x4", "076941d", "engine pool", [M15], which="engine"),
+    Row("flagship_H100x1", "cba16b7", "trainer peak, padded, unfused", [M15, "data.train_batch_size=64",
+        "actor.ppo_mini_batch_size=16", *OLD, *UNPACKED], less_gib=ENGINE_POOL_H100_GIB),
+    Row("update_step_H200x4_qwen2.5-1.5b-random", "padded", "padded, unfused", [M15, *OLD, *UNPACKED]),
+    Row("update_step_H200x4_qwen2.5-1.5b-random", "packed+fused", "packed+fused", [M15, *OLD]),
+    Row("update_step_H200x4_qwen2.5-1.5b-random", "packed+fused+no_ckpt [+Liger, see note]", "no ckpt, Liger",
+        [M15, *OLD, *NO_CKPT, "model.use_liger=true"]),
+    Row("update_step_H200x4_qwen2.5-1.5b-random", "packed+fused+no_ckpt+budget16k+unsharded [+Liger, see note]",
+        "no ckpt, 16k budget, unsharded, Liger", [M15, *OLD, *NO_CKPT, "actor.use_dynamic_bsz=true",
+                                                  "actor.max_token_len_per_device=16384",
+                                                  "actor.accumulate_unsharded=true", "model.use_liger=true"]),
+    Row("update_step_H100x1_qwen2.5-1.5b-random", "padded", "padded, unfused", [M15, *OLD, *UNPACKED]),
+    Row("update_step_H100x1_qwen2.5-1.5b-random", "packed+fused", "packed+fused", [M15, *OLD]),
+    Row("update_step_H100x1_qwen2.5-1.5b-random", "packed+fused+no_ckpt", "packed+fused, no ckpt",
+        [M15, *OLD, *NO_CKPT]),
 ]
-SIZES = {"update_step_H200x4": (256, 64), "update_step_H100x1": (64, 16)}
+
+
+def box(doc: dict) -> tuple[int, float]:
+    """(GPUs, GiB per GPU) of a result's ``device`` tag, e.g. ``H200x4`` -> (4, 139.8)."""
+    m = re.fullmatch(r"(.+?)x(\d+)", doc["device"])
+    if m is None:
+        raise ValueError(f"device {doc['device']!r} is not <card>x<count>")
+    return int(m.group(2)), card_memory_gib(m.group(1))
+
+
+def measured(row: Row, doc: dict) -> tuple[float, list[str]]:
+    """The row's measured GiB in ``doc``, and the overrides the file adds (an update_step file's batch shape)."""
+    if doc.get("bench") == "update_step":
+        entry = next((c for c in doc["configs"] if c["config"] == row.entry), None)
+        if entry is None or "peak_memory_allocated_gb" not in entry:
+            raise KeyError(f"no measured configuration {row.entry!r}")
+        n = load_config(str(RECIPE)).rollout.n
+        shape = ["actor.use_kl_loss=false", f"data.train_batch_size={doc['sequences'] // n}",
+                 f"actor.ppo_mini_batch_size={doc['mini_batch_prompts']}"]
+        return entry["peak_memory_allocated_gb"] - row.less_gib, shape
+    run = doc["runs"].get(row.entry)
+    if run is None:
+        raise KeyError(f"no run {row.entry!r}")
+    if row.which == "engine":
+        return max(run["per_step"]["perf/engine_pool_gb"]) - row.less_gib, []
+    return run.get("peak_memory_outside_engine_gb", run["peak_memory_allocated_gb"]) - row.less_gib, []
 
 
 def predicted(overrides: list[str], gpus: int, gib: float, which: str) -> float:
-    cfg = load_config(str(ROOT / "recipes" / "gsm8k_grpo.yaml"), overrides)
-    all_phases = phases(cfg, read_shape(cfg.model.path), gpus, gib * GIB)
+    cfg = load_config(str(RECIPE), overrides)
     if which == "engine":
-        return cfg.rollout.vllm.gpu_memory_utilization * gib
+        return cfg.rollout.engine_memory().gpu_share * gib
+    all_phases = phases(cfg, read_shape(cfg.model.path), gpus, gib * GIB)
     return max(p.total for p in all_phases if p.name not in ("weight push", "generation")) / GIB
 
 
-def main() -> None:
-    print(f"{'result':28s} {'run':40s} {'measured':>9s} {'predicted':>9s} {'error':>7s}")
-    for name, what, overrides, gpus, gib, measured, which in ROWS:
-        p, m = SIZES.get(name, (None, None))
-        ov = [o.format(p=p, m=m) for o in overrides]
-        pred = predicted(ov, gpus, gib, which)
-        print(f"{name:28s} {what:40s} {measured:9.1f} {pred:9.1f} {100 * (pred - measured) / measured:+6.0f}%")
+def main(results: Path = RESULTS) -> None:
+    print(f"{'result':40s} {'run':40s} {'measured':>9s} {'predicted':>9s} {'error':>7s}")
+    for row in ROWS:
+        label = f"{row.file} ({row.entry})" if not row.file.startswith("update_step") else row.file
+        path = results / f"{row.file}.json"
+        try:
+            doc = json.loads(path.read_text())
+            value, shape = measured(row, doc)
+        except (OSError, KeyError, ValueError) as e:
+            print(f"{label[:40]:40s} {row.what:40s} {'-':>9s}  ({path.name}: {e})")
+            continue
+        gpus, gib = box(doc)
+        pred = predicted([*row.overrides, *shape], gpus, gib, row.which)
+        print(f"{label[:40]:40s} {row.what:40s} {value:9.1f} {pred:9.1f} {100 * (pred - value) / value:+6.0f}%")
 
 
 if __name__ == "__main__":

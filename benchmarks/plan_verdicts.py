@@ -1,7 +1,8 @@
 """The memory planner's verdicts for the 1.5B flagship and the 7B recipe on one box, and the longest response that fits.
 
-    PYTHONPATH=. python benchmarks/plan_verdicts.py                  # table, and benchmarks/results/plan_verdicts.json
-    PYTHONPATH=. python benchmarks/plan_verdicts.py --out /tmp/v.json
+    PYTHONPATH=. python benchmarks/plan_verdicts.py          # table, and runs/plan_verdicts/<time>/plan_verdicts.json
+    PYTHONPATH=. python benchmarks/plan_verdicts.py --out /tmp/v     # /tmp/v/plan_verdicts.json (or --out /tmp/v.json)
+    python benchmarks/publish.py --no-device runs/plan_verdicts/<time>/plan_verdicts.json   # the curated copy
 
 Predictions of ``hybrid_rl.planner`` (its public functions, in this process; CPU, seconds), not measurements: per
 config and box, each phase's predicted peak per GPU and whether it fits (peak + the CUDA context within the card).
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "benchmarks"))
 
-from bench_common import git_commit  # noqa: E402
+from bench_common import git_commit, run_dir  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
 from hybrid_rl.planner.estimate import CONTEXT_GIB, GIB  # noqa: E402
 from hybrid_rl.planner.gpus import card_memory_gib  # noqa: E402
@@ -114,7 +115,8 @@ def table(rows: list[dict], searches: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "plan_verdicts.json"))
+    ap.add_argument("--out", default=None, help="run directory (default runs/plan_verdicts/<UTC time>/; "
+                    "benchmarks/publish.py copies a result to benchmarks/results/)")
     args = ap.parse_args(argv)
     rows = [{"name": name, "recipe": recipe, "overrides": ovr, "box": box, "gpus": gpus, "gpu": card,
              **plan(recipe, ovr, gpus, card)}
@@ -128,9 +130,13 @@ def main(argv: list[str] | None = None) -> dict:
            "search": {"step": STEP, "limit": LIMIT, "model_context": CONTEXT_LIMIT}, "configs": rows,
            "largest_response": searches}
     print(table(rows, searches))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {args.out}", file=sys.stderr)
+    if args.out and args.out.endswith(".json"):  # a file named outright, in a run directory all the same
+        out = run_dir("plan_verdicts", Path(args.out).parent) / Path(args.out).name
+    else:
+        out = run_dir("plan_verdicts", args.out) / "plan_verdicts.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
     return doc
 
 

@@ -22,7 +22,7 @@ and ranks; the engine's pool, ``perf/engine_pool_gb``, taken off the training ph
 the planner's figure for that phase on this GPU (``hybrid_rl.planner``: generation, old log-prob, reference, update;
 the push is not a timed phase of its own). Writes ``scale_7b_<device>.json`` and ``.png`` and each run's directory
 (``run_<name>/``: metrics.jsonl, stderr.log) into ``--out`` (default ``runs/scale_7b/<UTC time>/``); into
-``benchmarks/results/`` only with ``--curate``. A run that fails is one line naming it and its log; exit status 1.
+``benchmarks/results/`` only through ``benchmarks/publish.py``. A run that fails is one line naming it and its log; exit status 1.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -40,10 +39,10 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(ROOT))
 
 import modes  # noqa: E402  (benchmarks/modes.py: run_mode, summarize, device_name)
+from bench_common import run_dir  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "gsm8k_grpo_7b.yaml"
 DATA = ROOT / "benchmarks" / "data" / "gsm8k_train_1k.jsonl"
-RESULTS = ROOT / "benchmarks" / "results"
 PLANNED = {"gen": "generation", "old_log_prob": "old log-prob", "ref": "ref log-prob", "update": "actor update"}
 """Timed phase → the planner's phase."""
 TRAINING = ("old_log_prob", "ref", "update")
@@ -192,7 +191,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--run-timeout", type=float, default=None, help=f"seconds per run (default {GPU['run_timeout']:g})")
     ap.add_argument("--model", default=None, help=f"default {GPU['model']}")
     ap.add_argument("--out", default=None, help="run directory (default runs/scale_7b/<UTC time>/)")
-    ap.add_argument("--curate", action="store_true", help="allow --out inside benchmarks/results/ (curated results)")
     ap.add_argument("--cpu-smoke", action="store_true", help="the plumbing on CPU: tiny model, 2 gloo ranks")
     ap.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = ap.parse_intermixed_args(argv)
@@ -214,10 +212,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    out = Path(args.out) if args.out else ROOT / "runs" / "scale_7b" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    if modes._inside(out, RESULTS) and not args.curate:
-        raise SystemExit(f"error: --out {out}: benchmarks/results/ holds curated results; write to a run directory "
-                         "and copy what is worth keeping, or pass --curate")
+    out = run_dir("scale_7b", args.out)
     import torch
 
     if not args.cpu_smoke:

@@ -9,7 +9,8 @@ shrinks, a list that keeps every batch) shows up as a slope.
     torchrun --standalone --nproc_per_node=1 benchmarks/soak.py --recipe benchmarks/bench_modes.yaml --steps 200 \\
         rollout.name=vllm                                             # GPU: rank 0 writes the results
 
-Writes ``benchmarks/results/soak_<device>_<model>.json`` and ``.png``. Left out: per-rank files (rank 0
+Writes ``soak_<device>_<model>.json`` and ``.png`` into its run directory (``runs/soak/<UTC time>/`` unless ``--out``;
+``benchmarks/publish.py`` copies them to ``benchmarks/results/``). Left out: per-rank files (rank 0
 measures its own process, which holds the same parts as every other rank).
 """
 
@@ -29,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import git_commit, gpu_short_name  # noqa: E402
+from bench_common import git_commit, gpu_short_name, run_dir  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
 from hybrid_rl.distributed import destroy, init_distributed  # noqa: E402
 from hybrid_rl.trainer import Trainer  # noqa: E402
@@ -84,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipe", default=str(ROOT / "recipes" / "cpu_successor.yaml"))
     p.add_argument("--steps", type=int, default=250)
     p.add_argument("--window", type=int, default=50, help="steps averaged at the start and at the end")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--out", default=None, help="run directory (default runs/soak/<UTC time>/; benchmarks/publish.py "
+                   "copies a result to benchmarks/results/)")
     p.add_argument("--run-dir", default="/tmp/hybrid_rl_soak")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. trainer.mode=overlap")
     args = p.parse_args(argv)
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"benchmark": "soak", "device": device, "commit": git_commit(), "recipe": Path(args.recipe).name,
               "overrides": args.overrides, "mode": cfg.trainer.mode, "steps": len(rows),
               "summary": {k: summarise(rows, k, args.window) for k in keys}, "rows": rows}
-    out = Path(args.out)
+    out = run_dir("soak", args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"soak_{device}_{model}{'_' + cfg.trainer.mode if cfg.trainer.mode != 'sync' else ''}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))

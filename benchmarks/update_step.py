@@ -28,11 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import git_commit, gpu_short_name  # noqa: E402
+from bench_common import git_commit, gpu_short_name, run_dir  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
 from hybrid_rl.data import collate_prompts  # noqa: E402
 from hybrid_rl.distributed import init_distributed  # noqa: E402
-from hybrid_rl.perf import ModelFlops, peak_flops  # noqa: E402
+from hybrid_rl.perf import UPDATE_FORWARDS, ModelFlops, peak_flops  # noqa: E402
 from hybrid_rl.rollout.base import assemble_rollout  # noqa: E402
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker  # noqa: E402
 
@@ -156,7 +156,7 @@ def run_config(name: str, overrides: list[str], args, d) -> dict:
     lp = statistics.median(r["log_prob_s"] for r in measured)
     up = statistics.median(r["update_s"] for r in measured)
     mem = torch.cuda.max_memory_allocated(worker.device) / 2**30 if worker.device.type == "cuda" else 0.0
-    mfu = {"mfu_log_prob": fwd_flops / (lp * peak), "mfu_update": 3 * cfg.actor.ppo_epochs * fwd_flops / (up * peak)} \
+    mfu = {"mfu_log_prob": fwd_flops / (lp * peak), "mfu_update": UPDATE_FORWARDS * cfg.actor.ppo_epochs * fwd_flops / (up * peak)} \
         if peak else {}
     del worker, batch, scored
     gc.collect()
@@ -212,7 +212,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--configs", default=",".join(list(CONFIGS)[:5]), help=f"comma-separated subset of {','.join(CONFIGS)}")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=None, help="run directory (default runs/update_step/<UTC time>/; "
+                    "benchmarks/publish.py copies a result to benchmarks/results/)")
     ap.add_argument("--host-batch", action="store_true",
                     help="start the passes from a batch in host memory, as the trainer ranks of split placement do")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU: checks the plumbing only")
@@ -263,7 +264,7 @@ def main() -> None:
                "recipe": args.recipe,
                "host_batch": args.host_batch,
                "torch": torch.__version__, "commit": git_commit(ROOT), "configs": rows}
-        out = Path(args.out)
+        out = run_dir("update_step", args.out)
         out.mkdir(parents=True, exist_ok=True)
         stem = out / f"update_step_{device}_{args.model.split(':')[-1].split('/')[-1]}{'_host' if args.host_batch else ''}"
         Path(f"{stem}.json").write_text(json.dumps(doc, indent=2))

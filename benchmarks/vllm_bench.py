@@ -67,7 +67,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import git_commit, gpu_short_name  # noqa: E402
+from bench_common import git_commit, gpu_short_name, run_dir  # noqa: E402
 
 from hybrid_rl.batch import Batch  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
@@ -549,7 +549,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--standalone", action="store_true", help="only the vLLM-alone throughput baseline")
     ap.add_argument("--standalone-json", default="/tmp/hybrid_rl_vllm_standalone.json")
-    ap.add_argument("--out", action="append", default=None, help="result folder (repeatable); default benchmarks/results")
+    ap.add_argument("--out", action="append", default=None, help="result folder (repeatable); default runs/vllm/<UTC "
+                    "time>/ (benchmarks/publish.py copies a result to benchmarks/results/)")
     ap.add_argument("--model-dir", default="/tmp/hybrid_rl_qwen25_05b_arch")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--n", type=int, default=8)
@@ -580,7 +581,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--repeats and --warmup-tokens must be >= 1, --after-wake-runs >= 0")
     if args.prompts % args.tp:
         ap.error(f"--prompts {args.prompts} must be divisible by --tp {args.tp}")
-    args.out = args.out or [str(ROOT / "benchmarks" / "results")]
+    args.out = [str(run_dir("vllm", out)) for out in (args.out or [None])]
     dist = init_distributed("cuda")
     try:
         (run_standalone if args.standalone else run_hybrid)(args, dist)

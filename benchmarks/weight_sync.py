@@ -21,8 +21,9 @@ the sink's loads and later ones replay them (``hybrid_rl.weights.replay``) unles
 ``--no-replay``; consecutive decoder blocks share one all-gather up to
 ``--gather-mb``.
 
-Printed as one JSON line (and written to
-``benchmarks/results/weight_sync_<device>x<N>_<model>.json``, e.g. ``H100x2``): the median push
+Printed as one JSON line (and written to ``weight_sync_<device>x<N>_<model>.json``, e.g. ``H100x2``, in its run
+directory, ``runs/weight_sync/<UTC time>/`` unless ``--out-dir``; ``benchmarks/publish.py`` copies it to
+``benchmarks/results/``): the median push
 time ``sync_s`` (per switch, the slowest rank), its physical bound ``bound_s`` =
 the model's bytes in the engine dtype through one all-gather of those same
 bytes (measured here, NCCL-tests bus bandwidth reported) plus one device copy
@@ -54,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_common import git_commit, gpu_short_name  # noqa: E402
+from bench_common import git_commit, gpu_short_name, run_dir  # noqa: E402
 
 from hybrid_rl.models import RANDOM_ARCHS, TINY_CONFIG  # noqa: E402
 from hybrid_rl.rollout.base import RolloutEngine  # noqa: E402
@@ -237,7 +238,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the timed switches, run N more under torch.profiler and write its tables per rank "
                          "(weight_sync_<device>_<model>_profile_rank<r>.txt): where a push's time goes")
-    ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out-dir", default=None, help="run directory (default runs/weight_sync/<UTC time>/; "
+                    "benchmarks/publish.py copies a result to benchmarks/results/)")
     args = ap.parse_args(argv)
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -339,8 +341,13 @@ def main(argv: list[str] | None = None) -> dict:
         verified = _max_over_ranks(float(bad), device) == 0
 
     tag, device_name = _device_tag(device, world)
+    out = run_dir("weight_sync", args.out_dir)  # on every rank: a path inside benchmarks/results/ stops each of them
+    if args.out_dir is None:  # the default names the time: rank 0's, for every rank
+        shared = [str(out)]
+        dist.broadcast_object_list(shared, src=0)
+        out = Path(shared[0])
     if args.profile:
-        _profile_switches(switch, args.profile, device, Path(args.out_dir) / f"weight_sync_{tag}_{args.model}_profile_rank{rank}.txt")
+        _profile_switches(switch, args.profile, device, out / f"weight_sync_{tag}_{args.model}_profile_rank{rank}.txt")
     sync_s = statistics.median(sync_times)
     record = {
         "bench": "weight_sync", "model": args.model, "params": numel, "bytes": nbytes, "dtype": str(dtype).replace("torch.", ""),
@@ -356,10 +363,11 @@ def main(argv: list[str] | None = None) -> dict:
         "copy_sink_same_run": copy_bound, "over_copy_sink": (sync_s / copy_bound["sync_s"]) if copy_bound else None,
         "vllm": _vllm_version() if args.sink == "vllm" else None,
         "torch": torch.__version__, "commit": git_commit(),
+        "settings": {k: v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
+                     for k, v in vars(args).items()},
     }
     if rank == 0:
         print(json.dumps(record), flush=True)
-        out = Path(args.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         suffix = ("_naive" if args.naive else "") + ("_noreplay" if args.no_replay else "") + ("" if args.sink == "copy" else f"_{args.sink}")
         (out / f"weight_sync_{tag}_{args.model}{suffix}.json").write_text(json.dumps(record, indent=1) + "\n")

@@ -1,4 +1,5 @@
-"""Throughput, MFU and memory of a step (``step_perf_means`` and ``step_perf_metrics``, called by the trainer).
+"""Throughput, MFU and memory of a step (``step_perf_means`` and ``step_perf_metrics``, called by the trainer), and
+where its time goes (``profiled``: a step under ``torch.profiler``, ``trainer.profile_steps``).
 
 ``perf/mfu_update``, ``perf/mfu_log_prob``, ``perf/mfu_ref``: the hardware figure, model FLOPs the pass ran ÷ (its wall
 time × GPUs × the device's dense bf16 peak). The engine counts what each forward computed as it lays the micro-batch
@@ -25,7 +26,10 @@ Left out: MoE routing, multimodal towers, and devices missing from the table (se
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -121,11 +125,13 @@ class ModelFlops:
         return fwd + bwd
 
 
-PASSES = (("perf/mfu_update", "timing/update", "update", 3.0), ("perf/mfu_log_prob", "timing/old_log_prob",
-                                                                "old_log_prob", 1.0),
+UPDATE_FORWARDS = 3.0
+"""An update's FLOPs in forward passes, per epoch, in the equivalent count: its forward and a backward of two."""
+
+PASSES = (("perf/mfu_update", "timing/update", "update", UPDATE_FORWARDS),
+          ("perf/mfu_log_prob", "timing/old_log_prob", "old_log_prob", 1.0),
           ("perf/mfu_ref", "timing/ref", "ref", 1.0))
-"""(metric, the pass's timer, its ``Work`` key, its FLOPs in forward passes in the equivalent count: backward costs
-two)."""
+"""(metric, the pass's timer, its ``Work`` key, its FLOPs in forward passes in the equivalent count)."""
 
 
 def pass_mfu(times: dict[str, float], forward_flops: float, peak: float | None, gpus: int,
@@ -221,3 +227,21 @@ def host_wait_summary(averages) -> str:
     rows = {e.key: e for e in averages if e.key in HOST_WAITS}
     parts = [f"{k} {rows[k].count} calls {rows[k].cpu_time_total / 1e3:.0f} ms" for k in HOST_WAITS if k in rows]
     return "host waits for the device: " + ("; ".join(parts) if parts else "none recorded")
+
+
+@contextmanager
+def profiled(out: Path, label: str, cuda: bool) -> Iterator[None]:
+    """The block under ``torch.profiler`` (``trainer.profile_steps``): ``out`` gets ``label``, the host's waits for
+    the device, and the top ops by CUDA time (``cuda``) and by CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        yield
+    out.parent.mkdir(parents=True, exist_ok=True)
+    table = prof.key_averages()
+    parts = [label, host_wait_summary(table)]
+    if cuda:
+        parts.append(table.table(sort_by="cuda_time_total", row_limit=30))
+    parts.append(table.table(sort_by="cpu_time_total", row_limit=30))
+    out.write_text("\n\n".join(parts))

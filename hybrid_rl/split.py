@@ -22,8 +22,8 @@ trainer ranks build an engine too and put it to sleep at level 2 (weights and
 KV cache released) right away; it only exists so the group creation pairs up.
 Every rank meets at a barrier first and the trainer ranks build it before
 their models (``placement.meet_at_engines``). The groups themselves are made so
-that every rank takes part in the same NCCL splits (``make_layout``: 2 + 2 and
-1 + 3 layouts hung on 4xH200 before).
+that every rank takes part in the same NCCL splits (``make_layout``), without
+which a layout whose gloo group leaves ranks out never finishes its set-up.
 
 Validation pushes θ_k to the rollout ranks, which generate greedily and hand
 the reduced figures to the logging trainer rank. Checkpoints: the trainer ranks
@@ -85,10 +85,10 @@ def make_layout(n_rollout: int) -> SplitLayout:
     With a device bound to the default group (``init_distributed`` binds one on CUDA, for eager NCCL set-up),
     torch creates every subgroup by ``ncclCommSplit`` of the world's communicator, a collective of all ranks:
     members split with a colour, and a rank outside the new group makes a no-colour split instead, *whatever the
-    new group's backend*. So a gloo group that leaves ranks out made those ranks split while its members did not:
-    under 2 + 2 (and 1 + 3) the trainer ranks outside the weight-metadata group waited in that split for ever,
-    and the others waited for them in the first collective after it (stacks from 4xH200; layouts where that
-    group holds every rank, 1 + 1 and 3 + 1, never hung). Here every NCCL group connects at creation
+    new group's backend*. So a gloo group that leaves ranks out makes those ranks split while its members do not:
+    under 2 + 2 (and 1 + 3) the trainer ranks outside the weight-metadata group would wait in that split for ever,
+    and the others for them in the first collective after it (under 1 + 1 and 3 + 1 that group holds every rank,
+    and every rank splits alike). Here every NCCL group connects at creation
     (``_nccl_group``: one split per group on every rank), and the gloo group with non-members is created by
     its members alone (``_members_only_gloo``)."""
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -180,3 +180,14 @@ def run_summary(output_dir: str, loggers: list[str], steps_run: int, final_step:
     if checkpoint is not None:
         lines.append(f"  export:     {export_command()} export {out} {out / 'hf'}   (a Hugging Face model directory)")
     return "\n".join(lines)
+
+
+def trim_metrics(path: Path, last_step: int) -> None:
+    """Keep only the lines of ``metrics.jsonl`` at ``path`` of steps <= ``last_step`` (a fresh run: none), so that a
+    resumed run's log has no duplicates."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep) if last_step > 0 else "")
+    tmp.replace(path)

@@ -1,8 +1,8 @@
 """``trainer.stall_dump_s``: print every thread's Python stack while a step runs longer than it should.
 
-A plain Python thread that formats ``sys._current_frames()`` while holding the GIL. ``faulthandler``'s
-``dump_traceback_later`` was used first: its C watchdog reads the other threads' frames without the GIL and crashed
-a busy process (SIGSEGV inside the profiler's export, seen in CI). The price: a step stuck in C++ code that keeps
+A plain Python thread that formats ``sys._current_frames()`` while holding the GIL, rather than ``faulthandler``'s
+``dump_traceback_later``, whose C watchdog reads the other threads' frames without the GIL and can crash a busy
+process (a SIGSEGV inside the profiler's export). The price: a step stuck in C++ code that keeps
 the GIL silences this watchdog; the stalls it is for (collectives, CUDA waits, vLLM's engine loop) release it.
 For those, ``dump_stacks_on_signal``: every training process prints all its threads' stacks on ``SIGUSR1``
 (faulthandler, at that moment only), which is what a stall guard sends before it stops a hung run.
@@ -68,9 +68,9 @@ def dump_stacks_on_signal() -> bool:
     """From now on ``kill -USR1 <pid>`` makes this process print every thread's stack to stderr and go on.
 
     faulthandler's C handler reads the frames without the GIL, so it also shows a thread stuck in a C call that
-    holds it, where ``StallWatchdog`` stays silent: on 4xH200 the ranks that hung a split set-up sat in an NCCL
-    split (``split.make_layout``) and only the other ranks printed. Reading frames without the GIL is what once
-    crashed a busy process on a timer, so it runs only when asked: by hand, or by a stall guard about to kill the
+    holds it, where ``StallWatchdog`` stays silent: a rank waiting in an NCCL split (``split.make_layout``) prints
+    only this way. Reading frames without the GIL can crash a busy process, so it runs only when asked, never on a
+    timer: by hand, or by a stall guard about to kill the
     run anyway (``benchmarks/modes.py``). Returns False where there is no SIGUSR1 (Windows)."""
     if not hasattr(signal, "SIGUSR1"):
         return False

@@ -74,7 +74,8 @@ def generate_batch(worker, prompts=None) -> Batch:
 
 
 def score_batch(worker, batch: Batch, seed: int = 0) -> Batch:
-    from hybrid_rl.phases.advantage import compute_advantage, sparse_scores
+    from hybrid_rl.phases.advantage import compute_advantage
+    from hybrid_rl.phases.reward import sparse_scores
 
     g = torch.Generator().manual_seed(seed)
     scores = torch.randint(0, 2, (len(batch),), generator=g).float()

@@ -1,5 +1,6 @@
 """Combine the per-framework results of one workload (``<framework>_<workload>.json`` from the run_*.py scripts) into
-``benchmarks/results/peers_<device>_<workload>.json`` and a bar plot beside it (``..._<profile>`` when every framework
+``peers_<device>_<workload>.json`` and a bar plot beside it, in a run directory (``runs/peers/<UTC time>/`` unless
+``--out-dir``; ``benchmarks/publish.py`` copies them to ``benchmarks/results/``) (``..._<profile>`` when every framework
 ran another profile than ``tuned``, ``..._mixed`` when they ran different ones). Runs on the GPU machine at the end
 of every ``run_all.sh`` part, or on any machine from the JSON files the runs wrote:
 
@@ -15,7 +16,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import DEFAULT_WORKLOAD, ROOT, VERSIONS, WORKLOADS  # noqa: E402
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+from bench_common import git_commit, run_dir  # noqa: E402
+from workload import DEFAULT_WORKLOAD, VERSIONS, WORKLOADS  # noqa: E402
 
 ORDER = ["hybrid_rl", "verl", "trl"]
 COLORS = {"hybrid_rl": "tab:green", "verl": "tab:blue", "trl": "tab:orange"}
@@ -123,10 +126,11 @@ def main() -> None:
     ap.add_argument("--res", default="/tmp/peers_res")
     ap.add_argument("--workload", default=os.environ.get("PEERS_WORKLOAD") or DEFAULT_WORKLOAD,
                     choices=list(WORKLOADS))
-    ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out-dir", default=None, help="run directory (default runs/peers/<UTC time>/; "
+                    "benchmarks/publish.py copies a result to benchmarks/results/)")
     args = ap.parse_args()
-    doc = combine(Path(args.res), args.workload)
-    path = Path(args.out_dir) / stem(doc)
+    doc = {**combine(Path(args.res), args.workload), "commit": git_commit()}  # the commit that combined them
+    path = run_dir("peers", args.out_dir) / stem(doc)
     path.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{path}.json").write_text(json.dumps(doc, indent=2))
     try:

@@ -70,7 +70,7 @@ def overrides(model_dir: str, run_dir: Path, data: str, w: dict, opts: dict, cpu
         f"rollout.vllm.max_num_batched_tokens={w['max_num_batched_tokens']}",
         "rollout.free_cache_engine=true", "rollout.sleep_level=2", "rollout.vllm.enforce_eager=false",
         "rollout.vllm.enable_prefix_caching=true", "rollout.vllm.tensor_parallel_size=1",
-        f"actor.lr={w['lr']}", "actor.weight_decay=0.0", "actor.lr_scheduler=constant", "actor.warmup_steps=0",
+        f"actor.lr={w['lr']}", "actor.weight_decay=0.0", "actor.lr_scheduler=constant", "actor.lr_warmup_steps=0",
         "actor.ppo_epochs=1", f"actor.ppo_mini_batch_size={w['mini_batch_prompts']}",
         f"actor.use_dynamic_bsz={b(opts['dynamic_bsz'])}", f"actor.max_token_len_per_device={opts['max_token_len_per_device']}",
         f"actor.accumulate_unsharded={b(opts['accumulate_unsharded'])}",
@@ -88,7 +88,7 @@ def overrides(model_dir: str, run_dir: Path, data: str, w: dict, opts: dict, cpu
     if w["algorithm"] == "gae":
         o += ["algorithm.adv_estimator=gae", f"algorithm.gamma={w['gamma']}", f"algorithm.lam={w['lam']}",
               f"critic.lr={w['critic_lr']}", "critic.weight_decay=0.0", "critic.lr_scheduler=constant",
-              "critic.lr_warmup_steps=0", "critic.warmup_steps=0", "critic.ppo_epochs=1",
+              "critic.lr_warmup_steps=0", "critic.freeze_actor_steps=0", "critic.ppo_epochs=1",
               f"critic.ppo_mini_batch_size={w['mini_batch_prompts']}", f"critic.cliprange_value={w['cliprange_value']}",
               "critic.loss_agg_mode=token-mean", f"critic.grad_clip={w['grad_clip']}",
               f"critic.enable_gradient_checkpointing={b(opts['critic_gradient_checkpointing'])}",

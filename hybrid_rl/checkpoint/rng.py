@@ -1,4 +1,5 @@
-"""RNG state as tensors and primitives (checkpoint ``extra``): Python, numpy, torch CPU/CUDA and named generators."""
+"""RNG state as tensors and primitives (checkpoint ``extra``): Python, numpy, torch CPU/CUDA and named generators;
+and the seeding of the global ones at a run's start (``seed_everything``)."""
 
 from __future__ import annotations
 
@@ -64,3 +65,9 @@ def restore_rng(state: Mapping[str, Any], generators: Mapping[str, Any] | None =
         else:
             raise CheckpointError(f"RNG state for {name!r} is a {entry['kind']} generator but a {type(g).__name__} was passed")
 
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's ``random``, numpy's global RNG and torch's (every device's)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

@@ -1,52 +1,35 @@
-"""The ``actor``, ``ref`` and ``critic`` sections: the trained policy, its frozen reference, and the value model."""
+"""The ``actor``, ``ref`` and ``critic`` sections: the trained policy, its frozen reference, and the value model.
+
+The actor and the critic share their optimiser, schedule, mini/micro-batch and offload keys (``UpdateConfig``,
+``update.py``); each section adds its own.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Optional
 
 from hybrid_rl.config.errors import ConfigError, require_positive
+from hybrid_rl.config.fields import harmless
+from hybrid_rl.config.update import UpdateConfig
 
 
 @dataclass
-class ActorConfig:
-    lr: float = 1e-6
-    """AdamW peak learning rate."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """AdamW betas."""
-    warmup_steps: int = 0
-    """Linear warm-up steps."""
-    lr_scheduler: Literal["constant", "cosine"] = "constant"
-    """Schedule after warm-up."""
-    min_lr_ratio: float = 0.0
-    """Cosine floor as a fraction of ``lr``."""
-    ppo_epochs: int = 1
-    """Passes over each batch."""
-    ppo_mini_batch_size: int = 16
-    """Prompts per optimizer step, across all ranks (each brings ``rollout.n`` samples)."""
-    ppo_micro_batch_size_per_device: int = 8
-    """Sequences per forward/backward on one device (gradient accumulation fills the mini-batch); unused with
-    ``use_dynamic_bsz``, whose token budget cuts the micro-batches instead."""
-    log_prob_micro_batch_size_per_device: int = 16
-    """Sequences per forward when computing log-probs (likewise unused with ``use_dynamic_bsz``)."""
-    use_dynamic_bsz: bool = False
-    """Cut micro-batches by padded tokens (``max_token_len_per_device``) instead of a sequence count, in every pass."""
-    max_token_len_per_device: int = 16384
-    """Token budget of one micro-batch with ``use_dynamic_bsz`` (prompt + response, padded)."""
-    use_remove_padding: Optional[bool] = None
+class ActorConfig(UpdateConfig):
+    log_prob_micro_batch_size_per_device: int = harmless(16)
+    """Sequences per forward when computing log-probs (unused with ``use_dynamic_bsz``, as the update's)."""
+    use_remove_padding: Optional[bool] = harmless(None)
     """Pack each micro-batch's sequences into one row without padding (per-sequence positions, attention that never
     crosses sequences: flash-attention varlen on CUDA, one SDPA call per sequence elsewhere); token budgets count real
     tokens. Also used by the reference policy. Default (null): on for CUDA with a 16-bit ``model.dtype`` (PyTorch's
     flash-attention varlen kernel); off on CPU and for float32 models, whose packed attention runs one SDPA call per
     sequence and costs more than the padding it saves (the CPU recipe's update: 0.9 s packed vs 0.3 s padded; on CUDA
     thousands of small kernel launches a step for its 1,024 short sequences)."""
-    fused_logprob: Optional[bool] = None
+    fused_logprob: Optional[bool] = harmless(None)
     """Log-probs and entropy straight from the last hidden states and the LM head, in row chunks recomputed in
     backward: the [tokens × vocabulary] logits are never materialised (the reference policy too). Default (null): on
     for CUDA, off on CPU (a small vocabulary gains nothing there and the recomputation costs)."""
-    share_prompts: Optional[bool] = None
+    share_prompts: Optional[bool] = harmless(None)
     """With ``use_remove_padding``: each distinct prompt of a micro-batch passes through the model once and its
     responses attend to that one copy (``workers/packed.py``'s ``pack_shared``), in the actor's passes and the
     reference's. Exact (a prompt never sees its responses); with GRPO's n samples per prompt it removes (n-1)/n of the
@@ -63,10 +46,10 @@ class ActorConfig:
     and the model's attention heads. The update is that of size 1 on the same batch; the batch geometry
     (``ppo_mini_batch_size``) divides across ranks / size. A packing critic cuts its rows the same way
     (``critic.use_remove_padding``)."""
-    use_torch_compile: bool = False
+    use_torch_compile: bool = harmless(False)
     """``torch.compile`` each decoder block's forward (dynamic shapes) in the actor: fused kernels for a loop that is
     launch-bound (small models, many micro-batches); the first pass of each mode (train/eval) pays the compile."""
-    accumulate_unsharded: bool = False
+    accumulate_unsharded: bool = harmless(False)
     """FSDP2: keep the parameters gathered and the gradients unreduced across the micro-batches of a pass, so a
     mini-batch costs one all-gather and one reduce-scatter per block instead of two all-gathers and one
     reduce-scatter per micro-batch (``reshard_after_forward=False``; gradient sync and resharding on the last
@@ -84,8 +67,6 @@ class ActorConfig:
     """PPO clip ε above 1 (DAPO uses 0.28)."""
     clip_ratio_c: Optional[float] = None
     """Dual-clip bound for negative advantages (> 1; none = off)."""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    """How token losses are averaged."""
     mask_truncated_completions: bool = False
     """Leave the responses cut at ``data.max_response_length`` out of the actor's loss and its denominators (DAPO's
     overlong filtering; TRL's ``GRPOConfig.mask_truncated_completions``): a ramble cut at the cap is neither
@@ -99,12 +80,6 @@ class ActorConfig:
     """Weight of the KL loss term."""
     kl_loss_type: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator for the loss term."""
-    param_offload: bool = False
-    """Move actor parameters (and gradients) to CPU while the engine generates."""
-    optimizer_offload: bool = False
-    """Move AdamW state to CPU while the engine generates."""
-    grad_clip: float = 1.0
-    """Max global gradient norm (0 = off)."""
     shuffle_mini_batches: bool = False
     """Shuffle samples before cutting mini-batches (seeded)."""
     old_log_prob: Literal["auto", "recompute", "engine"] = "auto"
@@ -119,8 +94,8 @@ class ActorConfig:
     differ; in overlap mode proximal = behaviour). Metric ``actor/old_log_prob_skipped``: the share skipped."""
 
     def validate(self) -> None:
-        require_positive(self, "actor", ["ppo_mini_batch_size", "ppo_micro_batch_size_per_device", "ppo_epochs",
-                                         "log_prob_micro_batch_size_per_device", "ulysses_sequence_parallel_size"])
+        self.validate_update("actor")
+        require_positive(self, "actor", ["log_prob_micro_batch_size_per_device", "ulysses_sequence_parallel_size"])
         if self.ulysses_sequence_parallel_size > 1 and self.use_remove_padding is False:
             raise ConfigError(f"actor.ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size} cuts packed "
                               "rows: set actor.use_remove_padding=true")
@@ -128,15 +103,13 @@ class ActorConfig:
             raise ConfigError(f"actor.clip_ratio_c={self.clip_ratio_c} must be > 1 (dual clip), or null to turn it off")
         if not (0 <= self.clip_ratio_low < 1 and self.clip_ratio_high >= 0):
             raise ConfigError("actor.clip_ratio_low must be in [0, 1) and actor.clip_ratio_high >= 0")
-        if len(self.betas) != 2:
-            raise ConfigError(f"actor.betas must hold two numbers, got {self.betas}")
 
 
 @dataclass
 class RefConfig:
-    log_prob_micro_batch_size_per_device: int = 16
+    log_prob_micro_batch_size_per_device: int = harmless(16)
     """Sequences per forward when computing reference log-probs."""
-    offload: bool = False
+    offload: bool = harmless(False)
     """Keep the frozen reference on CPU between uses (full fine-tuning only; LoRA reuses the base)."""
 
 
@@ -145,63 +118,38 @@ class RefConfig:
 
 
 @dataclass
-class CriticConfig:
+class CriticConfig(UpdateConfig):
     model_path: Optional[str] = None
     """Where the value model's backbone comes from: null = the actor's ``model.path``; a causal LM (its LM head is
     dropped and a fresh scalar value head added)."""
-    enable_gradient_checkpointing: bool = False
+    enable_gradient_checkpointing: bool = harmless(False)
     """Recompute the critic's activations in the backward pass."""
     lr: float = 1e-5
     """AdamW peak learning rate of the critic."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """AdamW betas."""
-    lr_warmup_steps: int = 0
-    """Linear LR warm-up, in critic optimizer steps."""
-    lr_scheduler: Literal["constant", "cosine"] = "constant"
-    """LR schedule after warm-up."""
-    min_lr_ratio: float = 0.0
-    """Cosine floor as a fraction of ``lr``."""
-    warmup_steps: int = 0
-    """Critic warm-up: the first N trainer steps update only the critic (the actor does not move)."""
-    ppo_epochs: int = 1
-    """Passes of the critic over each batch."""
-    ppo_mini_batch_size: int = 16
-    """Prompts per critic optimizer step, across all ranks (each brings ``rollout.n`` samples)."""
-    ppo_micro_batch_size_per_device: int = 8
-    """Sequences per critic forward/backward on one device."""
-    forward_micro_batch_size_per_device: int = 16
+    freeze_actor_steps: int = 0
+    """The first N trainer steps update only the critic: the actor stays frozen while the value model learns the
+    returns of the initial policy."""
+    forward_micro_batch_size_per_device: int = harmless(16)
     """Sequences per no-grad forward when computing values."""
-    use_dynamic_bsz: bool = False
-    """Cut the critic's micro-batches by a token budget (``max_token_len_per_device``) instead of a sequence count."""
-    max_token_len_per_device: int = 16384
-    """Token budget of one critic micro-batch with ``use_dynamic_bsz`` (real tokens when the critic packs, else padded)."""
-    use_remove_padding: Optional[bool] = None
+    use_remove_padding: Optional[bool] = harmless(None)
     """Pack each critic micro-batch into one row without padding, as ``actor.use_remove_padding`` does for the actor.
     A packing critic also shares prompts when the actor does (``actor.share_prompts``) and cuts its rows over the
     actor's sequence-parallel groups (``actor.ulysses_sequence_parallel_size``); one that does not pack runs each
     group's rows whole on every rank of the group. Default (null): as the actor."""
     cliprange_value: Optional[float] = 0.5
     """Value clipping: a prediction may move at most this far from the values the batch was scored with (null = off)."""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    """How the per-token value losses are averaged."""
-    grad_clip: float = 1.0
-    """Max global gradient norm of the critic (0 = off)."""
-    param_offload: bool = False
-    """Move the critic's parameters (and gradients) to CPU between its phases (e.g. while the engine generates)."""
-    optimizer_offload: bool = False
-    """Move the critic's AdamW state to CPU between its updates."""
-
 
     def validate(self) -> None:
         """Checked only where a critic is built (``Config.need_critic``)."""
-        require_positive(self, "critic", ["ppo_mini_batch_size", "ppo_micro_batch_size_per_device", "ppo_epochs",
-                                          "forward_micro_batch_size_per_device"])
+        self.validate_update("critic")
+        require_positive(self, "critic", ["forward_micro_batch_size_per_device"])
         if self.cliprange_value is not None and self.cliprange_value <= 0:
             raise ConfigError(f"critic.cliprange_value={self.cliprange_value} must be > 0, or null to turn value "
                               f"clipping off")
-        if self.warmup_steps < 0 or self.lr_warmup_steps < 0:
-            raise ConfigError("critic.warmup_steps and critic.lr_warmup_steps must be >= 0")
-        if len(self.betas) != 2:
-            raise ConfigError(f"critic.betas must hold two numbers, got {self.betas}")
+        if self.freeze_actor_steps < 0:
+            raise ConfigError(f"critic.freeze_actor_steps={self.freeze_actor_steps} must be >= 0")
+
+
+MOVED_KEYS = {"actor.warmup_steps": "actor.lr_warmup_steps", "critic.warmup_steps": "critic.freeze_actor_steps"}
+"""Former names of these sections' keys: ``actor.warmup_steps`` was the actor's LR warm-up (the critic's name for it,
+``lr_warmup_steps``, is both roles'), ``critic.warmup_steps`` the steps that freeze the actor (not an LR warm-up)."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from hybrid_rl.config.errors import ConfigError
+from hybrid_rl.config.fields import harmless
 
 
 @dataclass
@@ -133,13 +134,13 @@ class AlgorithmConfig:
 class RewardConfig:
     function: str = "auto"
     """``auto`` (the task's own), a built-in name (``gsm8k``, ``successor``), or ``module:function``."""
-    on_error: Literal["raise", "zero"] = "raise"
+    on_error: Literal["raise", "zero"] = harmless("raise")
     """A raising reward function (or one past ``timeout_s``) stops the run (``raise``) or scores 0 and is counted
     (``zero``, metric ``reward/errors``)."""
-    timeout_s: float = 30.0
+    timeout_s: float = harmless(30.0)
     """Seconds one reward call may run before it is abandoned and fails as ``on_error`` says (0 = no limit). Needs
     worker processes: with ``num_workers=0`` a long call is only reported."""
-    num_workers: int = -1
+    num_workers: int = harmless(-1)
     """Processes that score a batch: -1 = auto (min(8, CPUs per rank) for a ``module:function``, none for the
     built-ins, which take microseconds), 0 = the training process, N = N processes. Scores are the same either way."""
     overlong_buffer_len: int = 0

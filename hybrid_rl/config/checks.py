@@ -125,10 +125,12 @@ def check_filter_groups(cfg: "Config") -> None:
     if t.mode != "sync" or t.placement != "colocated" or t.partial_rollouts:
         raise ConfigError("algorithm.filter_groups.enable=true needs trainer.mode=sync (colocated, no "
                           "partial rollouts): refills are generated after the step's rewards are known")
-    if not registry("algorithm.adv_estimator").info(alg.adv_estimator).needs_groups:
+    estimators = registry("algorithm.adv_estimator")
+    if not estimators.info(alg.adv_estimator).needs_groups:
+        groups = [name for name in estimators.names() if estimators.info(name).needs_groups]
         raise ConfigError(f"algorithm.filter_groups.enable=true drops groups of equal rewards, which only a group "
                           f"estimator gives no gradient; algorithm.adv_estimator={alg.adv_estimator} "
-                          f"is not one: use grpo, dr_grpo or rloo, or algorithm.filter_groups.enable=false")
+                          f"is not one: use {join_or(groups)}, or algorithm.filter_groups.enable=false")
 
 
 def check_partial(cfg: "Config") -> None:

@@ -19,8 +19,7 @@ import yaml
 from hybrid_rl.config.errors import ConfigError
 from hybrid_rl.config.plugins import import_plugins
 from hybrid_rl.config.registered import REGISTERED_KEYS, check_choice
-from hybrid_rl.config.algorithm import REMOVED_KEYS as REMOVED_ALGORITHM_KEYS
-from hybrid_rl.config.rollout import MOVED_KEYS, REMOVED_KEYS
+from hybrid_rl.config.moved import MOVED_KEYS, REMOVED_KEYS
 from hybrid_rl.config.strict_yaml import DuplicateKeyError, load_yaml
 from hybrid_rl.config.tree import Config
 
@@ -129,7 +128,7 @@ def _resolve(cls: type, name: str) -> Any:
 def _unknown(key: str) -> ConfigError:
     if key in MOVED_KEYS:
         return ConfigError(f"{key} is now {MOVED_KEYS[key]}; rename it in the recipe or override")
-    removed = {**REMOVED_KEYS, **REMOVED_ALGORITHM_KEYS}
+    removed = REMOVED_KEYS
     if key in removed:
         return ConfigError(f"{key} was {removed[key]}")
     close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from hybrid_rl.config.errors import ConfigError, require_positive
+from hybrid_rl.config.fields import harmless
 from hybrid_rl.data.arith import ArithConfig
 from hybrid_rl.data.arith import check_config as check_arith
 
@@ -30,12 +31,12 @@ class ModelConfig:
     """Tokenizer location when it differs from ``path``."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Training/inference dtype; ``auto`` is bf16 on GPU and fp32 on CPU."""
-    enable_gradient_checkpointing: bool = False
+    enable_gradient_checkpointing: bool = harmless(False)
     """Recompute activations in the backward pass (≈ half the activation memory)."""
-    use_liger: bool = False
+    use_liger: bool = harmless(False)
     """Liger-Kernel's fused Triton kernels (RMSNorm, SwiGLU, rotary embeddings) in the actor and the reference
     (``hybrid_rl/kernels.py``); CUDA only, needs ``pip install 'hybrid_rl[liger]'``. Same math, fewer kernels."""
-    trust_remote_code: bool = False
+    trust_remote_code: bool = harmless(False)
     """Passed to ``from_pretrained``."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters via peft."""
@@ -49,7 +50,7 @@ class ModelConfig:
 class DataConfig:
     train_path: str = "synthetic:successor"
     """A local .jsonl/.parquet file, a ``datasets`` hub name (e.g. ``openai/gsm8k``), or ``synthetic:<task>``."""
-    val_path: Optional[str] = None
+    val_path: Optional[str] = harmless(None)
     """Validation prompts, same forms as ``train_path``; none skips validation."""
     task: Literal["gsm8k", "successor", "arith"] = "successor"
     """How rows become chat prompts and ground truths (``arith``: arithmetic with a held-out test set)."""
@@ -57,11 +58,11 @@ class DataConfig:
     """``datasets`` config name for hub datasets (``main`` for openai/gsm8k)."""
     train_split: str = "train"
     """Split name for hub datasets."""
-    val_split: str = "test"
+    val_split: str = harmless("test")
     """Split name for hub datasets."""
-    max_val_samples: int = 256
+    max_val_samples: int = harmless(256)
     """Cap on validation prompts (0 = all)."""
-    val_batch_size: Optional[int] = None
+    val_batch_size: Optional[int] = harmless(None)
     """Validation prompts per generate call on each rank (default: ``data.train_batch_size``). A large value lets
     vLLM schedule the whole validation set at once (the engine still caps concurrency at ``rollout.max_num_seqs``)."""
     train_batch_size: int = 32

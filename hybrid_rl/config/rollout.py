@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from hybrid_rl.config.errors import ConfigError, require_positive
+from hybrid_rl.config.fields import harmless
+from hybrid_rl.rollout import EngineMemory
 from hybrid_rl.rollout.vllm_options import VLLMOptions
 
 
@@ -16,7 +18,7 @@ class RolloutConfig:
     """Rollout engine registered in ``hybrid_rl.rollout.ROLLOUT_ENGINES``: ``hf`` (transformers, anywhere) or ``vllm`` (GPU)."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """The engine's weight dtype (the push casts the actor's weights to it): ``auto`` = ``model.dtype``, except that
-    vLLM runs a float32 model in bfloat16 (vLLM 0.26 in float32 crashed in generate on H200)."""
+    vLLM runs a float32 model in bfloat16 (vLLM 0.26's float32 generate crashes on H200)."""
     n: int = 8
     """Samples per prompt (the GRPO group size)."""
     temperature: float = 1.0
@@ -25,29 +27,29 @@ class RolloutConfig:
     """Nucleus sampling mass."""
     top_k: int = 0
     """Top-k sampling (0 = off)."""
-    val_temperature: float = 0.0
+    val_temperature: float = harmless(0.0)
     """Temperature for validation (0 = greedy pass@1)."""
-    max_num_seqs: int = 256
+    max_num_seqs: int = harmless(256)
     """Sequences generated at once by the engine (the hf engine chunks by this)."""
-    weight_sync_bucket_mb: int = 512
+    weight_sync_bucket_mb: int = harmless(512)
     """Bucket size for pushing weights into the engine."""
-    weight_load_replay: bool = True
+    weight_load_replay: bool = harmless(True)
     """Record where the engine's ``load_weights`` copies each tensor on the first push and replay later pushes
     as one fused copy per bucket (falls back to the real loader whenever the recording is not a plain copy)."""
-    free_cache_engine: bool = True
+    free_cache_engine: bool = harmless(True)
     """Put the engine to sleep between rollouts (frees its memory for training)."""
     forced_lengths: Optional[str] = None
     """Benchmarks only: ignore EOS and draw response lengths from ``lognormal:MEAN:SIGMA`` or ``fixed:N`` (capped at max_response_length)."""
-    sleep_level: Literal[1, 2] = 1
+    sleep_level: Literal[1, 2] = harmless(1)
     """Engine sleep depth: 1 offloads its weights to CPU, 2 discards them (re-pushed on wake)."""
-    cuda_stream: Literal["shared", "own", "high"] = "shared"
+    cuda_stream: Literal["shared", "own", "high"] = harmless("shared")
     """Which CUDA stream generation runs on (``hybrid_rl.rollout.base.GenerationStream``): ``shared``, the calling
     thread's, which in overlap mode colocated is the trainer's too (vLLM 0.26's runner caches one stream), so the two
     never run kernels at the same time;
     ``own``, a stream of the engine's own; ``high``, that at the highest priority. Matters in overlap mode with
-    colocated placement. On SmolLM2-135M (1xH200, overlap) ``high`` was no faster than ``shared``: median step 1.44
-    against 1.37 s (``benchmarks/results/learning_smollm2_H200x1_overlong.json``); other models and lengths have not
-    been measured."""
+    colocated placement. On SmolLM2-135M (1xH200, overlap) ``high`` is no faster than ``shared``: median step 1.44
+    against 1.37 s (``benchmarks/results/learning_smollm2_H200x1_overlong.json``); other models and lengths are not
+    measured."""
     vllm: VLLMOptions = field(default_factory=VLLMOptions)
     """The vLLM engine's own options (``hybrid_rl/rollout/vllm_options.py``)."""
 
@@ -66,18 +68,11 @@ class RolloutConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if dataclasses.is_dataclass(getattr(self, f.name))}
 
-
-MOVED_KEYS = {**{f"rollout.{f.name}": f"rollout.vllm.{f.name}" for f in dataclasses.fields(VLLMOptions)
-                 if f.name != "engine_kwargs"},
-              **{k: "rollout.vllm.engine_kwargs.kv_cache_dtype" for k in ("rollout.kv_cache_dtype",
-                                                                          "rollout.vllm.kv_cache_dtype")}}
-"""Keys that once sat directly under ``rollout`` and are now an engine's own, or vLLM options now passed through
-``rollout.vllm.engine_kwargs`` (a recipe naming the old key is told the new one; a checkpoint's saved config is read
-under the new one)."""
-
-REMOVED_KEYS = {k: "removed: a round after a weight push prefills its carried samples' context again under the new "
-                   "weights; delete the key" for k in ("rollout.reuse_stale_kv", "rollout.vllm.reuse_stale_kv")}
-"""Keys that no longer exist, with what to do instead."""
+    def engine_memory(self) -> EngineMemory:
+        """The GPU memory the engine ``name`` picks takes, as its options section says (``EngineMemory()`` for an
+        engine without one)."""
+        options = self.engine_options().get(self.name)
+        return options.memory() if options is not None else EngineMemory()
 
 
 def parse_forced_lengths(spec: str) -> tuple[str, list[float]]:

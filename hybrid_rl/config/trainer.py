@@ -3,29 +3,30 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Optional
 
 from hybrid_rl.config.errors import ConfigError
+from hybrid_rl.config.fields import harmless, not_compared
 
 
 @dataclass
 class TrainerConfig:
-    output_dir: str = "runs/default"
+    output_dir: str = not_compared("runs/default")
     """Run directory: resolved config, metrics.jsonl, tensorboard events."""
     seed: int = 0
     """Seeds data order, sampling and init; CPU runs repeat step for step."""
-    total_steps: int = 0
+    total_steps: int = harmless(0)
     """Training steps; 0 = ``total_epochs`` passes over the data."""
-    total_epochs: int = 1
+    total_epochs: int = harmless(1)
     """Epochs when ``total_steps`` is 0."""
-    test_freq: int = 0
+    test_freq: int = harmless(0)
     """Validate every N steps and after the last (0 = never, except ``val_before_train``)."""
-    val_before_train: bool = False
+    val_before_train: bool = harmless(False)
     """Validate once before the first step."""
-    logger: list[Literal["console", "tensorboard", "jsonl"]] = field(default_factory=lambda: ["console", "tensorboard", "jsonl"])
+    logger: list[Literal["console", "tensorboard", "jsonl"]] = harmless(default_factory=lambda: ["console", "tensorboard", "jsonl"])
     """Metric sinks."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = harmless("auto")
     """``auto`` uses CUDA when present."""
     mode: Literal["sync", "overlap"] = "sync"
     """``sync``: generate then train. ``overlap``: generate batch k+1 while batch k trains."""
@@ -45,40 +46,40 @@ class TrainerConfig:
     every group of a two-step pool at once: more slack for the tail, but nearly every sample is carried once
     (staleness 2). Above 1 the pool grows to the window (up to 4: five steps' groups in flight), so more complete
     groups are at hand at each boundary; a group that reaches ``max_staleness`` is still waited for."""
-    save_freq: int = 0
+    save_freq: int = harmless(0)
     """Checkpoint every N steps (0 = only at the end, -1 = never, e.g. for benchmarks)."""
-    keep_last: int = 2
+    keep_last: int = harmless(2)
     """Complete checkpoints kept (older ones pruned after a new one is complete; 0 = all)."""
-    resume: str = "auto"
+    resume: str = not_compared("auto")
     """``auto`` (newest complete checkpoint in output_dir, else fresh), ``never``, or a checkpoint path."""
-    max_skipped_updates: int = 3
+    max_skipped_updates: int = harmless(3)
     """Stop after this many consecutive steps whose update was skipped for a non-finite loss/grad norm."""
-    stale_policy: Literal["drop", "error"] = "drop"
+    stale_policy: Literal["drop", "error"] = harmless("drop")
     """A batch beyond ``max_staleness`` is regenerated under the current weights (drop) or stops the run (error)."""
-    validation_data_dir: str = ""
+    validation_data_dir: str = harmless("")
     """Write every validation's samples (dataset index, prompt, response, its length in tokens, ground truth, score)
     as JSON lines to ``<dir>/step_<N>_rank<R>.jsonl`` ("" = off, as verl's key of the same name; a relative path is
     inside ``output_dir``). For reading what the model writes, and for a paired before/after comparison per question."""
-    profile_steps: list[int] = field(default_factory=list)
+    profile_steps: list[int] = harmless(default_factory=list)
     """Steps to run under ``torch.profiler``; each rank writes its top ops by CUDA and CPU time to
     ``<output_dir>/profile/step_<N>_rank<R>.txt`` (e.g. ``trainer.profile_steps=[5]``)."""
-    peak_tflops: Optional[float] = None
+    peak_tflops: Optional[float] = harmless(None)
     """The device's dense bf16 peak in TFLOP/s for ``perf/mfu_*`` (default: looked up by GPU name in
     ``hybrid_rl.perf``; MFU is not logged for devices it does not know)."""
-    stall_dump_s: float = 0.0
+    stall_dump_s: float = harmless(0.0)
     """A step (or the run's set-up) running longer than this many seconds dumps every thread's Python stack to
     stderr, and again every as many seconds (0 = off): the first thing to look at when a multi-rank run hangs."""
-    expandable_segments: bool = False
+    expandable_segments: bool = harmless(False)
     """CUDA: PyTorch's expandable segments for the trainer's allocations (``PYTORCH_CUDA_ALLOC_CONF``; vLLM turns
     them off around its own pools). Packed micro-batches change size every call, and the caching allocator fragments:
-    on 4xH200 the flagship with 16k-token micro-batches peaked at ~135 GB reserved per GPU for ~68 GB allocated
-    (``perf/max_memory_*`` less vLLM's sleeping 70 GB pool, which they count) and made 718 ``cudaFree`` calls in one
-    profiled step. Off by default: on the flagship recipe (4xH200) it made the step slower, 19.3 against 17.3 s
-    (``benchmarks/results/flagship_H200x4.json``)."""
-    check_memory: bool = True
+    on 4xH200 the flagship with 16k-token micro-batches reserves ~135 GB per GPU for ~68 GB allocated
+    (``perf/max_memory_*`` less vLLM's sleeping 70 GB pool, which they count) and makes 718 ``cudaFree`` calls in a
+    step. Off by default all the same: with it the flagship recipe's step on 4xH200 takes 19.3 s, against 17.3 s
+    without (``benchmarks/results/flagship_H200x4.json``)."""
+    check_memory: bool = harmless(True)
     """On CUDA, before any rank starts: refuse a config whose predicted peak memory per GPU (``hybrid-rl plan``,
     ``hybrid_rl/planner/``) exceeds the GPU's by more than 5%, naming the one setting to change; false skips it."""
-    collective_timeout_s: int = 1800
+    collective_timeout_s: int = harmless(1800)
     """How long a rank waits in a collective for the others before it fails the run (a hung or dead rank then ends the
     run with an error instead of waiting forever); raise it if a phase is legitimately that uneven across ranks."""
     placement: Literal["colocated", "split"] = "colocated"
@@ -86,10 +87,10 @@ class TrainerConfig:
     (weights broadcast over NCCL after each update)."""
     rollout_ranks: int = 0
     """Split placement: R, the number of generate-only ranks (0 = half the world, rounded down)."""
-    allow_config_change: bool = False
+    allow_config_change: bool = not_compared(False)
     """Resume a checkpoint even though settings that change what is trained differ from the run that wrote it
     (model, data, algorithm, optimiser, sampling, mode, placement, seed); off, such a resume stops and lists them."""
-    imports: list[str] = field(default_factory=list)
+    imports: list[str] = harmless(default_factory=list)
     """Plug-in modules every process imports before the rest of the config is read: module names (on
     ``sys.path``/``PYTHONPATH``) or ``path/to/file.py``. Their registrations (``register_estimator``,
     ``register_policy_loss``, ``register_rollout_engine``, ``register_reward``) make their names valid in

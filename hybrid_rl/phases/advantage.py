@@ -6,16 +6,21 @@ named by ``algorithm.adv_estimator`` in the registry
 (``algorithms.advantages.ADV_ESTIMATORS``), calls it with what its
 registration says it needs, and returns a batch with ``token_level_rewards``,
 ``advantages`` and ``returns`` added. No communication is needed: a prompt's n
-samples live on one rank.
+samples live on one rank. ``AdvantagePhase`` is the step's use of it: under the
+KL controller's β, which KL-in-reward then feeds with the step's KL over every
+rank.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hybrid_rl import algorithms as alg
 from hybrid_rl.batch import Batch
 from hybrid_rl.config import AlgorithmConfig
+from hybrid_rl.distributed import DistInfo, all_reduce_sum
+from hybrid_rl.phases.group_rows import own_rows, per_member
 
 
 def compute_advantage(batch: Batch, cfg: AlgorithmConfig, kl_coef: float | None = None) -> tuple[Batch, dict[str, float]]:
@@ -52,9 +57,23 @@ def kl_in_reward_stats(batch: Batch, cfg: AlgorithmConfig) -> tuple[float, float
     return float(seq_kl.sum()), float(len(batch))
 
 
-def sparse_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Place each sequence's scalar score on its last response token: [B] → [B, R]."""
-    out = torch.zeros_like(response_mask, dtype=torch.float32)
-    last = (response_mask.sum(dim=1) - 1).clamp(min=0).long()
-    out[torch.arange(len(scores)), last] = scores.float().to(out.device)
-    return out
+class AdvantagePhase:
+    """The step's advantage phase: ``compute_advantage`` under ``kl_ctrl``'s β (the KL-in-reward penalty's), then
+    with ``algorithm.use_kl_in_reward`` the controller fed this step's per-sequence mean KL over every rank of
+    ``dist`` (so β stays the same on all)."""
+
+    def __init__(self, cfg: AlgorithmConfig, kl_ctrl, dist: DistInfo):
+        self.cfg, self.kl_ctrl, self.dist = cfg, kl_ctrl, dist
+
+    def __call__(self, batch: Batch, members: list[np.ndarray], own: int) -> tuple[Batch, dict[str, float]]:
+        """``members``: where each sequence-parallel rank's own rows are in ``batch`` (``gather_group_rows``), ``own``
+        this rank's index among them: each rank's rows are normalised on their own, as without sequence parallelism."""
+        acfg = self.cfg
+        batch, metrics = per_member(batch, members, own,
+                                    lambda rows: compute_advantage(rows, acfg, kl_coef=self.kl_ctrl.value))
+        if acfg.use_kl_in_reward:
+            stats = kl_in_reward_stats(own_rows(batch, members[own]), acfg)
+            kl = torch.tensor(stats, dtype=torch.float64, device=self.dist.device)
+            all_reduce_sum(kl, self.dist.group)
+            self.kl_ctrl.update(float(kl[0] / kl[1].clamp(min=1)), int(kl[1]))
+        return batch, metrics

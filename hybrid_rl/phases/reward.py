@@ -1,23 +1,158 @@
-"""The driver's reward phase: scores on the last response tokens, the overlong penalty, and with
-``algorithm.filter_groups`` DAPO's dynamic sampling (drop the groups of equal rewards, refill with fresh ones).
+"""The driver's reward phase: decode the responses, score them, place each score on the last response token,
+shape the training reward of overlong responses, and with ``algorithm.filter_groups`` DAPO's dynamic sampling (drop
+the groups of equal rewards, refill with fresh ones).
 
-The scoring itself (reward functions in worker processes, answer-shape counts) is ``hybrid_rl.scoring``; this
-module is the step's use of it: the ``timing/reward`` timer, the (sum, count) ``reward/*`` stats, and the refill
-loop, whose rounds every rank takes together (``scoring.fill_informative``).
+Reward functions see text (response, ground truth) and return a float; this module turns a rollout batch into
+``token_level_scores`` [B, R] (sparse: the score sits on the last real response token, as in verl), counts failures
+when ``reward.on_error=zero``, and reports (sum, count) ``reward/*`` stats under the ``timing/reward`` timer. Running
+the functions (in this process, or in worker processes with ``reward.timeout_s`` for user functions) is
+``RewardScorer``'s (``hybrid_rl.rewards``); validation scores through ``compute_scores`` too. Left out: model-based
+rewards (a reward is a function of the text and the ground truth).
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
+import torch
+
 from hybrid_rl.batch import Batch
 from hybrid_rl.config import Config
 from hybrid_rl.data.tasks import Task
-from hybrid_rl.distributed import DistInfo
-from hybrid_rl.rewards import RewardScorer
-from hybrid_rl.scoring import compute_scores, fill_informative, shape_overlong
+from hybrid_rl.distributed import DistInfo, all_reduce_max, all_reduce_sum
+from hybrid_rl.micro_batching import pad_widths
+from hybrid_rl.rewards import RewardScorer, score_responses
+from hybrid_rl.rewards.overlong import overlong_penalty
 from hybrid_rl.tracking import Timer
 
+
+def sparse_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Place each sequence's scalar score on its last response token: [B] → [B, R]."""
+    out = torch.zeros_like(response_mask, dtype=torch.float32)
+    last = (response_mask.sum(dim=1) - 1).clamp(min=0).long()
+    out[torch.arange(len(scores)), last] = scores.float().to(out.device)
+    return out
+
+
+def decode_responses(batch: Batch, tokenizer) -> list[str]:
+    responses = batch.tensors["responses"].cpu()
+    mask = batch.tensors["response_mask"].cpu().bool()
+    return tokenizer.batch_decode([r[m].tolist() for r, m in zip(responses, mask)], skip_special_tokens=True)
+
+
+def sample_records(batch: Batch, tokenizer) -> list[dict]:
+    """One JSON-ready record per scored sample: its dataset index, prompt and response text, the response's length in
+    tokens (at ``data.max_response_length``: cut, not finished), ground truth and score."""
+    texts = decode_responses(batch, tokenizer)
+    ids, mask = batch.tensors["input_ids"].cpu(), batch.tensors["attention_mask"].cpu().bool()
+    width = batch.tensors["responses"].shape[1]
+    prompts = tokenizer.batch_decode([r[:-width][m[:-width]].tolist() for r, m in zip(ids, mask)],
+                                     skip_special_tokens=True)
+    nt = batch.non_tensors
+    lengths = batch.tensors["response_mask"].sum(-1).tolist()
+    return [{"index": int(i), "prompt": p, "response": t, "response_length": int(n), "ground_truth": str(g),
+             "score": float(s)}
+            for i, p, t, n, g, s in zip(nt["index"], prompts, texts, lengths, nt["ground_truth"],
+                                        batch.tensors["scores"].tolist())]
+
+
+def compute_scores(batch: Batch, tokenizer, fn: RewardScorer | Callable[[str, str], float],
+                   on_error: str, task: Task | None = None,
+                   prefix: str = "reward") -> tuple[Batch, dict[str, tuple[float, float]]]:
+    """``fn``: the run's ``RewardScorer``, or a bare reward function (scored in this process). The stats are
+    ``(sum, count)`` pairs: the failed samples, and the ``task``'s answer shape counts as ``<prefix>/<name>``."""
+    texts = decode_responses(batch, tokenizer)
+    truths = list(batch.non_tensors["ground_truth"])
+    if isinstance(fn, RewardScorer):
+        scores, num_errors = fn.score(texts, truths, on_error)
+    else:
+        scores, num_errors = score_responses(fn, texts, truths, on_error)
+    score_t = torch.tensor(scores, dtype=torch.float32)
+    token_scores = sparse_scores(score_t, batch.tensors["response_mask"])
+    stats = {f"{prefix}/errors": (float(num_errors), 1.0)}
+    if task is not None:
+        stats.update({f"{prefix}/{k}": (v, float(len(texts))) for k, v in task.answer_stats(texts).items()})
+    return batch.union(tensors=dict(token_level_scores=token_scores, scores=score_t.to(token_scores.device))), stats
+
+
+def shape_overlong(batch: Batch, max_response_length: int, buffer_len: int,
+                   penalty_factor: float) -> tuple[Batch, dict[str, tuple[float, float]]]:
+    """Add DAPO's overlong penalty to ``token_level_scores`` (on the last response token, with the score); ``scores``
+    keeps the reward function's own, so ``reward/mean`` stays comparable across runs. Stat: the mean penalty."""
+    mask = batch.tensors["response_mask"]
+    penalty = overlong_penalty(mask.sum(-1), max_response_length, buffer_len, penalty_factor)
+    shaped = batch.tensors["token_level_scores"] + sparse_scores(penalty, mask)
+    return batch.union(tensors=dict(token_level_scores=shaped)), {"reward/overlong_penalty": (float(penalty.sum()),
+                                                                                              float(len(batch)))}
+
+
+# --------------------------------------------------------------------------- dynamic sampling (DAPO)
+def informative_groups(batch: Batch, metric: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The rows of each group (samples sharing a ``uid``), split into (groups whose values differ, groups whose values
+    are all equal), each in order of first appearance. ``metric``: ``seq_reward`` (the sum of
+    ``token_level_scores``, the reward the advantage sees) or ``score`` (the reward function's value)."""
+    t = batch.tensors
+    values = t["token_level_scores"].sum(-1) if metric == "seq_reward" else t["scores"]
+    values = values.detach().double().cpu().numpy()
+    uids = np.asarray(batch.non_tensors["uid"])
+    _, first, inverse = np.unique(uids, return_index=True, return_inverse=True)
+    informative, equal = [], []
+    for g in np.argsort(first):  # groups in batch order
+        rows = np.flatnonzero(inverse == g)
+        (informative if values[rows].max() > values[rows].min() else equal).append(rows)
+    return informative, equal
+
+
+def fill_informative(batch: Batch, more: Callable[[], Batch], target: int, max_rounds: int, metric: str,
+                     pad_token_id: int, device: torch.device, group=None) -> tuple[Batch, dict[str, float]]:
+    """Keep ``target`` informative groups of ``batch`` (scored), calling ``more()`` (a new scored batch of fresh
+    prompts) while this rank is short, at most ``max_rounds`` times.
+
+    A collective: every rank of ``group`` calls ``more()`` equally often (the rounds go on while any rank is short,
+    all-reduce max), so the generate calls and the prompt samplers stay in step; a rank already full discards what it
+    generates. Groups never straddle ranks, so each rank fills its own share. Past ``max_rounds`` the remaining slots
+    keep all-equal groups (zero advantage under a group estimator): the batch always holds ``target`` groups, and the
+    mini-batches and collectives of the update are those of any step. A refill round's ``uid``s get ``/r<round>``
+    appended, so that a prompt drawn again (a new epoch) is never merged with an earlier group. The returned batch
+    has the first batch's ``meta``, its parts padded to their widest prompt and response (``pad_token_id``).
+
+    Stats (every rank the same): ``rollout/filtered_groups`` (all-equal groups seen, summed over ranks),
+    ``rollout/filter_rounds`` (calls of ``more``), ``rollout/filter_short_groups`` (slots left to all-equal groups,
+    summed over ranks).
+    """
+    meta = dict(batch.meta)
+    kept: list[Batch] = []
+    fillers: list[Batch] = []  # all-equal groups, one batch each, as many as could still be needed
+    have = dropped = rounds = 0
+    while True:
+        informative, equal = informative_groups(batch, metric)
+        take = informative[:target - have]
+        if take:
+            kept.append(batch.index(np.concatenate(take)))
+            have += len(take)
+        dropped += len(equal)
+        fillers += [batch.index(rows) for rows in equal[:max(target - have - len(fillers), 0)]]
+        short = torch.tensor([float(have < target)], device=device)
+        if not all_reduce_max(short, group).item() or rounds == max_rounds:
+            break
+        rounds += 1
+        batch = more()
+        tag = f"/r{rounds}"
+        batch = batch.union(non_tensors=dict(uid=np.array([f"{u}{tag}" for u in batch.non_tensors["uid"]],
+                                                          dtype=object)))
+    missing = target - have
+    parts = kept + fillers[:missing]  # the first all-equal groups fill the slots still open
+    widths = (max(p.tensors["prompts"].shape[1] for p in parts), max(p.tensors["responses"].shape[1] for p in parts))
+    out = Batch.concat([pad_widths(p, *widths, pad_token_id) for p in parts])
+    out.meta = meta
+    counts = torch.tensor([float(dropped), float(missing)], dtype=torch.float64, device=device)
+    all_reduce_sum(counts, group)
+    return out, {"rollout/filtered_groups": float(counts[0]), "rollout/filter_rounds": float(rounds),
+                 "rollout/filter_short_groups": float(counts[1])}
+
+
+# --------------------------------------------------------------------------- the phase
 NextBatch = Callable[..., Batch]
 """The rollout source's ``next_batch(timer, last)``: a refill round's freshly generated batch."""
 
@@ -53,7 +188,7 @@ class RewardPhase:
         """``algorithm.filter_groups`` (DAPO's dynamic sampling, ``trainer.mode=sync`` only): drop the groups of equal
         rewards and refill with groups of fresh prompts (generated under the same θ_k, scored) until this rank holds
         its share of ``data.train_batch_size`` informative groups, every rank taking the same number of refill rounds
-        (``scoring.fill_informative``). The reward stats count every scored sample; ``reward/mean`` and the other
+        (``fill_informative``). The reward stats count every scored sample; ``reward/mean`` and the other
         batch metrics describe the batch trained on."""
         cfg = self.cfg
         fg = cfg.algorithm.filter_groups

@@ -45,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from hybrid_rl.config.geometry import mini_batch_seqs
 from hybrid_rl.planner.shape import ModelShape
 from hybrid_rl.workers.packed import LOGIT_CHUNK_ROWS
 
@@ -179,9 +180,11 @@ def slice_of(tokens: int, sp: int) -> int:
 
 
 def engine_bytes(cfg: "Config", shape: ModelShape, gpu_bytes: float, rank_seqs: int) -> float:
-    """The awake engine: vLLM's share of the GPU, or the transformers engine's weights, KV cache and one step's logits."""
-    if cfg.rollout.name == "vllm":
-        return cfg.rollout.vllm.gpu_memory_utilization * gpu_bytes
+    """The awake engine: the share of the GPU it reserves (vLLM's), or else what it holds: its weights, KV cache and
+    one step's logits (the transformers engine's)."""
+    share = cfg.rollout.engine_memory().gpu_share
+    if share is not None:
+        return share * gpu_bytes
     wb = 4 if cfg.rollout_dtype == "float32" or (cfg.rollout_dtype == "auto" and cfg.model.dtype == "float32") else 2
     seqs = min(cfg.rollout.max_num_seqs, rank_seqs)
     kv = seqs * seq_len(cfg) * shape.layers * 2 * shape.kv_dim * wb
@@ -203,7 +206,7 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> lis
     P_train = shape.lora_params(cfg.model.lora.rank, cfg.model.lora.target_modules) if lora else P
     sp, dp = lay.sp, max(W // lay.sp, 1)  # a sequence-parallel group holds one of dp shares of the batch
     rank_seqs = max(d.train_batch_size * cfg.rollout.n // dp, 1)
-    mini_seqs = max(a.ppo_mini_batch_size * cfg.rollout.n // dp, 1)
+    mini_seqs = max(mini_batch_seqs(a, dp, cfg.rollout.n), 1)
     budget = a.max_token_len_per_device if a.use_dynamic_bsz else None
 
     actor = {"actor params (fp32, sharded)": 4 * P / W, "actor grads (fp32, sharded)": 4 * P_train / W,
@@ -261,9 +264,9 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> lis
                                                         "push buckets": cfg.rollout.weight_sync_bucket_mb * 2**20}))
     else:
         wb = 2 if cfg.rollout_dtype != "float32" else 4
-        tp = cfg.rollout.vllm.tensor_parallel_size if cfg.rollout.name == "vllm" else 1
-        in_engine = engine if lay.engine_awake_in_training else (min(shape.params * wb / tp, engine)
-                                                                  if cfg.rollout.name == "vllm" else shape.params * wb)
+        mem = cfg.rollout.engine_memory()  # a reserving engine's weights are within its share, over its GPUs
+        in_engine = engine if lay.engine_awake_in_training else (min(shape.params * wb / mem.tensor_parallel, engine)
+                                                                  if mem.gpu_share is not None else shape.params * wb)
         push = {**kept(), "engine weights": in_engine, "push gather + bucket":
                 PUSH_GATHER_BYTES + cfg.rollout.weight_sync_bucket_mb * 2**20}
         out.append(Phase("weight push", push))
@@ -298,7 +301,7 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> lis
         out.append(Phase("critic values", {**kept(critic_on=True), **awake, **gathered(Pc, Pc, grad=False),
                                            f"activations, no grad ({tokens_label(tv, csp)})":
                                                slice_of(tv, csp) * no_grad_bytes_per_token(shape) * c / 2}))
-        cmini = max(cr.ppo_mini_batch_size * cfg.rollout.n // dp, 1)
+        cmini = max(mini_batch_seqs(cr, dp, cfg.rollout.n), 1)
         tc = micro_tokens(cfg, min(cr.ppo_micro_batch_size_per_device, cmini), cbudget, rank_seqs)
         out.append(Phase("critic update", {
             **kept(critic_on=True), **awake, **gathered(Pc, Pc, grad=True),

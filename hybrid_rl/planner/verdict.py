@@ -88,10 +88,12 @@ def _micro_batch_keys(cfg: "Config", phase: str) -> list[dict[str, object]]:
 
 
 def _engine_share(cfg: "Config") -> list[dict[str, object]]:
-    if cfg.rollout.name != "vllm":
+    """Smaller shares of the GPU for an engine that reserves one, in steps of 5%, largest first."""
+    mem = cfg.rollout.engine_memory()
+    if mem.gpu_share is None:
         return []
-    steps = int(round(cfg.rollout.vllm.gpu_memory_utilization * 20))
-    return [{"rollout.vllm.gpu_memory_utilization": k / 20} for k in range(steps - 1, 1, -1)]
+    steps = int(round(mem.gpu_share * 20))
+    return [{mem.gpu_share_key: k / 20} for k in range(steps - 1, 1, -1)]
 
 
 def _sequence_parallel(cfg: "Config", shape: ModelShape | None, gpus: int | None) -> list[dict[str, object]]:

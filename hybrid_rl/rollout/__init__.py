@@ -8,8 +8,11 @@ engine is built, and a missing vLLM is a one-line error there). A new engine is 
 
 What the rest of the system must know of an engine before importing it is its registry entry's ``EngineInfo``
 (the package it needs, its dtype for a float32 model, whether split placement needs a twin of it); an engine with
-options of its own has them as the section ``rollout.<name>`` of the config tree, whose ``validate`` checks them.
-A plug-in engine needs none of that: ``EngineInfo()`` describes an engine that needs nothing.
+options of its own has them as the section ``rollout.<name>`` of the config tree, whose ``validate`` checks them,
+whose ``memory()`` tells the planner how much GPU memory they make it take (``EngineMemory``), and whose fields say
+which of them a resume may change. A plug-in engine needs none of that: ``EngineInfo()`` describes an engine that
+needs nothing, and ``EngineMemory()`` one that holds what it computes with. No module outside this package branches
+on an engine's name.
 """
 
 from __future__ import annotations
@@ -46,6 +49,21 @@ class EngineInfo:
     (a twin, released at once) for those collectives to pair up."""
 
 
+@dataclass(frozen=True)
+class EngineMemory:
+    """An engine's GPU memory as its options set it, for the memory planner (``hybrid_rl.planner``); the options
+    section ``rollout.<name>`` returns it from ``memory()``. The default describes an engine without such a section:
+    it holds what it computes with (its weights, KV cache and one step's logits), on one GPU."""
+
+    gpu_share: Optional[float] = None
+    """The fraction of a GPU's memory the awake engine reserves up front, its weights and KV cache within it (None:
+    it holds what it computes with)."""
+    gpu_share_key: str = ""
+    """The dotted key that sets ``gpu_share``: the planner's fix when a phase does not fit."""
+    tensor_parallel: int = 1
+    """GPUs one engine's weights are split over."""
+
+
 ROLLOUT_ENGINES: "Registry[type[RolloutEngine]]" = Registry("rollout.name")
 """Every rollout engine class by the name ``rollout.name`` takes (``"module:Class"`` entries import on lookup)."""
 
@@ -71,4 +89,4 @@ register_rollout_engine("hf", "hybrid_rl.rollout.hf:HFRolloutEngine")
 register_rollout_engine("vllm", "hybrid_rl.rollout.vllm:VLLMRolloutEngine",
                         EngineInfo(package="vllm", package_label="vLLM", pip_extra="vllm", tested_with="vllm 0.26",
                                    gpu_only=True, split_twin=True,
-                                   float32_as="bfloat16"))  # vLLM 0.26 in float32 crashed on H200 (not on H100)
+                                   float32_as="bfloat16"))  # vLLM 0.26's float32 generate crashes on H200

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -284,6 +285,28 @@ def assemble_rollout(prompts: Batch, responses: torch.Tensor, logprobs: torch.Te
         ),
         non_tensors=dict(uid=uid),
     )
+
+
+def pad_rows(tokens: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]],
+             pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged rows → right-padded ``[N, R]`` long tokens (pad id) and float32 log-probs (0), R = longest row.
+
+    Each tensor comes from one flat array (``np.fromiter`` over the chained rows)
+    scattered through a length mask, so the cost is one pass over the tokens.
+    """
+    lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
+    total = int(lengths.sum())
+    width = int(lengths.max()) if len(lengths) else 0
+    responses = torch.full((len(tokens), width), pad_token_id, dtype=torch.long)
+    out_lps = torch.zeros((len(tokens), width), dtype=torch.float32)
+    if total:
+        mask = torch.arange(width)[None, :] < torch.from_numpy(lengths)[:, None]  # row-major = concatenation order
+        responses.masked_scatter_(mask, torch.from_numpy(np.fromiter(itertools.chain.from_iterable(tokens), np.int64,
+                                                                     count=total)))
+        # float64 → float32 rounds exactly as torch.tensor(list, dtype=float32) does
+        out_lps.masked_scatter_(mask, torch.from_numpy(np.fromiter(itertools.chain.from_iterable(logprobs), np.float32,
+                                                                   count=total)))
+    return responses, out_lps
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

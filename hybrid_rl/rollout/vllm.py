@@ -65,19 +65,17 @@ import dataclasses
 import functools
 import gc
 import io
-import itertools
 import os
 import socket
 import time
 from typing import Any, Callable, Iterable, Sequence
 
-import numpy as np
 import torch
 
 from hybrid_rl.batch import Batch
 from hybrid_rl.models import ModelLoadError, resolve_dtype, resolve_model_path
 from hybrid_rl.rollout.base import (Continuation, GenerationStream, Interrupt, OnFinish, RolloutEngine, SamplingParams,
-                                    Segment, assemble_rollout, on_generation_stream)
+                                    Segment, assemble_rollout, on_generation_stream, pad_rows)
 from hybrid_rl.rollout.vllm_process import (_rpc_die_with_parent, cuda_ipc_handle, engine_process_env, rebuild_ipc,
                                             signals_blocked)
 
@@ -287,28 +285,6 @@ def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> list[float]:
             raise RuntimeError(f"vLLM log-probs at position {i} do not include the sampled token {tok}")
         out.append(float(flat_lps[j]))
     return out
-
-
-def pad_rows(tokens: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]],
-             pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ragged rows → right-padded ``[N, R]`` long tokens (pad id) and float32 log-probs (0), R = longest row.
-
-    Each tensor comes from one flat array (``np.fromiter`` over the chained rows)
-    scattered through a length mask, so the cost is one pass over the tokens.
-    """
-    lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
-    total = int(lengths.sum())
-    width = int(lengths.max()) if len(lengths) else 0
-    responses = torch.full((len(tokens), width), pad_token_id, dtype=torch.long)
-    out_lps = torch.zeros((len(tokens), width), dtype=torch.float32)
-    if total:
-        mask = torch.arange(width)[None, :] < torch.from_numpy(lengths)[:, None]  # row-major = concatenation order
-        responses.masked_scatter_(mask, torch.from_numpy(np.fromiter(itertools.chain.from_iterable(tokens), np.int64,
-                                                                     count=total)))
-        # float64 → float32 rounds exactly as torch.tensor(list, dtype=float32) does
-        out_lps.masked_scatter_(mask, torch.from_numpy(np.fromiter(itertools.chain.from_iterable(logprobs), np.float32,
-                                                                   count=total)))
-    return responses, out_lps
 
 
 def collect_outputs(request_outputs: Sequence[Any], n: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

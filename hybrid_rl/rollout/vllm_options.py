@@ -1,4 +1,5 @@
-"""``VLLMOptions``: the vLLM engine's own keys, the ``rollout.vllm`` section, and the checks the engine owns.
+"""``VLLMOptions``: the vLLM engine's own keys, the ``rollout.vllm`` section, the checks the engine owns, the GPU memory
+they make it take (``memory``, for the planner), and the former names of its keys (``MOVED_KEYS``, ``REMOVED_KEYS``).
 
 Importable without vLLM (and without torch): the config tree holds this section whichever engine ``rollout.name``
 picks, and validation calls ``validate``. Errors are ``ValueError``s naming the dotted key; the config turns them
@@ -7,32 +8,39 @@ into ``ConfigError``s.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
+
+from hybrid_rl.rollout import EngineMemory
 
 if TYPE_CHECKING:
     from hybrid_rl.config import Config
 
+HARMLESS = {"resume": "harmless"}
+"""A field a resume may change, as ``hybrid_rl.config.fields.harmless`` marks it (spelt out: the config package
+imports this module, so this module cannot import it)."""
+
 
 @dataclass
 class VLLMOptions:
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = field(default=0.5, metadata=HARMLESS)
     """Fraction of GPU memory the engine may take (weights + KV cache)."""
     tensor_parallel_size: int = 1
     """GPUs per engine; ranks form data-parallel groups of this size."""
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = field(default=8192, metadata=HARMLESS)
     """Tokens per scheduler step."""
-    max_model_len: Optional[int] = None
+    max_model_len: Optional[int] = field(default=None, metadata=HARMLESS)
     """Context length (default: max_prompt_length + max_response_length)."""
-    enforce_eager: bool = False
+    enforce_eager: bool = field(default=False, metadata=HARMLESS)
     """Skip CUDA graphs (faster start, slower decode)."""
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = field(default=True, metadata=HARMLESS)
     """Reuse KV for shared prompt prefixes (the n samples of a prompt)."""
-    engine_process: bool = False
+    engine_process: bool = field(default=False, metadata=HARMLESS)
     """Run the engine core (scheduler and model runner) in a process of its own on this rank's GPU, instead of
     in the trainer's process (vLLM's multiprocessing front end, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``). In overlap
     mode the trainer then no longer shares one Python interpreter with the engine: on SmolLM2-135M the trainer's
-    passes ran 2.3-5x slower beside the in-process engine thread. Weights are pushed as CUDA IPC handles (no copy
+    passes run 2.3-5x slower beside an in-process engine thread. Weights are pushed as CUDA IPC handles (no copy
     through the host); the engine's own memory is not in this process's ``perf/`` figures. Needs
     ``tensor_parallel_size=1`` and ``rollout.cuda_stream=shared``; costs a second CUDA context (~0.5 GB) per GPU."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -42,6 +50,12 @@ class VLLMOptions:
     arrive after start-up) widens the gap between the engine's log-probs and the trainer's that the decoupled loss
     corrects: 0.040 on average against ~0.014 with a bf16 cache (1xH200,
     ``benchmarks/results/gpu_tests_H200x1_fp8kv_partial.json``); ``rollout/logprob_diff`` shows it per step."""
+
+    def memory(self) -> EngineMemory:
+        """The planner's view: vLLM reserves ``gpu_memory_utilization`` of each GPU, its weights split over
+        ``tensor_parallel_size`` of them."""
+        return EngineMemory(gpu_share=self.gpu_memory_utilization, gpu_share_key="rollout.vllm.gpu_memory_utilization",
+                            tensor_parallel=self.tensor_parallel_size)
 
     def validate(self, cfg: "Config", world_size: int, in_use: bool) -> None:
         """These keys, and the rest of ``cfg`` as vLLM needs it when ``in_use`` (``rollout.name`` picks vLLM); otherwise
@@ -56,9 +70,9 @@ class VLLMOptions:
             self._validate_unused(r.name)
             return
         if r.dtype == "float32":
-            raise ValueError("rollout.dtype=float32 with rollout.name=vllm: vLLM 0.26 in float32 crashed in step 2's "
-                             "generate (CUDA illegal memory access, on H200); use rollout.dtype=auto (a bfloat16 engine, "
-                             "the actor keeps model.dtype) or rollout.name=hf")
+            raise ValueError("rollout.dtype=float32 with rollout.name=vllm: vLLM 0.26's float32 generate crashes after "
+                             "its first sleep/wake (CUDA illegal memory access, on H200); use rollout.dtype=auto (a "
+                             "bfloat16 engine, the actor keeps model.dtype) or rollout.name=hf")
         d = cfg.data
         full = d.max_prompt_length + d.max_response_length
         if self.max_model_len is not None and self.max_model_len < full:
@@ -85,3 +99,16 @@ class VLLMOptions:
         if self.engine_process:
             raise ValueError(f"rollout.vllm.engine_process=true is for rollout.name=vllm (got {engine!r}); set "
                              f"rollout.vllm.engine_process=false")
+
+
+MOVED_KEYS = {**{f"rollout.{f.name}": f"rollout.vllm.{f.name}" for f in dataclasses.fields(VLLMOptions)
+                 if f.name != "engine_kwargs"},
+              **{k: "rollout.vllm.engine_kwargs.kv_cache_dtype" for k in ("rollout.kv_cache_dtype",
+                                                                          "rollout.vllm.kv_cache_dtype")}}
+"""Keys that once sat directly under ``rollout`` and are now vLLM's own, or vLLM options now passed through
+``rollout.vllm.engine_kwargs`` (a recipe naming the old key is told the new one; a checkpoint's saved config is read
+under the new one; ``hybrid_rl.config.moved`` gathers them)."""
+
+REMOVED_KEYS = {k: "removed: a round after a weight push prefills its carried samples' context again under the new "
+                   "weights; delete the key" for k in ("rollout.reuse_stale_kv", "rollout.vllm.reuse_stale_kv")}
+"""vLLM keys that no longer exist, with what to do instead."""

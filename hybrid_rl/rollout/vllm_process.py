@@ -66,8 +66,8 @@ _TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP
 
 _TORCHRUN_PREFIX = "TORCHELASTIC_"
 """...and every ``TORCHELASTIC_*`` variable: with torchrun's ``TORCHELASTIC_USE_AGENT_STORE=True`` a child's
-``init_process_group`` connects to a store that nobody serves, so the engine process hung in its world-of-one
-set-up (seen on 4xH200)."""
+``init_process_group`` connects to a store that nobody serves, and the engine process would wait in its
+world-of-one set-up for ever."""
 
 
 def torchrun_vars(env: Any) -> list[str]:

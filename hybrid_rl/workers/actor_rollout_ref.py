@@ -7,16 +7,14 @@ term needs it) is a frozen copy loaded from the same checkpoint, optionally
 parked on CPU between uses, or with LoRA the actor itself with its adapters
 disabled; the rollout
 engine holds its own weights, refreshed by the sharding manager returned from
-``rollout_mode()``. ``update_actor`` is the PPO update: epochs × mini-batches ×
+``rollout_mode()``. ``update_policy`` is the PPO update: epochs × mini-batches ×
 micro-batches with gradient accumulation, each micro-batch loss normalised by
 the *mini-batch's global* token/sequence counts so that any micro-batch split
-(and any number of ranks) gives the same gradient up to rounding.
-``update_actor_own_old`` is the same update with π_old taken from its own
-forward, for the driver to skip the old-log-prob pass where that is exact
-(``actor.old_log_prob=auto``). The driver makes two calls keyed on the step's
-π_old source (``phases/old_log_prob.py``): ``prepare_old_log_probs`` (the
-pass, part of it, the engine's log-probs, or nothing) and ``update_policy``
-(the update that reads π_old, or the one that fills the rest of it).
+(and any number of ranks) gives the same gradient up to rounding. Where π_old
+comes from is the step's ``OldLogProbPlan`` (``phases/old_log_prob.py``):
+``compute_old_log_probs(batch, plan)`` runs the pass the plan asks for, and
+``update_policy(batch, plan)`` fills the rest from the update's own first
+forward where the plan says so.
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -45,11 +44,10 @@ from hybrid_rl.workers.materialize import reads_weights
 from hybrid_rl.workers.packed import packs_by_default
 from hybrid_rl.workers.ulysses import SP_KEY, check_heads, data_parallel, make_groups
 
+if TYPE_CHECKING:
+    from hybrid_rl.phases.old_log_prob import OldLogProbPlan
+
 ROLES = ("actor", "rollout", "ref", "actor_ref", "actor_rollout", "actor_rollout_ref")
-OLD_LOG_PROB_PASSES = ("recompute", "first_mini")
-"""π_old sources that run the separate no-grad pass: over the whole batch, or all but the update's first mini-batch."""
-OWN_OLD_SOURCES = ("update", "first_mini")
-"""π_old sources the update's own first forward completes (``update_actor_own_old``)."""
 
 
 @dataclass
@@ -136,7 +134,7 @@ class ActorRolloutRefWorker:
                                         remove_padding=self.remove_padding, fused_logprob=self.fused_logprob,
                                         share_prompts=self.share_prompts, sp=self.sp)
             a = cfg.actor
-            self.actor.configure_optimizer(a.lr, (a.betas[0], a.betas[1]), a.weight_decay, a.warmup_steps, a.lr_scheduler,
+            self.actor.configure_optimizer(a.lr, (a.betas[0], a.betas[1]), a.weight_decay, a.lr_warmup_steps, a.lr_scheduler,
                                            lr_schedule_steps(a, cfg.data.train_batch_size, total_training_steps),
                                            a.min_lr_ratio)
         self.ref: FrozenReference | AdapterDisabledReference | None = None
@@ -237,20 +235,29 @@ class ActorRolloutRefWorker:
         return work
 
     # -- log-probs ----------------------------------------------------------------------
-    def prepare_old_log_probs(self, batch: Batch, source: str) -> tuple[Batch, float]:
-        """π_old from ``source`` (``phases.old_log_prob``): ``recompute`` runs the pass, ``first_mini`` runs it on
-        every mini-batch but the update's first, ``update`` leaves it all to the update's own forward, ``engine``
-        takes the rollout's log-probs. Returns the batch for ``update_policy(batch, source)`` and the share of the
-        pass not run (``actor/old_log_prob_skipped``)."""
-        if source == "recompute":
-            return self.compute_log_prob(batch), 0.0
-        if source == "first_mini":
-            return self.compute_log_prob_but_first_mini_batch(batch), 1.0 / self.num_mini_batches(batch)
-        if source == "engine":
-            return self.engine_log_probs_as_old(batch), 1.0
-        if source == "update":
-            return batch, 1.0
-        raise ValueError(f"unknown π_old source {source!r}: one of recompute, first_mini, update, engine")
+    def compute_old_log_probs(self, batch: Batch, plan: OldLogProbPlan) -> Batch:
+        """π_old as far as ``plan`` has the separate pass compute it, for ``update_policy(batch, plan)``: the engine's
+        log-probs, the pass over the whole batch, over every row but the update's first mini-batch (those hold 0
+        until the update fills them), or nothing where that mini-batch is the whole batch."""
+        if plan.from_engine:
+            return self.engine_log_probs_as_old(batch)
+        if plan.first_order is None:
+            return self.compute_log_prob(batch)
+        rest = np.sort(plan.first_order[self._seqs_per_mini():])
+        if not len(rest):
+            return batch
+        # every rank runs this (FSDP collectives): each skips one mini-batch of the same size
+        a = self.cfg.actor
+        lp = torch.zeros(batch.tensors["responses"].shape, device=self.device)
+        ent = torch.zeros_like(lp)
+        with self._counted("old_log_prob", self.actor):
+            part_lp, part_ent = self.actor.compute_log_prob(
+                batch.index(rest), a.log_prob_micro_batch_size_per_device, batch.meta["temperature"],
+                with_entropy=True, max_tokens=self._token_budget)
+        where = row_index(rest, self.device)
+        lp[where, :part_lp.shape[1]] = part_lp
+        ent[where, :part_ent.shape[1]] = part_ent
+        return batch.union(tensors=dict(old_log_probs=lp, old_entropy=ent))
 
     def compute_log_prob(self, batch: Batch) -> Batch:
         """``old_log_probs`` under the current actor weights (the PPO proximal policy)."""
@@ -260,30 +267,6 @@ class ActorRolloutRefWorker:
                                                   batch.meta["temperature"], with_entropy=True,
                                                   max_tokens=self._token_budget)
         return batch.union(tensors=dict(old_log_probs=lp, old_entropy=ent))
-
-    def compute_log_prob_but_first_mini_batch(self, batch: Batch) -> Batch:
-        """``old_log_probs`` for every row except the update's first mini-batch, which ``update_actor_own_old`` fills
-        from its own forward (the weights have not moved yet when it runs): the pass shrinks by one mini-batch.
-
-        The first epoch's mini-batch order is drawn here, from the same generator and in the same place of its
-        stream as ``update_actor`` would draw it, and handed to the update in ``meta["update_order"]``; the first
-        mini-batch's rows hold 0 until the update fills them.
-        """
-        assert self.actor is not None
-        a = self.cfg.actor
-        order = self._shuffle_rng.permutation(len(batch)) if a.shuffle_mini_batches else np.arange(len(batch))
-        rest = np.sort(order[self._seqs_per_mini():])
-        lp = torch.zeros(batch.tensors["responses"].shape, device=self.device)
-        ent = torch.zeros_like(lp)
-        if len(rest):  # every rank runs this (FSDP collectives): each skips one mini-batch of the same size
-            with self._counted("old_log_prob", self.actor):
-                part_lp, part_ent = self.actor.compute_log_prob(
-                    batch.index(rest), a.log_prob_micro_batch_size_per_device, batch.meta["temperature"],
-                    with_entropy=True, max_tokens=self._token_budget)
-            where = row_index(rest, self.device)
-            lp[where, :part_lp.shape[1]] = part_lp
-            ent[where, :part_ent.shape[1]] = part_ent
-        return batch.union(tensors=dict(old_log_probs=lp, old_entropy=ent), update_order=order)
 
     def engine_log_probs_as_old(self, batch: Batch) -> Batch:
         """``actor.old_log_prob=engine``: the rollout engine's log-probs of the sampled tokens stand in for π_old."""
@@ -308,42 +291,29 @@ class ActorRolloutRefWorker:
     def _seqs_per_mini(self) -> int:
         return mini_batch_seqs(self.cfg.actor, self.sp.dp_size, self.cfg.rollout.n)
 
-    def update_policy(self, batch: Batch, source: str) -> tuple[dict[str, tuple[float, float]], Batch]:
-        """The PPO update after ``prepare_old_log_probs(batch, source)``: where the update's own forward completes
-        π_old (``update``, ``first_mini``) ``update_actor_own_old``, else ``update_actor``. Returns the metric pairs
-        and the batch with ``old_log_probs`` complete (for the step's metrics)."""
-        if source in OWN_OLD_SOURCES:
-            return self.update_actor_own_old(batch)
-        return self.update_actor(batch), batch
+    def draw_update_order(self, rows: int) -> np.ndarray:
+        """The next epoch's row order over ``rows`` rows (shuffled under ``actor.shuffle_mini_batches``), drawn from the
+        stream the update draws from: an ``OldLogProbPlan`` draws the first epoch's ahead of the update."""
+        return self._shuffle_rng.permutation(rows) if self.cfg.actor.shuffle_mini_batches else np.arange(rows)
 
-    def update_actor(self, batch: Batch) -> dict[str, tuple[float, float]]:
-        """PPO update on this rank's share of ``batch``; returns (sum, count) metric pairs."""
-        return self._update(batch, own_old=False)[0]
-
-    def update_actor_own_old(self, batch: Batch) -> tuple[dict[str, tuple[float, float]], Batch]:
-        """The update with the first epoch's first mini-batch taking π_old from its own forward, detached
-        (``actor.old_log_prob=auto``).
-
-        Exact: that forward runs under the weights a separate pass would have seen, so the ratio is 1 in value and
-        the gradient is the recomputed one's; later epochs read the values it left. With one mini-batch per epoch it
-        covers every row and no pass runs at all; with more, the other rows come from
-        ``compute_log_prob_but_first_mini_batch``. Returns the metric pairs and ``batch`` with ``old_log_probs`` /
-        ``old_entropy`` complete (for the step's metrics).
-        """
-        if self.num_mini_batches(batch) != 1 and "update_order" not in batch.meta:
-            raise ValueError(f"π_old from the update's own forward covers its first mini-batch only, and this update has "
-                             f"{self.num_mini_batches(batch)}: call compute_log_prob_but_first_mini_batch first")
-        stats, lp, ent = self._update(batch, own_old=True)
-        return stats, batch.union(tensors=dict(old_log_probs=lp, old_entropy=ent))
-
-    def _update(self, batch: Batch, own_old: bool) -> tuple[dict[str, tuple[float, float]], torch.Tensor | None,
-                                                             torch.Tensor | None]:
+    def update_policy(self, batch: Batch, plan: OldLogProbPlan | None = None
+                      ) -> tuple[dict[str, tuple[float, float]], Batch]:
+        """The PPO update on this rank's share ``batch`` after ``compute_old_log_probs(batch, plan)`` (``plan`` None:
+        π_old is already in the batch). Where the plan says so, the first epoch's first mini-batch takes π_old from
+        its own forward, detached: exact, since that forward runs under the weights a separate pass would have seen,
+        so the ratio is 1 in value and the gradient is the recomputed one's; later mini-batches and epochs read what
+        it wrote. Returns (sum, count) metric pairs and the batch with ``old_log_probs`` / ``old_entropy`` complete
+        (for the step's metrics)."""
         assert self.actor is not None
         a = self.cfg.actor
         seqs_per_mini = self._seqs_per_mini()
         stats = UpdateStats()
+        first_order = plan.first_order if plan is not None else None
+        if first_order is not None and len(batch) > seqs_per_mini and "old_log_probs" not in batch.tensors:
+            raise ValueError(f"π_old from the update's own forward covers its first mini-batch only, and this update has "
+                             f"{self.num_mini_batches(batch)}: call compute_old_log_probs(batch, plan) first")
         lps = ents = None
-        if own_old:
+        if first_order is not None:
             # [B, R] π_old in the batch's row order, the first mini-batch's rows filled by its forward below; the
             # batch holds these very tensors, so later mini-batches and epochs read what that forward wrote
             shape = batch.tensors["responses"].shape
@@ -351,26 +321,25 @@ class ActorRolloutRefWorker:
                 torch.zeros(shape, device=self.device)
             ents = batch.tensors["old_entropy"].clone() if "old_entropy" in batch.tensors else torch.zeros_like(lps)
             batch = batch.union(tensors=dict(old_log_probs=lps, old_entropy=ents))
-        planned = batch.meta.get("update_order")  # drawn by compute_log_prob_but_first_mini_batch
         self.actor.packed_tokens = [0, 0]
         self.actor.model.train()
-        shuffle = a.shuffle_mini_batches
         with self._counted("update", self.actor):
             for epoch in range(a.ppo_epochs):
-                if epoch == 0 and planned is not None:
-                    order = np.asarray(planned)
-                else:
-                    order = self._shuffle_rng.permutation(len(batch)) if shuffle else np.arange(len(batch))
+                order = first_order if epoch == 0 and first_order is not None else self.draw_update_order(len(batch))
                 for start in range(0, len(batch), seqs_per_mini):
                     rows = order[start:start + seqs_per_mini]
-                    capture = own_old and epoch == 0 and start == 0
+                    capture = first_order is not None and epoch == 0 and start == 0
                     self._update_mini_batch(batch.index(rows), stats, (rows, lps, ents) if capture else None)
         self.weight_version += 1
         stats.add("actor/lr", self.actor.lr)
         ran, of = self.actor.packed_tokens
         if self.actor.share_prompts and of:  # the tokens the update computed per token of the batch (token-weighted
             stats.add("perf/update_token_share", ran / of, of)  # over ranks); perf/mfu_update counts the FLOPs run
-        return stats.pairs(), lps, ents
+        return stats.pairs(), batch
+
+    def update_actor(self, batch: Batch) -> dict[str, tuple[float, float]]:
+        """``update_policy`` on a batch that already holds π_old; returns the (sum, count) metric pairs."""
+        return self.update_policy(batch)[0]
 
     def _loss_mask(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
         """The tokens the actor's loss counts, [b, R] float: the response tokens, less every token of the responses
@@ -419,7 +388,7 @@ class ActorRolloutRefWorker:
     def _micro_batch_loss(self, micro: Batch, num_tokens: float, num_seqs: float, own_old: bool = False
                           ) -> tuple[torch.Tensor, dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         """This micro-batch's share of the mini-batch loss, its metrics as detached device tensors, and the
-        forward's detached (log-probs, entropy). ``own_old``: those log-probs are π_old (see ``update_actor_own_old``)."""
+        forward's detached (log-probs, entropy). ``own_old``: those log-probs are π_old (see ``update_policy``)."""
         a = self.cfg.actor
         t = micro.to(self.device).tensors
         mask = self._loss_mask(t)  # [b, R]

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_rl.phases.advantage import compute_advantage, sparse_scores
+from hybrid_rl.phases.advantage import compute_advantage
+from hybrid_rl.phases.reward import sparse_scores
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 from hybrid_rl.workers.critic import CriticWorker
 

@@ -937,7 +937,7 @@ if __name__ == "__main__":
 
 
 def test_vllm_engine_dtype_follows_the_model_except_float32():
-    """vLLM 0.26 in float32 crashed in generate after its first sleep/wake (4×H200, cba16b7): a float32 model runs a
+    """vLLM 0.26's float32 generate crashes after its first sleep/wake (on H200): a float32 model runs a
     bfloat16 engine (the push casts), an explicit float32 engine is refused before any GPU work, other dtypes pass."""
     cpu = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     fp32 = _cfg("model.dtype=float32")

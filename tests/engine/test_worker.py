@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from hybrid_rl.algorithms import LOSS_AGG_MODES
-from hybrid_rl.phases.advantage import compute_advantage, sparse_scores
+from hybrid_rl.phases.advantage import compute_advantage
+from hybrid_rl.phases.reward import sparse_scores
 from hybrid_rl.batch import Batch
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 

@@ -3,9 +3,9 @@
 Run on a CUDA machine with vLLM 0.26:  pytest -m gpu tests/gpu/test_gpu_train.py
 Skips cleanly without CUDA or without vLLM.
 
-- The CPU default recipe switched to vLLM (``model.dtype: float32``): vLLM 0.26 in float32 died with a CUDA illegal
-  memory access in step 2's generate (4×H200, cba16b7); the engine now runs in bfloat16 (``rollout.dtype=auto``)
-  and the run trains through several steps with the engine's and the trainer's log-probs close.
+- The CPU default recipe switched to vLLM (``model.dtype: float32``): vLLM 0.26's float32 generate dies with a CUDA
+  illegal memory access in step 2 (on H200), so the engine runs in bfloat16 (``rollout.dtype=auto``) and the run
+  trains through several steps with the engine's and the trainer's log-probs close.
 """
 
 from __future__ import annotations

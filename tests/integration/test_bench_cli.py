@@ -84,10 +84,12 @@ def test_cpu_only_machine_gets_one_line_and_a_nonzero_exit():
 
 def test_curated_results_folder_is_refused(tmp_path):
     before = _results_listing()
-    with pytest.raises(SystemExit, match="curated results only"):
+    with pytest.raises(SystemExit, match="curated results, written only by benchmarks/publish.py"):
         modes.main(["--cpu-smoke", "--out", str(RESULTS / "bench_test")])
     assert _results_listing() == before and not (RESULTS / "bench_test").exists()
-    assert modes._inside(modes.default_out(), ROOT / "runs" / "bench")
+    from bench_common import inside, run_dir
+
+    assert inside(run_dir("bench"), ROOT / "runs" / "bench")
 
 
 @pytest.mark.parametrize("log, line", [

@@ -5,7 +5,7 @@ have not moved yet), and runs the separate no-grad pass on the other mini-batche
 mini-batch per epoch; later epochs read what the first forward left). That must give the same weights and the
 same metrics as ``recompute`` (sync and overlap mode, several update shapes); KL-in-reward, which reads π_old
 before the update, still runs the whole pass; ``engine`` uses the rollout's log-probs. The driver's choice of
-source is ``phases.old_log_prob``. Tiny in-process runs of the CPU recipe (seconds each).
+plan is ``phases.old_log_prob``. Tiny in-process runs of the CPU recipe (seconds each).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from hybrid_rl.batch import Batch
 from hybrid_rl.config import ConfigError, load_config
-from hybrid_rl.phases.old_log_prob import old_log_prob_source
+from hybrid_rl.phases.old_log_prob import OldLogProbPlan, plan_old_log_prob
 from hybrid_rl.trainer import Trainer
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 
@@ -98,13 +98,13 @@ def test_auto_recomputes_when_pi_old_is_read_before_the_update(tmp_path):
 
 def test_engine_uses_the_rollout_log_probs(tmp_path, monkeypatch):
     seen: list[Batch] = []
-    real = ActorRolloutRefWorker.update_actor
+    real = ActorRolloutRefWorker.update_policy
 
-    def spy(self, batch):
+    def spy(self, batch, plan=None):
         seen.append(batch)
-        return real(self, batch)
+        return real(self, batch, plan)
 
-    monkeypatch.setattr(ActorRolloutRefWorker, "update_actor", spy)
+    monkeypatch.setattr(ActorRolloutRefWorker, "update_policy", spy)
     rows, _ = _run(tmp_path / "run", "trainer.total_steps=2", "actor.old_log_prob=engine",
                    "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_device=8")  # never the pass, even where auto would run it
     assert len(seen) == 2
@@ -144,7 +144,7 @@ def test_update_own_old_equals_pass_then_update(tiny_model_path, correction, log
         if own:
             bare = Batch({k: v for k, v in scored.tensors.items() if k not in ("old_log_probs", "old_entropy")},
                          scored.non_tensors, scored.meta)
-            stats, out = w.update_actor_own_old(bare)
+            stats, out = w.update_policy(bare, OldLogProbPlan(first_order=w.draw_update_order(len(bare)), skipped=1.0))
         else:
             stats, out = w.update_actor(scored), scored
         results.append((actor_params(w), stats, out))
@@ -166,9 +166,10 @@ def test_update_own_old_equals_pass_then_update(tiny_model_path, correction, log
 def test_update_own_old_needs_the_other_mini_batches_pass(tiny_model_path):
     w = ActorRolloutRefWorker(make_cfg("actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_device=8"),
                               cpu_dist())
+    batch = generate_batch(w)
     with pytest.raises(ValueError, match="covers its first mini-batch only, and this update has 2: call "
-                                         "compute_log_prob_but_first_mini_batch first"):
-        w.update_actor_own_old(generate_batch(w))
+                                         r"compute_old_log_probs\(batch, plan\) first"):
+        w.update_policy(batch, OldLogProbPlan(first_order=w.draw_update_order(len(batch)), skipped=0.5))
 
 
 def test_pass_but_first_mini_batch_leaves_exactly_those_rows(tiny_model_path):
@@ -178,8 +179,10 @@ def test_pass_but_first_mini_batch_leaves_exactly_those_rows(tiny_model_path):
                                        "actor.shuffle_mini_batches=true"), cpu_dist())
     batch = generate_batch(w)
     full = w.compute_log_prob(batch)
-    part = w.compute_log_prob_but_first_mini_batch(batch)
-    order = part.meta["update_order"]
+    plan = plan_old_log_prob(w.cfg, w, batch, actor_updates=True)
+    part = w.compute_old_log_probs(batch, plan)
+    order = plan.first_order
+    assert plan.skipped == 0.5 and plan.runs_pass
     first, rest = order[:len(batch) // 2], order[len(batch) // 2:]
     assert sorted(order) == list(range(len(batch))) and list(order) != list(range(len(batch)))  # drawn, shuffled
     mask = batch["response_mask"].bool()
@@ -188,20 +191,23 @@ def test_pass_but_first_mini_batch_leaves_exactly_those_rows(tiny_model_path):
         assert not part[key][first].any()
 
 
-@pytest.mark.parametrize("setting, kl_in_reward, actor_updates, mini_batches, source", [
-    ("auto", False, True, 1, "update"), ("auto", False, True, 3, "first_mini"),
-    ("auto", True, True, 1, "recompute"),  # KL-in-reward reads π_old before the update
-    ("auto", False, False, 1, "recompute"),  # the critic's warm-up: no update to take π_old from
-    ("recompute", False, True, 1, "recompute"), ("engine", False, True, 3, "engine")])
-def test_source_choice(setting, kl_in_reward, actor_updates, mini_batches, source):
+@pytest.mark.parametrize("setting, kl_in_reward, actor_updates, mini_batches, plan", [
+    ("auto", False, True, 1, dict(fills=True, skipped=1.0, engine=False)),  # no pass: the update fills every row
+    ("auto", False, True, 3, dict(fills=True, skipped=1 / 3, engine=False)),  # the pass on the other two
+    ("auto", True, True, 1, dict(fills=False, skipped=0.0, engine=False)),  # KL-in-reward reads π_old before the update
+    ("auto", False, False, 1, dict(fills=False, skipped=0.0, engine=False)),  # the critic's warm-up: no update
+    ("recompute", False, True, 1, dict(fills=False, skipped=0.0, engine=False)),
+    ("engine", False, True, 3, dict(fills=False, skipped=1.0, engine=True))])
+def test_plan_choice(setting, kl_in_reward, actor_updates, mini_batches, plan):
     cfg = SimpleNamespace(actor=SimpleNamespace(old_log_prob=setting),
                           algorithm=SimpleNamespace(use_kl_in_reward=kl_in_reward))
-    assert old_log_prob_source(cfg, mini_batches, actor_updates) == source
-
-
-def test_unknown_source_is_an_error():
-    with pytest.raises(ValueError, match="unknown π_old source 'reuse'"):
-        ActorRolloutRefWorker.prepare_old_log_probs(SimpleNamespace(), Batch({}, {}, {}), "reuse")
+    drawn = []
+    worker = SimpleNamespace(num_mini_batches=lambda batch: mini_batches,
+                             draw_update_order=lambda rows: drawn.append(rows) or torch.arange(rows).numpy())
+    got = plan_old_log_prob(cfg, worker, Batch({}, {}, {}), actor_updates)
+    assert (got.update_fills_first, got.skipped, got.from_engine) == (plan["fills"], plan["skipped"], plan["engine"])
+    assert got.runs_pass == (plan["skipped"] < 1.0)
+    assert len(drawn) == plan["fills"]  # the update's first order is drawn only where the update fills π_old
 
 
 def test_bad_value_is_a_config_error():

@@ -39,11 +39,12 @@ def test_carry_over_through_the_trainer(tmp_path, monkeypatch, tiny_model_path, 
     """(ahead 2: a pool of three steps' groups, all started at once, max_staleness 3.)"""
     from hybrid_rl import pipeline
     from hybrid_rl.config import load_config
+    from hybrid_rl.data.feed import PromptFeed
     from hybrid_rl.trainer import Trainer
 
     monkeypatch.setattr(pipeline, "ThreadPoolExecutor", lambda **kw: LazyExecutor())
     drawn, trained = [], []
-    real_next, real_train = Trainer.next_prompts, Trainer.train_on
+    real_next, real_train = PromptFeed.__call__, Trainer.train_on
 
     def recording_next(self):
         batch = real_next(self)
@@ -54,7 +55,7 @@ def test_carry_over_through_the_trainer(tmp_path, monkeypatch, tiny_model_path, 
         trained.extend(batch["uid"][::self.cfg.rollout.n].tolist())
         return real_train(self, batch, timer)
 
-    monkeypatch.setattr(Trainer, "next_prompts", recording_next)
+    monkeypatch.setattr(PromptFeed, "__call__", recording_next)
     monkeypatch.setattr(Trainer, "train_on", recording_train)
     cfg = load_config(RECIPE, [*SMALL, *PARTIAL, *extra, "trainer.total_steps=6", "trainer.save_freq=-1",
                                "rollout.forced_lengths=lognormal:4:1.0", "data.max_response_length=24",

@@ -21,7 +21,7 @@ VOLATILE = ("timing/", "perf/")
 SMALL = ["trainer.test_freq=0", "trainer.val_before_train=false", "trainer.logger=[jsonl]", "data.train_batch_size=16",
          "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_device=16", "critic.ppo_mini_batch_size=8",
          "critic.ppo_micro_batch_size_per_device=16",
-         "actor.lr=0.01", "critic.lr=0.001", "critic.warmup_steps=1", "critic.param_offload=true",
+         "actor.lr=0.01", "critic.lr=0.001", "critic.freeze_actor_steps=1", "critic.param_offload=true",
          "critic.optimizer_offload=true", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
          "algorithm.kl_ctrl.kl_coef=0.05", "algorithm.kl_ctrl.target_kl=0.001", "algorithm.kl_ctrl.horizon=100"]
 

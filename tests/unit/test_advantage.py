@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid_rl.phases.advantage import compute_advantage, sparse_scores
+from hybrid_rl.phases.advantage import compute_advantage
+from hybrid_rl.phases.reward import sparse_scores
 from hybrid_rl.batch import Batch
 from hybrid_rl.config import load_config
 

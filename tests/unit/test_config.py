@@ -63,6 +63,11 @@ def test_bad_overrides_name_the_key(override, message):
     (["rollout.vllm.kv_cache_dtype=fp8"], "rollout.vllm.kv_cache_dtype is now rollout.vllm.engine_kwargs.kv_cache_dtype"),
     (["rollout.kv_cache_dtype=fp8"], "rollout.kv_cache_dtype is now rollout.vllm.engine_kwargs.kv_cache_dtype"),
     (["rollout.vllm.reuse_stale_kv=true"], "rollout.vllm.reuse_stale_kv was removed: .* delete the key"),
+    (["actor.warmup_steps=5"], "^actor.warmup_steps is now actor.lr_warmup_steps; rename it"),
+    (["critic.warmup_steps=5"], "^critic.warmup_steps is now critic.freeze_actor_steps; rename it"),
+    (["actor.lr_warmup_steps=-1"], "^actor.lr_warmup_steps=-1 must be >= 0$"),
+    (["algorithm.adv_estimator=gae", "critic.lr_warmup_steps=-1"], "^critic.lr_warmup_steps=-1 must be >= 0$"),
+    (["algorithm.adv_estimator=gae", "critic.betas=[0.9]"], r"^critic.betas must hold two numbers, got \[0.9\]$"),
 ])
 def test_inconsistent_sizes_are_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -90,6 +95,45 @@ def test_a_checkpoint_saved_with_the_flat_engine_keys_resumes_under_the_new_ones
     saved["rollout"]["tensor_parallel_size"] = 2
     strict, _ = resume_config_diff(saved, cfg)
     assert strict == ["rollout.vllm.engine_kwargs (checkpoint: {}, now: {'swap_space': 4})"]
+
+
+def test_a_checkpoint_saved_with_the_former_warmup_keys_resumes_under_the_new_ones():
+    """``actor.warmup_steps`` (the LR warm-up) is ``actor.lr_warmup_steps``, ``critic.warmup_steps`` (the steps the
+    actor stays frozen) is ``critic.freeze_actor_steps``: a saved config of either spelling compares at the new key."""
+    from hybrid_rl.config import resume_config_diff
+
+    cfg = load_config(None, ["actor.lr_warmup_steps=3", "critic.freeze_actor_steps=2"])
+    saved = cfg.to_dict()
+    saved["actor"]["warmup_steps"] = saved["actor"].pop("lr_warmup_steps")
+    saved["critic"]["warmup_steps"] = saved["critic"].pop("freeze_actor_steps")
+    assert resume_config_diff(saved, cfg) == ([], [])
+    saved["critic"]["warmup_steps"] = 5  # it froze the actor for 5 steps: a change of what is trained
+    assert resume_config_diff(saved, cfg) == (["critic.freeze_actor_steps (checkpoint: 5, now: 2)"], [])
+
+
+def test_actor_and_critic_share_their_update_keys_and_resume_classes():
+    """The optimiser, schedule, batch and offload keys are spelt the same in both sections, with the same default
+    except the learning rate, and a resume treats a memory knob as harmless in both and the optimiser as strict."""
+    import dataclasses
+
+    from hybrid_rl.config import RESUME_HARMLESS, ActorConfig, CriticConfig
+
+    shared = ["lr", "weight_decay", "betas", "lr_warmup_steps", "lr_scheduler", "min_lr_ratio", "ppo_epochs",
+              "ppo_mini_batch_size", "ppo_micro_batch_size_per_device", "use_dynamic_bsz", "max_token_len_per_device",
+              "loss_agg_mode", "grad_clip", "param_offload", "optimizer_offload"]
+    actor, critic = ActorConfig(), CriticConfig()
+    for name in shared:
+        assert name in {f.name for f in dataclasses.fields(actor)} & {f.name for f in dataclasses.fields(critic)}
+        assert getattr(actor, name) == getattr(critic, name) or name == "lr", name
+    assert (actor.lr, critic.lr) == (1e-6, 1e-5)
+    for section in ("actor", "critic"):
+        for name in ("ppo_micro_batch_size_per_device", "use_dynamic_bsz", "max_token_len_per_device",
+                     "param_offload", "optimizer_offload"):
+            assert f"{section}.{name}" in RESUME_HARMLESS
+        for name in ("lr", "betas", "lr_warmup_steps", "ppo_mini_batch_size", "ppo_epochs", "grad_clip"):
+            assert f"{section}.{name}" not in RESUME_HARMLESS
+    assert "rollout.vllm.gpu_memory_utilization" in RESUME_HARMLESS  # an engine's options mark their fields too
+    assert "rollout.vllm.tensor_parallel_size" not in RESUME_HARMLESS
 
 
 def test_a_token_budget_leaves_the_micro_batch_size_unchecked():
@@ -173,10 +217,12 @@ def test_every_field_has_a_docstring():
     classes = [c for c in vars(config_module).values() if inspect.isclass(c) and dataclasses.is_dataclass(c)]
     assert len(classes) >= 9
     for cls in classes:
-        lines = inspect.getsource(cls).splitlines()
         for f in dataclasses.fields(cls):
+            # the nearest class that declares it (a section's own, or the UpdateConfig the actor and critic share)
+            owner = next(c for c in cls.__mro__ if f.name in vars(c).get("__annotations__", {}))
+            lines = inspect.getsource(owner).splitlines()
             i = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{f.name}:"))
-            assert lines[i + 1].strip().startswith('"""'), f"{cls.__name__}.{f.name} has no docstring"
+            assert lines[i + 1].strip().startswith('"""'), f"{owner.__name__}.{f.name} has no docstring"
     assert len(all_keys()) > 60
 
 

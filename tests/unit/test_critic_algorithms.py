@@ -137,7 +137,7 @@ def test_kl_in_reward_with_the_controllers_coefficient():
     (["critic.ppo_mini_batch_size=5"], "critic.ppo_mini_batch_size=5; lower critic.ppo_mini_batch_size"),
     (["critic.ppo_micro_batch_size_per_device=7"], "critic.ppo_micro_batch_size_per_device=7"),
     (["critic.cliprange_value=0"], "critic.cliprange_value=0.0 must be > 0, or null"),
-    (["critic.warmup_steps=-1"], "critic.warmup_steps"),
+    (["critic.freeze_actor_steps=-1"], "critic.freeze_actor_steps"),
     (["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=0"], "algorithm.kl_ctrl.horizon > 0"),
 ])
 def test_critic_config_errors_name_the_key(overrides, message):

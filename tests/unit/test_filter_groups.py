@@ -1,6 +1,6 @@
 """``algorithm.filter_groups``: DAPO's dynamic sampling. Groups whose ``rollout.n`` rewards are all equal are dropped
 after the reward phase and fresh groups generated until the batch holds ``data.train_batch_size`` informative ones
-(``scoring.fill_informative``, called by ``RewardPhase.filter_groups`` in sync mode)."""
+(``phases.reward.fill_informative``, called by ``RewardPhase.filter_groups`` in sync mode)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from helpers import cpu_dist
 from hybrid_rl.batch import Batch
 from hybrid_rl.config import ConfigError, load_config
-from hybrid_rl.scoring import fill_informative, informative_groups
+from hybrid_rl.phases.reward import fill_informative, informative_groups, sparse_scores
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "cpu_successor.yaml"
@@ -124,7 +124,6 @@ SCRIPT = [[[1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0], [0, 1, 1, 0]],   # informat
 def test_trainer_step_trains_only_informative_groups(tmp_path, monkeypatch):
     import hybrid_rl.phases.reward as reward_phase
     import hybrid_rl.trainer as trainer_mod
-    from hybrid_rl.phases.advantage import sparse_scores
     from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 
     calls, trained, generated = [], [], []
@@ -135,14 +134,13 @@ def test_trainer_step_trains_only_informative_groups(tmp_path, monkeypatch):
         return (batch.union(tensors=dict(token_level_scores=sparse_scores(scores, batch.tensors["response_mask"]),
                                          scores=scores)), {f"{prefix}/errors": (0.0, 1.0)})
 
-    for name in ("update_actor", "update_actor_own_old"):
-        real = getattr(ActorRolloutRefWorker, name)
+    real = ActorRolloutRefWorker.update_policy
 
-        def spy(self, batch, _real=real):
-            trained.append(batch)
-            return _real(self, batch)
+    def spy(self, batch, plan=None):
+        trained.append(batch)
+        return real(self, batch, plan)
 
-        monkeypatch.setattr(ActorRolloutRefWorker, name, spy)
+    monkeypatch.setattr(ActorRolloutRefWorker, "update_policy", spy)
     generate = ActorRolloutRefWorker.generate
     monkeypatch.setattr(ActorRolloutRefWorker, "generate",
                         lambda self, prompts, *a, **k: generated.append(len(prompts)) or generate(self, prompts, *a, **k))
@@ -174,7 +172,7 @@ store, rank = sys.argv[1], int(sys.argv[2])
 dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
 sys.path[:0] = sys.argv[3:5]  # tests/unit (this module), tests (its helpers)
 from test_filter_groups import scored
-from hybrid_rl.scoring import fill_informative
+from hybrid_rl.phases.reward import fill_informative
 # rank 0 is full at once; rank 1 needs two refills (the first brings nothing)
 script = {0: [[[1, 0], [0, 1]], [[1, 1], [1, 1]], [[0, 1], [1, 1]]],
           1: [[[1, 1], [1, 0]], [[0, 0], [1, 1]], [[1, 1], [0, 1]]]}[rank]

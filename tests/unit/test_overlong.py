@@ -10,7 +10,7 @@ import torch
 from hybrid_rl.batch import Batch
 from hybrid_rl.config import ConfigError, load_config
 from hybrid_rl.rewards.overlong import overlong_penalty
-from hybrid_rl.scoring import shape_overlong
+from hybrid_rl.phases.reward import shape_overlong
 
 
 def test_penalty_is_zero_before_the_buffer_then_linear_to_the_factor_at_the_cap():

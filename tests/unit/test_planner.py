@@ -209,3 +209,27 @@ def test_a_packing_critic_cuts_its_rows_like_the_actor():
         64 * L * (22 * H + 4 * 16 * 4 + 8 * I)
     assert critic_update("critic.use_remove_padding=false")[f"activations ({tokens} tokens)"] == \
         tokens * L * (22 * H + 4 * KV + 8 * I)
+
+
+def test_the_engine_says_what_memory_it_takes_not_its_name(monkeypatch):
+    """The planner reads an engine's GPU memory from its options section (``memory()``), never from ``rollout.name``:
+    vLLM's options reserve their share of the card; an engine without a section holds its weights, KV cache and
+    logits; and any engine that says it reserves a share is planned as vLLM is, its fix naming its own key."""
+    from hybrid_rl.config import RolloutConfig
+    from hybrid_rl.rollout import EngineMemory
+
+    vllm = _cfg("rollout.name=vllm", "rollout.vllm.gpu_memory_utilization=0.4", "rollout.vllm.tensor_parallel_size=1")
+    assert vllm.rollout.engine_memory() == EngineMemory(0.4, "rollout.vllm.gpu_memory_utilization", 1)
+    assert _cfg().rollout.engine_memory() == EngineMemory()
+    gen = lambda cfg: next(p for p in phases(cfg, read_shape("builtin:tiny-qwen2"), 1, 80 * GIB)  # noqa: E731
+                           if p.name == "generation").terms["engine (awake)"]
+    assert gen(vllm) == 0.4 * 80 * GIB
+    assert gen(_cfg()) < 0.01 * GIB  # the tiny model's weights, cache and logits
+    monkeypatch.setattr(RolloutConfig, "engine_memory", lambda self: EngineMemory(0.25, "rollout.other.share", 1))
+    hf = _cfg()
+    assert gen(hf) == 0.25 * 80 * GIB
+    from hybrid_rl.planner.verdict import _engine_share  # the candidate fixes that lower the share: its own key
+
+    assert _engine_share(hf) == [{"rollout.other.share": k / 20} for k in (4, 3, 2)]
+    monkeypatch.undo()
+    assert _engine_share(_cfg()) == []

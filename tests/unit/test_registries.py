@@ -68,9 +68,7 @@ def test_registered_estimator_trains_a_step_through_the_config(mean_baseline, tm
             return update(self, batch, *a, **k)
         return spy_update
 
-    # update_actor_own_old: the update when actor.old_log_prob=auto skips the old-log-prob pass (one mini-batch here)
-    for name in ("update_actor", "update_actor_own_old"):
-        monkeypatch.setattr(ActorRolloutRefWorker, name, spy(getattr(ActorRolloutRefWorker, name)))
+    monkeypatch.setattr(ActorRolloutRefWorker, "update_policy", spy(ActorRolloutRefWorker.update_policy))
     register_reward("parity", parity_reward)
     try:
         cfg = load_config(RECIPE, [*SMALL, f"trainer.output_dir={tmp_path / 'run'}", "reward.function=parity",
@@ -96,6 +94,10 @@ def test_estimator_metadata_drives_validation(mean_baseline):
         with pytest.raises(ConfigError, match=r"adv_estimator=grouped_mean compares the samples of one prompt, so rollout.n "
                                               r"must be >= 2 \(got 1\); raise rollout.n or use reinforce_pp or mean_baseline"):
             load_config(None, ["algorithm.adv_estimator=grouped_mean", "rollout.n=1"]).validate()
+        # dynamic sampling's hint names the group estimators registered now, the plug-in among them
+        with pytest.raises(ConfigError, match=r"is not one: use grpo, dr_grpo, rloo or grouped_mean, or "
+                                              r"algorithm.filter_groups.enable=false$"):
+            load_config(None, ["algorithm.adv_estimator=mean_baseline", "algorithm.filter_groups.enable=true"]).validate()
         # an estimator that needs a critic gets one (the critic's batch sizes are then checked too)
         assert load_config(None, ["algorithm.adv_estimator=valued_mean"]).validate().need_critic
         with pytest.raises(ConfigError, match="critic.ppo_mini_batch_size"):

@@ -253,7 +253,7 @@ def test_gsm8k_answer_stats_tell_format_from_any_answer_and_reach_the_metrics():
     from hybrid_rl.batch import Batch
     from hybrid_rl.data.tasks import TASKS
     from hybrid_rl.models import build_tiny_tokenizer
-    from hybrid_rl.scoring import compute_scores
+    from hybrid_rl.phases.reward import compute_scores
 
     texts = ["6 + 12 = 18.\n#### 18", "The answer is 5.", "no digits here", "so we get 7 apples"]
     assert TASKS["gsm8k"].answer_stats(texts) == {"format_strict": 1.0, "answer_found": 3.0}

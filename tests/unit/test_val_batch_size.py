@@ -67,7 +67,7 @@ def test_gsm8k_validation_logs_the_answer_shape_on_every_rank_layout(tmp_path):
         assert set(out) == {"val/reward_mean", "val/clipped_reward_mean", "val/response_length_mean",
                             "val/response_clip_ratio", "val/format_strict", "val/answer_found"}
         assert all(0.0 <= out[k] <= 1.0 for k in out if k != "val/response_length_mean")
-        empty = trainer._validate_on_engine(rank=7, world=8)  # a rank past the 6 prompts: same keys, no samples
+        empty = trainer.validator.on_engine(rank=7, world=8)  # a rank past the 6 prompts: same keys, no samples
         assert set(empty) == set(out) and not any(empty.values())
     finally:
         trainer.close()

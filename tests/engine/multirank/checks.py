@@ -28,6 +28,7 @@ from hybrid_rl.config import load_config  # noqa: E402
 from hybrid_rl.data import collate_prompts  # noqa: E402
 from hybrid_rl.distributed import DistInfo, destroy, init_distributed  # noqa: E402
 from hybrid_rl.models import load_causal_lm  # noqa: E402
+from hybrid_rl.phases.old_log_prob import plan_old_log_prob  # noqa: E402
 from hybrid_rl.rollout.base import assemble_rollout  # noqa: E402
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker  # noqa: E402
 
@@ -250,9 +251,9 @@ def run_own_old(d: DistInfo, res: dict) -> None:
             if own:
                 bare = Batch({k: v for k, v in share.tensors.items() if k not in ("old_log_probs", "old_entropy")},
                              share.non_tensors, share.meta)
-                if w.num_mini_batches(bare) > 1:
-                    bare = w.compute_log_prob_but_first_mini_batch(bare)
-                stats, share = w.update_actor_own_old(bare)
+                plan = plan_old_log_prob(w.cfg, w, bare, actor_updates=True)
+                bare = w.compute_old_log_probs(bare, plan)
+                stats, share = w.update_policy(bare, plan)
             else:
                 stats = w.update_actor(share)
             results[own] = dict(log_probs=share["old_log_probs"] * share["response_mask"], params=actor_full_params(w),
