@@ -39,6 +39,8 @@ from hybrid_rl.checkpoint import (CHECKPOINT_SUBDIR, CheckpointError, CorruptChe
 from hybrid_rl.config import Config, ConfigError, mini_batch_seqs, resume_config_diff, save_config
 from hybrid_rl.data import TASKS, PromptDataset, PromptSampler, collate_prompts, load_rows
 from hybrid_rl.distributed import DistInfo, all_reduce_sum, reduce_max, reduce_weighted_means
+from hybrid_rl.envs.metrics import add_pairs, env_metrics, zero_pairs
+from hybrid_rl.envs.multiturn import check_template, env_prompt
 from hybrid_rl.interrupt import GracefulStop, RunInterrupted
 from hybrid_rl.metrics import finish_step_metrics, outcome_sums, step_metrics, step_times
 from hybrid_rl.models import load_tokenizer
@@ -112,7 +114,12 @@ class Trainer:
         options = getattr(d, d.task, None)  # a synthetic task's own section (data.arith)
         rows = load_rows(d.train_path, d.train_split, d.hub_config, d.task, d.num_synthetic, cfg.trainer.seed,
                          options=options)
-        self.train_set = PromptDataset(rows, d.task, tokenizer, d.max_prompt_length, d.truncation, d.system_prompt)
+        system, chat_kwargs = env_prompt(cfg)  # an environment's tools reach the prompt (env.describe_tools)
+        multi_turn = cfg.env.name is not None
+        self.train_set = PromptDataset(rows, d.task, tokenizer, d.max_prompt_length, d.truncation, system,
+                                       chat_kwargs, keep_messages=multi_turn)
+        if multi_turn:  # a template that cannot append observations fails here, in one line
+            check_template(cfg, tokenizer, self.train_set[0]["messages"])
         pl = self.placement
         self.sampler = PromptSampler(len(self.train_set), d.train_batch_size, pl.sampler_rank, pl.sampler_world,
                                      cfg.trainer.seed, d.shuffle)
@@ -122,7 +129,8 @@ class Trainer:
                                  cfg.trainer.seed + 1, key="data.val_path", options=options, held_out=True)
             if d.max_val_samples:
                 val_rows = val_rows[: d.max_val_samples]
-            self.val_set = PromptDataset(val_rows, d.task, tokenizer, d.max_prompt_length, d.truncation, d.system_prompt)
+            self.val_set = PromptDataset(val_rows, d.task, tokenizer, d.max_prompt_length, d.truncation, system,
+                                         chat_kwargs, keep_messages=multi_turn)
         self.reward_fn = RewardScorer.from_config(cfg.reward, d.task)  # user functions score in worker processes
         self.task = TASKS.get(d.task)  # its answer-shape counts are logged beside the reward (None: an unknown task)
         self.reward = RewardPhase(cfg, tokenizer, self.reward_fn, self.task, self.dist)
@@ -527,6 +535,7 @@ class Trainer:
         sources = self.val_set.sources if len(self.val_set.sources) > 1 else []
         by_source = {f"val/reward_mean/{src}": [0.0, 0.0] for src in sources}
         records: list[dict] | None = [] if self.cfg.trainer.validation_data_dir else None
+        tool_use = zero_pairs("val/env") if self.cfg.env.name is not None else {}  # multi-turn: val/env/*
         for s in range(0, len(idx), chunk):
             prompts = collate_prompts([self.val_set[i] for i in idx[s:s + chunk]], self.tokenizer.pad_token_id)
             out = self.worker.generate(prompts, validate=True)
@@ -544,8 +553,11 @@ class Trainer:
                     by_source[f"val/reward_mean/{src}"][1] += 1
             if records is not None:
                 records += sample_records(out, self.tokenizer)
+            if tool_use:
+                add_pairs(tool_use, env_metrics(out, "val/env")[0])
         if records is not None:
             self._write_validation_records(records, rank)
         stats = {k: (v, count) for k, v in sums.items()}
         stats.update({k: (v, n) for k, (v, n) in by_source.items()})
+        stats.update(tool_use)
         return reduce_weighted_means(stats, self.dist.device, self.dist.group)

@@ -2,7 +2,7 @@
 
 Every recipe in ``recipes/`` mirrors this tree 1:1: ``Config`` (``tree.py``) holds one section per top-level key,
 each a dataclass beside the checks of its own keys (``model.py``, ``rollout.py``, ``actor.py``, ``algorithm.py``,
-``trainer.py``; an engine's own options, such as ``rollout.vllm``, are defined beside that engine). ``loading.py``
+``trainer.py``, ``env.py``; an engine's own options, such as ``rollout.vllm``, are defined beside that engine). ``loading.py``
 reads recipes and overrides strictly: an unknown key is an error naming its full dotted path and the closest valid
 one, a value of the wrong type is an error naming the key and the expected type. ``Config.validate`` checks each
 section, then the facts that span sections (``checks.py``: divisibility of batch sizes, GRPO group sizes), with
@@ -16,6 +16,7 @@ Left out on purpose: Hydra-style interpolation and config composition (one flat 
 from hybrid_rl.config.actor import ActorConfig, CriticConfig, RefConfig
 from hybrid_rl.config.algorithm import (AlgorithmConfig, FilterGroupsConfig, KLControlConfig, RewardConfig,
                                         RolloutCorrectionConfig)
+from hybrid_rl.config.env import EnvConfig
 from hybrid_rl.config.errors import ConfigError
 from hybrid_rl.config.geometry import data_parallel_size, lr_schedule_steps, mini_batch_seqs
 from hybrid_rl.config.loading import RECIPES_DIR, all_keys, load_config, save_config
@@ -28,7 +29,7 @@ from hybrid_rl.config.tree import Config
 from hybrid_rl.rollout.vllm_options import VLLMOptions
 
 __all__ = [
-    "ActorConfig", "AlgorithmConfig", "Config", "ConfigError", "CriticConfig", "DataConfig", "FilterGroupsConfig",
+    "ActorConfig", "AlgorithmConfig", "Config", "ConfigError", "CriticConfig", "DataConfig", "EnvConfig", "FilterGroupsConfig",
     "KLControlConfig", "LoraConfig", "ModelConfig", "MOVED_KEYS", "RECIPES_DIR", "RESUME_HARMLESS", "RESUME_IGNORED",
     "RefConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "TrainerConfig", "VLLMOptions",
     "all_keys", "data_parallel_size", "import_plugins", "load_config", "lr_schedule_steps", "mini_batch_seqs",

@@ -53,8 +53,9 @@ def kl_in_reward_stats(batch: Batch, cfg: AlgorithmConfig) -> tuple[float, float
 
 
 def sparse_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Place each sequence's scalar score on its last response token: [B] → [B, R]."""
+    """Place each sequence's scalar score on its last response token (the last sampled one of a multi-turn
+    trajectory, whose mask has holes): [B] → [B, R]."""
     out = torch.zeros_like(response_mask, dtype=torch.float32)
-    last = (response_mask.sum(dim=1) - 1).clamp(min=0).long()
+    last = (alg.response_extent(response_mask) - 1).clamp(min=0).long()
     out[torch.arange(len(scores)), last] = scores.float().to(out.device)
     return out
