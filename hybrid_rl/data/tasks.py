@@ -5,7 +5,7 @@ A task knows the fields of its rows (``question``/``answer`` for GSM8K,
 model, the ground-truth string the reward function compares against, and the
 reward function that fits it by default, and for multi-turn rollouts what an
 environment may read of the row beside the prompt (``env_info``: the ``lookup``
-task's hidden digit). Synthetic tasks also generate their own rows, so a CPU smoke
+task's hidden character). Synthetic tasks also generate their own rows, so a CPU smoke
 run needs no data file at all. This module also defines ``DataError`` because it is
 the lowest layer of ``hybrid_rl.data``; the other modules import it from here. Left
 out: multi-turn prompts, images, and per-row reward-model style metadata beyond
@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from .answers import extract_answer, extract_integer
 from . import mul3
+from .answers import extract_answer, extract_integer
 from .arith import ArithConfig, held_out_rows, training_rows
 
 
@@ -189,16 +189,16 @@ class ArithTask(Task):
 
 
 class LookupTask(Task):
-    """The successor of a digit the prompt does not show: only the ``lookup`` tool reveals it.
+    """A digit the prompt does not show: only the ``lookup`` tool reveals it, and the answer is that digit.
 
-    Every prompt is the same ``?``; the row's digit d is kept for the environment (``env_info["value"]``) and the
-    answer is ``(d + 1) % 10``, scored like the successor task. Without a tool call the best a policy can do is
-    guess (a tenth of the answers, at best a constant digit's share); with one, the observation holds d and the
-    task becomes the successor task. Made for the tiny random-init model (``recipes/cpu_lookup_tool.yaml``): the call
-    is one token of ``builtin:tiny-qwen2-lookup``."""
+    Every prompt is the same ``?``; the row's digit is its ground truth and what it keeps for the environment
+    (``env_info["value"]``). The ``lookup`` environment (``envs/builtin.LookupEnv``) scores it: 1 for the digit,
+    but only after its tool revealed it, so a guess earns nothing (the reward function is ``none``). Made for the
+    tiny random-init model (``recipes/cpu_lookup_tool.yaml``): the call is one token of
+    ``builtin:tiny-qwen2-lookup``, whose template writes the result inline, right before the answer."""
 
     name = "lookup"
-    default_reward = "successor"
+    default_reward = "none"
     synthetic = True
     PROMPT = "?"
 
@@ -206,7 +206,7 @@ class LookupTask(Task):
         raw = self._field(row, "value", row_id)
         if isinstance(raw, bool) or not isinstance(raw, int) or not 0 <= raw <= 9:
             raise DataError(f"row {row_id}: lookup 'value' must be an integer 0-9, got {raw!r}; fix the data")
-        return {"messages": [{"role": "user", "content": self.PROMPT}], "ground_truth": str((raw + 1) % 10),
+        return {"messages": [{"role": "user", "content": self.PROMPT}], "ground_truth": str(raw),
                 "data_source": self.name, "env_info": {"value": raw}}
 
     def generate(self, num: int, seed: int, options: Any = None) -> list[dict[str, Any]]:

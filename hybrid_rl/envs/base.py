@@ -124,3 +124,4 @@ def register_env(name: str, cls: Optional[str | type] = None) -> Callable[[E], E
 
 
 register_env("tools", "hybrid_rl.envs.tool_env:ToolEnv")
+register_env("lookup", "hybrid_rl.envs.builtin:LookupEnv")

@@ -1,11 +1,13 @@
-"""The built-in tools: ``calculator`` (arithmetic, evaluated safely) and ``lookup`` (a value hidden in the row).
+"""The built-in tools, ``calculator`` (arithmetic, evaluated safely) and ``lookup`` (a value hidden in the row), and
+the ``lookup`` environment that scores the lookup task.
 
 ``calculator`` parses the expression with ``ast`` and evaluates only numbers, parentheses and the arithmetic
 operators (``+ - * / // % **``, unary ``+ -``): no names, calls or attributes, so nothing but arithmetic can run,
 and powers and integer sizes are bounded so that ``9**9**9`` is an error instead of a hang. ``lookup`` returns the
-``value`` the task keeps for the environment in the row (``env_info``; the ``lookup`` task hides the digit whose
-successor is the answer there), so that the reward can only be earned by calling it. Both are registered by path in
-``tools.py``; this module is imported when a run names one. Left out: functions (``sqrt``, ``sin``) and variables.
+``value`` the task keeps for the environment in the row (``env_info``; the ``lookup`` task hides its answer there),
+so that the reward can only be earned by calling it; ``LookupEnv`` (``env.name=lookup``) pays for the
+answer only after the tool revealed it. All are registered by path (``tools.py``, ``base.py``); this module is
+imported when a run names one. Left out: functions (``sqrt``, ``sin``) and variables.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import ast
 import math
 import operator
 
-from hybrid_rl.envs.base import EnvRow
+from hybrid_rl.envs.base import EnvRow, StepResult
+from hybrid_rl.envs.calls import Call
+from hybrid_rl.envs.tool_env import ToolEnv
 from hybrid_rl.envs.tools import tool
 
 MAX_INT_BITS = 4096
@@ -87,3 +91,25 @@ def lookup(row: EnvRow) -> str:
     if "value" not in row.info:
         raise KeyError(f"row {row.index} has no hidden value (its task keeps none)")
     return str(row.info["value"])
+
+
+class LookupEnv(ToolEnv):
+    """``ToolEnv`` that scores the ``lookup`` task: 1 for an answer equal to the row's ground truth once a ``lookup``
+    call revealed it in this trajectory, else 0. A guess earns nothing, even a right one: the value is only known
+    through the tool (with ``env.tools=[]`` nothing can reveal it). The task's reward function is ``none``, so this
+    is the whole score."""
+
+    def __init__(self, options, fit=None):
+        super().__init__(options, fit)
+        self.revealed = False
+
+    def _run(self, call: Call) -> tuple[str, list[str]]:
+        text, errors = super()._run(call)
+        self.revealed |= call.name == "lookup" and not errors
+        return text, errors
+
+    def step(self, turn: str) -> StepResult:
+        result = super().step(turn)
+        if result.done:
+            result.reward = float(self.revealed and turn.strip() == self.row.ground_truth)
+        return result

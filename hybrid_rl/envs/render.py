@@ -3,19 +3,17 @@
 A trajectory is one token sequence: the prompt, then each model turn's ids as the engine sampled them, then the
 tokens the chat template puts between the end of that turn and the start of the next, and so on. Those in-between
 tokens (the end of the model's message, the observation's message, the next generation prompt) come from rendering
-the conversation as text twice, with and without the new messages, and taking the difference:
-
-1. ``head`` = the conversation so far with the generation prompt; ``with_turn`` = it plus the model's turn (its
-   decoded text) as an assistant message. ``with_turn`` must start with ``head`` and then the turn's text (a
-   template that trims the message, such as Llama 3's, may drop the turn's outer whitespace); what follows is the
-   template's end of the message (``<|im_end|>\\n``).
-2. ``after`` = ``with_turn`` plus one message per observation, with the generation prompt; it must start with
-   ``with_turn``. The observation's text is the rest.
-
-The glue is the end of the message plus the observation's text, less an EOS the model sampled itself, encoded once
-with ``add_special_tokens=False`` and appended; the turn's own ids are never decoded and encoded again. A template
-that rewrites what came before (Qwen3's, which drops earlier ``<think>`` blocks) fails check 1 or 2 at its first
-turn: a one-line ``TemplateError`` naming the tokenizer, at start-up when ``probe`` finds it. Left out: templates
+the conversation as text twice, with and without the new messages, and taking the difference: ``head`` is the
+conversation so far with the generation prompt (the trajectory's text up to this turn), ``after`` the same plus the
+model's turn (its decoded text) as an assistant message and one message per observation, again with the generation
+prompt. ``after`` must start with ``head`` and then the turn's text (a template that trims messages, such as
+Llama 3's, may drop the turn's outer whitespace); the rest is the glue: the template's end of the model's message,
+the observations' messages and the next generation prompt (or, for a template that writes results inline in the
+assistant's message, just the result). Less an EOS the model sampled itself, it is encoded once with
+``add_special_tokens=False`` and appended; the turn's own ids are never decoded and encoded again, and ``after`` is
+the next turn's ``head``, so the trajectory's text is always the template's rendering of its conversation. A
+template that rewrites what came before (Qwen3's, which drops earlier ``<think>`` blocks) fails the check at its
+first turn: a one-line ``TemplateError`` naming the tokenizer, at start-up when ``probe`` finds it. Left out: templates
 that need the turn as structured ``tool_calls`` rather than text (the raw text is what the model wrote), and
 starting a new training sample where a template is not append-only (prime-rl's way; here it is refused).
 """
@@ -66,22 +64,18 @@ class TurnRenderer:
         ``messages``, ending with the prompt or the previous observations), and the conversation with both."""
         content = self.turn_text(sampled)
         head = self.render(messages, True)
-        with_turn = [*map(dict, messages), {"role": "assistant", "content": content}]
-        closed = self.render(with_turn, False)
-        if not closed.startswith(head):
-            raise self._error("adding the model's turn changed the text before it")
-        rest = closed[len(head):]
+        after_msgs = [*map(dict, messages), {"role": "assistant", "content": content},
+                      *({"role": self.role, "content": o} for o in observations)]
+        after = self.render(after_msgs, True)
+        if not after.startswith(head):
+            raise self._error(f"adding the model's turn and a {self.role!r} message changed the text before them")
+        rest = after[len(head):]
         if rest.startswith(content):
-            end = rest[len(content):]
-        elif content.strip() and rest.startswith(content.strip()):
-            end = rest[len(content.strip()):]
+            text = rest[len(content):]
+        elif content.strip() and rest.startswith(content.strip()):  # a template that trims messages
+            text = rest[len(content.strip()):]
         else:
             raise self._error("the model's turn is not rendered as it was written")
-        after_msgs = [*with_turn, *({"role": self.role, "content": o} for o in observations)]
-        after = self.render(after_msgs, True)
-        if not after.startswith(closed):
-            raise self._error(f"adding a {self.role!r} message changed the text before it")
-        text = end + after[len(closed):]
         if sampled and int(sampled[-1]) in self.eos:  # the model wrote the end of its message itself
             eos_text = self.tokenizer.decode([int(sampled[-1])], skip_special_tokens=False)
             if text.startswith(eos_text):
