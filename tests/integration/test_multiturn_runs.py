@@ -94,7 +94,10 @@ def test_split_one_plus_one_equals_colocated_one_rank(tmp_path, mode):
     split, colo = tmp_path / "split", tmp_path / "colo"
     run_checked(_torchrun(2) + common + ["trainer.placement=split", f"trainer.output_dir={split}"], timeout=900)
     run_checked(_torchrun(1) + common + [f"trainer.output_dir={colo}"], timeout=900)
-    a, b = _stable(_rows(split)), _stable(_rows(colo))
+    # everything but wall-clock figures and the bytes of the weight transfer (a broadcast under split placement, a
+    # push into the engine colocated: in overlap mode they fall in different steps)
+    drop = lambda rows: [{k: v for k, v in r.items() if k != "rollout/weight_sync_bytes"} for r in _stable(rows)]
+    a, b = drop(_rows(split)), drop(_rows(colo))
     assert [r["step"] for r in a] == [1, 2, 3, 4] == [r["step"] for r in b]
     assert any(r["env/tool_calls_mean"] > 0 for r in a) and any(r["actor/grad_norm"] > 0 for r in a)
     for x, y in zip(a, b):
