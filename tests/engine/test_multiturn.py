@@ -309,3 +309,42 @@ def test_the_loss_has_zero_gradient_with_respect_to_observation_log_probs(traine
     loss.backward()
     assert torch.all(lp.grad[~t["response_mask"].bool()] == 0)
     assert float(lp.grad[t["response_mask"].bool()].abs().sum()) > 0
+
+
+# --------------------------------------------------------------------------- environments that fail
+class SlowEnv(ToolEnv):
+    """A step that takes longer than the rollout's time bound."""
+
+    def step(self, turn: str) -> StepResult:
+        import time
+
+        time.sleep(30)
+        return StepResult(observations=["late"], done=False)
+
+
+class RaisingEnv(ToolEnv):
+    """A step that raises."""
+
+    def step(self, turn: str) -> StepResult:
+        raise RuntimeError("the environment broke")
+
+
+@pytest.mark.parametrize("name, cls, stop, kind", [("slow_env", SlowEnv, "timeout", "env_timeout"),
+                                                   ("raising_env", RaisingEnv, "env_error", "env_raised")])
+def test_a_failing_environment_ends_its_trajectories_not_the_rollout(tiny_model_path, name, cls, stop, kind):
+    import time
+
+    from hybrid_rl.envs.base import STOPS
+
+    ENVS.register(name, cls)
+    try:
+        start = time.monotonic()
+        _, _, _, batch, _ = _run(tiny_model_path, None, [f"env.name={name}", "env.max_rollout_s=4.0"])
+        took = time.monotonic() - start
+    finally:
+        ENVS.unregister(name)
+    t = batch.tensors
+    assert torch.all(t["env_stop"] == STOPS.index(stop))
+    assert torch.all(t[f"env_errors_{kind}"] == 1) and torch.all(t["env_turns"] == 1)
+    assert took < 25  # the slow steps (30 s each) were abandoned at the 4 s bound
+    assert torch.equal(t["response_mask"].bool(), t["turn_ids"] > 0)

@@ -173,3 +173,44 @@ def test_a_template_that_is_not_append_only_stops_the_run_in_one_line(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "is not append-only" in lines[0] and "model.tokenizer_path=" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------- plug-ins
+PLUGIN = '''
+from hybrid_rl.envs import StepResult, register_env, register_tool
+from hybrid_rl.envs.tool_env import ToolEnv
+
+
+@register_tool
+def shout(text: str) -> str:
+    """Upper-case a text.
+
+    Args:
+        text: The text.
+    """
+    return text.upper()
+
+
+@register_env("always_more")
+class AlwaysMore(ToolEnv):
+    """Answers every turn, so every trajectory runs to env.max_turns."""
+
+    def step(self, turn):
+        result = super().step(turn)
+        return result if result.observations else StepResult(observations=["go on"], done=False)
+'''
+
+
+@pytest.mark.slow
+def test_a_plug_in_environment_and_tool_from_trainer_imports(tmp_path):
+    plugin = tmp_path / "my_env.py"
+    plugin.write_text(PLUGIN)
+    out = tmp_path / "run"
+    run_checked(_train(*SMALL, f"trainer.imports=[{plugin}]", "env.name=always_more", "env.tools=[lookup,shout]",
+                       "data.max_response_length=16", "trainer.total_steps=2", "trainer.test_freq=0",
+                       "trainer.val_before_train=false", "trainer.save_freq=-1", f"trainer.output_dir={out}"),
+                timeout=600)
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["env/turns_mean"] == 2.0 and r["env/stop/max_turns"] + r["env/stop/budget"] == 1.0 for r in rows)
+    assert "shout" in (out / "config.yaml").read_text()
