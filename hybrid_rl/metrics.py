@@ -12,23 +12,25 @@ from __future__ import annotations
 
 import torch
 
+from hybrid_rl.algorithms.core import response_extent
 from hybrid_rl.batch import Batch
+from hybrid_rl.envs.metrics import env_metrics, is_multi_turn
 from hybrid_rl.partial import COUNTS as PARTIAL_COUNTS
 from hybrid_rl.partial import partial_metrics
 
 
 def cut_at_cap(response_mask: torch.Tensor, max_response_length: int) -> torch.Tensor:
     """[B] bool: the responses that reached ``max_response_length`` (cut, not finished; one that ended exactly at the
-    cap counts as cut too). The one definition behind ``rollout/response_clip_ratio``, ``val/response_clip_ratio``
-    and ``actor.mask_truncated_completions``."""
-    return response_mask.sum(dim=-1) >= max_response_length
+    cap counts as cut too; a multi-turn trajectory's length counts its observations). The one definition behind
+    ``rollout/response_clip_ratio``, ``val/response_clip_ratio`` and ``actor.mask_truncated_completions``."""
+    return response_extent(response_mask) >= max_response_length
 
 
 def outcome_sums(scores: torch.Tensor, response_mask: torch.Tensor, max_response_length: int) -> dict[str, float]:
     """Sums over a batch of the score, the score of responses cut at ``max_response_length`` (a flexible extractor
     pays a ramble whose last number happens to match), the response tokens and the cut responses; training
     (``reward/*``, ``rollout/*``) and validation (``val/*``) name them differently."""
-    resp_len = response_mask.float().sum(dim=1)
+    resp_len = response_extent(response_mask).float()
     clipped = cut_at_cap(response_mask, max_response_length).to(scores.dtype)
     return {"score": float(scores.sum()), "clipped_score": float((scores * clipped).sum()),
             "length": float(resp_len.sum()), "clipped": float(clipped.sum())}
@@ -38,7 +40,7 @@ def batch_metrics(batch: Batch, max_response_length: int, trainer_version: int) 
     t = batch.tensors
     mask = t["response_mask"].float()  # [B, R]
     n = float(len(batch))
-    resp_len = mask.sum(dim=1)  # [B]
+    resp_len = response_extent(mask).float()  # [B]; a multi-turn trajectory's observations included
     prompt_len = t["attention_mask"][:, : t["prompts"].shape[1]].float().sum(dim=1)
     ntok = float(mask.sum())
     diff = (t["rollout_log_probs"] - t["old_log_probs"]).abs() * mask
@@ -59,7 +61,7 @@ def batch_metrics(batch: Batch, max_response_length: int, trainer_version: int) 
         "rollout/is_ratio_mean": (float((is_ratio * mask).sum()), ntok),
         "rollout/staleness_mean": (float(staleness.sum()), n),
         "perf/response_tokens": (ntok, 1.0),
-        "perf/total_tokens": (ntok + float(prompt_len.sum()), 1.0),
+        "perf/total_tokens": (float(t["attention_mask"].float().sum()), 1.0),  # observation tokens included
     }
     maxima = {
         "reward/max": float(scores.max()),
@@ -79,8 +81,12 @@ def step_metrics(batch: Batch, max_response_length: int, pairs: dict[str, tuple[
     means, maxima = batch_metrics(batch, max_response_length, batch.meta["trainer_version"])
     means.update(pairs)
     means.update({k: (v, 1.0) for k, v in values.items()})
-    if "token_weight_version" in batch.tensors:  # partial rollouts: staleness per token, carry-over counts
-        extra_means, extra_max = partial_metrics(batch, batch.meta["trainer_version"])
+    if "token_weight_version" in batch.tensors:  # staleness per token; partial rollouts: their carry-over counts
+        extra_means, extra_max = partial_metrics(batch, batch.meta["trainer_version"], counts=not is_multi_turn(batch))
+        means.update(extra_means)
+        maxima.update(extra_max)
+    if is_multi_turn(batch):  # env/*: turns, tool calls and faults, observation tokens
+        extra_means, extra_max = env_metrics(batch)
         means.update(extra_means)
         maxima.update(extra_max)
     return means, maxima

@@ -85,7 +85,9 @@ def pad_widths(batch: Batch, p_width: int, r_width: int, pad_token_id: int) -> B
 def _lengths(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
     t = batch.tensors
     p_width = t["prompts"].shape[1]
-    both = torch.stack([t["attention_mask"][:, :p_width].sum(dim=1), t["response_mask"].sum(dim=1)]).cpu().numpy()
+    # the response part of the attention mask: a multi-turn trajectory's observations are computed too
+    both = torch.stack([t["attention_mask"][:, :p_width].sum(dim=1), t["attention_mask"][:, p_width:].sum(dim=1)])
+    both = both.cpu().numpy()
     return both[0], both[1]
 
 

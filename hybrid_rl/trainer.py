@@ -25,6 +25,7 @@ from hybrid_rl.checkpoint.rng import seed_everything
 from hybrid_rl.config import Config, mini_batch_seqs, save_config
 from hybrid_rl.data import TASKS, PromptFeed
 from hybrid_rl.distributed import DistInfo, reduce_max, reduce_weighted_means
+from hybrid_rl.envs.multiturn import check_template
 from hybrid_rl.interrupt import GracefulStop, RunInterrupted
 from hybrid_rl.metrics import finish_step_metrics, step_metrics, step_times
 from hybrid_rl.models import load_tokenizer
@@ -74,6 +75,8 @@ class Trainer:
                                                     "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
         pl = self.placement
         self.prompts = PromptFeed(cfg, tokenizer, pl.sampler_rank, pl.sampler_world)  # this rank's training prompts
+        if cfg.env.name is not None:  # a template that cannot append observations fails here, in one line
+            check_template(cfg, tokenizer, self.prompts.dataset[0]["messages"])
         val_set = load_val_set(cfg, tokenizer)  # None where no validation runs
         self.reward_fn = RewardScorer.from_config(cfg.reward, cfg.data.task)  # user functions score in worker processes
         self.task = TASKS.get(cfg.data.task)  # its answer-shape counts are logged beside the reward (None: unknown)

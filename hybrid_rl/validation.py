@@ -21,6 +21,8 @@ from hybrid_rl.config import Config
 from hybrid_rl.data import PromptDataset, collate_prompts, load_rows
 from hybrid_rl.data.tasks import Task
 from hybrid_rl.distributed import DistInfo, reduce_weighted_means
+from hybrid_rl.envs.metrics import add_pairs, env_metrics, zero_pairs
+from hybrid_rl.envs.multiturn import env_prompt
 from hybrid_rl.metrics import outcome_sums
 from hybrid_rl.phases.reward import compute_scores, sample_records
 from hybrid_rl.rewards import RewardScorer
@@ -46,8 +48,10 @@ def load_val_set(cfg: Config, tokenizer) -> PromptDataset | None:
                      key="data.val_path", options=options, held_out=True)
     if d.max_val_samples:
         rows = rows[: d.max_val_samples]
-    return PromptDataset(rows, d.task, tokenizer, d.max_prompt_length, d.truncation, d.system_prompt,
-                         source=f"data.val_path={d.val_path!r}")
+    system, chat_kwargs = env_prompt(cfg)  # an environment's tools reach the prompt (env.describe_tools)
+    return PromptDataset(rows, d.task, tokenizer, d.max_prompt_length, d.truncation, system,
+                         source=f"data.val_path={d.val_path!r}", template_kwargs=chat_kwargs,
+                         keep_messages=cfg.env.name is not None)
 
 
 class Validator:
@@ -80,6 +84,7 @@ class Validator:
         sources = self.val_set.sources if len(self.val_set.sources) > 1 else []
         by_source = {f"val/reward_mean/{src}": [0.0, 0.0] for src in sources}
         records: list[dict] | None = [] if self.cfg.trainer.validation_data_dir else None
+        tool_use = zero_pairs("val/env") if self.cfg.env.name is not None else {}  # multi-turn: val/env/*
         for s in range(0, len(idx), chunk):
             prompts = collate_prompts([self.val_set[i] for i in idx[s:s + chunk]], self.tokenizer.pad_token_id)
             out = self.worker.generate(prompts, validate=True)
@@ -97,10 +102,13 @@ class Validator:
                     by_source[f"val/reward_mean/{src}"][1] += 1
             if records is not None:
                 records += sample_records(out, self.tokenizer)
+            if tool_use:
+                add_pairs(tool_use, env_metrics(out, "val/env")[0])
         if records is not None:
             self._write_records(records, rank)
         stats = {k: (v, count) for k, v in sums.items()}
         stats.update({k: (v, n) for k, (v, n) in by_source.items()})
+        stats.update(tool_use)
         return reduce_weighted_means(stats, self.dist.device, self.dist.group)
 
     def _write_records(self, records: list[dict], rank: int) -> None:

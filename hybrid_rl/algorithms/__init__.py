@@ -22,6 +22,7 @@ from .core import (
     masked_sum,
     masked_var,
     masked_whiten,
+    response_extent,
 )
 from .kl import (
     KL_ESTIMATORS,

@@ -204,14 +204,15 @@ def rloo_advantage(
 
 
 def _discounted_reward_to_go(rewards: Tensor, response_mask: Tensor, gamma: float) -> Tensor:
-    """G_t = r_t + gamma * G_{t+1}, restarting at masked-out positions."""
+    """G_t = r_t + gamma * G_{t+1} over real tokens: a masked-out position (right padding, or an observation inside a
+    multi-turn trajectory) is skipped, the running return carried through it unchanged; 0 there."""
     keep = response_mask.bool()
     rewards = select_masked(rewards, keep)
     returns = torch.zeros_like(rewards)  # [B, R]
     running = torch.zeros_like(rewards[:, 0])  # [B]
     for t in reversed(range(rewards.shape[1])):
-        running = select_masked(rewards[:, t] + gamma * running, keep[:, t])
-        returns[:, t] = running
+        running = torch.where(keep[:, t], rewards[:, t] + gamma * running, running)
+        returns[:, t] = select_masked(running, keep[:, t])
     return returns
 
 

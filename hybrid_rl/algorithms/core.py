@@ -31,6 +31,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "response_extent",
 ]
 
 Number = Union[int, float, Tensor]
@@ -39,6 +40,16 @@ Number = Union[int, float, Tensor]
 # float32 temporaries to chunk_rows * V elements (e.g. 1024 * 152k * 4 B
 # ~= 620 MB) however long the batch is.
 _CHUNK_ROWS = 1024
+
+
+def response_extent(response_mask: Tensor) -> Tensor:
+    """[B] long: one past the last masked-in position of each row (0 for none), the response's length in tokens.
+
+    A single-turn response's mask is a prefix, so this is its sum; a multi-turn trajectory's mask has holes where
+    observations sit, and this counts them too (its tokens up to its last sampled one)."""
+    steps = torch.arange(1, response_mask.shape[-1] + 1, device=response_mask.device)
+    return torch.where(response_mask.bool(), steps, torch.zeros((), dtype=steps.dtype, device=steps.device)).amax(
+        dim=-1) if response_mask.shape[-1] else torch.zeros(response_mask.shape[:-1], dtype=torch.long)
 
 
 def check_same_shape(**tensors: Tensor) -> None:

@@ -2,7 +2,7 @@
 
 Every recipe in ``recipes/`` mirrors this tree 1:1: ``Config`` (``tree.py``) holds one section per top-level key,
 each a dataclass beside the checks of its own keys (``model.py``, ``rollout.py``, ``actor.py``, ``algorithm.py``,
-``trainer.py``; the actor and the critic share ``update.py``'s optimiser and batch keys; an engine's own options, such
+``trainer.py``, ``env.py``; the actor and the critic share ``update.py``'s optimiser and batch keys; an engine's own options, such
 as ``rollout.vllm``, are defined beside that engine). Each field's declaration also says whether a resume may change
 it (``fields.py``, read by ``resume.py``); renamed keys are ``moved.py``'s. ``loading.py``
 reads recipes and overrides strictly: an unknown key is an error naming its full dotted path and the closest valid
@@ -19,6 +19,7 @@ Left out on purpose: Hydra-style interpolation and config composition (one flat 
 from hybrid_rl.config.actor import ActorConfig, CriticConfig, RefConfig
 from hybrid_rl.config.algorithm import (AlgorithmConfig, FilterGroupsConfig, KLControlConfig, RewardConfig,
                                         RolloutCorrectionConfig)
+from hybrid_rl.config.env import EnvConfig
 from hybrid_rl.config.errors import ConfigError
 from hybrid_rl.config.geometry import data_parallel_size, lr_schedule_steps, mini_batch_seqs
 from hybrid_rl.config.loading import RECIPES_DIR, all_keys, load_config, save_config
@@ -33,7 +34,7 @@ from hybrid_rl.config.update import UpdateConfig
 from hybrid_rl.rollout.vllm_options import VLLMOptions
 
 __all__ = [
-    "ActorConfig", "AlgorithmConfig", "Config", "ConfigError", "CriticConfig", "DataConfig", "FilterGroupsConfig",
+    "ActorConfig", "AlgorithmConfig", "Config", "ConfigError", "CriticConfig", "DataConfig", "EnvConfig", "FilterGroupsConfig",
     "KLControlConfig", "LoraConfig", "ModelConfig", "MOVED_KEYS", "RECIPES_DIR", "RESUME_HARMLESS", "RESUME_IGNORED",
     "RefConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "TrainerConfig", "UpdateConfig", "VLLMOptions",
     "all_keys", "data_parallel_size", "import_plugins", "load_config", "lr_schedule_steps", "mini_batch_seqs",

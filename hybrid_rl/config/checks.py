@@ -140,6 +140,28 @@ def check_partial(cfg: "Config") -> None:
                           "policy the mixed-version behaviour one (no correction); set actor.old_log_prob=auto")
 
 
+def check_multi_turn(cfg: "Config") -> None:
+    """Multi-turn rollouts build each trajectory turn by turn in one generate call: no partial rollouts (a carried
+    trajectory would need its environment carried too) and no forced lengths."""
+    e, t = cfg.env, cfg.trainer
+    if e.name is None:
+        return
+    if t.partial_rollouts:
+        raise ConfigError(f"trainer.partial_rollouts=true with env.name={e.name}: partial rollouts would carry a "
+                          f"trajectory's environment between steps, which multi-turn rollouts do not; set "
+                          f"trainer.partial_rollouts=false (overlap mode and split placement work with env.name)")
+    if cfg.rollout.forced_lengths is not None:
+        raise ConfigError(f"rollout.forced_lengths with env.name={e.name}: forced lengths ignore where a turn ends; "
+                          f"set rollout.forced_lengths=null")
+    if cfg.rollout.name == "vllm" and cfg.rollout.vllm.tensor_parallel_size > 1:
+        raise ConfigError(f"env.name={e.name} with rollout.vllm.tensor_parallel_size="
+                          f"{cfg.rollout.vllm.tensor_parallel_size}: the turns run on vLLM's interruptible path, "
+                          f"which the ranks of one engine cannot share; set rollout.vllm.tensor_parallel_size=1")
+    if e.max_turn_tokens is not None and e.max_turn_tokens > cfg.data.max_response_length:
+        raise ConfigError(f"env.max_turn_tokens={e.max_turn_tokens} is more than the whole trajectory may hold "
+                          f"(data.max_response_length={cfg.data.max_response_length}); lower it or set it to null")
+
+
 def check_offload(cfg: "Config") -> None:
     """Offloading the actor needs the idle phase of sync mode."""
     if cfg.trainer.mode == "overlap" and (cfg.actor.param_offload or cfg.actor.optimizer_offload):

@@ -52,8 +52,9 @@ class DataConfig:
     """A local .jsonl/.parquet file, a ``datasets`` hub name (e.g. ``openai/gsm8k``), or ``synthetic:<task>``."""
     val_path: Optional[str] = harmless(None)
     """Validation prompts, same forms as ``train_path``; none skips validation."""
-    task: Literal["gsm8k", "successor", "arith"] = "successor"
-    """How rows become chat prompts and ground truths (``arith``: arithmetic with a held-out test set)."""
+    task: Literal["gsm8k", "successor", "arith", "lookup", "mul3"] = "successor"
+    """How rows become chat prompts and ground truths (``arith``: arithmetic with a held-out test set; ``lookup``:
+    a digit only a tool reveals; ``mul3``: three-digit products with a held-out test set)."""
     hub_config: Optional[str] = None
     """``datasets`` config name for hub datasets (``main`` for openai/gsm8k)."""
     train_split: str = "train"

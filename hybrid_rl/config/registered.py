@@ -2,7 +2,7 @@
 
 Checked when a value is loaded (like a ``Literal``) and again by ``Config.validate``; the registries are imported
 lazily, so that loading a config imports neither torch nor any engine. A key in ``_AUTO_KEYS`` also takes ``auto``
-(never looked up).
+(never looked up), one in ``_OPTIONAL_KEYS`` also null.
 """
 
 from __future__ import annotations
@@ -17,8 +17,12 @@ REGISTERED_KEYS = {"algorithm.adv_estimator": ("hybrid_rl.algorithms.advantages"
                    "rollout.name": ("hybrid_rl.rollout", "ROLLOUT_ENGINES"),
                    "actor.policy_loss": ("hybrid_rl.algorithms.policy_loss", "POLICY_LOSSES"),
                    "algorithm.rollout_correction.method": ("hybrid_rl.algorithms.rollout_correction",
-                                                           "ROLLOUT_CORRECTIONS")}
+                                                           "ROLLOUT_CORRECTIONS"),
+                   "env.name": ("hybrid_rl.envs.base", "ENVS"),
+                   "env.call_format": ("hybrid_rl.envs.calls", "CALL_FORMATS")}
 _AUTO_KEYS = frozenset({"actor.policy_loss"})
+_OPTIONAL_KEYS = frozenset({"env.name"})
+"""Keys that also take null (the feature off)."""
 
 
 def registry(key: str) -> Any:
@@ -29,7 +33,7 @@ def registry(key: str) -> Any:
 
 def check_choice(key: str, value: Any) -> None:
     """``value`` is a name registered for ``key``; ConfigError with the closest name otherwise."""
-    if key in _AUTO_KEYS and value == "auto":
+    if key in _AUTO_KEYS and value == "auto" or key in _OPTIONAL_KEYS and value is None:
         return
     names = registry(key)
     if value not in names:

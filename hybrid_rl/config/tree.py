@@ -9,6 +9,7 @@ from typing import Any
 from hybrid_rl.config import checks
 from hybrid_rl.config.actor import ActorConfig, CriticConfig, RefConfig
 from hybrid_rl.config.algorithm import AlgorithmConfig, RewardConfig
+from hybrid_rl.config.env import EnvConfig
 from hybrid_rl.config.model import DataConfig, ModelConfig
 from hybrid_rl.config.plugins import import_plugins
 from hybrid_rl.config.registered import check_registered, registry
@@ -35,6 +36,8 @@ class Config:
     """Advantage estimator and KL-in-reward."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Reward function and its failure policy."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn, tool-using rollouts (off unless ``env.name`` is set)."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """The driver loop: steps, validation, logging, output."""
 
@@ -102,7 +105,7 @@ class Config:
             section.validate()
         import_plugins(self.trainer.imports, "trainer.imports")  # a Config built in code never went through the loader
         check_registered(self)
-        for section in (self.model, self.algorithm, self.reward, self.trainer):
+        for section in (self.model, self.algorithm, self.reward, self.trainer, self.env):
             section.validate()
         checks.check_overlong(self)
         checks.check_groups(self)
@@ -117,5 +120,6 @@ class Config:
         checks.check_policy_loss(self)
         checks.check_filter_groups(self)
         checks.check_partial(self)
+        checks.check_multi_turn(self)
         checks.check_offload(self)
         return self

@@ -16,6 +16,7 @@ from hybrid_rl.batch import Batch
 from hybrid_rl.data.prompts import PromptDataset, collate_prompts
 from hybrid_rl.data.sampler import PromptSampler
 from hybrid_rl.data.sources import load_rows
+from hybrid_rl.envs.multiturn import env_prompt
 
 
 class PromptFeed:
@@ -26,8 +27,10 @@ class PromptFeed:
         options = getattr(d, d.task, None)  # a synthetic task's own section (data.arith)
         rows = load_rows(d.train_path, d.train_split, d.hub_config, d.task, d.num_synthetic, cfg.trainer.seed,
                          key="data.train_path", options=options)
-        self.dataset = PromptDataset(rows, d.task, tokenizer, d.max_prompt_length, d.truncation, d.system_prompt,
-                                     source=f"data.train_path={d.train_path!r}")
+        system, chat_kwargs = env_prompt(cfg)  # an environment's tools reach the prompt (env.describe_tools)
+        self.dataset = PromptDataset(rows, d.task, tokenizer, d.max_prompt_length, d.truncation, system,
+                                     source=f"data.train_path={d.train_path!r}", template_kwargs=chat_kwargs,
+                                     keep_messages=cfg.env.name is not None)
         self.sampler = PromptSampler(len(self.dataset), d.train_batch_size, rank, world, cfg.trainer.seed, d.shuffle)
         self.pad_token_id = tokenizer.pad_token_id
 

@@ -10,6 +10,7 @@ huge datasets (GSM8K-sized data tokenizes in seconds).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -23,7 +24,9 @@ TRUNCATION_MODES = ("error", "filter", "left", "right")
 
 
 class PromptDataset:
-    """Tokenized prompts of one split; ``__getitem__`` gives ``input_ids``, ``ground_truth``, ``data_source``, ``index``.
+    """Tokenized prompts of one split; ``__getitem__`` gives ``input_ids``, ``ground_truth``, ``data_source``, ``index``
+    (with ``keep_messages``, for multi-turn rollouts, also ``messages`` and the task's ``env_info`` as JSON text).
+    ``template_kwargs`` go to the chat template (an environment's ``tools=``).
 
     ``index`` is the row's position in ``rows`` (stable across filtering), so
     samples can be traced back to the data file. Truncation ``left`` keeps the
@@ -32,9 +35,11 @@ class PromptDataset:
     """
 
     def __init__(self, rows: list[dict[str, Any]], task: str, tokenizer: Any, max_prompt_length: int,
-                 truncation: str = "error", system_prompt: Optional[str] = None, source: str = "the dataset") -> None:
+                 truncation: str = "error", system_prompt: Optional[str] = None, source: str = "the dataset",
+                 template_kwargs: Optional[Mapping[str, Any]] = None, keep_messages: bool = False) -> None:
         """``source`` names the rows' key and file in messages (``data.train_path='train.jsonl'``); a message names
-        a row by its number, counted from 1 in the order of the file."""
+        a row by its number, counted from 1 in the order of the file. ``template_kwargs`` go to the chat template
+        (an environment's tools); ``keep_messages`` keeps each conversation for a multi-turn environment."""
         if truncation not in TRUNCATION_MODES:
             raise DataError(f"data.truncation={truncation!r} is not one of {list(TRUNCATION_MODES)}")
         if max_prompt_length <= 0:
@@ -56,7 +61,7 @@ class PromptDataset:
             messages = list(formatted["messages"])
             if system_prompt is not None:
                 messages = [{"role": "system", "content": system_prompt}] + messages
-            ids = _encode_chat(tokenizer, messages)
+            ids = _encode_chat(tokenizer, messages, template_kwargs or {})
             if len(ids) > max_prompt_length:
                 if truncation == "error":
                     raise DataError(f"data.max_prompt_length={max_prompt_length}: the prompt of row {i + 1} of {source} has "
@@ -67,8 +72,12 @@ class PromptDataset:
                     continue
                 ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
                 self.num_truncated += 1
-            self._items.append({"input_ids": ids, "ground_truth": str(formatted["ground_truth"]),
-                                "data_source": str(formatted["data_source"]), "index": i})
+            item = {"input_ids": ids, "ground_truth": str(formatted["ground_truth"]),
+                    "data_source": str(formatted["data_source"]), "index": i}
+            if keep_messages:  # for environments: the conversation as text, and what the task keeps for them
+                item["messages"] = json.dumps(messages)
+                item["env_info"] = json.dumps(formatted.get("env_info", {}))
+            self._items.append(item)
         if not self._items:
             raise DataError(f"data.max_prompt_length={max_prompt_length}: all {len(rows)} prompts of {source} are longer "
                             f"and were filtered; raise data.max_prompt_length or set data.truncation=left")
@@ -87,8 +96,9 @@ class PromptDataset:
         return {**item, "input_ids": list(item["input_ids"])}
 
 
-def _encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+def _encode_chat(tokenizer: Any, messages: list[dict[str, str]], template_kwargs: Mapping[str, Any]) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                        **template_kwargs)
     # transformers 5 may still hand back a BatchEncoding (a Mapping) from some
     # tokenizers or versions; accept either shape.
     if isinstance(out, Mapping):
@@ -117,6 +127,9 @@ def collate_prompts(items: list[dict[str, Any]], pad_token_id: int) -> Batch:
         "data_source": _object_array([it["data_source"] for it in items]),
         "index": np.asarray([it["index"] for it in items], dtype=np.int64),
     }
+    if "messages" in items[0]:  # multi-turn rollouts (PromptDataset(keep_messages=True)): JSON text per row
+        non_tensors["messages"] = _object_array([it["messages"] for it in items])
+        non_tensors["env_info"] = _object_array([it["env_info"] for it in items])
     return Batch({"input_ids": input_ids, "attention_mask": attention_mask}, non_tensors)
 
 

@@ -3,11 +3,13 @@
 A task knows the fields of its rows (``question``/``answer`` for GSM8K,
 ``digit`` for the synthetic successor task), the user message it shows the
 model, the ground-truth string the reward function compares against, and the
-reward function that fits it by default. Synthetic tasks also generate their own
-rows, so a CPU smoke run needs no data file at all. This module also defines
-``DataError`` because it is the lowest layer of ``hybrid_rl.data``; the other
-modules import it from here. Left out: multi-turn prompts, images, and
-per-row reward-model style metadata (``extra_info`` in verl).
+reward function that fits it by default, and for multi-turn rollouts what an
+environment may read of the row beside the prompt (``env_info``: the ``lookup``
+task's hidden character). Synthetic tasks also generate their own rows, so a CPU smoke
+run needs no data file at all. This module also defines ``DataError`` because it is
+the lowest layer of ``hybrid_rl.data``; the other modules import it from here. Left
+out: multi-turn prompts, images, and per-row reward-model style metadata beyond
+``env_info`` (``extra_info`` in verl).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from . import mul3
 from .answers import extract_answer, extract_integer
 from .arith import ArithConfig, held_out_rows, training_rows
 
@@ -36,8 +39,9 @@ class Task:
     synthetic: bool = False
 
     def format_row(self, row: dict[str, Any], row_id: int) -> dict[str, Any]:
-        """``{"messages": [...], "ground_truth": str, "data_source": name}`` for one row; ``row_id`` is the row's
-        number in messages (``PromptDataset`` counts from 1 and adds the key and file)."""
+        """``{"messages": [...], "ground_truth": str, "data_source": name}`` for one row, optionally with
+        ``"env_info": {...}`` (JSON-able) for the environment of a multi-turn rollout; ``row_id`` is the row's number
+        in messages (``PromptDataset`` counts from 1 and adds the key and file)."""
         raise NotImplementedError
 
     def answer_stats(self, responses: list[str]) -> dict[str, float]:
@@ -187,7 +191,66 @@ class ArithTask(Task):
             raise DataError(str(e)) from None
 
 
-TASKS: dict[str, Task] = {t.name: t for t in (Gsm8kTask(), SuccessorTask(), ArithTask())}
+class LookupTask(Task):
+    """A digit the prompt does not show: only the ``lookup`` tool reveals it, and the answer is that digit.
+
+    Every prompt is the same ``?``; the row's digit is its ground truth and what it keeps for the environment
+    (``env_info["value"]``). The ``lookup`` environment (``envs/builtin.LookupEnv``) scores it: 1 for the digit,
+    but only after its tool revealed it, so a guess earns nothing (the reward function is ``none``). Made for the
+    tiny random-init model (``recipes/cpu_lookup_tool.yaml``): the call is one token of
+    ``builtin:tiny-qwen2-lookup``, whose template writes the result inline, right before the answer."""
+
+    name = "lookup"
+    default_reward = "none"
+    synthetic = True
+    PROMPT = "?"
+
+    def format_row(self, row: dict[str, Any], row_id: int) -> dict[str, Any]:
+        raw = self._field(row, "value", row_id)
+        if isinstance(raw, bool) or not isinstance(raw, int) or not 0 <= raw <= 9:
+            raise DataError(f"row {row_id}: lookup 'value' must be an integer 0-9, got {raw!r}; fix the data")
+        return {"messages": [{"role": "user", "content": self.PROMPT}], "ground_truth": str(raw),
+                "data_source": self.name, "env_info": {"value": raw}}
+
+    def generate(self, num: int, seed: int, options: Any = None) -> list[dict[str, Any]]:
+        if num <= 0:
+            raise DataError(f"data.num_synthetic={num} must be a positive number of rows")
+        rng = np.random.default_rng(seed)
+        return [{"value": int(d)} for d in rng.integers(0, 10, size=num)]
+
+
+class Mul3Task(Task):
+    """Three-digit by three-digit products (``hybrid_rl.data.mul3``), a held-out test set by unordered pair of
+    factors; the question, then the instruction to answer with just the number; the exact-integer reward."""
+
+    name = "mul3"
+    default_reward = "arith"
+    synthetic = True
+
+    answer_stats = ArithTask.answer_stats
+
+    def format_row(self, row: dict[str, Any], row_id: int) -> dict[str, Any]:
+        question = self._field(row, "question", row_id)
+        answer = self._field(row, "answer", row_id)
+        try:
+            truth = int(str(answer).strip())
+        except ValueError:
+            raise DataError(f"row {row_id}: mul3 'answer' must be an integer, got {_short(str(answer))!r}; "
+                            f"fix the data") from None
+        return {"messages": [{"role": "user", "content": f"{question} {ARITH_INSTRUCTION}"}],
+                "ground_truth": str(truth), "data_source": self.name}
+
+    def generate(self, num: int, seed: int, options: Any = None) -> list[dict[str, Any]]:
+        try:
+            return mul3.training_rows(num, seed)
+        except ValueError as e:
+            raise DataError(str(e)) from None
+
+    def held_out(self, options: Any = None) -> list[dict[str, Any]]:
+        return mul3.held_out_rows()
+
+
+TASKS: dict[str, Task] = {t.name: t for t in (Gsm8kTask(), SuccessorTask(), ArithTask(), LookupTask(), Mul3Task())}
 
 
 def get_task(name: str) -> Task:

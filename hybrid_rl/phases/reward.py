@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from hybrid_rl.algorithms.core import response_extent
 from hybrid_rl.batch import Batch
 from hybrid_rl.config import Config
 from hybrid_rl.data.tasks import Task
@@ -28,33 +29,59 @@ from hybrid_rl.tracking import Timer
 
 
 def sparse_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Place each sequence's scalar score on its last response token: [B] → [B, R]."""
+    """Place each sequence's scalar score on its last response token (the last sampled one of a multi-turn
+    trajectory, whose mask has holes): [B] → [B, R]."""
     out = torch.zeros_like(response_mask, dtype=torch.float32)
-    last = (response_mask.sum(dim=1) - 1).clamp(min=0).long()
+    last = (response_extent(response_mask) - 1).clamp(min=0).long()
     out[torch.arange(len(scores)), last] = scores.float().to(out.device)
     return out
 
 
 def decode_responses(batch: Batch, tokenizer) -> list[str]:
+    """The text each reward function scores: the response, or of a multi-turn trajectory its last model turn (the
+    answer after the last tool result; ``turn_ids``)."""
     responses = batch.tensors["responses"].cpu()
-    mask = batch.tensors["response_mask"].cpu().bool()
+    mask = answer_mask(batch).cpu()
     return tokenizer.batch_decode([r[m].tolist() for r, m in zip(responses, mask)], skip_special_tokens=True)
+
+
+def answer_mask(batch: Batch) -> torch.Tensor:
+    """[B, R] bool: the tokens of each response the reward reads (``decode_responses``)."""
+    t = batch.tensors
+    if "turn_ids" not in t:
+        return t["response_mask"].bool()
+    turns = t["turn_ids"]
+    return (turns == turns.amax(dim=1, keepdim=True)) & (turns > 0)
+
+
+def trajectory_texts(batch: Batch, tokenizer) -> list[str]:
+    """Each response whole, observations and special tokens included (a multi-turn trajectory as the model saw it)."""
+    t = batch.tensors
+    width = t["responses"].shape[1]
+    inside = t["attention_mask"][:, -width:].cpu().bool()
+    return tokenizer.batch_decode([r[m].tolist() for r, m in zip(t["responses"].cpu(), inside)],
+                                  skip_special_tokens=False)
 
 
 def sample_records(batch: Batch, tokenizer) -> list[dict]:
     """One JSON-ready record per scored sample: its dataset index, prompt and response text, the response's length in
-    tokens (at ``data.max_response_length``: cut, not finished), ground truth and score."""
+    tokens (at ``data.max_response_length``: cut, not finished), ground truth and score (multi-turn: the
+    response is the last turn, ``trajectory`` the whole conversation after the prompt)."""
     texts = decode_responses(batch, tokenizer)
     ids, mask = batch.tensors["input_ids"].cpu(), batch.tensors["attention_mask"].cpu().bool()
     width = batch.tensors["responses"].shape[1]
     prompts = tokenizer.batch_decode([r[:-width][m[:-width]].tolist() for r, m in zip(ids, mask)],
                                      skip_special_tokens=True)
     nt = batch.non_tensors
-    lengths = batch.tensors["response_mask"].sum(-1).tolist()
-    return [{"index": int(i), "prompt": p, "response": t, "response_length": int(n), "ground_truth": str(g),
-             "score": float(s)}
-            for i, p, t, n, g, s in zip(nt["index"], prompts, texts, lengths, nt["ground_truth"],
-                                        batch.tensors["scores"].tolist())]
+    lengths = response_extent(batch.tensors["response_mask"]).tolist()
+    records = [{"index": int(i), "prompt": p, "response": t, "response_length": int(n), "ground_truth": str(g),
+                "score": float(s)}
+               for i, p, t, n, g, s in zip(nt["index"], prompts, texts, lengths, nt["ground_truth"],
+                                           batch.tensors["scores"].tolist())]
+    if "turn_ids" in batch.tensors:  # multi-turn: the response is the last turn; the whole conversation beside it
+        for record, whole in zip(records, trajectory_texts(batch, tokenizer)):
+            record["trajectory"] = whole
+    return records
 
 
 def compute_scores(batch: Batch, tokenizer, fn: RewardScorer | Callable[[str, str], float],
@@ -69,6 +96,8 @@ def compute_scores(batch: Batch, tokenizer, fn: RewardScorer | Callable[[str, st
     else:
         scores, num_errors = score_responses(fn, texts, truths, on_error)
     score_t = torch.tensor(scores, dtype=torch.float32)
+    if "env_reward" in batch.tensors:  # a multi-turn environment's own rewards add to the reward function's
+        score_t = score_t + batch.tensors["env_reward"].float().cpu()
     token_scores = sparse_scores(score_t, batch.tensors["response_mask"])
     stats = {f"{prefix}/errors": (float(num_errors), 1.0)}
     if task is not None:
@@ -81,7 +110,7 @@ def shape_overlong(batch: Batch, max_response_length: int, buffer_len: int,
     """Add DAPO's overlong penalty to ``token_level_scores`` (on the last response token, with the score); ``scores``
     keeps the reward function's own, so ``reward/mean`` stays comparable across runs. Stat: the mean penalty."""
     mask = batch.tensors["response_mask"]
-    penalty = overlong_penalty(mask.sum(-1), max_response_length, buffer_len, penalty_factor)
+    penalty = overlong_penalty(response_extent(mask), max_response_length, buffer_len, penalty_factor)
     shaped = batch.tensors["token_level_scores"] + sparse_scores(penalty, mask)
     return batch.union(tensors=dict(token_level_scores=shaped)), {"reward/overlong_penalty": (float(penalty.sum()),
                                                                                               float(len(batch)))}

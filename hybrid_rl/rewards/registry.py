@@ -57,6 +57,15 @@ register_reward("arith", arith.compute_score)
 register_reward("arith_strict", arith.compute_score_strict)
 
 
+def no_reward(response: str, ground_truth: str) -> float:
+    """0 for every response: the score is the multi-turn environment's own rewards (``env.name``; the lookup task's
+    default, ``reward.function=none``)."""
+    return 0.0
+
+
+register_reward("none", no_reward)
+
+
 def get_reward_fn(name: str, task: str) -> RewardFn:
     """The reward callable for ``reward.function=name`` under ``data.task=task``."""
     if name == "auto":

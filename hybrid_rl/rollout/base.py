@@ -43,6 +43,11 @@ class SamplingParams:
     response_lengths: tuple[int, ...] | None = None
     """Benchmarks only: force each of the B·n responses to exactly this many tokens, ignoring EOS
     (random-init models never stop on their own, so lengths must be imposed to be realistic)."""
+    stop: tuple[str, ...] = ()
+    """``generate_interruptible``: strings that end a continuation besides EOS (the end of a tool call), kept in its
+    tokens; checked on the text of the tokens it sampled in this call."""
+    stop_token_ids: tuple[int, ...] = ()
+    """``generate_interruptible``: token ids that end a continuation like EOS (a stop string that is one token)."""
 
     @property
     def greedy(self) -> bool:
@@ -78,7 +83,7 @@ class Segment:
     logprobs: list[float] = field(default_factory=list)
     """Log-prob of each new token under the weights that sampled it (``SamplingParams.logprob_temperature``)."""
     finished: bool = False
-    """EOS sampled or no tokens left; False when the interrupt stopped it first."""
+    """EOS (or a stop string or id) sampled or no tokens left; False when the interrupt stopped it first."""
 
 
 class Interrupt(Protocol):

@@ -8,7 +8,9 @@ engine's own seeded ``torch.Generator`` so runs repeat regardless of what else
 consumed the global RNG. ``generate_interruptible`` (partial rollouts) runs the
 same loop over continuations (prompt + earlier response tokens as one left-padded
 context, each row with its own token budget) and polls the interrupt once per
-decoding step. Left out: continuous batching, paged attention and CUDA graphs
+decoding step; it also stops a row at ``SamplingParams.stop_token_ids`` and, checking
+the decoded tail of the row's new tokens each step, at ``SamplingParams.stop``
+(multi-turn rollouts end a turn there). Left out: continuous batching, paged attention and CUDA graphs
 (that is what the vLLM backend is for), and KV reuse across an interrupt (a
 continuation prefills its context again).
 """
@@ -28,8 +30,10 @@ from hybrid_rl.rollout.base import (Continuation, GenerationStream, Interrupt, O
 
 class HFRolloutEngine(RolloutEngine):
     def __init__(self, model: torch.nn.Module, eos_token_ids: list[int], pad_token_id: int, device: torch.device,
-                 max_num_seqs: int = 256, seed: int = 0):
+                 max_num_seqs: int = 256, seed: int = 0, tokenizer: Any = None):
         self.model = model.to(device).eval()
+        self.tokenizer = tokenizer
+        """Decodes the tail of each continuation for ``SamplingParams.stop`` (None: stop strings are refused)."""
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.device = device
@@ -51,7 +55,8 @@ class HFRolloutEngine(RolloutEngine):
         # sharding manager overwrites it with the actor's weights before first use.
         model = load_causal_lm(cfg.model.path, resolve_dtype(cfg.rollout_dtype, dist.device), cfg.model.trust_remote_code)
         engine = cls(model, [tokenizer.eos_token_id], tokenizer.pad_token_id, dist.device,
-                     max_num_seqs=cfg.rollout.max_num_seqs, seed=cfg.trainer.seed + 1000 * dist.rank)
+                     max_num_seqs=cfg.rollout.max_num_seqs, seed=cfg.trainer.seed + 1000 * dist.rank,
+                     tokenizer=tokenizer)
         engine.gen_stream = GenerationStream(dist.device, cfg.rollout.cuda_stream)
         return engine
 
@@ -140,7 +145,8 @@ class HFRolloutEngine(RolloutEngine):
         b = ids.shape[0]
         pos = position_ids_from_mask(mask)
         next_pos = mask.sum(dim=1)  # [b] position of the first generated token
-        eos = torch.tensor(self.eos_token_ids, device=self.device)
+        eos = torch.tensor(self.eos_token_ids + list(params.stop_token_ids), device=self.device)
+        stop_text = _StopText(params.stop, self.tokenizer, b) if params.stop else None
         finished = torch.zeros(b, dtype=torch.bool, device=self.device)
         counts = torch.zeros(b, dtype=torch.long, device=self.device)
         tokens, logprobs = [], []
@@ -156,6 +162,8 @@ class HFRolloutEngine(RolloutEngine):
             before = finished
             # forced lengths (benchmarks): EOS is just another token
             finished = finished | (torch.isin(tok, eos) & stop_on_eos) | (limits <= step + 1)
+            if stop_text is not None:
+                finished = finished | stop_text.hit(tok, before, self.device)
             if on_finish is not None and bool((finished & ~before).any()):
                 on_finish(torch.nonzero(finished & ~before).flatten().tolist())
             if bool(finished.all()) or (interrupt is not None and interrupt.is_set()):
@@ -223,3 +231,28 @@ class HFRolloutEngine(RolloutEngine):
                 filtered[drop] = float("-inf")
             tok = torch.multinomial(filtered.softmax(-1), 1, generator=self.generator).squeeze(-1)
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+class _StopText:
+    """``SamplingParams.stop`` for the decoding loop: each row's tokens of this call, and whether the text of its
+    last few tokens holds a stop string (a string spans at most as many tokens as it has characters, plus one for a
+    token that ends in its first character)."""
+
+    def __init__(self, stops: Sequence[str], tokenizer: Any, rows: int):
+        if tokenizer is None:
+            raise ValueError("SamplingParams.stop needs the engine's tokenizer (HFRolloutEngine(tokenizer=...))")
+        self.stops, self.tokenizer = tuple(stops), tokenizer
+        self.window = max(len(s) for s in self.stops) + 1
+        self.rows: list[list[int]] = [[] for _ in range(rows)]
+
+    def hit(self, tok: torch.Tensor, done: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """[b] bool: the rows not ``done`` before this step whose latest tokens complete a stop string."""
+        out = [False] * len(self.rows)
+        for i, (t, d) in enumerate(zip(tok.tolist(), done.tolist())):
+            if d:
+                continue
+            row = self.rows[i]
+            row.append(t)
+            tail = self.tokenizer.decode(row[-self.window:], skip_special_tokens=False)
+            out[i] = any(s in tail for s in self.stops)
+        return torch.tensor(out, dtype=torch.bool, device=device)

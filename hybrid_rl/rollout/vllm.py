@@ -20,7 +20,9 @@ Prompts go in as token ids (left padding removed with the attention mask),
 responses come back as token ids plus the log-prob of each sampled token under
 ``logprobs_mode="processed_logprobs"``: the temperature-scaled distribution the
 token was drawn from, which is what the trainer recomputes with ``logits / T``
-(greedy reports T=1). Stopping is on the tokenizer's EOS or ``max_tokens`` only:
+(greedy reports T=1). Stopping is on the tokenizer's EOS or ``max_tokens`` (and, for the turns of multi-turn
+rollouts, on ``SamplingParams.stop_token_ids`` and ``stop``, the latter matched on detokenized text with the stop
+string kept: the token ids stay those sampled, the one completing the string the last):
 ``generation_config="vllm"`` keeps the checkpoint's generation config (extra
 EOS ids, sampling defaults) out, so vLLM and the hf engine stop alike.
 Everything trainer-facing is built by ``assemble_rollout``.
@@ -222,12 +224,15 @@ def sampling_kwargs(params: SamplingParams, eos_token_ids: Sequence[int], ignore
         top_p=1.0 if greedy else float(params.top_p),
         top_k=0 if greedy or params.top_k <= 0 else int(params.top_k),  # vLLM: 0 = off
         max_tokens=int(params.max_tokens),
-        stop_token_ids=[] if ignore_eos else list(eos_token_ids),  # vLLM's ignore_eos leaves stop ids active
+        # vLLM's ignore_eos leaves stop ids active
+        stop_token_ids=[] if ignore_eos else list(eos_token_ids) + list(params.stop_token_ids),
         ignore_eos=bool(ignore_eos),
         logprobs=0,  # the sampled token's log-prob only
         flat_logprobs=True,  # one flat list per sequence instead of a dict per token
         detokenize=False,
     )
+    if params.stop and not ignore_eos:  # stop strings are matched on text: vLLM detokenizes for them
+        kw.update(stop=list(params.stop), include_stop_str_in_output=True, detokenize=True)
     if not flat_logprobs:  # a vLLM without the field: the classic list of dicts comes back
         del kw["flat_logprobs"]
     return kw

@@ -155,8 +155,14 @@ class ActorRolloutRefWorker:
                 self.ref = FrozenReference(ref_engine, offload=cfg.ref.offload)
         self.rollout: RolloutEngine | None = None
         self.sharding_manager: ShardingManager | None = None
+        self.multi_turn = None
+        """``env.name`` set: the multi-turn rollout loop ``generate`` runs on the engine (``envs/multiturn.py``)."""
         if self.is_rollout:
             self.rollout = self._build_rollout()
+            if cfg.env.name is not None:
+                from hybrid_rl.envs.multiturn import MultiTurnRollout
+
+                self.multi_turn = MultiTurnRollout(cfg, self.tokenizer, self.rollout.eos_token_ids)
             if self.actor is not None:
                 r = cfg.rollout
                 self.sharding_manager = ShardingManager(
@@ -201,7 +207,10 @@ class ActorRolloutRefWorker:
         if self.cfg.rollout.forced_lengths and not validate:
             params = dataclasses.replace(params, response_lengths=self.forced_lengths(len(prompts) * params.n))
         version = self.rollout.weights_version
-        out = self.rollout.generate(prompts, params)
+        if self.multi_turn is not None:  # conversations with the environment, turn by turn
+            out = self.multi_turn.generate(self.rollout, prompts, params, version)
+        else:
+            out = self.rollout.generate(prompts, params)
         # every sample records the weight version that produced it (staleness accounting)
         versions = torch.full((len(out),), -1 if version is None else version, dtype=torch.long)
         return out.union(tensors=dict(weight_version=versions.to(out.tensors["responses"].device)),
