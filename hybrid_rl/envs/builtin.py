@@ -1,5 +1,6 @@
-"""The built-in tools, ``calculator`` (arithmetic, evaluated safely) and ``lookup`` (a value hidden in the row), and
-the ``lookup`` environment that scores the lookup task.
+"""The built-in tools, ``calculator`` (arithmetic, evaluated safely), ``python`` (a snippet run in the subprocess
+sandbox of ``sandbox.py``, Linux only) and ``lookup`` (a value hidden in the row), and the ``lookup`` environment
+that scores the lookup task.
 
 ``calculator`` parses the expression with ``ast`` and evaluates only numbers, parentheses and the arithmetic
 operators (``+ - * / // % **``, unary ``+ -``): no names, calls or attributes, so nothing but arithmetic can run,
@@ -18,6 +19,7 @@ import operator
 
 from hybrid_rl.envs.base import EnvRow, StepResult
 from hybrid_rl.envs.calls import Call
+from hybrid_rl.envs.sandbox import SandboxResult, run_python
 from hybrid_rl.envs.tool_env import ToolEnv
 from hybrid_rl.envs.tools import tool
 
@@ -83,6 +85,16 @@ def calculator(expression: str) -> str:
         expression: The expression, with numbers, + - * / // % ** and parentheses, e.g. 123*456.
     """
     return format_number(evaluate(expression))
+
+
+@tool
+def python(code: str) -> SandboxResult:
+    """Run a short Python program (standard library only) and return what it prints.
+
+    Args:
+        code: The program; print the values you need, e.g. print(123*456).
+    """
+    return run_python(code)
 
 
 @tool

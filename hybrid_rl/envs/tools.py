@@ -238,4 +238,5 @@ def _short(text: str, limit: int) -> str:
 
 
 register_tool("hybrid_rl.envs.builtin:calculator", name="calculator")
+register_tool("hybrid_rl.envs.builtin:python", name="python")
 register_tool("hybrid_rl.envs.builtin:lookup", name="lookup")

@@ -7,6 +7,7 @@ The expected texts and kinds are written out here, from the formats' documented 
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 
@@ -256,3 +257,21 @@ def test_calculator_evaluates_arithmetic(expression, value):
 def test_calculator_refuses_anything_but_bounded_arithmetic(expression):
     with pytest.raises(ValueError):
         evaluate(expression)
+
+
+# --------------------------------------------------------------------------- the python tool (the sandbox)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox runs on Linux only")
+@pytest.mark.parametrize("code, text, kinds", [
+    ("print(123 * 456)", "56088", []),                   # 56088 worked by hand
+    ("while True: pass", "error:", ["tool_reported"]),  # killed at its CPU or wall-clock limit
+    ("raise SystemExit(3)", "error:", ["tool_reported"]),
+])
+def test_python_tool_runs_in_the_sandbox_and_faults_are_observations(code, text, kinds):
+    from hybrid_rl.envs.tools import run_tool
+
+    t = TOOLS.get("python")
+    args = check_arguments(t, {"code": code})
+    start = time.monotonic()
+    out = run_tool(t, args, ROW, timeout_s=30.0, max_chars=2000)
+    assert time.monotonic() - start < 20
+    assert text in out.text and out.errors == kinds
