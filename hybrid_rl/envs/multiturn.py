@@ -28,7 +28,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -78,9 +78,12 @@ class Trajectory:
 def env_rows(prompts: Batch) -> list[EnvRow]:
     """The data rows of a prompt batch (``collate_prompts`` keeps ``messages``/``env_info`` for environments)."""
     nt = prompts.non_tensors
+    if "messages" not in nt:
+        raise ValueError("multi-turn rollouts need each prompt's chat messages: build the prompts with "
+                         "PromptDataset(..., keep_messages=True) (the trainer does when env.name is set)")
     rows = []
     for i in range(len(prompts)):
-        messages = json.loads(nt["messages"][i]) if "messages" in nt else []
+        messages = json.loads(nt["messages"][i])
         info = json.loads(nt["env_info"][i]) if "env_info" in nt else {}
         rows.append(EnvRow(int(nt["index"][i]) if "index" in nt else i, str(nt["ground_truth"][i]),
                            str(nt["data_source"][i]) if "data_source" in nt else "", tuple(messages), info))
@@ -121,8 +124,6 @@ class MultiTurnRollout:
         _, kwargs = env_prompt(cfg)
         self.renderer = TurnRenderer(tokenizer, kwargs, cfg.env.observation_role, label, self.eos)
         self.stop_strings, self.stop_ids = self._stops(self.env_cls.stop_strings(cfg.env))
-        self.last_stats: dict[str, float] = {}
-        """Figures of the latest ``generate``: seconds in the engine, in the environments, turns run."""
 
     def _stops(self, strings: Sequence[str]) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """The strings that end a turn, and the ids of those that are one token (an engine checks ids cheaply)."""
@@ -173,8 +174,6 @@ class MultiTurnRollout:
         if timer is not None:
             timer.daemon = True
             timer.start()
-        engine_s = env_s = 0.0
-        turns = 0
         try:
             for turn in range(1, opts.max_turns + 1):
                 active = [t for t in trajs if not t.done]
@@ -182,10 +181,7 @@ class MultiTurnRollout:
                     for t in active:
                         t.stop = "timeout"
                     break
-                turns = turn
-                t0 = time.monotonic()
                 segments = engine.generate_interruptible([self._request(t) for t in active], turn_params, interrupt)
-                engine_s += time.monotonic() - t0
                 for t, seg in zip(active, segments):
                     t.add_turn(seg.tokens, seg.logprobs)
                     if not seg.finished:  # the rollout's time ran out during this turn
@@ -193,10 +189,8 @@ class MultiTurnRollout:
                     elif len(t.tokens) >= self.budget:
                         t.stop = "budget"
                 stepping = [t for t in active if not t.done]
-                t0 = time.monotonic()
                 outcomes = run_parallel([lambda t=t: t.env.step(self.renderer.turn_text(t.last_turn))
                                          for t in stepping], opts.workers, deadline)
-                env_s += time.monotonic() - t0
                 for t, out in zip(stepping, outcomes):
                     self._answer(t, out, last=turn == opts.max_turns)
         finally:
@@ -207,8 +201,6 @@ class MultiTurnRollout:
                     t.env.close()
                 except Exception:
                     t.errors["env_raised"] += 1
-        self.last_stats = {"seconds": time.monotonic() - start, "engine_s": engine_s, "env_s": env_s,
-                           "turns": float(turns)}
         return assemble_trajectories(prompts, trajs, params.n, self.tokenizer.pad_token_id,
                                      -1 if version is None else version)
 
