@@ -120,3 +120,18 @@ def kill_tree(proc: subprocess.Popen) -> None:
         pass
     proc.wait()
     time.sleep(3)  # let the driver release the GPU memory
+
+
+def read_rows(run: Path) -> list[dict]:
+    """A run's ``metrics.jsonl`` as one dict per step (rows logged for one step, e.g. a validation, merged)."""
+    import json
+
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    by_step: dict[int, dict] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            by_step.setdefault(int(r["step"]), {}).update(r)
+    return [by_step[s] for s in sorted(by_step)]

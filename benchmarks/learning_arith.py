@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_common import ROOT, git_commit, gpu_short_name, kill_tree, run_dir  # noqa: E402
+from benchmarks.bench_common import ROOT, git_commit, gpu_short_name, kill_tree, read_rows, run_dir  # noqa: E402
 
 RECIPE = "recipes/arith_grpo_smollm2.yaml"
 OVERLAP = ["trainer.mode=overlap", "trainer.max_staleness=1"]
@@ -93,18 +93,6 @@ def run_mode(mode: str, gpus: int, steps: int, out: Path, overrides: list[str], 
     wall = time.time() - start
     print(json.dumps({"mode": mode, "rc": rc, "wall_s": round(wall, 1), "log": str(run_dir / "train.log")}), flush=True)
     return {"rc": rc, "wall_s": wall, "command": " ".join(cmd[1:])}
-
-
-def read_rows(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    by_step: dict[int, dict] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            by_step.setdefault(int(r["step"]), {}).update(r)
-    return [by_step[s] for s in sorted(by_step)]
 
 
 def arith_split(run: Path) -> str | None:

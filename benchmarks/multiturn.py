@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_common import ROOT, git_commit, gpu_short_name, kill_tree  # noqa: E402
+from benchmarks.bench_common import ROOT, git_commit, gpu_short_name, kill_tree, read_rows  # noqa: E402
 
 GPU_RECIPE = "recipes/calc_grpo_smollm2.yaml"
 CPU_RECIPE = "recipes/cpu_lookup_tool.yaml"
@@ -73,18 +73,6 @@ def train(name: str, recipe: str, steps: int, out: Path, overrides: list[str], t
     wall = time.time() - start
     print(json.dumps({"run": name, "rc": rc, "wall_s": round(wall, 1), "log": str(run_dir / "train.log")}), flush=True)
     return {"rc": rc, "wall_s": wall, "command": " ".join(cmd[1:])}
-
-
-def read_rows(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    by_step: dict[int, dict] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            by_step.setdefault(int(r["step"]), {}).update(r)
-    return [by_step[s] for s in sorted(by_step)]
 
 
 def se(p: float | None, n: int) -> float | None:
