@@ -2,7 +2,9 @@
 
 Reward functions see text (response, ground truth) and return a float; this
 module turns a rollout batch into ``token_level_scores`` [B, R] (sparse: the
-score sits on the last real response token, as in verl), counts failures
+score sits on the last real response token, as in verl; of a multi-turn
+trajectory the reward function reads the last model turn, the score sits on
+its last sampled token and the environment's own rewards are added), counts failures
 when ``reward.on_error=zero`` and shapes the training reward of overlong responses
 (``reward.overlong_buffer_len``). The scoring itself (in this process, or in worker
 processes with ``reward.timeout_s`` for user functions) is ``RewardScorer``'s.
