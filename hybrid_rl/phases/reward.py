@@ -3,7 +3,9 @@ shape the training reward of overlong responses, and with ``algorithm.filter_gro
 the groups of equal rewards, refill with fresh ones).
 
 Reward functions see text (response, ground truth) and return a float; this module turns a rollout batch into
-``token_level_scores`` [B, R] (sparse: the score sits on the last real response token, as in verl), counts failures
+``token_level_scores`` [B, R] (sparse: the score sits on the last real response token, as in verl; of a multi-turn
+trajectory the reward function reads the last model turn, the score sits on its last sampled token and the
+environment's own rewards are added), counts failures
 when ``reward.on_error=zero``, and reports (sum, count) ``reward/*`` stats under the ``timing/reward`` timer. Running
 the functions (in this process, or in worker processes with ``reward.timeout_s`` for user functions) is
 ``RewardScorer``'s (``hybrid_rl.rewards``); validation scores through ``compute_scores`` too. Left out: model-based
