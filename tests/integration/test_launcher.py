@@ -61,7 +61,9 @@ def test_launcher_rank_user_error_is_one_line_on_two_ranks(tmp_path):
 @pytest.mark.slow
 def test_launcher_crash_keeps_traceback_and_torchrun_report(tmp_path):
     crash = tmp_path / "crash_reward.py"  # a bug, not a user error: escapes every handler
-    crash.write_text("class Crash(BaseException):\n    pass\n\nraise Crash('boom')\n")
+    # it crashes when a rank imports it: the pre-flight's import in the launcher (no RANK) finds a valid function
+    crash.write_text("import os\n\nclass Crash(BaseException):\n    pass\n\nif 'RANK' in os.environ:\n"
+                     "    raise Crash('boom')\n\ndef score(response, ground_truth):\n    return 0.0\n")
     proc = _launch("--nproc", "1", RECIPE, f"reward.function={crash}:score", f"trainer.output_dir={tmp_path}/run", *FAST)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" in proc.stderr and "Crash: boom" in proc.stderr, proc.stderr[-3000:]
