@@ -5,11 +5,14 @@ runs exactly that (one rank, the recipe's 64 prompts x 16 samples of a 2-layer m
 the median of every ``timing/*`` phase over the steps after the warm-up:
 
   current              the recipe as shipped (the engine stays awake between rollouts, ``rollout.free_cache_engine:
-                       false``; the actor packs micro-batches only where flash-attention's varlen kernel runs, so a
-                       float32 model on CUDA runs padded)
-  small_pool           as current, with the engine's pool at 5% of the GPU (``rollout.vllm.gpu_memory_utilization=0.05``
-                       instead of 0.5): a 2-layer model's KV cache needs a few MB, and vLLM walks its whole pool of
-                       blocks when the prefix cache is reset after each push
+                       false``; its KV cache sized to what 256 sequences of 36 tokens take, ``rollout.vllm.
+                       fit_kv_cache``; the actor packs micro-batches only where flash-attention's varlen kernel runs,
+                       so a float32 model on CUDA runs padded)
+  share_pool           as current, with the KV cache filling the engine's share (``rollout.vllm.fit_kv_cache=false``,
+                       half of the GPU): millions of blocks for a 2-layer model, which vLLM walks one by one when the
+                       prefix cache is reset after each push
+  small_share_pool     as share_pool with a tenth of that share (``rollout.vllm.gpu_memory_utilization=0.05``): whether
+                       generation's cost follows the number of blocks
   sleep_and_pack       the engine woken and put to sleep every step (``rollout.free_cache_engine=true``) and the
                        float32 actor packed (``actor.use_remove_padding=true``): the settings the two defaults replace
 
@@ -36,7 +39,8 @@ from bench_common import git_commit, gpu_short_name  # noqa: E402
 
 VARIANTS = {
     "current": [],
-    "small_pool": ["rollout.vllm.gpu_memory_utilization=0.05"],
+    "share_pool": ["rollout.vllm.fit_kv_cache=false"],
+    "small_share_pool": ["rollout.vllm.fit_kv_cache=false", "rollout.vllm.gpu_memory_utilization=0.05"],
     "sleep_and_pack": ["rollout.free_cache_engine=true", "actor.use_remove_padding=true"],
 }
 BASE = ["trainer.device=auto", "rollout.name=vllm"]

@@ -31,6 +31,8 @@ from hybrid_rl.planner.shape import read_shape  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "gsm8k_grpo.yaml"
 M15 = "model.path=builtin:qwen2.5-1.5b-random"
+SHARE_POOL = "rollout.vllm.fit_kv_cache=false"
+"""The flagship runs predate ``rollout.vllm.fit_kv_cache``: vLLM's KV cache filled its share."""
 # the flagship recipe before its memory levers (46cdd3a, cba16b7): recomputation, micro-batches of 16 / 32 sequences
 OLD = ["model.enable_gradient_checkpointing=true", "actor.use_dynamic_bsz=false", "actor.accumulate_unsharded=false",
        "actor.share_prompts=false"]
@@ -58,9 +60,9 @@ class Row:
 
 
 ROWS = [
-    Row("flagship_H200x4", "076941d", "trainer peak, levers on", [M15]),
-    Row("flagship_H200x4", "076941d", "engine pool", [M15], which="engine"),
-    Row("flagship_H100x1", "cba16b7", "trainer peak, padded, unfused", [M15, "data.train_batch_size=64",
+    Row("flagship_H200x4", "076941d", "trainer peak, levers on", [M15, SHARE_POOL]),
+    Row("flagship_H200x4", "076941d", "engine pool", [M15, SHARE_POOL], which="engine"),
+    Row("flagship_H100x1", "cba16b7", "trainer peak, padded, unfused", [M15, SHARE_POOL, "data.train_batch_size=64",
         "actor.ppo_mini_batch_size=16", *OLD, *UNPACKED], less_gib=ENGINE_POOL_H100_GIB),
     Row("update_step_H200x4_qwen2.5-1.5b-random", "padded", "padded, unfused", [M15, *OLD, *UNPACKED]),
     Row("update_step_H200x4_qwen2.5-1.5b-random", "packed+fused", "packed+fused", [M15, *OLD]),
@@ -105,9 +107,9 @@ def measured(row: Row, doc: dict) -> tuple[float, list[str]]:
 
 def predicted(overrides: list[str], gpus: int, gib: float, which: str) -> float:
     cfg = load_config(str(RECIPE), overrides)
-    if which == "engine":
-        return cfg.rollout.engine_memory().gpu_share * gib
     all_phases = phases(cfg, read_shape(cfg.model.path), gpus, gib * GIB)
+    if which == "engine":
+        return next(p for p in all_phases if p.name == "generation").terms["engine (awake)"] / GIB
     return max(p.total for p in all_phases if p.name not in ("weight push", "generation")) / GIB
 
 

@@ -181,12 +181,16 @@ def slice_of(tokens: int, sp: int) -> int:
 
 def engine_bytes(cfg: "Config", shape: ModelShape, gpu_bytes: float, rank_seqs: int) -> float:
     """The awake engine: the share of the GPU it reserves (vLLM's), or else what it holds: its weights, KV cache and
-    one step's logits (the transformers engine's)."""
-    share = cfg.rollout.engine_memory().gpu_share
-    if share is not None:
-        return share * gpu_bytes
-    wb = 4 if cfg.rollout_dtype == "float32" or (cfg.rollout_dtype == "auto" and cfg.model.dtype == "float32") else 2
+    one step's logits (the transformers engine's; vLLM's with its KV cache fitted, its 16-bit weights split over its
+    tensor-parallel GPUs)."""
+    mem = cfg.rollout.engine_memory()
+    fitted = mem.fitted_kv_bytes(cfg, shape, gpu_bytes) if mem.fitted_kv_bytes is not None else None
     seqs = min(cfg.rollout.max_num_seqs, rank_seqs)
+    if fitted is not None:
+        return shape.params * 2 / mem.tensor_parallel + fitted + cfg.rollout.max_num_seqs * shape.vocab * 4
+    if mem.gpu_share is not None:
+        return mem.gpu_share * gpu_bytes
+    wb = 4 if cfg.rollout_dtype == "float32" or (cfg.rollout_dtype == "auto" and cfg.model.dtype == "float32") else 2
     kv = seqs * seq_len(cfg) * shape.layers * 2 * shape.kv_dim * wb
     return shape.params * wb + kv + seqs * shape.vocab * 4
 

@@ -17,7 +17,7 @@ on an engine's name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
 from hybrid_rl.registry import Registry
@@ -62,6 +62,9 @@ class EngineMemory:
     """The dotted key that sets ``gpu_share``: the planner's fix when a phase does not fit."""
     tensor_parallel: int = 1
     """GPUs one engine's weights are split over."""
+    fitted_kv_bytes: Optional[Callable[..., Optional[int]]] = field(default=None, compare=False)
+    """``(cfg, shape, gpu_bytes) -> bytes or None``: the KV cache per GPU when the engine sizes it to what it can
+    hold at once rather than to its share (None from the call: the share; no callable: the engine never does)."""
 
 
 ROLLOUT_ENGINES: "Registry[type[RolloutEngine]]" = Registry("rollout.name")

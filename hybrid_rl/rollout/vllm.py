@@ -70,12 +70,13 @@ import io
 import os
 import socket
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
 from hybrid_rl.batch import Batch
 from hybrid_rl.models import ModelLoadError, resolve_dtype, resolve_model_path
+from hybrid_rl.planner.shape import ShapeError, read_shape
 from hybrid_rl.rollout.base import (Continuation, GenerationStream, Interrupt, OnFinish, RolloutEngine, SamplingParams,
                                     Segment, assemble_rollout, on_generation_stream, pad_rows)
 from hybrid_rl.rollout.vllm_process import (_rpc_die_with_parent, cuda_ipc_handle, engine_process_env, rebuild_ipc,
@@ -352,9 +353,9 @@ def segment_of(output: Any, finished: bool) -> Segment:
     return Segment(toks, [float(x) for x in sampled_logprobs(toks, output.logprobs)], finished)
 
 
-def engine_kwargs(cfg, dist) -> dict[str, Any]:
+def engine_kwargs(cfg, dist, gpu_bytes: Optional[int] = None) -> dict[str, Any]:
     """``vllm.LLM`` arguments for this rank from the config tree (pure: no vLLM needed); ``rollout.vllm.engine_kwargs``
-    is given over them."""
+    is given over them. ``gpu_bytes``: the GPU's memory, for ``rollout.vllm.fit_kv_cache`` (None: not fitted)."""
     r, o, d = cfg.rollout, cfg.rollout.vllm, cfg.data
     tp = o.tensor_parallel_size
     if tp < 1 or dist.world_size % tp:
@@ -381,7 +382,20 @@ def engine_kwargs(cfg, dist) -> dict[str, Any]:
         generation_config="vllm",  # stop on our EOS only; no sampling defaults from the checkpoint
         seed=cfg.trainer.seed + 1000 * dp_rank,  # one stream per engine replica, shared inside a TP group
     )
+    kv_bytes = fitted_kv_cache_bytes(cfg, gpu_bytes) if gpu_bytes else None
+    if kv_bytes is not None:
+        built["kv_cache_memory_bytes"] = kv_bytes  # vLLM then takes this, not the share, for its KV cache
     return {**built, **o.engine_kwargs}
+
+
+def fitted_kv_cache_bytes(cfg, gpu_bytes: int) -> Optional[int]:
+    """``rollout.vllm.fit_kv_cache``'s KV cache for the model ``model.path`` names on a GPU of ``gpu_bytes`` (None:
+    the share, also for a model whose shape cannot be read)."""
+    try:
+        shape = read_shape(cfg.model.path)
+    except ShapeError:
+        return None
+    return cfg.rollout.vllm.fitted_kv_cache_bytes(cfg, shape, gpu_bytes)
 
 
 def check_memory_budget(utilization: float, free_bytes: int, total_bytes: int) -> None:
@@ -431,14 +445,17 @@ class VLLMRolloutEngine(RolloutEngine):
     @classmethod
     def from_config(cls, cfg, dist, tokenizer, **llm_overrides: Any) -> "VLLMRolloutEngine":
         vllm = import_vllm()
-        kwargs = {**engine_kwargs(cfg, dist), **llm_overrides}
         own_process = cfg.rollout.vllm.engine_process
         if not own_process:
             _ensure_launcher_env(dist)
+        total = None
         if dist.device.type == "cuda":
             torch.cuda.set_device(dist.device)
             torch.cuda.empty_cache()  # vLLM sizes itself from the free memory
-            check_memory_budget(kwargs["gpu_memory_utilization"], *torch.cuda.mem_get_info(dist.device))
+            free, total = torch.cuda.mem_get_info(dist.device)
+        kwargs = {**engine_kwargs(cfg, dist, total), **llm_overrides}
+        if total is not None:
+            check_memory_budget(kwargs["gpu_memory_utilization"], free, total)
         if own_process:
             # an in-process engine built earlier in this process froze vLLM's environment (vllm.envs' cache)
             getattr(getattr(vllm, "envs", None), "disable_envs_cache", lambda: None)()

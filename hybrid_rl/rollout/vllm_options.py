@@ -16,6 +16,7 @@ from hybrid_rl.rollout import EngineMemory
 
 if TYPE_CHECKING:
     from hybrid_rl.config import Config
+    from hybrid_rl.planner.shape import ModelShape
 
 HARMLESS = {"resume": "harmless"}
 """A field a resume may change, as ``hybrid_rl.config.fields.harmless`` marks it (spelt out: the config package
@@ -43,6 +44,14 @@ class VLLMOptions:
     passes run 2.3-5x slower beside an in-process engine thread. Weights are pushed as CUDA IPC handles (no copy
     through the host); the engine's own memory is not in this process's ``perf/`` figures. Needs
     ``tensor_parallel_size=1`` and ``rollout.cuda_stream=shared``; costs a second CUDA context (~0.5 GB) per GPU."""
+    fit_kv_cache: bool = field(default=True, metadata=HARMLESS)
+    """Size the KV cache to the most the engine can hold at once, ``max_num_seqs`` sequences of ``max_model_len``
+    tokens (vLLM's ``kv_cache_memory_bytes``), when that is under half of what ``gpu_memory_utilization``'s share
+    leaves beside the weights; otherwise vLLM fills the share. A small model in a large share would otherwise get
+    millions of KV blocks, which vLLM builds at start-up and walks one by one in Python at every prefix-cache reset
+    (after each weight push), and the rest of the share would sit idle instead of serving the trainer. The estimate
+    counts full attention in every layer (a Qwen2/Llama-style decoder); set false for a model with other state per
+    sequence (e.g. Mamba layers), where vLLM refuses a cache too small to hold one sequence."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """More keyword arguments for ``vllm.LLM(...)`` (e.g. ``swap_space``, ``quantization``), given over the ones built
     from this tree (as verl's ``engine_kwargs.vllm``); unchecked, passed as they are. An fp8 KV cache
@@ -53,9 +62,24 @@ class VLLMOptions:
 
     def memory(self) -> EngineMemory:
         """The planner's view: vLLM reserves ``gpu_memory_utilization`` of each GPU, its weights split over
-        ``tensor_parallel_size`` of them."""
+        ``tensor_parallel_size`` of them, unless ``fitted_kv_cache_bytes`` sizes its KV cache instead."""
         return EngineMemory(gpu_share=self.gpu_memory_utilization, gpu_share_key="rollout.vllm.gpu_memory_utilization",
-                            tensor_parallel=self.tensor_parallel_size)
+                            tensor_parallel=self.tensor_parallel_size, fitted_kv_bytes=self.fitted_kv_cache_bytes)
+
+    def fitted_kv_cache_bytes(self, cfg: "Config", shape: "ModelShape", gpu_bytes: float) -> Optional[int]:
+        """The KV cache ``fit_kv_cache`` gives one GPU of an engine of ``shape`` (bytes), or None where vLLM sizes
+        it to its share: ``max_num_seqs`` sequences of ``max_model_len`` tokens, each rounded up by 256 tokens (vLLM
+        allocates whole blocks), over every layer's keys and values in 16-bit (an fp8 cache passed through
+        ``engine_kwargs`` needs half), with the key/value heads split over ``tensor_parallel_size``."""
+        if not self.fit_kv_cache:
+            return None
+        tp = self.tensor_parallel_size
+        full = self.max_model_len or (cfg.data.max_prompt_length + cfg.data.max_response_length)
+        head_dim = shape.hidden // shape.heads
+        per_token = shape.layers * 2 * max(1, shape.kv_heads // tp) * head_dim * 2
+        need = cfg.rollout.max_num_seqs * (full + 256) * per_token
+        room = self.gpu_memory_utilization * gpu_bytes - shape.params * 2 / tp
+        return need if need <= room / 2 else None
 
     def validate(self, cfg: "Config", world_size: int, in_use: bool) -> None:
         """These keys, and the rest of ``cfg`` as vLLM needs it when ``in_use`` (``rollout.name`` picks vLLM); otherwise

@@ -564,6 +564,32 @@ def test_engine_kwargs_from_config():
         vr.engine_kwargs(cfg, DistInfo(0, 3, 0, torch.device("cpu")))
 
 
+def test_engine_kwargs_fit_the_kv_cache_to_what_the_engine_holds():
+    """``rollout.vllm.fit_kv_cache``: ``kv_cache_memory_bytes`` is ``max_num_seqs`` sequences of ``max_model_len``
+    (+ 256 tokens of block rounding) over every layer's keys and values in 16-bit, the key/value heads split over the
+    tensor-parallel GPUs; nothing where that would take over half of the share beside the weights, where it is off,
+    without a GPU size, or where ``engine_kwargs`` names its own."""
+    one = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    h200 = 140 * 2**30
+    tiny = ["model.path=builtin:tiny-qwen2", "rollout.max_num_seqs=256", "data.max_prompt_length=32",
+            "data.max_response_length=4"]
+    # the tiny model: 2 layers x (K, V) x 2 heads x 16 dims x 2 bytes = 256 bytes a token
+    assert vr.engine_kwargs(_cfg(*tiny), one, h200)["kv_cache_memory_bytes"] == 256 * (32 + 4 + 256) * 256
+    assert "kv_cache_memory_bytes" not in vr.engine_kwargs(_cfg(*tiny), one)  # no GPU: vLLM's own sizing
+    assert "kv_cache_memory_bytes" not in vr.engine_kwargs(_cfg(*tiny, "rollout.vllm.fit_kv_cache=false"), one, h200)
+    own = vr.engine_kwargs(_cfg(*tiny, "rollout.vllm.engine_kwargs.kv_cache_memory_bytes=1000"), one, h200)
+    assert own["kv_cache_memory_bytes"] == 1000
+    # Qwen2.5-7B: 28 layers x (K, V) x 4 heads x 128 dims x 2 bytes = 57,344 bytes a token; at tensor parallel 2 each
+    # GPU holds 2 of the 4 heads
+    seven = ["model.path=builtin:qwen2.5-7b-random", "rollout.max_num_seqs=64", "data.max_prompt_length=512",
+             "data.max_response_length=1024", "rollout.vllm.tensor_parallel_size=2"]
+    two = DistInfo(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    assert vr.engine_kwargs(_cfg(*seven), two, h200)["kv_cache_memory_bytes"] == 64 * (1536 + 256) * 57344 // 2
+    # 256 sequences of 16k tokens (~240 GiB) would not fit half of the share: vLLM fills the share
+    longer = _cfg("model.path=builtin:qwen2.5-7b-random", "rollout.max_num_seqs=256", "data.max_response_length=16384")
+    assert "kv_cache_memory_bytes" not in vr.engine_kwargs(longer, one, h200)
+
+
 # --------------------------------------------------------------------------- the engine around a fake LLM
 def test_generate_builds_the_same_layout_as_assemble_rollout():
     llm = FakeLLM(eos_at={(0, 1): 2}, length=4)

@@ -218,7 +218,8 @@ def test_the_engine_says_what_memory_it_takes_not_its_name(monkeypatch):
     from hybrid_rl.config import RolloutConfig
     from hybrid_rl.rollout import EngineMemory
 
-    vllm = _cfg("rollout.name=vllm", "rollout.vllm.gpu_memory_utilization=0.4", "rollout.vllm.tensor_parallel_size=1")
+    vllm = _cfg("rollout.name=vllm", "rollout.vllm.gpu_memory_utilization=0.4", "rollout.vllm.tensor_parallel_size=1",
+                "rollout.vllm.fit_kv_cache=false")
     assert vllm.rollout.engine_memory() == EngineMemory(0.4, "rollout.vllm.gpu_memory_utilization", 1)
     assert _cfg().rollout.engine_memory() == EngineMemory()
     gen = lambda cfg: next(p for p in phases(cfg, read_shape("builtin:tiny-qwen2"), 1, 80 * GIB)  # noqa: E731
@@ -233,3 +234,17 @@ def test_the_engine_says_what_memory_it_takes_not_its_name(monkeypatch):
     assert _engine_share(hf) == [{"rollout.other.share": k / 20} for k in (4, 3, 2)]
     monkeypatch.undo()
     assert _engine_share(_cfg()) == []
+
+
+def test_a_fitted_kv_cache_is_planned_as_what_the_engine_holds():
+    """``rollout.vllm.fit_kv_cache`` (the default): the awake engine is its 16-bit weights, the fitted KV cache and one
+    step's logits, not its share; where the fit would take over half of the share beside the weights, the share."""
+    shape = read_shape("builtin:tiny-qwen2")  # 2 layers, 2 key/value heads of 16 dims, vocabulary 103
+    cfg = _cfg("rollout.name=vllm", "rollout.max_num_seqs=8", "data.max_prompt_length=24", "data.max_response_length=8")
+    engine = next(p for p in phases(cfg, shape, 1, 80 * GIB) if p.name == "generation").terms["engine (awake)"]
+    kv = 8 * (24 + 8 + 256) * (2 * 2 * 2 * 16 * 2)  # sequences x (tokens + a block's rounding) x K and V of each layer
+    assert engine == shape.params * 2 + kv + 8 * 103 * 4
+    seven = read_shape("builtin:qwen2.5-7b-random")
+    long = _cfg("rollout.name=vllm", "rollout.max_num_seqs=256", "data.max_response_length=16384")
+    share = next(p for p in phases(long, seven, 1, 80 * GIB) if p.name == "generation").terms["engine (awake)"]
+    assert share == long.rollout.vllm.gpu_memory_utilization * 80 * GIB
