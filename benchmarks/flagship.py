@@ -6,7 +6,7 @@ Run the recipe once per commit to compare (each from its own export, the same ov
     python benchmarks/flagship.py --run cba16b7=/tmp/res/old --run new=/tmp/res/new --device H100x1 --out-dir DIR
 
 The first step (CUDA graphs, compilation, allocator warm-up) is dropped. MFU is recomputed from each step's token
-counts with ``hybrid_rl.perf.ModelFlops`` for every run alike (old commits do not log it): the model's forward
+counts with ``hybrid_rl.telemetry.perf.ModelFlops`` for every run alike (old commits do not log it): the model's forward
 FLOPs over the batch's mean prompt and response lengths, ×3 for the update, ×1 for each log-prob pass, divided by
 the phase's time and the device's dense bf16 peak. Writes ``flagship_<device>.json`` and a stacked-bar plot.
 """
@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "benchmarks"))
 
 from bench_common import git_commit, run_dir  # noqa: E402
-from hybrid_rl.perf import PEAK_TFLOPS_BF16, UPDATE_FORWARDS, ModelFlops  # noqa: E402
+from hybrid_rl.telemetry.perf import PEAK_TFLOPS_BF16, UPDATE_FORWARDS, ModelFlops  # noqa: E402
 
 PHASES = ["gen", "switch", "reward", "old_log_prob", "ref", "adv", "update"]
 

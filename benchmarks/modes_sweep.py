@@ -83,7 +83,7 @@ NOTES = {
 
 
 PARTIAL_MODE = ("overlap_partial", ["trainer.mode=overlap", "trainer.max_staleness=2", "trainer.partial_rollouts=true"])
-"""Overlap colocated with partial rollouts (``hybrid_rl/partial.py``): carried samples reach staleness 2."""
+"""Overlap colocated with partial rollouts (``hybrid_rl/modes/partial.py``): carried samples reach staleness 2."""
 EXTRA_MODES = (*modes.EXTRA_MODES, PARTIAL_MODE)
 """Colocated variants run after the split runs at each point (the budget skips them first)."""
 MODES = ("sync", "overlap_colocated", "overlap_split", "overlap_stream", "overlap_proc", "overlap_partial", "split_partial")

@@ -4,7 +4,7 @@
     python benchmarks/partial_model.py --aheads 1 --paused          # generation paused through each update
     python benchmarks/partial_model.py --aheads 1,2,3 --warmup 2 --measure 6 --drained   # a run that drains its pool
 
-Not a measurement. It drives ``hybrid_rl.partial``'s own ``CarryOver`` and ``Round`` (the pool, the window, the
+Not a measurement. It drives ``hybrid_rl.modes.partial``'s own ``CarryOver`` and ``Round`` (the pool, the window, the
 interrupt rule, what a step must train, staleness) with a simulated clock and a simple engine: every running sample
 gains one token per decode step, a decode step takes ``--decode-ms + --decode-per-seq-ms × running samples``, and a
 round first prefills each continuation's context at ``--prefill-tok-s``. The trainer side is a fixed update time
@@ -38,7 +38,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent))
 
 from bench_common import run_dir  # noqa: E402
 from hybrid_rl.config import partial_pool_steps  # noqa: E402
-from hybrid_rl.partial import CarryOver, Group, Round, Sample  # noqa: E402
+from hybrid_rl.modes.partial import CarryOver, Group, Round, Sample  # noqa: E402
 from hybrid_rl.rollout.base import Segment  # noqa: E402
 
 

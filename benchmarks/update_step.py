@@ -32,7 +32,7 @@ from bench_common import git_commit, gpu_short_name, run_dir  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
 from hybrid_rl.data import collate_prompts  # noqa: E402
 from hybrid_rl.distributed import init_distributed  # noqa: E402
-from hybrid_rl.perf import UPDATE_FORWARDS, ModelFlops, peak_flops  # noqa: E402
+from hybrid_rl.telemetry.perf import UPDATE_FORWARDS, ModelFlops, peak_flops  # noqa: E402
 from hybrid_rl.rollout.base import assemble_rollout  # noqa: E402
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker  # noqa: E402
 
@@ -136,7 +136,7 @@ def run_config(name: str, overrides: list[str], args, d) -> dict:
     if args.host_batch:  # as split placement hands it to the trainer ranks
         batch = batch.to("cpu")
     tokens = int(batch["attention_mask"].sum()) * d.world_size  # ranks hold equal shares of the same distribution
-    # model FLOPs of one forward over this rank's share (hybrid_rl.perf): MFU = passes × FLOPs / (time × peak)
+    # model FLOPs of one forward over this rank's share (hybrid_rl.telemetry.perf): MFU = passes × FLOPs / (time × peak)
     fwd_flops = ModelFlops.of(worker.actor.model).forward(batch["attention_mask"].sum(1), float(batch["response_mask"].sum()))
     peak = peak_flops(worker.device)
     runs = []

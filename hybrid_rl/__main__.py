@@ -43,8 +43,8 @@ USER_ERROR = 2
 # check imports nothing (an error caught before the trainer is imported must not pay for importing it)
 _USER_ERRORS = (("hybrid_rl.config", "ConfigError"), ("hybrid_rl.data.tasks", "DataError"),
                 ("hybrid_rl.models", "ModelLoadError"), ("hybrid_rl.rewards.registry", "RewardError"),
-                ("hybrid_rl.checkpoint", "CheckpointError"), ("hybrid_rl.pipeline", "StalenessError"),
-                ("hybrid_rl.trainer", "TrainingDiverged"), ("hybrid_rl.preflight", "PreflightError"),
+                ("hybrid_rl.checkpoint", "CheckpointError"), ("hybrid_rl.modes.overlap", "StalenessError"),
+                ("hybrid_rl.checkpoint.checkpointer", "TrainingDiverged"), ("hybrid_rl.preflight", "PreflightError"),
                 ("hybrid_rl.runlock", "RunLockError"), ("hybrid_rl.planner.shape", "ShapeError"))
 
 

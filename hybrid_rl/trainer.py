@@ -2,11 +2,12 @@
 
 ``fit`` reads top to bottom: a validation before training where asked, then one ``step`` per training step, each
 followed by its validation, logging, checkpoint and the stop-signal check. Every mode and placement runs the same
-``step``: a ``RolloutSource`` (``rollout_source.py``: sync, one-step overlap, split placement, partial rollouts) hands
-over the batch, and ``train_on`` runs reward → old log-prob → ref → values → advantage → critic update → actor update
-on it, one call per phase under a named timer (``phases/``); the critic's phases run when the estimator needs one, and
-the first ``critic.freeze_actor_steps`` steps update the critic only. Metrics are gathered per rank, reduced over the
-training ranks (``metrics.py``, ``perf.py``) and logged by one rank (under split placement the first trainer rank).
+``step``: a ``RolloutSource`` (``modes/sources.py``: sync, one-step overlap, split placement, partial rollouts)
+hands over the batch, and ``train_on`` runs reward → old log-prob → ref → values → advantage → critic update → actor
+update on it, one call per phase under a named timer (``phases/``); the critic's phases run when the estimator needs
+one, and the first ``critic.freeze_actor_steps`` steps update the critic only. Metrics are gathered per rank,
+reduced over the training ranks (``telemetry/metrics.py``, ``telemetry/perf.py``) and logged by one rank (under
+split placement the first trainer rank).
 ``__init__`` is the set-up (data, reward function, worker, critic, source); checkpoints and resuming are the
 ``Checkpointer``'s (``checkpoint/checkpointer.py``), validation the ``Validator``'s (``validation.py``). Left out on
 purpose: a single controller (there is none: torch.distributed is the engine).
@@ -15,11 +16,12 @@ purpose: a single controller (there is none: torch.distributed is the engine).
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 from hybrid_rl import algorithms as alg
 from hybrid_rl.batch import Batch
+from hybrid_rl.checkpoint.checkpointer import TrainingDiverged  # noqa: F401 (importable from here too)
 from hybrid_rl.checkpoint.checkpointer import Checkpointer, LoopState, resume_target
 from hybrid_rl.checkpoint.rng import seed_everything
 from hybrid_rl.config import Config, mini_batch_seqs, save_config
@@ -27,26 +29,22 @@ from hybrid_rl.data import TASKS, PromptFeed
 from hybrid_rl.distributed import DistInfo, reduce_max, reduce_weighted_means
 from hybrid_rl.envs.multiturn import check_template
 from hybrid_rl.interrupt import GracefulStop, RunInterrupted
-from hybrid_rl.metrics import finish_step_metrics, step_metrics, step_times
 from hybrid_rl.models import load_tokenizer
-from hybrid_rl.perf import ModelFlops, peak_flops, profiled, step_perf_means, step_perf_metrics
+from hybrid_rl.modes.placement import make_placement, meet_at_engines
+from hybrid_rl.modes.sources import make_source
 from hybrid_rl.phases.advantage import AdvantagePhase
 from hybrid_rl.phases.group_rows import gather_group_rows, own_rows
 from hybrid_rl.phases.old_log_prob import old_log_probs, plan_old_log_prob
 from hybrid_rl.phases.reward import RewardPhase
-from hybrid_rl.placement import make_placement, meet_at_engines
 from hybrid_rl.rewards import RewardScorer
-from hybrid_rl.rollout_source import make_source
 from hybrid_rl.runlock import take_run_lock
-from hybrid_rl.tracking import Timer, Tracker, run_summary, trim_metrics
+from hybrid_rl.telemetry.metrics import finish_step_metrics, step_metrics, step_times
+from hybrid_rl.telemetry.perf import ModelFlops, peak_flops, step_perf_means, step_perf_metrics, watched_step
+from hybrid_rl.telemetry.tracking import Timer, Tracker, run_summary, trim_metrics
 from hybrid_rl.validation import Validator, load_val_set
 from hybrid_rl.watchdog import StallWatchdog
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 from hybrid_rl.workers.critic import CriticWorker
-
-
-class TrainingDiverged(RuntimeError):
-    """Too many consecutive non-finite updates; the message names the knob and the way out."""
 
 
 class Trainer:
@@ -162,7 +160,7 @@ class Trainer:
             stop_at = self.placement.stop_check(self.global_dist.device)  # (device, group) of the per-step check
             prev_end = time.perf_counter()
             for step in range(self.start_step + 1, self.total_steps + 1):
-                with self._profiled(step):
+                with watched_step(self.cfg, step, self.global_dist.rank, self.dist.device):
                     metrics = self.step(last=step == self.total_steps)
                 now = time.perf_counter()
                 if metrics:  # (split placement's rollout ranks log nothing)
@@ -181,7 +179,7 @@ class Trainer:
                     else:
                         metrics.update(self.validate())
                 self._log(metrics, step)
-                self._guard_skipped_updates(metrics)
+                self.loop.count_skipped(metrics, self.cfg.trainer.max_skipped_updates, self.checkpointer.root)
                 history.append({"step": step, **metrics})
                 save_freq = self.cfg.trainer.save_freq
                 saved = save_freq >= 0 and (self._due(step, save_freq) or step == self.total_steps)
@@ -268,36 +266,14 @@ class Trainer:
         """Whether the actor updates this step (it stays frozen for the first ``critic.freeze_actor_steps``)."""
         return self.critic is None or self.current_step > self.cfg.critic.freeze_actor_steps
 
-    def _guard_skipped_updates(self, metrics: dict[str, float]) -> None:
-        """A non-finite loss/grad norm skips the update; too many in a row stops the run."""
-        skipped = metrics.get("actor/skipped_updates", 0) > 0 or metrics.get("critic/skipped_updates", 0) > 0
-        loop = self.loop
-        loop.skipped_in_a_row = loop.skipped_in_a_row + 1 if skipped else 0
-        limit = self.cfg.trainer.max_skipped_updates
-        if loop.skipped_in_a_row >= limit:
-            raise TrainingDiverged(f"{loop.skipped_in_a_row} steps in a row had a non-finite loss or gradient norm and were "
-                                   f"skipped (trainer.max_skipped_updates={limit}); lower actor.lr, check the reward "
-                                   f"function, or resume from the last checkpoint in {self.checkpointer.root}")
-
     # -- helpers ------------------------------------------------------------------------
-    @contextmanager
-    def _profiled(self, step: int):
-        """``trainer.profile_steps``: this step under torch.profiler, summarised per rank (where the time goes);
-        ``trainer.stall_dump_s``: stacks of every thread if the step takes longer."""
-        stall, rank = self.cfg.trainer.stall_dump_s, self.global_dist.rank
-        out = Path(self.cfg.trainer.output_dir) / "profile" / f"step_{step}_rank{rank}.txt"
-        with StallWatchdog(stall, label=f"step {step}") if stall > 0 else nullcontext():
-            with profiled(out, f"step {step}, rank {rank}", self.dist.device.type == "cuda") \
-                    if step in self.cfg.trainer.profile_steps else nullcontext():
-                yield
-
     @staticmethod
     def _due(step: int, freq: int) -> bool:
         return freq > 0 and step % freq == 0
 
     def _finish_metrics(self, parts: dict, timer: Timer) -> dict[str, float]:
-        """The step's metrics: gathered on this rank, reduced over the training ranks, completed (``metrics.py``,
-        ``perf.py``)."""
+        """The step's metrics: gathered on this rank, reduced over the training ranks, completed
+        (``telemetry/metrics.py``, ``telemetry/perf.py``)."""
         batch, dist = parts["batch"], self.dist
         means, maxima = step_metrics(batch, self.cfg.data.max_response_length,
                                      {**parts["reward_stats"], **parts["update_stats"]}, parts["adv_metrics"])

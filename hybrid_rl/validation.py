@@ -23,12 +23,12 @@ from hybrid_rl.data.tasks import Task
 from hybrid_rl.distributed import DistInfo, reduce_weighted_means
 from hybrid_rl.envs.metrics import add_pairs, env_metrics, zero_pairs
 from hybrid_rl.envs.multiturn import env_prompt
-from hybrid_rl.metrics import outcome_sums
+from hybrid_rl.telemetry.metrics import outcome_sums
 from hybrid_rl.phases.reward import compute_scores, sample_records
 from hybrid_rl.rewards import RewardScorer
 
 if TYPE_CHECKING:
-    from hybrid_rl.rollout_source import RolloutSource
+    from hybrid_rl.modes.sources import RolloutSource
     from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 
 VAL_OUTCOMES = {"reward_mean": "score", "clipped_reward_mean": "clipped_score", "response_length_mean": "length",

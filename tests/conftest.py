@@ -37,7 +37,7 @@ def _smollm2_unavailable() -> str | None:
     (PIP_NO_INDEX) for the session, so that building it fails at once with the builder's "cannot download" error
     instead of fetching the wheel.
     """
-    from hybrid_rl.gguf_fetch import GGUF_BUILTINS
+    from hybrid_rl.models.gguf_fetch import GGUF_BUILTINS
     from hybrid_rl.models import is_builtin_complete
 
     name = SMOLLM2.split(":", 1)[1]
@@ -73,7 +73,7 @@ def smollm2_path() -> str:
     if SMOLLM2_UNAVAILABLE:
         pytest.skip(SMOLLM2_UNAVAILABLE)
     pytest.importorskip("gguf", reason=f"{SMOLLM2} needs the gguf package (pip install gguf)")
-    from hybrid_rl.gguf_fetch import GgufSourceError
+    from hybrid_rl.models.gguf_fetch import GgufSourceError
     from hybrid_rl.models import ModelLoadError, resolve_model_path
 
     try:

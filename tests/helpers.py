@@ -412,7 +412,7 @@ def old_split_groups(n_rollout: int):
     For ``gpu/split_groups_probe.py --unpatched`` and the CPU replay in ``unit/test_split_groups.py``."""
     import torch.distributed as dist
 
-    from hybrid_rl.split import SplitLayout
+    from hybrid_rl.modes.split import SplitLayout
 
     world, rank = dist.get_world_size(), dist.get_rank()
     rollout, trainer = list(range(n_rollout)), list(range(n_rollout, world))

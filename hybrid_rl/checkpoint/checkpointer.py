@@ -27,8 +27,8 @@ from hybrid_rl.config import Config, ConfigError, resume_config_diff
 
 if TYPE_CHECKING:
     from hybrid_rl.data import PromptSampler
-    from hybrid_rl.placement import Placement
-    from hybrid_rl.rollout_source import RolloutSource
+    from hybrid_rl.modes.placement import Placement
+    from hybrid_rl.modes.sources import RolloutSource
     from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
     from hybrid_rl.workers.critic import CriticWorker
 
@@ -41,6 +41,20 @@ class LoopState:
     """Consecutive steps whose update was skipped for a non-finite loss or gradient norm."""
     val_owed: bool = False
     """A stop signal put this step's validation off: the resumed run validates first."""
+
+    def count_skipped(self, metrics: dict[str, float], limit: int, root: Path) -> None:
+        """A non-finite loss/grad norm skips the update; ``limit`` (``trainer.max_skipped_updates``) in a row stops
+        the run with ``TrainingDiverged`` (``root``: where its checkpoints are)."""
+        skipped = metrics.get("actor/skipped_updates", 0) > 0 or metrics.get("critic/skipped_updates", 0) > 0
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        if self.skipped_in_a_row >= limit:
+            raise TrainingDiverged(f"{self.skipped_in_a_row} steps in a row had a non-finite loss or gradient norm and "
+                                   f"were skipped (trainer.max_skipped_updates={limit}); lower actor.lr, check the "
+                                   f"reward function, or resume from the last checkpoint in {root}")
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive non-finite updates; the message names the knob and the way out."""
 
 
 def checkpoint_root(cfg: Config) -> Path:

@@ -35,7 +35,7 @@ class ModelConfig:
     """Recompute activations in the backward pass (≈ half the activation memory)."""
     use_liger: bool = harmless(False)
     """Liger-Kernel's fused Triton kernels (RMSNorm, SwiGLU, rotary embeddings) in the actor and the reference
-    (``hybrid_rl/kernels.py``); CUDA only, needs ``pip install 'hybrid_rl[liger]'``. Same math, fewer kernels."""
+    (``hybrid_rl/liger.py``); CUDA only, needs ``pip install 'hybrid_rl[liger]'``. Same math, fewer kernels."""
     trust_remote_code: bool = harmless(False)
     """Passed to ``from_pretrained``."""
     lora: LoraConfig = field(default_factory=LoraConfig)

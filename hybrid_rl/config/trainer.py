@@ -65,7 +65,7 @@ class TrainerConfig:
     ``<output_dir>/profile/step_<N>_rank<R>.txt`` (e.g. ``trainer.profile_steps=[5]``)."""
     peak_tflops: Optional[float] = harmless(None)
     """The device's dense bf16 peak in TFLOP/s for ``perf/mfu_*`` (default: looked up by GPU name in
-    ``hybrid_rl.perf``; MFU is not logged for devices it does not know)."""
+    ``hybrid_rl.telemetry.perf``; MFU is not logged for devices it does not know)."""
     stall_dump_s: float = harmless(0.0)
     """A step (or the run's set-up) running longer than this many seconds dumps every thread's Python stack to
     stderr, and again every as many seconds (0 = off): the first thing to look at when a multi-rank run hangs."""

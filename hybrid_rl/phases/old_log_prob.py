@@ -16,7 +16,7 @@ import numpy as np
 
 from hybrid_rl.batch import Batch
 from hybrid_rl.config import Config
-from hybrid_rl.tracking import Timer
+from hybrid_rl.telemetry.tracking import Timer
 
 if TYPE_CHECKING:
     from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker

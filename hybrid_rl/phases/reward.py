@@ -27,7 +27,7 @@ from hybrid_rl.distributed import DistInfo, all_reduce_max, all_reduce_sum
 from hybrid_rl.micro_batching import pad_widths
 from hybrid_rl.rewards import RewardScorer, score_responses
 from hybrid_rl.rewards.overlong import overlong_penalty
-from hybrid_rl.tracking import Timer
+from hybrid_rl.telemetry.tracking import Timer
 
 
 def sparse_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

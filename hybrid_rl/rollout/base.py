@@ -9,7 +9,7 @@ trainer-facing tensors (``input_ids``, ``attention_mask``, ``position_ids``,
 ``response_mask``) so every backend hands the trainer identical layouts.
 
 ``generate_interruptible`` is the optional second way in, for partial rollouts
-(``trainer.partial_rollouts``, ``hybrid_rl/partial.py``): one request per sample
+(``trainer.partial_rollouts``, ``hybrid_rl/modes/partial.py``): one request per sample
 (a prompt plus the response tokens it already has, and how many more it may
 take), stoppable through a ``threading.Event``; it returns raw ``Segment``s
 (new tokens, their log-probs, finished or not) and leaves the stitching to the

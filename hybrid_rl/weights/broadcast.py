@@ -1,6 +1,6 @@
 """Split placement's weight transport: the trainer ranks broadcast θ over NCCL to the rollout ranks.
 
-With split placement (``hybrid_rl.split``) the rollout engine lives on other
+With split placement (``hybrid_rl.modes.split``) the rollout engine lives on other
 GPUs, so the colocated sharding manager's in-process ``load_weights`` is not
 available. Instead the trainer ranks stream full tensors out of FSDP2
 (``iter_full_params``, a collective among them); the first trainer rank (the
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid_rl.rollout.base import RolloutEngine
-from hybrid_rl.split import SplitLayout
+from hybrid_rl.modes.split import SplitLayout
 from hybrid_rl.weights.buckets import bucketize
 from hybrid_rl.weights.replay import WeightReplayer
 

@@ -32,10 +32,10 @@ from hybrid_rl.batch import Batch, row_index
 from hybrid_rl.config import Config, lr_schedule_steps, mini_batch_seqs, parse_forced_lengths
 from hybrid_rl.micro_batching import micro_batches
 from hybrid_rl.distributed import DistInfo, all_reduce_sum
-from hybrid_rl.kernels import apply_liger
-from hybrid_rl.metrics import cut_at_cap
+from hybrid_rl.liger import apply_liger
+from hybrid_rl.telemetry.metrics import cut_at_cap
 from hybrid_rl.models import apply_lora, load_causal_lm, load_tokenizer, resolve_dtype
-from hybrid_rl.perf import Work
+from hybrid_rl.telemetry.perf import Work
 from hybrid_rl.rollout import rollout_engine_class
 from hybrid_rl.rollout.base import RolloutEngine, SamplingParams
 from hybrid_rl.weights.sharding_manager import ShardingManager

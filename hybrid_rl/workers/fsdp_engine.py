@@ -34,7 +34,7 @@ import torch.distributed as dist
 from hybrid_rl.algorithms import entropy_from_logits, logprobs_from_logits
 from hybrid_rl.batch import Batch, row_index
 from hybrid_rl.micro_batching import HOST_META, micro_batches
-from hybrid_rl.perf import Work
+from hybrid_rl.telemetry.perf import Work
 from hybrid_rl.workers.materialize import load_from_first_rank, shared_over_ranks, take_weights
 from hybrid_rl.workers.packed import (Packed, logprob_head, pack, pack_shared, split_head_output, unpack,
                                       use_varlen_attention)

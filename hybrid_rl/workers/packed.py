@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_rl.batch import to_device
-from hybrid_rl.perf import Work
+from hybrid_rl.telemetry.perf import Work
 from hybrid_rl.workers.ulysses import ShardedRow, sharded_attention
 
 ATTN_NAME = "hybrid_rl_varlen"

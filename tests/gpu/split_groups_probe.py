@@ -25,7 +25,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/: helpers
 
 from helpers import old_split_groups  # noqa: E402
 from hybrid_rl.distributed import init_distributed  # noqa: E402
-from hybrid_rl.split import make_layout  # noqa: E402
+from hybrid_rl.modes.split import make_layout  # noqa: E402
 
 
 def main() -> None:

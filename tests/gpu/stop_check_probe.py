@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hybrid_rl.distributed import init_distributed  # noqa: E402
 from hybrid_rl.interrupt import GracefulStop  # noqa: E402
-from hybrid_rl.placement import Placement  # noqa: E402
-from hybrid_rl.split import make_layout  # noqa: E402
+from hybrid_rl.modes.placement import Placement  # noqa: E402
+from hybrid_rl.modes.split import make_layout  # noqa: E402
 
 
 def work(device: torch.device, iters: int) -> float:

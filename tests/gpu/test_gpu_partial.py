@@ -36,7 +36,7 @@ vllm = require_vllm_gpu()
 
 from hybrid_rl.batch import Batch  # noqa: E402
 from helpers import AfterPolls, actor_step, raise_sampled_log_probs, vllm_hybrid  # noqa: E402
-from hybrid_rl.partial import CarryOver, assemble_groups  # noqa: E402
+from hybrid_rl.modes.partial import CarryOver, assemble_groups  # noqa: E402
 from hybrid_rl.rollout.base import Continuation, SamplingParams  # noqa: E402
 
 EOS, PAD = 151645, 151643

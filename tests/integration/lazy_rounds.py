@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for help
 
 from helpers import LazyExecutor  # noqa: E402
 
-from hybrid_rl import pipeline  # noqa: E402
+from hybrid_rl.modes import overlap as pipeline  # noqa: E402
 
 pipeline.ThreadPoolExecutor = lambda **kw: LazyExecutor()
 sys.argv[0] = "hybrid_rl"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybrid_rl.pipeline import RolloutPipeline, StalenessError
+from hybrid_rl.modes.overlap import RolloutPipeline, StalenessError
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 
 from helpers import (actor_params, chat_prompts, cpu_dist, generate_batch, make_cfg, score_batch, trailing_means,
@@ -171,7 +171,7 @@ def test_background_generation_matches_inline_generation(tmp_path, monkeypatch):
     race; see recipes/cpu_successor.yaml.)"""
     import threading
 
-    from hybrid_rl import pipeline
+    from hybrid_rl.modes import overlap as pipeline
     from hybrid_rl.config import load_config
     from hybrid_rl.trainer import Trainer
 

@@ -1,4 +1,4 @@
-"""Partial rollouts (``trainer.partial_rollouts``, ``hybrid_rl/partial.py``) through the trainer on the tiny CPU recipe.
+"""Partial rollouts (``trainer.partial_rollouts``, ``hybrid_rl/modes/partial.py``) through the trainer on the tiny CPU recipe.
 
 1. In-process, with the round run lazily when the trainer takes it (so the interrupt lands as soon as a step's
    groups are complete) and long-tailed forced lengths: groups are carried and continued, every token is within
@@ -37,7 +37,7 @@ NEW_METRICS = ("rollout/partial_carried", "rollout/partial_resumed_tokens", "rol
                          ids=["ahead0.25", "ahead2"])
 def test_carry_over_through_the_trainer(tmp_path, monkeypatch, tiny_model_path, extra, bound):
     """(ahead 2: a pool of three steps' groups, all started at once, max_staleness 3.)"""
-    from hybrid_rl import pipeline
+    from hybrid_rl.modes import overlap as pipeline
     from hybrid_rl.config import load_config
     from hybrid_rl.data.feed import PromptFeed
     from hybrid_rl.trainer import Trainer

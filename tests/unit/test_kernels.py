@@ -1,4 +1,4 @@
-"""``model.use_liger`` (hybrid_rl/kernels.py) on CPU: what Liger is asked for, and the one-line errors that stop a run
+"""``model.use_liger`` (hybrid_rl/liger.py) on CPU: what Liger is asked for, and the one-line errors that stop a run
 before any weight is loaded. The kernels themselves are Triton (CUDA only): tests/gpu/test_liger_gpu.py checks that they
 are patched in and that log-probs and gradients agree with the unpatched model's."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import liger_patched
-from hybrid_rl.kernels import LIGER_KERNELS, apply_liger
+from hybrid_rl.liger import LIGER_KERNELS, apply_liger
 
 CUDA = torch.device("cuda", 0)
 

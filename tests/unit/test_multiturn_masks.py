@@ -13,7 +13,7 @@ import torch
 
 from hybrid_rl.algorithms import gae_advantage, reinforce_pp_advantage, response_extent
 from hybrid_rl.batch import Batch
-from hybrid_rl.metrics import cut_at_cap, outcome_sums
+from hybrid_rl.telemetry.metrics import cut_at_cap, outcome_sums
 from hybrid_rl.micro_batching import trim_padding
 
 from hybrid_rl.rewards.overlong import overlong_penalty

@@ -1,4 +1,4 @@
-"""Partial rollouts' bookkeeping (``hybrid_rl/partial.py``) without a model: stitching segments gives the trainer's
+"""Partial rollouts' bookkeeping (``hybrid_rl/modes/partial.py``) without a model: stitching segments gives the trainer's
 layout, the pool hands over the oldest complete groups, the staleness bound forces completion, and every prompt
 drawn is trained exactly once. A scripted engine decodes in lock-step (one token per unfinished request per step,
 EOS at random) and the pipeline's background future runs lazily when the trainer takes it, so interrupts land
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hybrid_rl.batch import Batch
-from hybrid_rl.partial import CarryOver, Group, PartialRolloutPipeline, Sample, assemble_groups, groups_from_batch
+from hybrid_rl.modes.partial import CarryOver, Group, PartialRolloutPipeline, Sample, assemble_groups, groups_from_batch
 from hybrid_rl.rollout.base import SamplingParams, Segment, assemble_rollout
 from helpers import LazyFuture
 

@@ -1,5 +1,5 @@
 """``benchmarks/partial_model.py`` drives the real partial-rollout scheduling with a simulated engine: it keeps
-running against ``hybrid_rl.partial``, and pausing generation through the update (the NCCL stop check's effect)
+running against ``hybrid_rl.modes.partial``, and pausing generation through the update (the NCCL stop check's effect)
 makes the modelled steps slower and uneven, as measured on 4xH200; and a run that ends right after its measured
 steps drains the pool in them and looks faster than the steady state, as 8-step runs on 4xH200 did."""
 

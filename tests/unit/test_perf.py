@@ -1,4 +1,4 @@
-"""Model FLOPs and device peaks behind ``perf/mfu_*`` (``hybrid_rl.perf``)."""
+"""Model FLOPs and device peaks behind ``perf/mfu_*`` (``hybrid_rl.telemetry.perf``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from hybrid_rl.perf import ModelFlops, pass_mfu, peak_flops
+from hybrid_rl.telemetry.perf import ModelFlops, pass_mfu, peak_flops
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -69,7 +69,7 @@ def test_update_step_runs_liger_configurations_last():
 def test_host_wait_summary_counts_the_rows_where_the_host_waits():
     from types import SimpleNamespace as Row
 
-    from hybrid_rl.perf import host_wait_summary
+    from hybrid_rl.telemetry.perf import host_wait_summary
 
     rows = [Row(key="cudaStreamSynchronize", count=932, cpu_time_total=2.464e6), Row(key="aten::mm", count=10,
             cpu_time_total=5e5), Row(key="aten::nonzero", count=605, cpu_time_total=2.01e6)]

@@ -20,7 +20,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hybrid_rl.batch import Batch
-from hybrid_rl.perf import ModelFlops, Work, step_perf_metrics
+from hybrid_rl.telemetry.perf import ModelFlops, Work, step_perf_metrics
 from helpers import LazyFuture
 
 # two GRPO groups of n = 3: prompt lengths P and each sample's response length R_i
@@ -175,8 +175,8 @@ class ClockedEngine:
 
 
 def test_partial_rollouts_gen_throughput_counts_the_steps_rounds(monkeypatch):
-    from hybrid_rl import partial
-    from hybrid_rl.partial import PartialRolloutPipeline
+    from hybrid_rl.modes import partial
+    from hybrid_rl.modes.partial import PartialRolloutPipeline
     from hybrid_rl.rollout.base import SamplingParams
 
     clock = [0.0]

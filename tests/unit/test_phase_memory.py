@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_rl.perf import step_perf_metrics
-from hybrid_rl.tracking import Timer
+from hybrid_rl.telemetry.perf import step_perf_metrics
+from hybrid_rl.telemetry.tracking import Timer
 
 GIB = 2**30
 

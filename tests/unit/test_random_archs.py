@@ -10,7 +10,7 @@ import torch
 
 from hybrid_rl import models
 from hybrid_rl.planner.shape import read_shape
-from hybrid_rl.random_init import SHARD_BYTES, param_plan, shards, write_random_qwen2
+from hybrid_rl.models.random_init import SHARD_BYTES, param_plan, shards, write_random_qwen2
 
 SEVEN_B = "qwen2.5-7b-random"
 # Qwen2.5-7B-Instruct's config.json: hidden 3584, MLP 18944, 28 layers, 28 heads of 128, 4 key/value heads,

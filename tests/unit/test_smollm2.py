@@ -17,8 +17,8 @@ import os
 import pytest
 import torch
 
-from hybrid_rl.gguf_fetch import GGUF_BUILTINS, GgufSourceError, fetch_gguf
-from hybrid_rl.model_cache import cache_dir
+from hybrid_rl.models.gguf_fetch import GGUF_BUILTINS, GgufSourceError, fetch_gguf
+from hybrid_rl.models.cache import cache_dir
 from hybrid_rl.models import ModelLoadError
 
 pytestmark = pytest.mark.slow  # builds the 135M model (~260 MB) from its GGUF and runs it

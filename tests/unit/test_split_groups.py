@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as tdist
 
-from hybrid_rl import split
+from hybrid_rl.modes import split
 
 NON_MEMBER = object()
 

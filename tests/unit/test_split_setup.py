@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hybrid_rl import placement
+from hybrid_rl.modes import placement
 
 
 class FakeEngine:

@@ -15,8 +15,8 @@ import torch
 from hybrid_rl.algorithms.core import response_extent
 from hybrid_rl.batch import Batch
 from hybrid_rl.envs.metrics import env_metrics, is_multi_turn
-from hybrid_rl.partial import COUNTS as PARTIAL_COUNTS
-from hybrid_rl.partial import partial_metrics
+from hybrid_rl.modes.partial import COUNTS as PARTIAL_COUNTS
+from hybrid_rl.modes.partial import partial_metrics
 
 
 def cut_at_cap(response_mask: torch.Tensor, max_response_length: int) -> torch.Tensor:

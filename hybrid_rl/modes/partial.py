@@ -48,7 +48,7 @@ import torch
 
 from hybrid_rl.batch import Batch
 from hybrid_rl.config import partial_pool_steps
-from hybrid_rl.pipeline import RolloutPipeline
+from hybrid_rl.modes.overlap import RolloutPipeline
 from hybrid_rl.rollout.base import Continuation, SamplingParams, Segment, assemble_rollout, pad_rows
 
 

@@ -29,11 +29,11 @@ from typing import Callable
 from hybrid_rl.batch import Batch
 from hybrid_rl.config import Config
 from hybrid_rl.distributed import DistInfo
-from hybrid_rl.partial import PartialRolloutPipeline
-from hybrid_rl.pipeline import RolloutPipeline
-from hybrid_rl.placement import Placement
-from hybrid_rl.split import send_batch
-from hybrid_rl.tracking import Timer
+from hybrid_rl.modes.partial import PartialRolloutPipeline
+from hybrid_rl.modes.overlap import RolloutPipeline
+from hybrid_rl.modes.placement import Placement
+from hybrid_rl.modes.split import send_batch
+from hybrid_rl.telemetry.tracking import Timer
 from hybrid_rl.weights.broadcast import broadcast_weights, receive_weights
 from hybrid_rl.weights.replay import WeightReplayer
 

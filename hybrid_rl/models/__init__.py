@@ -27,7 +27,7 @@ import torch
 
 from .gguf_convert import write_gguf_model
 from .gguf_fetch import GGUF_BUILTINS, GgufSourceError
-from .model_cache import NOT_WRITABLE, build_once, cache_dir, holds_build, remove, stage_build, unwritable
+from .cache import NOT_WRITABLE, build_once, cache_dir, holds_build, remove, stage_build, unwritable
 from .random_init import write_random_qwen2
 
 BUILTIN_PREFIX = "builtin:"
@@ -214,7 +214,7 @@ def _check_written(out: Path) -> None:
 
 
 # A cached build is complete only if its marker's stamp matches what this code would build
-# (model_cache.py). Bump _BUILDER_VERSION when _write_model changes what it writes: every
+# (models/cache.py). Bump _BUILDER_VERSION when _write_model changes what it writes: every
 # cache then rebuilds once.
 _BUILDER_VERSION = 2
 _GGUF_BUILDER_VERSION = 1  # bump when gguf_convert.write_gguf_model changes what it writes (GGUF built-ins only)

@@ -26,7 +26,7 @@ Left out: MoE routing, multimodal towers, and devices missing from the table (se
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Iterator
@@ -245,3 +245,18 @@ def profiled(out: Path, label: str, cuda: bool) -> Iterator[None]:
         parts.append(table.table(sort_by="cuda_time_total", row_limit=30))
     parts.append(table.table(sort_by="cpu_time_total", row_limit=30))
     out.write_text("\n\n".join(parts))
+
+
+@contextmanager
+def watched_step(cfg, step: int, rank: int, device) -> Iterator[None]:
+    """One training step as ``trainer.profile_steps`` and ``trainer.stall_dump_s`` ask: under torch.profiler,
+    summarised per rank into ``<output_dir>/profile/`` (where the time goes), and with every thread's stack printed
+    if it takes longer than the stall limit."""
+    from hybrid_rl.watchdog import StallWatchdog
+
+    stall = cfg.trainer.stall_dump_s
+    out = Path(cfg.trainer.output_dir) / "profile" / f"step_{step}_rank{rank}.txt"
+    with StallWatchdog(stall, label=f"step {step}") if stall > 0 else nullcontext():
+        with profiled(out, f"step {step}, rank {rank}", device.type == "cuda") \
+                if step in cfg.trainer.profile_steps else nullcontext():
+            yield

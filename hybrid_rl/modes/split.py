@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from hybrid_rl.batch import Batch
 from hybrid_rl.micro_batching import pad_widths
-from hybrid_rl.partial import COUNTS
+from hybrid_rl.modes.partial import COUNTS
 
 
 @dataclass

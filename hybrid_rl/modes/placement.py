@@ -17,7 +17,7 @@ import torch.distributed as tdist
 from hybrid_rl.config import Config
 from hybrid_rl.distributed import DistInfo
 from hybrid_rl.rollout import engine_info, rollout_engine_class
-from hybrid_rl.split import make_layout
+from hybrid_rl.modes.split import make_layout
 
 
 @dataclass
