@@ -101,8 +101,12 @@ class HermesFormat(CallFormat):
     def _one(self, body: str, tools: Mapping[str, Tool]) -> Call | CallError:
         try:
             call = json.loads(body)
-        except ValueError as e:
+        except json.JSONDecodeError as e:
             return CallError("malformed_call", f"the call is not valid JSON ({e.msg} at character {e.pos})")
+        except RecursionError:  # nesting deeper than the interpreter's recursion limit
+            return CallError("malformed_call", "the call is not valid JSON (nested too deeply)")
+        except ValueError:  # an integer past Python's limit on digits
+            return CallError("malformed_call", "the call is not valid JSON (a number is too long)")
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return CallError("malformed_call", 'a call must be a JSON object with a "name" and "arguments"')
         name, args = call["name"], call.get("arguments", {})
@@ -112,7 +116,7 @@ class HermesFormat(CallFormat):
         if isinstance(args, str):  # some models write the arguments as a JSON string
             try:
                 args = json.loads(args)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return CallError("bad_arguments", f'the "arguments" of {name} must be a JSON object', name)
         return Call(name, args)
 
@@ -154,7 +158,7 @@ class TagsFormat(CallFormat):
         if len(params) > 1:
             try:
                 args = json.loads(body)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return CallError("bad_arguments", f"{name} takes several arguments: write them as a JSON object "
                                  f"between <{name}> and </{name}>", name)
             return Call(name, args)
@@ -192,7 +196,7 @@ def _read_as(text: str, kind: Any) -> Any:
             return text
         try:
             value = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if k == "integer" and isinstance(value, int) and not isinstance(value, bool) or \
                 k == "number" and isinstance(value, (int, float)) and not isinstance(value, bool) or \

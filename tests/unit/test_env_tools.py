@@ -98,7 +98,16 @@ def quits(text: str) -> str:
     raise SystemExit(3)
 
 
-TEST_TOOLS = [add, boom, hang, flood, raw_bytes, reported, quits]
+def square(n: int) -> int:
+    """Square a number.
+
+    Args:
+        n: The number.
+    """
+    return n * n
+
+
+TEST_TOOLS = [add, boom, hang, flood, raw_bytes, reported, quits, square]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -217,6 +226,25 @@ def test_bad_calls_become_observations(fmt, tools, turn, observations, kinds):
     assert result.done == (not observations)
     assert result.tool_calls == turn.count("<tool_call>") if fmt == HERMES else True
     assert time.monotonic() - start < 5  # the hung tool is abandoned at its timeout
+
+
+DEEP = "[" * 5000  # deeper than Python's recursion limit: json.loads raises RecursionError, not ValueError
+
+
+@pytest.mark.parametrize("fmt, tools, turn, kind", [
+    (HERMES, ["add"], "<tool_call>" + DEEP + "</tool_call>", "malformed_call"),
+    # an integer of more digits than int() converts (4300): json.loads raises a plain ValueError
+    (HERMES, ["add"], '<tool_call>{"name": "add", "arguments": {"a": ' + "1" * 5000 + "}}</tool_call>",
+     "malformed_call"),
+    (HERMES, ["add"], "<tool_call>" + json.dumps({"name": "add", "arguments": DEEP}) + "</tool_call>",
+     "bad_arguments"),
+    (TAGS, ["add"], "<add>" + DEEP + "</add>", "bad_arguments"),
+    (TAGS, ["square"], "<square>" + DEEP + "</square>", "bad_arguments"),
+])
+def test_unreadably_deep_or_long_json_is_a_fault_of_the_call(fmt, tools, turn, kind):
+    result = _env(fmt, tools).step(turn)
+    (text,) = result.observations
+    assert text.startswith("error: ") and result.errors == [kind] and not result.done
 
 
 def test_huge_output_is_cut_and_counted():
