@@ -81,7 +81,7 @@ class Phase:
 def sp_kv_dim(shape: ModelShape, sp: int) -> int:
     """Key (or value) width per token of a rank's slice under sequence parallelism of size ``sp``: its share of the
     key/value heads over every position, heads repeated when fewer than ``sp`` (``ulysses.repeat_kv_heads``)."""
-    return shape.kv_dim if sp == 1 else (shape.hidden // shape.heads) * max(shape.kv_heads, sp)
+    return shape.kv_dim if sp == 1 else shape.head_size * max(shape.kv_heads, sp)
 
 
 def activation_bytes_per_token_layer(shape: ModelShape, liger: bool, sp: int = 1) -> int:

@@ -30,18 +30,30 @@ class ModelShape:
     tied: bool
     positions: int | None = None
     """``max_position_embeddings``: the longest sequence the model was built for (None: its config does not say)."""
+    head_dim: int | None = None
+    """The config's ``head_dim`` where it gives one (Qwen3's differs from ``hidden / heads``); None: that ratio."""
+
+    @property
+    def head_size(self) -> int:
+        """Width of one attention head: ``head_dim``, or ``hidden / heads``."""
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the query projection (and the output projection's input): ``heads × head_size``."""
+        return self.heads * self.head_size
 
     @property
     def kv_dim(self) -> int:
-        """Width of the key (and of the value) projection: ``kv_heads × head_dim``."""
-        return self.kv_heads * (self.hidden // self.heads)
+        """Width of the key (and of the value) projection: ``kv_heads × head_size``."""
+        return self.kv_heads * self.head_size
 
     @property
     def layer_params(self) -> int:
-        """One Qwen2/Llama block: q and o (h²), k and v (h × kv), their biases (Qwen2's q/k/v), the gated MLP (3·h·I),
-        two RMSNorm weights."""
-        h, kv = self.hidden, self.kv_dim
-        return 2 * h * h + 2 * h * kv + (h + 2 * kv) + 3 * h * self.intermediate + 2 * h
+        """One Qwen2/Llama block: q and o (h × q), k and v (h × kv), their biases (Qwen2's q/k/v), the gated MLP
+        (3·h·I), two RMSNorm weights."""
+        h, q, kv = self.hidden, self.q_dim, self.kv_dim
+        return 2 * h * q + 2 * h * kv + (q + 2 * kv) + 3 * h * self.intermediate + 2 * h
 
     @property
     def embedding_params(self) -> int:
@@ -55,7 +67,7 @@ class ModelShape:
     def lora_params(self, rank: int, targets: list[str]) -> int:
         """Adapter parameters: ``rank × (in + out)`` for each targeted projection of each block."""
         h, kv, i = self.hidden, self.kv_dim, self.intermediate
-        dims = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+        dims = {"q_proj": (h, self.q_dim), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (self.q_dim, h),
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
         return self.layers * sum(rank * sum(dims[t]) for t in targets if t in dims)
 
@@ -89,7 +101,7 @@ def from_hf_config(cfg: dict) -> ModelShape:
                           layers=cfg["num_hidden_layers"], heads=cfg["num_attention_heads"],
                           kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
                           vocab=cfg["vocab_size"], tied=bool(cfg.get("tie_word_embeddings", False)),
-                          positions=cfg.get("max_position_embeddings"))
+                          positions=cfg.get("max_position_embeddings"), head_dim=cfg.get("head_dim"))
     except KeyError as e:
         raise ShapeError(f"config.json has no {e.args[0]}: not a decoder-only transformer the planner knows") from None
 

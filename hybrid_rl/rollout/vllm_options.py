@@ -75,8 +75,7 @@ class VLLMOptions:
             return None
         tp = self.tensor_parallel_size
         full = self.max_model_len or (cfg.data.max_prompt_length + cfg.data.max_response_length)
-        head_dim = shape.hidden // shape.heads
-        per_token = shape.layers * 2 * max(1, shape.kv_heads // tp) * head_dim * 2
+        per_token = shape.layers * 2 * max(1, shape.kv_heads // tp) * shape.head_size * 2
         need = cfg.rollout.max_num_seqs * (full + 256) * per_token
         room = self.gpu_memory_utilization * gpu_bytes - shape.params * 2 / tp
         return need if need <= room / 2 else None

@@ -564,7 +564,7 @@ def test_engine_kwargs_from_config():
         vr.engine_kwargs(cfg, DistInfo(0, 3, 0, torch.device("cpu")))
 
 
-def test_engine_kwargs_fit_the_kv_cache_to_what_the_engine_holds():
+def test_engine_kwargs_fit_the_kv_cache_to_what_the_engine_holds(tmp_path):
     """``rollout.vllm.fit_kv_cache``: ``kv_cache_memory_bytes`` is ``max_num_seqs`` sequences of ``max_model_len``
     (+ 256 tokens of block rounding) over every layer's keys and values in 16-bit, the key/value heads split over the
     tensor-parallel GPUs; nothing where that would take over half of the share beside the weights, where it is off,
@@ -585,6 +585,15 @@ def test_engine_kwargs_fit_the_kv_cache_to_what_the_engine_holds():
              "data.max_response_length=1024", "rollout.vllm.tensor_parallel_size=2"]
     two = DistInfo(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
     assert vr.engine_kwargs(_cfg(*seven), two, h200)["kv_cache_memory_bytes"] == 64 * (1536 + 256) * 57344 // 2
+    # a config's own head_dim (Qwen3-0.6B: 128, not 1024 / 16): 28 layers x (K, V) x 8 heads x 128 dims x 2 bytes
+    qwen3 = tmp_path / "qwen3"
+    qwen3.mkdir()
+    (qwen3 / "config.json").write_text(json.dumps(dict(
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960)))
+    q3 = _cfg(f"model.path={qwen3}", "rollout.max_num_seqs=16", "data.max_prompt_length=512",
+              "data.max_response_length=1024")
+    assert vr.engine_kwargs(q3, one, h200)["kv_cache_memory_bytes"] == 16 * (1536 + 256) * 28 * 2 * 8 * 128 * 2
     # 256 sequences of 16k tokens (~240 GiB) would not fit half of the share: vLLM fills the share
     longer = _cfg("model.path=builtin:qwen2.5-7b-random", "rollout.max_num_seqs=256", "data.max_response_length=16384")
     assert "kv_cache_memory_bytes" not in vr.engine_kwargs(longer, one, h200)

@@ -248,3 +248,18 @@ def test_a_fitted_kv_cache_is_planned_as_what_the_engine_holds():
     long = _cfg("rollout.name=vllm", "rollout.max_num_seqs=256", "data.max_response_length=16384")
     share = next(p for p in phases(long, seven, 1, 80 * GIB) if p.name == "generation").terms["engine (awake)"]
     assert share == long.rollout.vllm.gpu_memory_utilization * 80 * GIB
+
+
+def test_a_config_head_dim_wider_than_hidden_over_heads():
+    """Qwen3-0.6B's config gives ``head_dim`` 128 where hidden / heads is 64: its queries are 2,048 wide and each key
+    and value 1,024. Its published non-embedding parameter count is 0.44B (the formula without ``head_dim`` gives
+    0.38B)."""
+    from hybrid_rl.planner.shape import from_hf_config
+
+    qwen3 = from_hf_config(dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                                num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True))
+    assert (qwen3.head_size, qwen3.q_dim, qwen3.kv_dim) == (128, 2048, 1024)
+    assert abs(qwen3.layers * qwen3.layer_params / 0.44e9 - 1) < 0.01
+    plain = from_hf_config(dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                                num_key_value_heads=8, vocab_size=151936, tie_word_embeddings=True))
+    assert (plain.head_size, plain.kv_dim) == (64, 512)
