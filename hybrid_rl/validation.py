@@ -91,7 +91,8 @@ class Validator:
             out, stats = compute_scores(out, self.tokenizer, self.reward_fn, self.cfg.reward.on_error, self.task,
                                         prefix="val")
             stats.pop("val/errors")
-            outcome = outcome_sums(out.tensors["scores"], out.tensors["response_mask"], self.cfg.data.max_response_length)
+            outcome = outcome_sums(out.tensors["scores"], out.tensors["response_mask"], self.cfg.data.max_response_length,
+                                   out.tensors.get("env_stop"))
             stats.update({f"val/{name}": (outcome[key], len(out)) for name, key in VAL_OUTCOMES.items()})
             for k, (v, _) in stats.items():
                 sums[k] += v

@@ -14,24 +14,32 @@ import torch
 
 from hybrid_rl.algorithms.core import response_extent
 from hybrid_rl.batch import Batch
+from hybrid_rl.envs.base import STOPS
 from hybrid_rl.envs.metrics import env_metrics, is_multi_turn
 from hybrid_rl.modes.partial import COUNTS as PARTIAL_COUNTS
 from hybrid_rl.modes.partial import partial_metrics
 
 
-def cut_at_cap(response_mask: torch.Tensor, max_response_length: int) -> torch.Tensor:
+def cut_at_cap(response_mask: torch.Tensor, max_response_length: int,
+               env_stop: torch.Tensor | None = None) -> torch.Tensor:
     """[B] bool: the responses that reached ``max_response_length`` (cut, not finished; one that ended exactly at the
-    cap counts as cut too; a multi-turn trajectory's length counts its observations). The one definition behind
-    ``rollout/response_clip_ratio``, ``val/response_clip_ratio`` and ``actor.mask_truncated_completions``."""
-    return response_extent(response_mask) >= max_response_length
+    cap counts as cut too; a multi-turn trajectory's length counts its observations), and the multi-turn
+    trajectories the budget ended (``env_stop``: an observation that would not fit ends its trajectory short of the
+    cap, unanswered). The one definition behind ``rollout/response_clip_ratio``, ``val/response_clip_ratio`` and
+    ``actor.mask_truncated_completions``."""
+    cut = response_extent(response_mask) >= max_response_length
+    if env_stop is not None:
+        cut = cut | (env_stop.to(cut.device) == STOPS.index("budget"))
+    return cut
 
 
-def outcome_sums(scores: torch.Tensor, response_mask: torch.Tensor, max_response_length: int) -> dict[str, float]:
+def outcome_sums(scores: torch.Tensor, response_mask: torch.Tensor, max_response_length: int,
+                 env_stop: torch.Tensor | None = None) -> dict[str, float]:
     """Sums over a batch of the score, the score of responses cut at ``max_response_length`` (a flexible extractor
     pays a ramble whose last number happens to match), the response tokens and the cut responses; training
     (``reward/*``, ``rollout/*``) and validation (``val/*``) name them differently."""
     resp_len = response_extent(response_mask).float()
-    clipped = cut_at_cap(response_mask, max_response_length).to(scores.dtype)
+    clipped = cut_at_cap(response_mask, max_response_length, env_stop).to(scores.dtype)
     return {"score": float(scores.sum()), "clipped_score": float((scores * clipped).sum()),
             "length": float(resp_len.sum()), "clipped": float(clipped.sum())}
 
@@ -48,7 +56,7 @@ def batch_metrics(batch: Batch, max_response_length: int, trainer_version: int) 
     # π_prox/π_behav per token: 1 in exact sync, drifts with staleness and engine numerics
     is_ratio = torch.exp((t["old_log_probs"] - t["rollout_log_probs"]).clamp(-20, 20))
     staleness = (trainer_version - t["weight_version"]).float()
-    out = outcome_sums(scores, mask, max_response_length)
+    out = outcome_sums(scores, mask, max_response_length, t.get("env_stop"))
     means = {
         "reward/mean": (out["score"], n),
         "reward/clipped_mean": (out["clipped_score"], n),  # the part of it that responses cut at the length cap earned

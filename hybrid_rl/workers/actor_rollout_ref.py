@@ -352,10 +352,10 @@ class ActorRolloutRefWorker:
 
     def _loss_mask(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
         """The tokens the actor's loss counts, [b, R] float: the response tokens, less every token of the responses
-        cut at the length cap when ``actor.mask_truncated_completions``."""
+        cut at the length cap (or, multi-turn, ended by it) when ``actor.mask_truncated_completions``."""
         mask = t["response_mask"].float()
         if self.cfg.actor.mask_truncated_completions:
-            mask = mask * ~cut_at_cap(mask, self.cfg.data.max_response_length)[:, None]
+            mask = mask * ~cut_at_cap(mask, self.cfg.data.max_response_length, t.get("env_stop"))[:, None]
         return mask
 
     def _update_mini_batch(self, mini: Batch, stats: UpdateStats,

@@ -41,6 +41,27 @@ def test_lengths_count_the_trajectory_up_to_its_last_sampled_token():
     assert overlong_penalty(response_extent(HOLEY), 10, 4, 1.0).tolist() == [-0.75, 0.0]  # 9 - 6 = 3 of 4
 
 
+def test_a_trajectory_the_budget_ended_counts_as_cut():
+    """An observation that would not fit ends its trajectory short of the cap, before the model could answer: cut,
+    for the clip ratio and for ``actor.mask_truncated_completions``, like a response that reached the cap."""
+    from types import SimpleNamespace
+
+    from hybrid_rl.envs.base import STOPS
+    from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
+
+    budget, answer = STOPS.index("budget"), STOPS.index("answer")
+    assert cut_at_cap(HOLEY, 10, torch.tensor([budget, answer])).tolist() == [True, False]
+    assert cut_at_cap(HOLEY, 10, torch.tensor([answer, answer])).tolist() == [False, False]
+    sums = outcome_sums(torch.tensor([0.0, 1.0]), HOLEY, 10, torch.tensor([budget, answer]))
+    assert sums["clipped"] == 1.0 and sums["clipped_score"] == 0.0
+    worker = SimpleNamespace(cfg=SimpleNamespace(actor=SimpleNamespace(mask_truncated_completions=True),
+                                                 data=SimpleNamespace(max_response_length=10)))
+    t = {"response_mask": HOLEY, "env_stop": torch.tensor([budget, answer])}
+    assert ActorRolloutRefWorker._loss_mask(worker, t).tolist() == [[0.0] * 11, HOLEY[1].float().tolist()]
+    worker.cfg.actor.mask_truncated_completions = False
+    assert ActorRolloutRefWorker._loss_mask(worker, t).tolist() == HOLEY.float().tolist()
+
+
 def test_reinforce_pp_returns_carry_through_the_observation():
     rewards = sparse_scores(torch.tensor([1.0, 1.0]), HOLEY)
     gamma = 0.5
