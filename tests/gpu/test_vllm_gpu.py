@@ -46,8 +46,10 @@ GPU_UTIL = 0.3
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
     """trainer (FSDP2, world of one) + vLLM engine + sharding manager, as the worker builds them."""
+    # the KV cache fills the share (not fitted): the sleep test below measures that share freed
     h = vllm_hybrid(tmp_path_factory, [f"rollout.vllm.gpu_memory_utilization={GPU_UTIL}", "rollout.sleep_level=2",
-                                       "data.max_response_length=64"], free_cache_engine=True, sleep_level=2)
+                                       "data.max_response_length=64", "rollout.vllm.fit_kv_cache=false"],
+                    free_cache_engine=True, sleep_level=2)
     yield h
     h.engine.shutdown()
 
