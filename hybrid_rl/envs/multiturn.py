@@ -9,8 +9,9 @@ log-probs are appended as sampled. The environments then answer the turns (in up
 bounded by what is left of ``env.max_rollout_s``), and each observation is appended as the chat template's own
 tokens, encoded once (``render.TurnRenderer``), with ``response_mask`` 0 and log-prob 0. A trajectory ends when its
 environment is done (the turn was the answer), at ``env.max_turns``, when its tokens fill ``data.max_response_length``
-(an observation that leaves no room for another turn ends it too), when its environment fails, or when the rollout's
-time is up (an engine interrupt ends the turns in flight where they are).
+(the turn that fills it is still answered, for its reward; an observation that leaves no room for another turn ends
+it too), when its environment fails, or when the rollout's time is up (an engine interrupt ends the turns in flight
+where they are).
 
 ``assemble_trajectories`` lays the trajectories out as ``assemble_rollout`` does a single turn: ``responses`` is
 everything after the prompt, ``attention_mask`` covers it all, ``response_mask`` only the sampled tokens, plus
@@ -186,8 +187,8 @@ class MultiTurnRollout:
                     t.add_turn(seg.tokens, seg.logprobs)
                     if not seg.finished:  # the rollout's time ran out during this turn
                         t.stop = "timeout"
-                    elif len(t.tokens) >= self.budget:
-                        t.stop = "budget"
+                # a turn that filled the budget is still answered (its reward, its calls counted), as a single-turn
+                # response cut at the cap is still scored; no observation can follow it (``_answer``)
                 stepping = [t for t in active if not t.done]
                 outcomes = run_parallel([lambda t=t: t.env.step(self.renderer.turn_text(t.last_turn))
                                          for t in stepping], opts.workers, deadline)

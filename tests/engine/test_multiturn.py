@@ -349,3 +349,29 @@ def test_a_failing_environment_ends_its_trajectories_not_the_rollout(tiny_model_
     assert torch.all(t[f"env_errors_{kind}"] == 1) and torch.all(t["env_turns"] == 1)
     assert took < 25  # the slow steps (30 s each) were abandoned at the 4 s bound
     assert torch.equal(t["response_mask"].bool(), t["turn_ids"] > 0)
+
+
+class PayingEnv(ToolEnv):
+    """Done at the first turn, paying 1 for it whatever it says."""
+
+    def step(self, turn: str) -> StepResult:
+        return StepResult(observations=[], done=True, reward=1.0)
+
+
+def test_a_turn_that_fills_the_budget_is_still_answered(tiny_model_path):
+    """A budget of 5 tokens and turns of up to 5: the random model fills the budget in its first turn. The
+    environment still answers that turn, so its reward counts (as a single-turn response cut at the cap is still
+    scored), and the trajectory ends as an answer."""
+    from hybrid_rl.envs.base import STOPS
+
+    ENVS.register("paying", PayingEnv)
+    try:
+        _, _, _, batch, _ = _run(tiny_model_path, None, ["env.name=paying", "data.max_response_length=5",
+                                                         "env.max_turn_tokens=5"], n=4)
+    finally:
+        ENVS.unregister("paying")
+    t = batch.tensors
+    full = t["response_mask"].sum(dim=1) == 5
+    assert int(full.sum()) > 0  # the premise: some trajectories filled the budget
+    assert torch.all(t["env_reward"] == 1.0) and torch.all(t["env_stop"] == STOPS.index("answer"))
+    assert torch.all(t["env_turns"] == 1)
