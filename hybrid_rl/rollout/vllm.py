@@ -382,17 +382,17 @@ def engine_kwargs(cfg, dist, gpu_bytes: Optional[int] = None) -> dict[str, Any]:
         generation_config="vllm",  # stop on our EOS only; no sampling defaults from the checkpoint
         seed=cfg.trainer.seed + 1000 * dp_rank,  # one stream per engine replica, shared inside a TP group
     )
-    kv_bytes = fitted_kv_cache_bytes(cfg, gpu_bytes) if gpu_bytes else None
+    kv_bytes = fitted_kv_cache_bytes(cfg, built["model"], gpu_bytes) if gpu_bytes else None
     if kv_bytes is not None:
         built["kv_cache_memory_bytes"] = kv_bytes  # vLLM then takes this, not the share, for its KV cache
     return {**built, **o.engine_kwargs}
 
 
-def fitted_kv_cache_bytes(cfg, gpu_bytes: int) -> Optional[int]:
-    """``rollout.vllm.fit_kv_cache``'s KV cache for the model ``model.path`` names on a GPU of ``gpu_bytes`` (None:
-    the share, also for a model whose shape cannot be read)."""
+def fitted_kv_cache_bytes(cfg, model_dir: str, gpu_bytes: int) -> Optional[int]:
+    """``rollout.vllm.fit_kv_cache``'s KV cache for the model in ``model_dir`` (the one the engine loads) on a GPU of
+    ``gpu_bytes`` (None: the share, also for a model whose shape cannot be read)."""
     try:
-        shape = read_shape(cfg.model.path)
+        shape = read_shape(model_dir)
     except ShapeError:
         return None
     return cfg.rollout.vllm.fitted_kv_cache_bytes(cfg, shape, gpu_bytes)
