@@ -15,7 +15,7 @@ trainer keeps running. :func:`run_python` gives each snippet:
 - when the trainer runs as root, the uid and gid ``nobody`` (root ignores the process limit and may write
   anywhere), with an interpreter that uid can run (:func:`sandbox_python`);
 - stdout and stderr read as they come, in chunks, keeping the first ``max_output_bytes`` of each and discarding the
-  rest, decoded as UTF-8 with replacement characters.
+  rest, decoded as UTF-8 with replacement characters (``SandboxResult.invalid_utf8`` says when one was needed).
 
 What it does not protect against (it is not a container, a VM or seccomp; for untrusted code at scale use a
 sandbox service):
@@ -46,6 +46,7 @@ without limits.
 
 from __future__ import annotations
 
+import codecs
 import functools
 import logging
 import os
@@ -167,6 +168,8 @@ class SandboxResult:
     """Seconds from start to the working directory's removal."""
     cpu_s: float
     """User plus system CPU seconds of the snippet's main process (and the children it waited for)."""
+    invalid_utf8: bool = False
+    """Whether stdout or stderr held bytes that are not UTF-8 (a character cut by ``max_output_bytes`` is not)."""
 
     @property
     def ok(self) -> bool:
@@ -217,8 +220,14 @@ class _Capped:
         if room > 0:
             self.data += chunk[:room]
 
-    def text(self) -> str:
-        return self.data.decode("utf-8", errors="replace")
+    def decoded(self) -> tuple[str, bool]:
+        """The bytes kept as text, and whether any were not UTF-8 (these become U+FFFD). A character that the cap
+        cut in two is dropped, not counted as invalid."""
+        raw = bytes(self.data)
+        try:  # not final when cut: an incomplete last character is held back, not an error
+            return codecs.getincrementaldecoder("utf-8")().decode(raw, final=not self.truncated), False
+        except UnicodeDecodeError:
+            return raw.decode("utf-8", errors="replace"), True
 
 
 def run_python(code: str, *, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
@@ -243,10 +252,11 @@ def run_python(code: str, *, limits: SandboxLimits = SandboxLimits()) -> Sandbox
         exit_code, cpu_s, timed_out, out, err = _run(python, workdir, uid, gid, limits, start)
     finally:
         _remove_tree(workdir)
-    stdout, stderr = out.text(), err.text()
+    (stdout, bad_out), (stderr, bad_err) = out.decoded(), err.decoded()
     kind, detail = _classify(exit_code, cpu_s, timed_out, stderr, limits)
     return SandboxResult(stdout=stdout, stderr=stderr, exit_code=exit_code, error_kind=kind, error_detail=detail,
-                         truncated=out.truncated or err.truncated, wall_s=time.monotonic() - start, cpu_s=cpu_s)
+                         truncated=out.truncated or err.truncated, wall_s=time.monotonic() - start, cpu_s=cpu_s,
+                         invalid_utf8=bad_out or bad_err)
 
 
 def _child_ids() -> tuple[Optional[int], Optional[int]]:

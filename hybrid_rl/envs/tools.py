@@ -178,13 +178,14 @@ def run_tool(t: Tool, args: Mapping[str, Any], row: EnvRow, timeout_s: float, ma
     kwargs = dict(args)
     if t.row_param:
         kwargs[t.row_param] = row
-    out = call_with_timeout(lambda: t.fn(**kwargs), timeout_s, name=f"tool-{t.name}")
+    # The result is turned into text inside the timeout too: a value that is slow to print is the tool's fault.
+    out = call_with_timeout(lambda: result_text(t.fn(**kwargs), max_chars), timeout_s, name=f"tool-{t.name}")
     if out.timed_out:
         return ToolOutcome(f"error: {t.name} did not finish within {timeout_s:g} s", ["tool_timeout"])
     if out.error is not None:
         e = out.error
         return ToolOutcome(f"error: {t.name} raised {type(e).__name__}: {_short(str(e), 300)}", ["tool_raised"])
-    return result_text(out.value, max_chars)
+    return out.value
 
 
 def result_text(value: Any, max_chars: int) -> ToolOutcome:
@@ -194,6 +195,8 @@ def result_text(value: Any, max_chars: int) -> ToolOutcome:
     if hasattr(value, "observation") and callable(value.observation):
         if getattr(value, "error_kind", None):
             errors.append("tool_reported")
+        if getattr(value, "invalid_utf8", False):  # a sandbox's output had bytes that are not UTF-8
+            errors.append("non_utf8_output")
         value = value.observation()
     if isinstance(value, (bytes, bytearray)):
         raw = bytes(value[: max_chars * 4])  # no character takes more than 4 bytes

@@ -107,7 +107,24 @@ def square(n: int) -> int:
     return n * n
 
 
-TEST_TOOLS = [add, boom, hang, flood, raw_bytes, reported, quits, square]
+class SlowToPrint:
+    """A value whose text takes longer than the tool's timeout."""
+
+    def __str__(self) -> str:
+        RELEASE.wait(30)
+        return "late"
+
+
+def slow_value(text: str) -> SlowToPrint:
+    """Return at once a value that is slow to turn into text.
+
+    Args:
+        text: Anything.
+    """
+    return SlowToPrint()
+
+
+TEST_TOOLS = [add, boom, hang, flood, raw_bytes, reported, quits, square, slow_value]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -190,6 +207,8 @@ TABLE = [
     (HERMES, ["quits"], call("quits", text="x"), ["error: quits raised SystemExit: 3"], ["tool_raised"]),
     (HERMES, ["hang"], call("hang", text="x"), ["error: hang did not finish within 0.5 s"], ["tool_timeout"]),
     (HERMES, ["raw_bytes"], call("raw_bytes", text="x"), ["ok \ufffd\ufffd end"], ["non_utf8_output"]),
+    (HERMES, ["slow_value"], call("slow_value", text="x"), ["error: slow_value did not finish within 0.5 s"],
+     ["tool_timeout"]),
     (HERMES, ["reported"], call("reported", text="x"), ["exit code 3\nstderr: oops"], ["tool_reported"]),
     # two calls in one turn: two observations, in order, each with its own fault
     (HERMES, ["add", "boom"], call("add", a=1) + " and " + call("boom", text="!"),
@@ -293,6 +312,7 @@ def test_calculator_refuses_anything_but_bounded_arithmetic(expression):
     ("print(123 * 456)", "56088", []),                   # 56088 worked by hand
     ("while True: pass", "error:", ["tool_reported"]),  # killed at its CPU or wall-clock limit
     ("raise SystemExit(3)", "error:", ["tool_reported"]),
+    ("import sys; sys.stdout.buffer.write(b'ok \\xff end')", "ok \ufffd end", ["non_utf8_output"]),
 ])
 def test_python_tool_runs_in_the_sandbox_and_faults_are_observations(code, text, kinds):
     from hybrid_rl.envs.tools import run_tool

@@ -144,6 +144,21 @@ def test_background_child_dies_with_the_snippet():
 
 
 @linux
+@pytest.mark.parametrize("code, cap, stdout, invalid", [
+    ("import sys\nsys.stdout.buffer.write(b'ok \\xff end')\n", 1 << 16, "ok \ufffd end", True),
+    ("print('caf\u00e9 ok')", 1 << 16, "caf\u00e9 ok\n", False),
+    # 'é' is two bytes (0xc3 0xa9); a cap of 4 keeps 'caf' and the first of them: the cut character is dropped
+    ("print('caf\u00e9 ok')", 4, "caf", False),
+    # a lone continuation byte before the cap is invalid output, cut or not
+    ("import sys\nsys.stdout.buffer.write(b'a\\xa9bcdef')\n", 4, "a\ufffdbc", True),
+])
+def test_output_that_is_not_utf8_is_flagged(code, cap, stdout, invalid):
+    result = run_python(code, limits=replace(QUICK, max_output_bytes=cap))
+    assert result.ok, result
+    assert (result.stdout, result.invalid_utf8) == (stdout, invalid)
+
+
+@linux
 def test_huge_output_is_capped_and_parent_memory_stays_bounded():
     code = "import sys\nchunk = 'x' * (1 << 20)\nfor _ in range(100):\n    sys.stdout.write(chunk)\n"
     limits = replace(QUICK, timeout_s=20.0, cpu_s=10, max_output_bytes=1 << 16)
