@@ -15,6 +15,7 @@ sampled tokens/s of the rollout (``perf/gen_tokens_per_s``: tokens the model sam
 included) multi-turn beside single-turn. The target: +50 points on the held-out problems within 200 steps.
 
     python benchmarks/multiturn.py --out runs/bench_multiturn                 # one GPU, vLLM (~15 minutes)
+    python benchmarks/multiturn.py --runs tool --out runs/bench_multiturn    # one run at a time (then the others)
     python benchmarks/multiturn.py --collect runs/bench_multiturn            # summarise finished runs only
     python benchmarks/multiturn.py --cpu-smoke --out runs/bench_multiturn_cpu # the plumbing on CPU (tiny model)
 
@@ -187,6 +188,9 @@ def main() -> int:
     ap.add_argument("--forced-steps", type=int, default=10, help="steps of the single-turn throughput run")
     ap.add_argument("--out", default="runs/bench_multiturn", help="run directory (one folder per run)")
     ap.add_argument("--collect", metavar="DIR", help="only summarise the finished runs in DIR")
+    ap.add_argument("--runs", default=",".join(RUNS),
+                    help=f"which runs to train into --out (comma-separated, of {', '.join(RUNS)}; the others are "
+                         "summarised if already there): one at a time where a command's time is bounded")
     ap.add_argument("--run-timeout", type=float, default=1200.0, help="seconds per run")
     ap.add_argument("--cpu-smoke", action="store_true", help="the tiny model on CPU, a few steps: the plumbing only")
     ap.add_argument("--device", help="device tag for the JSON (default: read from torch)")
@@ -195,6 +199,9 @@ def main() -> int:
     bad = [o for o in overrides if "=" not in o or o.startswith("-")]
     if bad:
         ap.error(f"unknown arguments {bad}: recipe overrides are key=value")
+    chosen = [r for r in args.runs.split(",") if r]
+    if not chosen or any(r not in RUNS for r in chosen):
+        ap.error(f"--runs={args.runs}: choose from {', '.join(RUNS)}")
     cpu = args.cpu_smoke
     recipe = CPU_RECIPE if cpu else GPU_RECIPE
     steps, forced_steps = (4, 2) if cpu else (args.steps, args.forced_steps)
@@ -207,14 +214,18 @@ def main() -> int:
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     if not args.collect:
         out.mkdir(parents=True, exist_ok=True)
-        for name in ("tool", "no_tool"):
+        for name in (n for n in ("tool", "no_tool") if n in chosen):
             meta[name] = train(name, recipe, steps, out, overrides, args.run_timeout, cpu)
             meta_path.write_text(json.dumps(meta, indent=1))
-        tool = summarize(out / "tool", 1, None) or {}
-        length = max(1, round(tool.get("trajectory_tokens_mean") or 1))
-        meta["single_forced"] = train("single_forced", recipe, forced_steps, out,
-                                      [*overrides, f"rollout.forced_lengths=fixed:{length}"], args.run_timeout, cpu)
-        meta["_forced_length"] = length
+        if "single_forced" in chosen:  # at the tool run's mean trajectory length: after it
+            tool = summarize(out / "tool", 1, None)
+            if tool is None:
+                ap.error(f"--runs=single_forced needs the tool run's metrics in {out / 'tool'} first")
+            length = max(1, round(tool.get("trajectory_tokens_mean") or 1))
+            meta["single_forced"] = train("single_forced", recipe, forced_steps, out,
+                                          [*overrides, f"rollout.forced_lengths=fixed:{length}"], args.run_timeout,
+                                          cpu)
+            meta["_forced_length"] = length
         meta["_device"] = args.device or device_name()
         meta_path.write_text(json.dumps(meta, indent=1))
     device = args.device or meta.get("_device") or device_name()
@@ -240,7 +251,7 @@ def main() -> int:
     print(json.dumps({"benchmark": "multiturn", "device": device, "commit": result["commit"],
                       **result["comparison"]}), flush=True)
     print(f"wrote {json_path}")
-    failed = [n for n in RUNS if not args.collect and meta.get(n, {}).get("rc") not in (0,)]
+    failed = [n for n in chosen if not args.collect and meta.get(n, {}).get("rc") not in (0,)]
     if failed:
         print(f"runs that did not finish: {', '.join(failed)} (see each run's train.log)", file=sys.stderr)
         return 1
