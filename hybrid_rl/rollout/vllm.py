@@ -233,7 +233,8 @@ def sampling_kwargs(params: SamplingParams, eos_token_ids: Sequence[int], ignore
         detokenize=False,
     )
     if params.stop and not ignore_eos:  # stop strings are matched on text: vLLM detokenizes for them
-        kw.update(stop=list(params.stop), include_stop_str_in_output=True, detokenize=True)
+        # special tokens kept in that text, as the transformers engine matches it
+        kw.update(stop=list(params.stop), include_stop_str_in_output=True, detokenize=True, skip_special_tokens=False)
     if not flat_logprobs:  # a vLLM without the field: the classic list of dicts comes back
         del kw["flat_logprobs"]
     return kw
@@ -362,9 +363,12 @@ def engine_kwargs(cfg, dist, gpu_bytes: Optional[int] = None) -> dict[str, Any]:
         raise ValueError(f"rollout.vllm.tensor_parallel_size={tp} must divide the {dist.world_size} ranks")
     dtype = resolve_dtype(cfg.rollout_dtype, dist.device)
     dp_rank = dist.rank // tp
+    # A multi-turn turn ends at its tool call, a stop string that vLLM matches on the text its detokenizer makes: the
+    # engine then loads the tokenizer. Single-turn rollouts pass token ids in and out and start without it.
+    multi_turn = getattr(getattr(cfg, "env", None), "name", None) is not None
     built = dict(
         model=resolve_model_path(cfg.model.path),
-        skip_tokenizer_init=True,
+        skip_tokenizer_init=not multi_turn,
         trust_remote_code=cfg.model.trust_remote_code,
         dtype=str(dtype).replace("torch.", ""),
         load_format="dummy",  # the sharding manager pushes the real weights
@@ -382,6 +386,8 @@ def engine_kwargs(cfg, dist, gpu_bytes: Optional[int] = None) -> dict[str, Any]:
         generation_config="vllm",  # stop on our EOS only; no sampling defaults from the checkpoint
         seed=cfg.trainer.seed + 1000 * dp_rank,  # one stream per engine replica, shared inside a TP group
     )
+    if multi_turn:
+        built["tokenizer"] = resolve_model_path(cfg.model.tokenizer_path or cfg.model.path)
     kv_bytes = fitted_kv_cache_bytes(cfg, built["model"], gpu_bytes) if gpu_bytes else None
     if kv_bytes is not None:
         built["kv_cache_memory_bytes"] = kv_bytes  # vLLM then takes this, not the share, for its KV cache
@@ -617,6 +623,10 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def _add_continuations(self, engine: Any, requests: Sequence[Continuation], params: SamplingParams) -> list[str]:
         """One n=1 request per continuation, ids unique to this call (``LLM.generate`` numbers its own)."""
+        if params.stop and getattr(engine, "tokenizer", True) is None:  # vLLM would ignore the stop strings
+            raise ValueError("stop strings need vLLM's tokenizer, and this engine was started without it "
+                             "(skip_tokenizer_init): start it with env.name set, or without "
+                             "rollout.vllm.engine_kwargs.skip_tokenizer_init")
         from vllm.sampling_params import RequestOutputKind
 
         self._calls = getattr(self, "_calls", 0) + 1

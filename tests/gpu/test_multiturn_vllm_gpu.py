@@ -68,6 +68,7 @@ def worker():
     dist = cuda_world_of_one()
     cfg = load_config(None, ["model.path=builtin:tiny-qwen2", "trainer.device=cuda", "rollout.name=vllm",
                              "rollout.vllm.enforce_eager=true", "rollout.vllm.max_model_len=512",
+                             "data.max_prompt_length=256",
                              "rollout.vllm.gpu_memory_utilization=0.2", "rollout.max_num_seqs=64", "rollout.n=4",
                              "data.train_batch_size=2", "actor.ppo_mini_batch_size=2",
                              "actor.ppo_micro_batch_size_per_device=8", "data.max_response_length=160",

@@ -126,6 +126,40 @@ def test_vllm_gets_the_stops_as_its_own_fields():
     params = SamplingParams(stop=("</tool_call>",), stop_token_ids=(151658,))
     kw = sampling_kwargs(params, [151645])
     assert kw["stop"] == ["</tool_call>"] and kw["include_stop_str_in_output"] and kw["detokenize"]
+    assert kw["skip_special_tokens"] is False  # matched on the text with special tokens, as the transformers engine
     assert kw["stop_token_ids"] == [151645, 151658]
     plain = sampling_kwargs(SamplingParams(), [151645])  # single-turn: as before, no detokenization
     assert "stop" not in plain and plain["detokenize"] is False and plain["stop_token_ids"] == [151645]
+
+
+def test_a_multi_turn_vllm_engine_loads_the_tokenizer_its_stop_strings_need():
+    """vLLM matches stop strings in its detokenizer, which an engine started with ``skip_tokenizer_init`` lacks (it
+    then ignores ``stop`` without a word): multi-turn runs start it with the tokenizer, single-turn runs without."""
+    from hybrid_rl.distributed import DistInfo
+    from hybrid_rl.models import resolve_model_path
+    from hybrid_rl.rollout.vllm import engine_kwargs
+
+    one = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    multi = engine_kwargs(load_config(LOOKUP, ["rollout.name=vllm"]), one)
+    assert multi["skip_tokenizer_init"] is False
+    assert multi["tokenizer"] == multi["model"] == resolve_model_path(load_config(LOOKUP).model.path)
+    single = engine_kwargs(load_config(LOOKUP, ["rollout.name=vllm", "env.name=null"]), one)
+    assert single["skip_tokenizer_init"] is True and "tokenizer" not in single
+    own = engine_kwargs(load_config(LOOKUP, ["rollout.name=vllm", "model.tokenizer_path=builtin:tiny-qwen2"]), one)
+    assert own["tokenizer"] == resolve_model_path("builtin:tiny-qwen2")
+
+
+def test_stop_strings_on_an_engine_without_its_tokenizer_are_refused():
+    from hybrid_rl.rollout.vllm import VLLMRolloutEngine
+
+    class NoTokenizer:
+        tokenizer = None
+
+        def add_request(self, *args):
+            raise AssertionError("nothing may reach the engine")
+
+    eng = VLLMRolloutEngine.__new__(VLLMRolloutEngine)
+    eng.llm = None
+    with pytest.raises(ValueError, match="stop strings need vLLM's tokenizer"):
+        eng._add_continuations(NoTokenizer(), [Continuation(prompt=[1, 2], tokens=[], max_tokens=4)],
+                               SamplingParams(stop=("</calculator>",)))
