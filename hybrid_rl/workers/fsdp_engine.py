@@ -358,7 +358,10 @@ class TrainingEngine:
 
     # -- offload ------------------------------------------------------------------------
     def _move(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
-        return t.to(device, non_blocking=True, copy=self.offload_copy)
+        # Asynchronous only towards the GPU. A non-blocking copy to the CPU lands in pinned memory from torch's
+        # caching host allocator, which rounds every block up to a power of two and keeps it: up to twice the
+        # offloaded bytes held in host memory. A blocking copy into pageable memory takes the bytes offloaded.
+        return t.to(device, non_blocking=device.type != "cpu", copy=self.offload_copy)
 
     @torch.no_grad()
     def offload(self, params: bool = True, optimizer: bool = True) -> None:
