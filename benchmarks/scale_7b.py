@@ -3,6 +3,8 @@ the memory planner's prediction for the same config.
 
     python benchmarks/scale_7b.py --gpus 8                        # every run below, into runs/scale_7b/<UTC time>/
     python benchmarks/scale_7b.py --gpus 4 --runs mean8k_sp1      # one run
+    python benchmarks/scale_7b.py --gpus 1 --runs mean2k_sp1 --mean 2048 --tag lora64 --out D model.lora.rank=64
+                                                                  # one GPU, LoRA: added to D's JSON as mean2k_sp1_lora64
     python benchmarks/scale_7b.py --cpu-smoke                     # plumbing only: tiny model, 2 CPU ranks, ~2 minutes
 
 Runs ``recipes/gsm8k_grpo_7b.yaml`` (``python -m hybrid_rl train`` under torchrun, through ``modes.run_mode``) with
@@ -12,8 +14,15 @@ samples per step in 4 mini-batches, no validation or checkpoints. A random model
 response lengths are forced (``rollout.forced_lengths``), capped at 16,384 tokens with the token budget raised to one
 prompt + cap (16,896):
 
-  mean8k_sp1               lognormal:8192:0.8 (mean 8k, long tail cut at the cap), no sequence parallelism
-  fixed16k_sp1/sp2/sp4     every response 16,384 tokens, actor.ulysses_sequence_parallel_size 1 / 2 / 4
+  mean8k_sp1               lognormal:8192:0.8 (mean 8k, long tail cut at the cap; ``--mean`` sets another mean, which
+                           names the run: mean2k_sp1), no sequence parallelism
+  fixed16k_sp1/sp2/sp4     every response 16,384 tokens, actor.ulysses_sequence_parallel_size 1 / 2 / 4 (the sizes
+                           that divide the GPUs)
+
+On fewer GPUs than the recipe's ``rollout.vllm.tensor_parallel_size`` (2), the engine spans the largest size that
+divides them (one GPU: 1). ``--tag`` appends a name to each run (settings of one kind, e.g. ``model.lora.rank=64``);
+runs are added to the JSON already in ``--out`` (a run of the same name replaced), each with its own settings and
+commit, so that the runs of several commands make one result.
 
 Per run, over the measured steps (after ``--warmup``): step time and its phases, generated tokens/s, the update's
 MFU (``perf/mfu_update``: the FLOPs it ran ÷ time ÷ the GPUs' dense bf16 peak; ``_equiv`` counts every sample's
@@ -57,25 +66,34 @@ CPU_SMOKE = dict(model="builtin:tiny-qwen2", prompts=8, warmup=1, measure=1, run
 
 def runs(args) -> list[tuple[str, list[str]]]:
     """(name, overrides) of every run: the long-tailed one, then the fixed-length ones per sequence-parallel size."""
-    out = [(f"mean{args.mean // 1024 or args.mean}{'k' if args.mean >= 1024 else ''}_sp1",
+    tag = f"_{args.tag}" if args.tag else ""
+    out = [(f"mean{args.mean // 1024 or args.mean}{'k' if args.mean >= 1024 else ''}_sp1{tag}",
             [f"rollout.forced_lengths=lognormal:{args.mean}:0.8"])]
     cap = f"{args.cap // 1024}k" if args.cap >= 1024 else str(args.cap)
-    out += [(f"fixed{cap}_sp{sp}",
+    out += [(f"fixed{cap}_sp{sp}{tag}",
              [f"rollout.forced_lengths=fixed:{args.cap}", f"actor.ulysses_sequence_parallel_size={sp}"])
-            for sp in args.sp_sizes]
+            for sp in args.sp_sizes if args.gpus % sp == 0]
     return out
 
 
+def engine_tp(recipe_tp: int, gpus: int) -> int:
+    """The recipe's engine tensor-parallel size, or the largest size below it that divides ``gpus``."""
+    return max(d for d in range(1, min(recipe_tp, gpus) + 1) if gpus % d == 0)
+
+
 def base_overrides(args) -> list[str]:
-    """What every run sets on top of the recipe: local prompts, the batch, the cap and its budget, no validation."""
+    """What every run sets on top of the recipe: local prompts, the batch, the cap and its budget, no validation, and
+    an engine no wider than the GPUs (the command's own overrides come last and win)."""
     from hybrid_rl.config import load_config
 
-    prompt = load_config(str(args.recipe), [f"model.path={args.model}", *args.overrides]).data.max_prompt_length
+    cfg = load_config(str(args.recipe), [f"model.path={args.model}", *args.overrides])
+    prompt, tp = cfg.data.max_prompt_length, cfg.rollout.vllm.tensor_parallel_size
+    fit = engine_tp(tp, args.gpus)
     return [f"data.train_path={DATA}", "data.val_path=null", "trainer.val_before_train=false", "trainer.test_freq=0",
             "trainer.save_freq=-1", f"data.train_batch_size={args.prompts}",
             f"actor.ppo_mini_batch_size={max(args.prompts // 4, 1)}", f"data.max_response_length={args.cap}",
             "actor.use_dynamic_bsz=true", f"actor.max_token_len_per_device={max(16384, prompt + args.cap)}",
-            *args.overrides]
+            *([f"rollout.vllm.tensor_parallel_size={fit}"] if fit != tp else []), *args.overrides]
 
 
 def predicted(args, overrides: list[str], gpu_gib: float) -> dict:
@@ -113,21 +131,40 @@ def one_run(name: str, overrides: list[str], args, out_dir: Path, gpu_gib: float
     try:  # the trainer's own checks first: a setting it refuses is not started
         plan = predicted(args, [*args.base, *overrides], gpu_gib)
     except Exception as e:  # noqa: BLE001  (ConfigError, or anything else that rejects the config)
-        return {"mode": name, "overrides": overrides, "error": f"invalid setting: {str(e).splitlines()[0]}"}
+        return {"mode": name, "overrides": overrides, **settings(args),
+                "error": f"invalid setting: {str(e).splitlines()[0]}"}
     res = modes.run_mode(name, overrides, args, out_dir)
     if "error" in res:
-        return {**res, "planner": plan}
+        return {**res, **settings(args), "planner": plan}
     got = measured(out_dir / f"run_{name}", args)
     memory = {phase: {"measured_gib": got["phase_peak_gib"].get(phase), "predicted_gib": plan["phases_gib"].get(planned)}
               for phase, planned in PLANNED.items() if planned in plan["phases_gib"]}
     keep = ("step_s", "trainer_step_s", "phases_s", "gen_tokens_per_s", "trained_tokens_per_s", "engine_gen_tokens_per_s",
             "response_length_mean", "steps_measured", "wall_s", "gpu_busy_fraction")
-    return {"mode": name, "overrides": overrides, **{k: res[k] for k in keep if k in res},
+    return {"mode": name, "overrides": overrides, **settings(args), **{k: res[k] for k in keep if k in res},
             "mfu_update": got["mfu_update"], "mfu_update_equiv": got["mfu_update_equiv"], "memory": memory,
             "engine_pool": {"measured_gib": got["engine_pool_gb"], "predicted_gib": plan["engine_share_gib"]},
             "peak_outside_engine": {"measured_gib": got["peak_outside_engine_gib"],
                                     "predicted_gib": max((plan["phases_gib"].get(PLANNED[p], 0.0) for p in TRAINING))},
             "planner": plan}
+
+
+def settings(args) -> dict:
+    """What one run ran with beyond its own overrides (runs of several commands share a JSON)."""
+    return {"commit": modes.commit(), "base_overrides": args.base, "prompts": args.prompts, "warmup": args.warmup,
+            "measured_steps": args.measure}
+
+
+def merged(path: Path, results: list[dict], model: str) -> list[dict]:
+    """The runs already in ``path`` (same model), with ``results`` added and those of the same name replaced."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return list(results)
+    if doc.get("model") != model:
+        return list(results)
+    new = {r["mode"] for r in results}
+    return [r for r in doc.get("runs", []) if r.get("mode") not in new] + list(results)
 
 
 def table(results: list[dict]) -> str:
@@ -189,6 +226,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=None, help=f"steps dropped (default {GPU['warmup']})")
     ap.add_argument("--measure", type=int, default=None, help=f"steps measured (default {GPU['measure']})")
     ap.add_argument("--run-timeout", type=float, default=None, help=f"seconds per run (default {GPU['run_timeout']:g})")
+    ap.add_argument("--mean", type=int, default=None, help=f"mean response length of the lognormal run (default "
+                                                          f"{GPU['mean']}; at most the cap, {GPU['cap']})")
+    ap.add_argument("--tag", default="", help="appended to each run's name: mean8k_sp1_TAG (letters, digits, _ -)")
     ap.add_argument("--model", default=None, help=f"default {GPU['model']}")
     ap.add_argument("--out", default=None, help="run directory (default runs/scale_7b/<UTC time>/)")
     ap.add_argument("--cpu-smoke", action="store_true", help="the plumbing on CPU: tiny model, 2 gloo ranks")
@@ -198,7 +238,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key in ("model", "prompts", "warmup", "measure", "run_timeout"):
         if getattr(args, key) is None:
             setattr(args, key, base[key])
-    args.cap, args.mean, args.sp_sizes = base["cap"], base["mean"], base["sp_sizes"]
+    args.cap, args.sp_sizes = base["cap"], base["sp_sizes"]
+    args.mean = args.mean or base["mean"]
+    if not 1 <= args.mean <= args.cap:
+        ap.error(f"--mean={args.mean}: must be between 1 and the cap, {args.cap}")
+    if args.tag and not all(c.isalnum() or c in "_-" for c in args.tag):
+        ap.error(f"--tag={args.tag!r}: letters, digits, _ and - only (it names files)")
     args.overrides = [*base["overrides"], *args.overrides]
     args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     args.recipe, args.n = RECIPE, 8
@@ -238,16 +283,18 @@ def main(argv: list[str] | None = None) -> int:
     resolve_model_path(args.model)  # built once here, before any rank waits on it
     run_args = argparse.Namespace(**{**vars(args), "overrides": args.base})
     results = []
+    path = out / f"scale_7b_{device}.json"
+    every_run = merged(path, [], args.model)
     for name, ovr in todo:
         print(f"[{name}] {' '.join(ovr)}", file=sys.stderr, flush=True)
         results.append(one_run(name, ovr, run_args, out, gpu_gib))
+        every_run = merged(path, results, args.model)
         doc = {"bench": "scale_7b", "device": device, "commit": modes.commit(), "model": args.model,
-               "recipe": str(RECIPE.relative_to(ROOT)), "gpus": args.gpus, "gpu_gib": gpu_gib, "prompts": args.prompts,
-               "n": args.n, "warmup": args.warmup, "measured_steps": args.measure, "overrides": args.base,
-               "runs": results}
-        (out / f"scale_7b_{device}.json").write_text(json.dumps(doc, indent=2) + "\n")
-    plot(results, f"{args.model} on {device}, {args.prompts} prompts x {args.n}", out / f"scale_7b_{device}.png")
-    print(table(results))
+               "recipe": str(RECIPE.relative_to(ROOT)), "gpus": args.gpus, "gpu_gib": gpu_gib, "n": args.n,
+               "overrides": args.base, "runs": every_run}  # each run holds its own settings and commit
+        path.write_text(json.dumps(doc, indent=2) + "\n")
+    plot(every_run, f"{args.model} on {device}, {args.n} samples per prompt", out / f"scale_7b_{device}.png")
+    print(table(every_run))
     print(f"wrote {out / f'scale_7b_{device}.json'} and .png")
     failed = [r for r in results if "error" in r]
     for r in failed:

@@ -41,6 +41,35 @@ def test_every_gpu_run_is_a_config_the_planner_and_the_trainer_accept():
         assert plan["engine_share_gib"] == pytest.approx(0.5 * 79.2)
 
 
+def test_one_gpu_gets_an_engine_of_one_gpu_and_no_sequence_parallel_split():
+    args = scale_7b.parse_args(["--gpus", "1", "--mean", "2048", "--tag", "lora64", "model.lora.rank=64"])
+    assert [n for n, _ in scale_7b.runs(args)] == ["mean2k_sp1_lora64", "fixed16k_sp1_lora64"]
+    assert scale_7b.runs(args)[0][1] == ["rollout.forced_lengths=lognormal:2048:0.8"]
+    base = scale_7b.base_overrides(args)
+    assert "rollout.vllm.tensor_parallel_size=1" in base and base[-1] == "model.lora.rank=64"  # the user's last
+    for name, ovr in scale_7b.runs(args):  # the trainer accepts each on one rank
+        scale_7b.predicted(args, [*base, *ovr], 139.8)
+    # the recipe's 2 where the GPUs allow it; else the largest size below it that divides them
+    assert [scale_7b.engine_tp(2, g) for g in (1, 2, 3, 4, 8)] == [1, 2, 1, 2, 2]
+    assert not any("tensor_parallel_size" in o for o in scale_7b.base_overrides(scale_7b.parse_args(["--gpus", "4"])))
+
+
+@pytest.mark.parametrize("argv, message", [(["--mean", "20000"], "--mean=20000"), (["--tag", "a/b"], "--tag='a/b'")])
+def test_bad_mean_or_tag_is_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        scale_7b.parse_args(["--gpus", "1", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_runs_of_several_commands_share_one_json(tmp_path):
+    path = tmp_path / "scale_7b_H200x1.json"
+    assert scale_7b.merged(path, [{"mode": "a", "x": 1}], "m") == [{"mode": "a", "x": 1}]  # nothing there yet
+    path.write_text(json.dumps({"model": "m", "runs": [{"mode": "a", "x": 1}, {"mode": "b", "x": 2}]}))
+    assert scale_7b.merged(path, [{"mode": "b", "x": 3}, {"mode": "c", "x": 4}], "m") == [
+        {"mode": "a", "x": 1}, {"mode": "b", "x": 3}, {"mode": "c", "x": 4}]
+    assert scale_7b.merged(path, [{"mode": "c"}], "another model") == [{"mode": "c"}]
+
+
 def test_refuses_to_write_among_the_curated_results():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(ROOT / "benchmarks" / "results")],
                           cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
