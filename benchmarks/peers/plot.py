@@ -1,8 +1,9 @@
 """Combine the per-framework results of one workload (``<framework>_<workload>.json`` from the run_*.py scripts) into
 ``peers_<device>_<workload>.json`` and a bar plot beside it, in a run directory (``runs/peers/<UTC time>/`` unless
 ``--out-dir``; ``benchmarks/publish.py`` copies them to ``benchmarks/results/``) (``..._<profile>`` when every framework
-ran another profile than ``tuned``, ``..._mixed`` when they ran different ones). Runs on the GPU machine at the end
-of every ``run_all.sh`` part, or on any machine from the JSON files the runs wrote:
+ran another profile than ``tuned``, ``..._mixed`` when they ran different ones). Refuses (exit 2) results that read
+different prompt files (``settings.prompts_sha256``). Runs on the GPU machine at the end of every ``run_all.sh`` part
+(into ``$OUT``), or on any machine from the JSON files the runs wrote:
 
     python benchmarks/peers/plot.py --res /path/with/the/jsons --workload grpo_long
 """
@@ -39,6 +40,12 @@ def combine(res: Path, workload: str) -> dict:
                          + "; ".join(f"{k}: {v.get('workload', {}).get('prompts_per_step')} prompts, "
                                      f"{v.get('workload', {}).get('steps')} steps" for k, v in ok.items())
                          + ". Rerun them with the same settings")
+    hashes = {k: (v.get("settings") or {}).get("prompts_sha256") for k, v in runs.items() if "skipped" not in v}
+    if len({h for h in hashes.values() if h}) > 1:  # one line, exit 2: results that read different prompt files
+        print(f"error: the results in {res} read different prompt files (settings.prompts_sha256: "
+              + ", ".join(f"{k} {h[:12] if h else None}" for k, h in hashes.items())
+              + "); rerun them with the same --data / PEERS_DATA", file=sys.stderr)
+        raise SystemExit(2)
     w = json.loads(workloads.pop()) if workloads else {"name": workload, **WORKLOADS.get(workload, {})}
     base = ok.get("hybrid_rl")
     ratios = {}
@@ -58,7 +65,8 @@ def combine(res: Path, workload: str) -> dict:
                 if "skipped" not in v}
     return {"device": device, "workload_name": w.get("name", workload), "model": w.get("model"), "workload": w,
             "pinned_versions": VERSIONS, "hybrid_rl_commit": (runs.get("hybrid_rl") or {}).get("commit"),
-            "profiles": profiles, "ratios": ratios, "machines": machines, "same_machine": same,
+            "profiles": profiles, "prompts_sha256": next((h for h in hashes.values() if h), None),
+            "ratios": ratios, "machines": machines, "same_machine": same,
             "machine_note": None if same else "the ratios compare runs on different machines of the same device "
                                               "kind: compare with that in mind",
             "skipped": {k: v["skipped"] for k, v in runs.items() if "skipped" in v},

@@ -7,12 +7,18 @@
 #           report                       rebuild the combined report only
 #     GPUS default: every visible GPU. The workload and profile also come from PEERS_WORKLOAD / PEERS_PROFILE
 #     (defaults grpo / tuned); FW_ARGS (HYBRID_RL_ARGS, TRL_ARGS, VERL_ARGS) add arguments, e.g. "--set liger=off".
-# Expects: vLLM 0.26's wheel set with its install_remote.sh unpacked in /tmp/vs, the peers' staged pieces unpacked in
-# /tmp/ps (benchmarks/peers/stage.sh; trl_c1 before 'trl', verl_c1..c7 before 'verl'; Liger's wheel is in both). The
+# Expects: vLLM 0.26's pieces (benchmarks/offline/stage.sh: .stage/pN/bundle.tar.partNN + bundle.sha256) copied into
+# /tmp/vs (PEERS_VS names another folder), installed by benchmarks/offline/install.sh on first use; the peers' staged
+# pieces copied into /tmp/ps (benchmarks/peers/stage.sh; trl_c1 before 'trl', every verl_cK before 'verl'; Liger's and
+# datasets' wheels are in both). The
 # prompts are the GSM8K rows the benchmarks ship (benchmarks/data/gsm8k_train_1k.jsonl; PEERS_DATA names another GSM8K
 # jsonl, fields question/answer). Each part installs what it needs once per machine, writes
-# /tmp/peers_res/<framework>_<workload>.json, and rebuilds benchmarks/results/peers_<device>_<workload>.json + .png from
-# every framework finished so far; all of it is copied to $OUT (default /tmp/peers_out).
+# /tmp/peers_res/<framework>_<workload>.json, and rebuilds the combined report peers_<device>_<workload>.json + .png in
+# $OUT (default /tmp/peers_out) from every framework finished so far, beside copies of the results and log tails
+# (benchmarks/publish.py is what copies a report into benchmarks/results/).
+# Time: a foreground part must end within one 600 s command, install included, so PEERS_TIMEOUT defaults to 420 s for
+# the run (the first part on a fresh machine installs vLLM for ~1-2 minutes first); workloads that take longer run
+# detached (PART_bg, then 'wait' until done), with their own longer limit.
 set -u
 PART=${1:?usage: run_all.sh hybrid_rl|trl|verl|hybrid_rl_bg|trl_bg|verl_bg|wait|report [GPUS] [--workload W] [--profile P]}
 shift
@@ -30,14 +36,15 @@ while [ $# -gt 0 ]; do
 done
 GPUS=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 case $WORKLOAD in
-grpo) LIMIT=${PEERS_TIMEOUT:-480} ;;        # hybrid_rl ~4 min with its start on 4xH200, TRL ~4.5, verl 10-12 (baseline)
+grpo) LIMIT=${PEERS_TIMEOUT:-420} ;;        # foreground: 420 s + install + report fits 600 s; verl needs _bg + wait
 grpo_long) LIMIT=${PEERS_TIMEOUT:-2100} ;;  # 6 steps of ~2k-token responses with a 6k tail: run the parts detached (_bg)
-ppo) LIMIT=${PEERS_TIMEOUT:-1500} ;;        # 12 steps of 512 prompts x 1 with a critic: detached for verl
+ppo) LIMIT=${PEERS_TIMEOUT:-1500} ;;        # 12 steps of 512 prompts x 1 with a critic: detached (_bg)
 *) echo "unknown workload $WORKLOAD (grpo | grpo_long | ppo)"; exit 2 ;;
 esac
 export PEERS_WORKLOAD=$WORKLOAD
 OUT=${OUT:-/tmp/peers_out}
 RES=/tmp/peers_res
+VS=${PEERS_VS:-/tmp/vs}
 MODEL_DIR=/tmp/peers_model
 DATA=${PEERS_DATA:-$PWD/benchmarks/data/gsm8k_train_1k.jsonl}
 mkdir -p "$OUT" "$RES"
@@ -50,15 +57,15 @@ T0=$(date +%s)
 stamp() { echo "== $1 at +$(( $(date +%s) - T0 ))s"; }
 need_vllm026() {
   if [ ! -d /tmp/site/vllm ]; then
-    stamp "install vLLM 0.26 into /tmp/site"
-    bash /tmp/vs/install_remote.sh /tmp/vs /tmp/site --with-datasets >/dev/null || { echo "vllm 0.26 install failed"; exit 3; }
+    stamp "install vLLM 0.26 into /tmp/site (benchmarks/offline/install.sh $VS)"
+    bash "$ROOT/benchmarks/offline/install.sh" "$VS" /tmp/site >/dev/null || { echo "vllm 0.26 install failed"; exit 3; }
   fi
 }
 need_liger() {  # Liger's kernels (tuned profiles) in the site folder $1, from the staged wheel, checked
   [ -d "$1/liger_kernel" ] && return 0
   W=$(ls /tmp/ps/liger_kernel-*.whl 2>/dev/null | head -1)
   if [ -z "$W" ] || ! (cd "$(dirname "$W")" && sha256sum -c --quiet "$ROOT/benchmarks/offline/liger.sha256"); then
-    echo "Liger's wheel is not staged in /tmp/ps (benchmarks/peers/stage.sh puts it in trl_c1 and verl_c2):"
+    echo "Liger's wheel is not staged in /tmp/ps (benchmarks/peers/stage.sh puts it in trl_c1 and a verl_cK):"
     echo "copy it there, or run with --profile baseline / FW_ARGS='--set liger=off'"; exit 3
   fi
   stamp "install liger-kernel into $1"
@@ -74,11 +81,12 @@ print(prepare_model(WORKLOADS['$WORKLOAD']['model'], Path('$MODEL_DIR')))" || { 
   fi
 }
 need_verl() {
-  [ -d /tmp/site/vllm ] || need_vllm026  # only for make_model (the image's transformers + datasets); verl uses /tmp/site_verl
+  [ -d /tmp/site/vllm ] || need_vllm026  # for make_model (hybrid_rl + the image's transformers) and VS/wheels
+  [ -d "$VS/wheels" ] || { echo "no $VS/wheels: vLLM 0.26 was installed from another folder; set PEERS_VS"; exit 3; }
   make_model
   if [ ! -d /tmp/site_verl/verl ]; then
     stamp "install verl (vLLM 0.24, transformers 5.9, ray 2.60, liger-kernel)"
-    bash benchmarks/peers/install_remote.sh verl /tmp/ps /tmp/site_verl /tmp/vs || { echo "verl install failed"; exit 3; }
+    bash benchmarks/peers/install_remote.sh verl /tmp/ps /tmp/site_verl "$VS" || { echo "verl install failed"; exit 3; }
   fi
   [ "$PROFILE" = baseline ] || need_liger /tmp/site_verl
 }
@@ -103,9 +111,8 @@ run_verl() { PYTHONPATH=/tmp/site_verl "$@" python3 benchmarks/peers/run_verl.py
   ${VERL_ARGS:-}; }
 report() {
   stamp "report ($WORKLOAD)"
-  PYTHONPATH=$ROOT python3 benchmarks/peers/plot.py --res "$RES" --workload "$WORKLOAD" --out-dir "$ROOT/benchmarks/results" \
+  PYTHONPATH=$ROOT python3 benchmarks/peers/plot.py --res "$RES" --workload "$WORKLOAD" --out-dir "$OUT" \
     || echo "report failed"
-  cp "$ROOT"/benchmarks/results/peers_*"_$WORKLOAD"*.json "$ROOT"/benchmarks/results/peers_*"_$WORKLOAD"*.png "$OUT/" 2>/dev/null
   cp "$RES"/*_"$WORKLOAD".json "$OUT/" 2>/dev/null
   for f in "$RES"/*_"$WORKLOAD"_stdout.log "$RES"/run_hybrid_rl_"$WORKLOAD"/stdout.log; do
     [ -f "$f" ] && tail -c 200000 "$f" > "$OUT/$(basename "$(dirname "$f")")_$(basename "$f")"

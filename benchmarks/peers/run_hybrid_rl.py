@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import (ROOT, chat_token_counter, commit, common_args, device_name, prepare_model,  # noqa: E402
+from workload import (ROOT, chat_token_counter, commit, common_args, device_name, file_sha256, prepare_model,  # noqa: E402
                       prepare_prompts, resolve_options, result_path, run_watched, settings_record, summarize, tail,
                       workload_spec, write_result)
 
@@ -51,6 +51,7 @@ def tuned(w: dict) -> dict:
 
 
 PROFILES = {"tuned": tuned, "baseline": baseline}
+SMOKE_PROMPT = 504  # --cpu-smoke: the tiny model's 512 positions less its 8-token responses
 
 
 def recipe(w: dict) -> Path:
@@ -155,11 +156,14 @@ def main() -> None:
     else:
         model_dir = str(prepare_model(w["model"], Path(args.model_dir)))
         counter = chat_token_counter(model_dir)
+    if args.cpu_smoke:  # only prompts that fit the tiny model's positions
+        w["max_prompt_length"] = SMOKE_PROMPT
     prompts = prepare_prompts(Path(args.data), out / f"prompts_{w['name']}.jsonl", w, counter)
     ov = overrides(model_dir, run_dir, str(prompts), w, opts, args.cpu_smoke)
     if args.cpu_smoke:
         ov += ["data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
-               "data.max_response_length=8", f"rollout.forced_lengths={'fixed:8' if w['n'] > 1 else 'lognormal:4:0.8'}",
+               # the tiny model has 512 positions: prompt + response must fit them
+               f"data.max_prompt_length={SMOKE_PROMPT}", "data.max_response_length=8", f"rollout.forced_lengths={'fixed:8' if w['n'] > 1 else 'lognormal:4:0.8'}",
                "actor.ppo_micro_batch_size_per_device=2", "actor.log_prob_micro_batch_size_per_device=2",
                "critic.ppo_micro_batch_size_per_device=2", "critic.forward_micro_batch_size_per_device=2",
                "actor.max_token_len_per_device=1024", "critic.max_token_len_per_device=1024"]
@@ -180,7 +184,8 @@ def main() -> None:
     import torch
 
     version = f"{commit()} (torch {torch.__version__})"
-    settings = settings_record(args.profile, opts, recipe=str(recipe(w).relative_to(ROOT)), overrides=ov)
+    settings = settings_record(args.profile, opts, prompts_sha256=file_sha256(prompts),
+                               recipe=str(recipe(w).relative_to(ROOT)), overrides=ov)
     if len(rows) <= w["warmup"]:
         doc = {"framework": "hybrid_rl", "version": version, "error": f"exit {wt.returncode}, {len(rows)} steps logged",
                "profile": args.profile, "settings": settings, "log_tail": tail(log_path)}

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import (ROOT, VERSIONS, chat_token_counter, commit, common_args, device_name, forced,  # noqa: E402
-                      gsm8k_reward, gsm8k_rows, length_table, prepare_model, prepare_prompts, resolve_options,
+                      file_sha256, gsm8k_reward, gsm8k_rows, length_table, prepare_model, prepare_prompts, resolve_options,
                       result_path, run_watched, settings_record, skipped, summarize, tail, workload_spec,
                       write_result)
 
@@ -324,7 +324,8 @@ def main() -> None:
     if version != TRL_VERSION:
         print(f"WARNING: trl {version} imported, {TRL_VERSION} pinned", file=sys.stderr)
     kw = grpo_kwargs(w, opts, args.gpus, args.cpu_smoke)
-    settings = settings_record(args.profile, opts, grpo_config={k: v for k, v in kw.items()},
+    settings = settings_record(args.profile, opts, prompts_sha256=file_sha256(prompts),
+                               grpo_config={k: v for k, v in kw.items()},
                                accelerate=None if args.cpu_smoke else accelerate_config(opts, args.gpus))
     if len(rows) <= w["warmup"]:
         doc = {"framework": "trl", "version": version, "error": f"exit {wt.returncode}, {len(rows)} steps logged",

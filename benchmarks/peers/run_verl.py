@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import (VERSIONS, chat_token_counter, commit, common_args, device_name, forced,  # noqa: E402
+from workload import (VERSIONS, chat_token_counter, commit, common_args, device_name, file_sha256, forced,  # noqa: E402
                       gsm8k_rows, prepare_model, prepare_prompts, resolve_options, result_path, row_lengths,
                       run_watched, settings_record, skipped, summarize, tail, workload_spec, write_result)
 
@@ -253,6 +253,22 @@ def check_config(ov: list[str]) -> dict:
     return out
 
 
+def flash_attn_importable(env: dict) -> bool:
+    """Whether ``flash_attn`` imports under the verl run's environment (its PYTHONPATH)."""
+    try:
+        return subprocess.run([sys.executable, "-c", "import flash_attn"], env=env, capture_output=True,
+                              timeout=300, check=False).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+# verl 0.9.1 loads the critic with attn_implementation="flash_attention_2" written into the call
+# (verl/utils/model.py load_valuehead_model, from workers/engine/fsdp/transformer_impl.py); no override_config reaches
+# it, so a workload with a critic needs the flash-attn package.
+NO_FLASH_ATTN = ("verl 0.9.1 loads its critic with attn_implementation='flash_attention_2' hard-coded "
+                 "(verl/utils/model.py load_valuehead_model) and flash_attn is not importable here")
+
+
 def port_race(log_path: Path) -> bool:
     """Whether a run that logged no step died of the vLLM servers' distributed-init port collision."""
     text = tail(log_path, 400_000)
@@ -307,16 +323,24 @@ def main() -> None:
         write_result(skipped("verl", w, "not part of this workload"), result_path(out, "verl", w), w)
         return
     t0 = time.perf_counter()
+    metrics = out / f"verl_{w['name']}_metrics.jsonl"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", VERL_FILE_LOGGER_PATH=str(metrics), TOKENIZERS_PARALLELISM="false",
+               RAY_DEDUP_LOGS="0", HYDRA_FULL_ERROR="1", RAY_USAGE_STATS_ENABLED="0")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH", "")]))
+    flash_attn = flash_attn_importable(env)
+    if w["algorithm"] == "gae" and not flash_attn:
+        doc = {**skipped("verl", w, NO_FLASH_ATTN), "version": VERL_VERSION, "profile": args.profile,
+               "settings": settings_record(args.profile, opts, flash_attn_importable=flash_attn)}
+        doc.update(device=device_name(args.gpus), commit=commit())
+        print(f"verl: {w['name']} not run: {NO_FLASH_ATTN}", file=sys.stderr)
+        write_result(doc, result_path(out, "verl", w), w)
+        return
     model = str(prepare_model(w["model"], Path(args.model_dir)))
     prompts = prepare_prompts(Path(args.data), out / f"prompts_{w['name']}.jsonl", w, chat_token_counter(model))
     write_parquet(prompts, parquet, w, args.gpus)
     ov = overrides(model, parquet, args.gpus, w, opts, agent) + args.extra
-    metrics = out / f"verl_{w['name']}_metrics.jsonl"
     metrics.unlink(missing_ok=True)
     log_path = out / f"verl_{w['name']}_stdout.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", VERL_FILE_LOGGER_PATH=str(metrics), TOKENIZERS_PARALLELISM="false",
-               RAY_DEDUP_LOGS="0", HYDRA_FULL_ERROR="1", RAY_USAGE_STATS_ENABLED="0")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *ov]
     for attempt in range(1, args.start_retries + 2):
         wt = run_watched(cmd, out, env, log_path,
@@ -333,6 +357,8 @@ def main() -> None:
         log_path.replace(kept)
         print(f"verl: vLLM servers collided on a port (EADDRINUSE) before step 1; log kept in {kept}; starting again")
     rows = parse(metrics, w) if metrics.exists() else []
+    settings = settings_record(args.profile, opts, prompts_sha256=file_sha256(prompts), flash_attn_importable=flash_attn,
+                               overrides=ov)
     try:
         import verl
 
@@ -341,13 +367,13 @@ def main() -> None:
         version = VERL_VERSION
     if len(rows) <= w["warmup"]:
         doc = {"framework": "verl", "version": version, "error": f"exit {wt.returncode}, {len(rows)} steps logged",
-               "profile": args.profile, "settings": settings_record(args.profile, opts, overrides=ov),
+               "profile": args.profile, "settings": settings,
                "log_tail": tail(log_path, 6000)}
     else:
         doc = summarize("verl", version, rows, args.gpus, w["warmup"],
                         startup_s=(wt.first_step_at - rows[0]["step_s"]) if wt.first_step_at else None,
                         wall_s=wt.done_at or time.perf_counter() - t0,
-                        settings=settings_record(args.profile, opts, overrides=ov),
+                        settings=settings,
                         notes=["verl V1 trainer (trainer.use_v1=True, its default), rollout mode async (vLLM AsyncLLM "
                                "server per GPU, colocated hybrid engine)",
                                f"lengths {w['lengths']} (cap {w['response_length']}), EOS ignored "

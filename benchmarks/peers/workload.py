@@ -34,6 +34,7 @@ Result JSON shape (one per framework and workload, the same keys as ``benchmarks
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -289,6 +290,11 @@ def prepare_prompts(src: Path, out: Path, w: dict, count_tokens: Callable[[list[
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return out
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file (a result's ``settings.prompts_sha256``: the prompt file the framework read)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def chat_token_counter(model_dir: str) -> Callable[[list[dict]], int]:

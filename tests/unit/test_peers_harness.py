@@ -435,3 +435,123 @@ def test_port_site_gives_each_process_its_own_vllm_port(tmp_path):
     if pid_a % 2000 != pid_b % 2000:
         assert abs(a - b) >= 16
     assert [p for _, p in _vllm_port(site, "31000")] == [31000, 31000]  # the user's own VLLM_PORT is kept
+
+
+# -- staging, the runner script, the report's inputs and outputs ----------------------------------------------------------
+
+PEERS = ROOT / "benchmarks" / "peers"
+
+
+def test_staged_folders_hold_at_most_55_mib(tmp_path):
+    """stage.sh cuts the big wheels at 55 MiB and packs every file into folders of at most 55 MiB (pack.py)."""
+    import pack
+
+    stage = (PEERS / "stage.sh").read_text()
+    assert "split -b 55m" in stage and "59m" not in stage and "PIECE=$((55 * 1024 * 1024))" in stage
+    assert '-le "$PIECE"' in stage and "pack.py" in stage
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    sizes = {"a.part00": 55, "a.part01": 20, "b.whl": 30, "c.whl": 25, "d.whl": 5, "e.whl": 1}
+    for name, size in sizes.items():
+        (src / name).write_bytes(b"x" * size)
+    dirs = pack.pack(src, out, 55, "verl_c")
+    held = {d.name: {f.name: f.stat().st_size for f in d.iterdir()} for d in dirs}
+    assert all(sum(v.values()) <= 55 for v in held.values())
+    assert sorted(n for v in held.values() for n in v) == sorted(sizes) and len(dirs) == 3
+    (src / "big.whl").write_bytes(b"x" * 56)
+    with pytest.raises(SystemExit, match="over 55"):
+        pack.pack(src, tmp_path / "out2", 55, "verl_c")
+
+
+def test_staging_is_git_ignored_and_pins_datasets():
+    assert "/.stage_peers/" in (ROOT / ".gitignore").read_text().splitlines()
+    for pins in ("trl.sha256", "verl.sha256"):
+        names = [line.split()[1] for line in (PEERS / pins).read_text().splitlines()]
+        assert {"datasets-5.2.0-py3-none-any.whl", "dill-0.4.1-py3-none-any.whl",
+                "multiprocess-0.70.19-py312-none-any.whl"} <= set(names), pins
+
+
+def test_runner_installs_vllm_with_the_offline_installer():
+    """vLLM 0.26 comes from benchmarks/offline/install.sh (the .stage/pN pieces), verl reuses its unpacked wheels, and
+    nothing names a path outside the checkout but /tmp."""
+    run_all, install = (PEERS / "run_all.sh").read_text(), (PEERS / "install_remote.sh").read_text()
+    assert 'benchmarks/offline/install.sh" "$VS" /tmp/site' in run_all
+    assert "--with-datasets" not in run_all and "/tmp/vs/install_remote.sh" not in run_all
+    assert '"$VS"/wheels/*.whl' in install and "datasets/*.whl" not in install
+    for f in PEERS.iterdir():
+        if f.is_file():
+            assert "/work/" not in f.read_text(errors="replace"), f
+
+
+def test_foreground_parts_fit_one_command():
+    """A foreground grpo part (the run's limit, plus install and report) fits a 600 s command."""
+    run_all = (PEERS / "run_all.sh").read_text()
+    assert "grpo) LIMIT=${PEERS_TIMEOUT:-420}" in run_all
+
+
+def test_report_goes_to_the_run_directory(tmp_path):
+    """run_all.sh writes the combined report to $OUT; plot.py refuses benchmarks/results/ (publish.py's)."""
+    import subprocess
+
+    run_all = (PEERS / "run_all.sh").read_text()
+    assert '--out-dir "$OUT"' in run_all and "--out-dir \"$ROOT/benchmarks/results\"" not in run_all
+    w = workload_spec("grpo", 2)
+    res = tmp_path / "res"
+    res.mkdir()
+    (res / "hybrid_rl_grpo.json").write_text(json.dumps({"framework": "hybrid_rl", "step_s": 1.0, "step_s_median": 1.0,
+                                                         "workload": w, "device": "H200x2", "profile": "tuned"}))
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, str(PEERS / "plot.py"), "--res", str(res), "--workload", "grpo",
+                        "--out-dir", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (out / "peers_H200x2_grpo.json").exists()
+    r = subprocess.run([sys.executable, str(PEERS / "plot.py"), "--res", str(res), "--workload", "grpo",
+                        "--out-dir", str(ROOT / "benchmarks" / "results")], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "publish.py" in r.stderr
+
+
+def test_report_refuses_results_of_different_prompt_files(tmp_path):
+    import subprocess
+
+    w = workload_spec("grpo", 2)
+
+    def res(name, sha):
+        return {"framework": name, "step_s": 1.0, "step_s_median": 1.0, "workload": w, "device": "H200x2",
+                "profile": "tuned", "settings": {"profile": "tuned", "prompts_sha256": sha}}
+
+    (tmp_path / "hybrid_rl_grpo.json").write_text(json.dumps(res("hybrid_rl", "a" * 64)))
+    (tmp_path / "trl_grpo.json").write_text(json.dumps(res("trl", "a" * 64)))
+    assert plot.combine(tmp_path, "grpo")["prompts_sha256"] == "a" * 64
+    (tmp_path / "verl_grpo.json").write_text(json.dumps(res("verl", "b" * 64)))
+    r = subprocess.run([sys.executable, str(PEERS / "plot.py"), "--res", str(tmp_path), "--workload", "grpo",
+                        "--out-dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "prompts_sha256" in r.stderr
+
+
+def test_verl_ppo_without_flash_attn_is_recorded_as_not_run(tmp_path, monkeypatch):
+    """verl's critic loader asks for flash_attention_2 in its code: without flash_attn, ppo is recorded as not run."""
+    monkeypatch.setattr(run_verl, "flash_attn_importable", lambda env: False)
+    monkeypatch.setattr(run_verl, "prepare_model", lambda *a: pytest.fail("the model is not needed"))
+    monkeypatch.delenv("OUT", raising=False)
+    monkeypatch.setattr(sys, "argv", ["run_verl.py", "--workload", "ppo", "--gpus", "2", "--out", str(tmp_path)])
+    run_verl.main()
+    doc = json.loads((tmp_path / "verl_ppo.json").read_text())
+    assert "flash_attention_2" in doc["skipped"] and "\n" not in doc["skipped"]
+    assert doc["settings"]["flash_attn_importable"] is False
+    assert plot.combine(tmp_path, "ppo")["skipped"]["verl"] == doc["skipped"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_hybrid_rl_cpu_smoke(name, tmp_path, monkeypatch):
+    """run_hybrid_rl.py --cpu-smoke trains 3 steps of every workload on CPU (prompts within the tiny model's 512
+    positions) and records the prompt file's hash."""
+    import subprocess
+
+    monkeypatch.delenv("OUT", raising=False)
+    r = subprocess.run([sys.executable, str(PEERS / "run_hybrid_rl.py"), "--cpu-smoke", "--workload", name,
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                       env={k: v for k, v in __import__("os").environ.items() if k != "OUT"})
+    doc = json.loads((tmp_path / f"hybrid_rl_{name}.json").read_text())
+    assert "step_s" in doc, (r.stdout[-2000:], doc.get("log_tail", "")[-3000:])
+    assert doc["settings"]["prompts_sha256"] == workload.file_sha256(tmp_path / f"prompts_{name}.jsonl")
