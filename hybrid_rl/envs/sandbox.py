@@ -221,13 +221,17 @@ class _Capped:
             self.data += chunk[:room]
 
     def decoded(self) -> tuple[str, bool]:
-        """The bytes kept as text, and whether any were not UTF-8 (these become U+FFFD). A character that the cap
-        cut in two is dropped, not counted as invalid."""
-        raw = bytes(self.data)
-        try:  # not final when cut: an incomplete last character is held back, not an error
-            return codecs.getincrementaldecoder("utf-8")().decode(raw, final=not self.truncated), False
-        except UnicodeDecodeError:
-            return raw.decode("utf-8", errors="replace"), True
+        """The bytes kept as text, and whether any were not UTF-8 (:func:`decode_utf8`)."""
+        return decode_utf8(bytes(self.data), cut=self.truncated)
+
+
+def decode_utf8(raw: bytes, cut: bool) -> tuple[str, bool]:
+    """``raw`` as text, and whether any of it was not UTF-8 (those bytes become U+FFFD). Where ``raw`` was ``cut``
+    from longer output, a last character the cut split in two is dropped, not counted as invalid."""
+    try:  # not final when cut: an incomplete last character is held back, not an error
+        return codecs.getincrementaldecoder("utf-8")().decode(raw, final=not cut), False
+    except UnicodeDecodeError:
+        return raw.decode("utf-8", errors="replace"), True
 
 
 def run_python(code: str, *, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:

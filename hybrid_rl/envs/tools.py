@@ -36,6 +36,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from hybrid_rl.envs.base import EnvRow
 from hybrid_rl.envs.deadline import call_with_timeout
+from hybrid_rl.envs.sandbox import decode_utf8
 from hybrid_rl.registry import Registry
 
 
@@ -201,14 +202,9 @@ def result_text(value: Any, max_chars: int) -> ToolOutcome:
     if isinstance(value, (bytes, bytearray)):
         raw = bytes(value[: max_chars * 4])  # no character takes more than 4 bytes
         cut = len(value) > len(raw)
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            if cut and e.start >= len(raw) - 3 and _decodes(raw[:e.start]):  # a character split by the slice only
-                text = raw[:e.start].decode("utf-8")
-            else:
-                text = raw.decode("utf-8", errors="replace")
-                errors.append("non_utf8_output")
+        text, invalid = decode_utf8(raw, cut)
+        if invalid:
+            errors.append("non_utf8_output")
     elif isinstance(value, str):
         text = value
     else:
@@ -225,14 +221,6 @@ def result_text(value: Any, max_chars: int) -> ToolOutcome:
         text = text[:max_chars] + f" ...[cut at {max_chars} characters]"
         errors.append("output_truncated")
     return ToolOutcome(text, errors)
-
-
-def _decodes(raw: bytes) -> bool:
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
 
 
 def _short(text: str, limit: int) -> str:

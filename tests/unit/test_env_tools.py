@@ -323,3 +323,18 @@ def test_python_tool_runs_in_the_sandbox_and_faults_are_observations(code, text,
     out = run_tool(t, args, ROW, timeout_s=30.0, max_chars=2000)
     assert time.monotonic() - start < 20
     assert text in out.text and out.errors == kinds
+
+
+@pytest.mark.parametrize("value, max_chars, text, kinds", [
+    # 'é' is 0xc3 0xa9: 1 character keeps 4 bytes, a c3 a9 c3, which end inside the second 'é'; that half is
+    # dropped, not an error (without the cut it would be U+FFFD and non_utf8_output)
+    ("aééb".encode(), 1, "a ...[cut at 1 characters]", ["output_truncated"]),
+    ("aé".encode() + b"\xc3", 100, "aé\ufffd", ["non_utf8_output"]),  # a last character that is simply incomplete
+    (b"ok \xff end", 100, "ok \ufffd end", ["non_utf8_output"]),
+    ("plain é".encode(), 100, "plain é", []),
+])
+def test_bytes_from_a_tool_are_decoded_once_and_flagged_only_when_invalid(value, max_chars, text, kinds):
+    from hybrid_rl.envs.tools import result_text
+
+    out = result_text(value, max_chars)
+    assert (out.text, out.errors) == (text, kinds)
