@@ -21,7 +21,8 @@ included) multi-turn beside single-turn. The target: +50 points on the held-out 
 
 ``--cpu-smoke`` runs ``recipes/cpu_lookup_tool.yaml`` the same three ways for a few steps with the transformers
 engine: it checks the runs and the summary, not the result. Any further ``key=value`` arguments override the recipe
-in every run. A run cut by ``--run-timeout`` keeps what it logged; the JSON says so.
+in every run. A run cut by ``--run-timeout`` keeps what it logged and a checkpoint; the JSON says so, and
+``--resume`` with the same ``--out`` goes on with it from there (where one command's time is bounded).
 """
 
 from __future__ import annotations
@@ -52,15 +53,21 @@ STEP_CURVES = ["reward/mean", "env/called_frac", "env/tool_calls_mean", "env/err
                "timing/gen", "timing/step"]
 
 
-def train(name: str, recipe: str, steps: int, out: Path, overrides: list[str], timeout: float, cpu: bool) -> dict:
-    """One run into ``out/name``; returns how it ended and its wall time."""
+def train(name: str, recipe: str, steps: int, out: Path, overrides: list[str], timeout: float, cpu: bool,
+          before: dict | None = None) -> dict:
+    """One run into ``out/name``; returns how it ended and its wall time. With ``before`` (the record of an earlier
+    command's part of this run) the run resumes from the checkpoint that command's stop wrote, and the wall times
+    add up."""
     run_dir = out / name
     run_dir.mkdir(parents=True, exist_ok=True)
     launch = [] if cpu else ["--nproc", "1"]
+    # a checkpoint only at the end or when --run-timeout stops the run, so that a later command can go on from it
+    resume = ["trainer.resume=auto"] if before else ["trainer.resume=never"]
     cmd = [sys.executable, "-m", "hybrid_rl", "train", *launch, recipe, f"trainer.output_dir={run_dir}",
-           f"trainer.total_steps={steps}", "trainer.resume=never", "trainer.save_freq=-1", *RUNS[name], *overrides]
+           f"trainer.total_steps={steps}", *resume, "trainer.save_freq=0", "trainer.keep_last=1", *RUNS[name],
+           *overrides]
     start = time.time()
-    with open(run_dir / "train.log", "w") as log:
+    with open(run_dir / "train.log", "a" if before else "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
@@ -71,9 +78,10 @@ def train(name: str, recipe: str, steps: int, out: Path, overrides: list[str], t
             except subprocess.TimeoutExpired:
                 kill_tree(proc)
             rc = "timeout"
-    wall = time.time() - start
+    wall = time.time() - start + (before or {}).get("wall_s", 0.0)
     print(json.dumps({"run": name, "rc": rc, "wall_s": round(wall, 1), "log": str(run_dir / "train.log")}), flush=True)
-    return {"rc": rc, "wall_s": wall, "command": " ".join(cmd[1:])}
+    parts = (before or {}).get("commands", []) + [" ".join(cmd[1:])]
+    return {"rc": rc, "wall_s": wall, "command": parts[0], "commands": parts}
 
 
 def se(p: float | None, n: int) -> float | None:
@@ -191,7 +199,9 @@ def main() -> int:
     ap.add_argument("--runs", default=",".join(RUNS),
                     help=f"which runs to train into --out (comma-separated, of {', '.join(RUNS)}; the others are "
                          "summarised if already there): one at a time where a command's time is bounded")
-    ap.add_argument("--run-timeout", type=float, default=1200.0, help="seconds per run")
+    ap.add_argument("--run-timeout", type=float, default=1200.0, help="seconds per run (per command with --resume)")
+    ap.add_argument("--resume", action="store_true",
+                    help="go on with runs an earlier command in --out stopped at --run-timeout (from their checkpoint)")
     ap.add_argument("--cpu-smoke", action="store_true", help="the tiny model on CPU, a few steps: the plumbing only")
     ap.add_argument("--device", help="device tag for the JSON (default: read from torch)")
     ap.add_argument("--json", help="where to write the JSON (default: OUT/multiturn_<device>.json)")
@@ -215,7 +225,8 @@ def main() -> int:
     if not args.collect:
         out.mkdir(parents=True, exist_ok=True)
         for name in (n for n in ("tool", "no_tool") if n in chosen):
-            meta[name] = train(name, recipe, steps, out, overrides, args.run_timeout, cpu)
+            before = meta.get(name) if args.resume and meta.get(name, {}).get("rc") == "timeout" else None
+            meta[name] = train(name, recipe, steps, out, overrides, args.run_timeout, cpu, before)
             meta_path.write_text(json.dumps(meta, indent=1))
         if "single_forced" in chosen:  # at the tool run's mean trajectory length: after it
             tool = summarize(out / "tool", 1, None)
