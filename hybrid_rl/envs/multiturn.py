@@ -202,7 +202,9 @@ class MultiTurnRollout:
                     t.env.close()
                 except Exception:
                     t.errors["env_raised"] += 1
-        return assemble_trajectories(prompts, trajs, params.n, self.tokenizer.pad_token_id,
+        # on the engine's device, as a single-turn rollout's batch is (the trainer's log-probs land there)
+        device = getattr(engine, "device", prompts.tensors["input_ids"].device)
+        return assemble_trajectories(prompts.to(device), trajs, params.n, self.tokenizer.pad_token_id,
                                      -1 if version is None else version)
 
     def _request(self, t: Trajectory) -> Continuation:

@@ -55,7 +55,7 @@ class EchoEnv(ToolEnv):
 
 class Recording:
     def __init__(self, engine):
-        self.engine, self.sent = engine, []
+        self.engine, self.sent, self.device = engine, [], engine.device
 
     def generate_interruptible(self, requests, params, interrupt=None, on_finish=None):
         self.sent.append([list(r.prompt) + list(r.tokens) for r in requests])
@@ -91,8 +91,12 @@ def test_vllm_turns_continue_the_trajectory_exactly(worker):
     w, tok = worker, worker.tokenizer
     prompts = _prompts(w)
     engine = Recording(w.rollout)
+    params = w.sampling_params()
     with w.rollout_mode():
-        batch = w.multi_turn.generate(engine, prompts, w.sampling_params(), w.rollout.weights_version)
+        batch = w.multi_turn.generate(engine, prompts, params, w.rollout.weights_version)
+    # (what worker.generate adds around the rollout: the temperature the log-probs are taken at)
+    batch = batch.union(temperature=params.logprob_temperature)
+    assert batch.tensors["responses"].device == batch.tensors["prompts"].device == w.rollout.device
     t = {k: v.cpu() for k, v in batch.tensors.items()}
     plen = t["prompts"].shape[1]
     full = [t["input_ids"][i][t["attention_mask"][i].bool()].tolist() for i in range(len(batch))]
