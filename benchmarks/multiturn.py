@@ -10,7 +10,9 @@ Three runs of ``recipes/calc_grpo_smollm2.yaml``, one after the other on the sam
 
 It writes one JSON and one PNG: held-out greedy accuracy before → after with its standard error sqrt(p(1-p)/n) for
 ``tool`` and ``no_tool``, the validation curves, per step the tool-call share (``env/called_frac``), faults per call
-(``env/error_rate``) and turns, ``rollout/logprob_diff`` multi- against single-turn (mean over the steps), and
+(``env/error_rate``) and turns, ``rollout/logprob_diff`` multi- against single-turn (mean over the steps, and over
+the first ``EARLY`` steps, where both runs still sample at the base model's entropy: the gap grows with entropy, and
+a run that has learned its task samples far more surely than one that has not), and
 sampled tokens/s of the rollout (``perf/gen_tokens_per_s``: tokens the model sampled ÷ the generate phase, tool calls
 included) multi-turn beside single-turn. The target: +50 points on the held-out problems within 200 steps.
 
@@ -84,6 +86,24 @@ def train(name: str, recipe: str, steps: int, out: Path, overrides: list[str], t
     return {"rc": rc, "wall_s": wall, "command": parts[0], "commands": parts}
 
 
+EARLY = 4
+"""Steps at the start of a run compared for the engine-vs-trainer log-prob gap (before learning moves the entropy)."""
+
+
+def wilson(p: float | None, n: int, z: float = 1.96) -> list[float] | None:
+    """The 95% Wilson score interval of a proportion ``p`` of ``n``: unlike ``se``, not empty at 0 or 1."""
+    if p is None or not n:
+        return None
+    centre, half = (p + z * z / (2 * n)) / (1 + z * z / n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return [max(0.0, centre - half), min(1.0, centre + half)]
+
+
+def planned_steps(command: str) -> int | None:
+    """``trainer.total_steps`` of a recorded command (the runs of one JSON may have been asked for different counts)."""
+    found = [w.split("=", 1)[1] for w in command.split() if w.startswith("trainer.total_steps=")]
+    return int(found[-1]) if found else None
+
+
 def se(p: float | None, n: int) -> float | None:
     return None if p is None or not n else math.sqrt(max(p * (1 - p), 0.0) / n)
 
@@ -105,7 +125,10 @@ def summarize(run: Path, n_test: int, meta: dict | None) -> dict | None:
         "steps_run": max((r["step"] for r in steps), default=0),
         "acc_before": first.get("acc"), "se_before": se(first.get("acc"), n_test),
         "acc_after": last.get("acc"), "se_after": se(last.get("acc"), n_test), "step_after": last.get("step"),
+        "ci95_before": wilson(first.get("acc"), n_test), "ci95_after": wilson(last.get("acc"), n_test),
         "logprob_diff_mean": mean([r["rollout/logprob_diff"] for r in steps if "rollout/logprob_diff" in r]),
+        "logprob_diff_early": mean([r["rollout/logprob_diff"] for r in steps[:EARLY] if "rollout/logprob_diff" in r]),
+        "entropy_early": mean([r["actor/entropy"] for r in steps[:EARLY] if "actor/entropy" in r]),
         "gen_tokens_per_s_median": _median([r["perf/gen_tokens_per_s"] for r in steps[1:]
                                             if "perf/gen_tokens_per_s" in r]),
         "trajectory_tokens_mean": mean([r["rollout/response_length_mean"] for r in steps
@@ -114,7 +137,8 @@ def summarize(run: Path, n_test: int, meta: dict | None) -> dict | None:
         "per_step": [{"step": r["step"], **{k: r[k] for k in STEP_CURVES if k in r}} for r in steps],
     }
     if meta:
-        out.update({"run_wall_s": round(meta["wall_s"], 1), "rc": meta["rc"], "command": meta["command"]})
+        out.update({"run_wall_s": round(meta["wall_s"], 1), "rc": meta["rc"], "command": meta["command"],
+                    "steps_planned": planned_steps(meta["command"])})
     return out
 
 
@@ -140,6 +164,11 @@ def compare(result: dict) -> dict:
         out["logprob_diff_multi"] = tool["logprob_diff_mean"]
         out["logprob_diff_single"] = base["logprob_diff_mean"]
         out["logprob_diff_ratio"] = tool["logprob_diff_mean"] / base["logprob_diff_mean"]
+    if tool.get("logprob_diff_early") and base.get("logprob_diff_early"):
+        out["logprob_diff_early_multi"] = tool["logprob_diff_early"]
+        out["logprob_diff_early_single"] = base["logprob_diff_early"]
+        out["logprob_diff_early_ratio"] = tool["logprob_diff_early"] / base["logprob_diff_early"]
+        out["entropy_early_multi"], out["entropy_early_single"] = tool.get("entropy_early"), base.get("entropy_early")
     out["gen_tokens_per_s_multi"] = tool.get("gen_tokens_per_s_median")
     out["gen_tokens_per_s_single_same_length"] = forced.get("gen_tokens_per_s_median")
     out["gen_tokens_per_s_single_own_length"] = base.get("gen_tokens_per_s_median")
@@ -205,6 +234,7 @@ def main() -> int:
     ap.add_argument("--cpu-smoke", action="store_true", help="the tiny model on CPU, a few steps: the plumbing only")
     ap.add_argument("--device", help="device tag for the JSON (default: read from torch)")
     ap.add_argument("--json", help="where to write the JSON (default: OUT/multiturn_<device>.json)")
+    ap.add_argument("--commit", help="with --collect: the commit the runs ran at (default: the one checked out here)")
     args, overrides = ap.parse_known_args()
     bad = [o for o in overrides if "=" not in o or o.startswith("-")]
     if bad:
@@ -242,11 +272,13 @@ def main() -> int:
     device = args.device or meta.get("_device") or device_name()
     n_test = 1000 if not cpu else 8
     result = {"benchmark": "multiturn", "model": "builtin:tiny-qwen2-lookup" if cpu else "builtin:smollm2-135m-instruct",
-              "recipe": recipe, "task": "lookup" if cpu else "mul3", "device": device, "commit": git_commit(),
+              "recipe": recipe, "task": "lookup" if cpu else "mul3", "device": device,
+              "commit": args.commit or git_commit(), "summarised_at": git_commit(),
               "n_test": n_test, "cpu_smoke": cpu,
               "held_out": "data.val_path=synthetic:mul3: 1,000 distinct factor pairs, a tenth of all pairs held out "
                           "of training in either order" if not cpu else "the lookup task's validation rows",
-              "settings": {"steps": steps, "forced_steps": forced_steps, "overrides": overrides,
+              "settings": {"steps": None if args.collect else steps, "forced_steps": forced_steps,
+                           "overrides": "each run's command" if args.collect else overrides,
                            "runs": RUNS, "forced_length": meta.get("_forced_length")},
               "runs": {}}
     for name in RUNS:
