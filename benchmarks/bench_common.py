@@ -43,9 +43,12 @@ def run_dir(bench: str, out: str | os.PathLike | None = None) -> Path:
 
 
 def git_commit(root: Path = ROOT) -> str:
-    """The checked-out commit, read from .git without running git (a copy of the tree on a GPU machine may have no .git),
-    else from a ``COMMIT`` file beside the code (an export: ``git rev-parse HEAD > .clean/COMMIT``). In a linked
-    worktree ``.git`` is a file naming the worktree's own git directory, whose ``commondir`` holds the refs."""
+    """The checked-out commit: ``$HYBRID_RL_COMMIT`` when set (a copy of the tree whose .git is missing or not the
+    checkout's: ``HYBRID_RL_COMMIT=$(git rev-parse HEAD)`` where it was copied from), else read from .git without
+    running git, else from a ``COMMIT`` file beside the code (an export: ``git rev-parse HEAD > .clean/COMMIT``). In a
+    linked worktree ``.git`` is a file naming the worktree's own git directory, whose ``commondir`` holds the refs."""
+    if os.environ.get("HYBRID_RL_COMMIT", "").strip():
+        return os.environ["HYBRID_RL_COMMIT"].strip()[:12]
     try:
         git = root / ".git"
         if git.is_file():

@@ -63,3 +63,22 @@ def test_a_result_of_no_device_needs_the_flag(tmp_path):
     assert publish.main([str(src), "--to", str(dest)]) == 2
     assert publish.main([str(src), "--no-device", "--to", str(dest)]) == 0
     assert [p.name for p in dest.iterdir()] == ["plan.json"]
+
+
+def test_git_commit_reads_the_checkout_or_the_named_commit(tmp_path, monkeypatch):
+    """The commit a result records: HEAD's, read from .git (a loose ref, else packed-refs), or $HYBRID_RL_COMMIT
+    where the tree's .git is not the checkout's; a tree with neither is ``unknown``."""
+    from bench_common import git_commit
+
+    monkeypatch.delenv("HYBRID_RL_COMMIT", raising=False)
+    git = tmp_path / "repo" / ".git"
+    (git / "refs" / "heads").mkdir(parents=True)
+    (git / "HEAD").write_text("ref: refs/heads/main\n")
+    (git / "packed-refs").write_text("# pack-refs\n" + "a" * 40 + " refs/heads/main\n")
+    assert git_commit(git.parent) == "a" * 12
+    (git / "refs" / "heads" / "main").write_text("b" * 40 + "\n")  # a loose ref is newer than the packed one
+    assert git_commit(git.parent) == "b" * 12
+    monkeypatch.setenv("HYBRID_RL_COMMIT", "c" * 40)
+    assert git_commit(git.parent) == "c" * 12
+    monkeypatch.delenv("HYBRID_RL_COMMIT")
+    assert git_commit(tmp_path / "nothing") == "unknown"
