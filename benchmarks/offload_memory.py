@@ -7,7 +7,7 @@
 For each mode, ``on`` (``actor.param_offload=true``, ``actor.optimizer_offload=true``) then ``off``
 (both false), every rank builds the real ``ActorRolloutRefWorker`` from ``benchmarks/bench_modes.yaml`` (plus
 overrides: ``builtin:qwen2.5-0.5b-random``, the HF engine, short fixed-length responses, one mini-batch per
-update), generates once and runs one PPO update so that gradients and AdamW state exist, then enters
+update), generates once and runs one PPO update so that AdamW state exists (its step frees the gradients), then enters
 ``worker.rollout_mode()`` (the sharding manager: it pushes the weights, then offloads when asked) and
 measures there, before generating again beside what training left on the device:
 

@@ -9,6 +9,11 @@ runs the log-prob pass and the update only: no engine, no reference), the ``perf
 logged is the engine's share. The measured figures, the GPUs and the card of each row are read from the result file
 (``benchmarks/results/``); a row whose file or entry is missing says so. Measured and predicted are torch's
 allocated bytes, GiB. Prints a table; writes nothing.
+
+The curated runs predate the optimizer step's freeing of the gradients: they held the actor's fp32 gradients from
+one update through the next step's log-prob passes (``update_step`` times each pass after a warm-up update, the
+flagship a step after its first). Their rows (``Row.held_grads``) add the planner's actor-gradient term of the update
+to its no-grad passes, so the prediction is of what those runs held.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ class Row:
     """``trainer``: the trainer's largest phase; ``engine``: the engine's share."""
     less_gib: float = 0.0
     """Taken off the measured peak (what the file cannot separate)."""
+    held_grads: bool = True
+    """Measured while the actor's gradients stayed allocated between updates (every curated run)."""
 
 
 ROWS = [
@@ -105,12 +112,18 @@ def measured(row: Row, doc: dict) -> tuple[float, list[str]]:
     return run.get("peak_memory_outside_engine_gb", run["peak_memory_allocated_gb"]) - row.less_gib, []
 
 
-def predicted(overrides: list[str], gpus: int, gib: float, which: str) -> float:
+GRADS = "actor grads (fp32, sharded)"
+
+
+def predicted(overrides: list[str], gpus: int, gib: float, which: str, held_grads: bool = False) -> float:
+    """The planner's GiB for the row; ``held_grads``: the no-grad passes also hold the update's actor gradients."""
     cfg = load_config(str(RECIPE), overrides)
     all_phases = phases(cfg, read_shape(cfg.model.path), gpus, gib * GIB)
     if which == "engine":
         return next(p for p in all_phases if p.name == "generation").terms["engine (awake)"] / GIB
-    return max(p.total for p in all_phases if p.name not in ("weight push", "generation")) / GIB
+    trainer = [p for p in all_phases if p.name not in ("weight push", "generation")]
+    grads = next(p for p in trainer if p.name == "actor update").terms[GRADS] if held_grads else 0.0
+    return max(p.total + (grads if GRADS not in p.terms else 0.0) for p in trainer) / GIB
 
 
 def main(results: Path = RESULTS) -> None:
@@ -125,7 +138,7 @@ def main(results: Path = RESULTS) -> None:
             print(f"{label[:40]:40s} {row.what:40s} {'-':>9s}  ({path.name}: {e})")
             continue
         gpus, gib = box(doc)
-        pred = predicted([*row.overrides, *shape], gpus, gib, row.which)
+        pred = predicted([*row.overrides, *shape], gpus, gib, row.which, row.held_grads)
         print(f"{label[:40]:40s} {row.what:40s} {value:9.1f} {pred:9.1f} {100 * (pred - value) / value:+6.0f}%")
 
 

@@ -223,6 +223,32 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+@contextmanager
+def grads_at_step(engine, read=grads) -> Iterator[list[dict[str, torch.Tensor]]]:
+    """Within it, every ``engine.optimizer_step`` first records ``read(engine.model)``: the gradients each step
+    takes, which the step then frees. Yields the list of records, one per step, in order."""
+    steps: list[dict[str, torch.Tensor]] = []
+    step = engine.optimizer_step
+
+    def recording(*args, **kwargs):
+        steps.append(read(engine.model))
+        return step(*args, **kwargs)
+
+    engine.optimizer_step = recording
+    try:
+        yield steps
+    finally:
+        del engine.optimizer_step  # the instance attribute: the method again
+
+
+def update_grads(worker, batch: Batch) -> dict[str, torch.Tensor]:
+    """``worker.update_actor(batch)``, and the gradients (``grads``) its last optimizer step took."""
+    with grads_at_step(worker.actor) as steps:
+        worker.update_actor(batch)
+    assert steps, "the update took no optimizer step"
+    return steps[-1]
+
+
 def assert_close_grads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rel: float = 1e-5) -> None:
     """The same parameters, each gradient within ``rel`` of its largest entry."""
     assert a.keys() == b.keys() and len(a) > 10

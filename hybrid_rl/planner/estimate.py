@@ -4,9 +4,9 @@ Every term is a closed formula of the model shape (``shape.py``) and the config;
 ``W`` the ranks the trainer shards over, ``T`` the tokens of one micro-batch, ``h``/``I``/``kv`` the hidden, MLP and
 key/value widths, ``L`` the layers, ``V`` the vocabulary, ``c`` the compute dtype's bytes (2 for bf16).
 
-What the trainer keeps (``workers/fsdp_engine.py``): trainable models hold fp32 masters, sharded (``4P/W``), fp32
-gradients, sharded, which live from the first backward until the next mini-batch's ``zero_grad`` and so through
-the engine's phase too (``4P/W``; LoRA: adapters only), and AdamW's two fp32 moments (``8P/W``). The frozen
+What the trainer keeps (``workers/fsdp_engine.py``): trainable models hold fp32 masters, sharded (``4P/W``), and
+AdamW's two fp32 moments (``8P/W``); their fp32 gradients, sharded (``4P/W``; LoRA: adapters only), live from a
+mini-batch's first backward until its optimizer step frees them, so only in the model's own update phase. The frozen
 reference is sharded in the compute dtype (``cP/W``; LoRA reuses the actor). A pass gathers two blocks at a time
 (the current one and the prefetched next) and the root (embeddings) in the compute dtype; with
 ``actor.accumulate_unsharded`` the whole model stays gathered (``cP``) and the update accumulates full fp32
@@ -213,24 +213,24 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> lis
     mini_seqs = max(mini_batch_seqs(a, dp, cfg.rollout.n), 1)
     budget = a.max_token_len_per_device if a.use_dynamic_bsz else None
 
-    actor = {"actor params (fp32, sharded)": 4 * P / W, "actor grads (fp32, sharded)": 4 * P_train / W,
-             "actor AdamW (2 x fp32, sharded)": 8 * P_train / W}
+    actor = {"actor params (fp32, sharded)": 4 * P / W, "actor AdamW (2 x fp32, sharded)": 8 * P_train / W}
     ref = {"ref params (sharded)": c * P / W} if cfg.need_ref and not lora else {}
     critic: dict[str, float] = {}
     if cfg.need_critic:
         Pc = critic_params(shape)
-        critic = {"critic params + grads (fp32, sharded)": 8 * Pc / W, "critic AdamW (sharded)": 8 * Pc / W}
+        critic = {"critic params (fp32, sharded)": 4 * Pc / W, "critic AdamW (sharded)": 8 * Pc / W}
     engine = engine_bytes(cfg, shape, gpu_bytes, max(d.train_batch_size * cfg.rollout.n // W, 1))  # each its own
     awake = {"engine (awake)": engine} if lay.engine_awake_in_training else {}
 
     def kept(*, ref_on: bool = False, critic_on: bool = False) -> dict[str, float]:
-        """What stays on the GPU between passes, given the offload settings."""
+        """What stays on the GPU between passes, given the offload settings (gradients are held only in an
+        update phase: the optimizer step frees them)."""
         out = dict(actor)
         if ref and (ref_on or not cfg.ref.offload):
             out.update(ref)
         if critic:
             if critic_on or not cfg.critic.param_offload:
-                out["critic params + grads (fp32, sharded)"] = critic["critic params + grads (fp32, sharded)"]
+                out["critic params (fp32, sharded)"] = critic["critic params (fp32, sharded)"]
             if critic_on or not cfg.critic.optimizer_offload:
                 out["critic AdamW (sharded)"] = critic["critic AdamW (sharded)"]
         return out
@@ -278,7 +278,6 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> lis
         if cfg.engine_sleeps:
             if a.param_offload:
                 gen.pop("actor params (fp32, sharded)")
-                gen.pop("actor grads (fp32, sharded)")
             if a.optimizer_offload:
                 gen.pop("actor AdamW (2 x fp32, sharded)")
         out.append(Phase("generation", gen))
@@ -291,7 +290,7 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> lis
     t = micro_tokens(cfg, min(a.ppo_micro_batch_size_per_device, mini_seqs), budget, rank_seqs)
     recompute = cfg.model.enable_gradient_checkpointing
     out.append(Phase("actor update", {
-        **kept(), **awake, **gathered(P, P_train, grad=True),
+        **kept(), "actor grads (fp32, sharded)": 4 * P_train / W, **awake, **gathered(P, P_train, grad=True),
         f"activations ({tokens_label(t)}{', recomputed' if recompute else ''})":
             grad_activations(shape, slice_of(t, sp), c, cfg.model.use_liger, recompute,
                              unshared_ratio(cfg) if lay.shared else None, sp),
@@ -308,7 +307,8 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> lis
         cmini = max(mini_batch_seqs(cr, dp, cfg.rollout.n), 1)
         tc = micro_tokens(cfg, min(cr.ppo_micro_batch_size_per_device, cmini), cbudget, rank_seqs)
         out.append(Phase("critic update", {
-            **kept(critic_on=True), **awake, **gathered(Pc, Pc, grad=True),
+            **kept(critic_on=True), "critic grads (fp32, sharded)": 4 * Pc / W, **awake,
+            **gathered(Pc, Pc, grad=True),
             f"activations ({tokens_label(tc, csp)}{', recomputed' if cr.enable_gradient_checkpointing else ''})":
                 grad_activations(shape, slice_of(tc, csp), c, False, cr.enable_gradient_checkpointing, sp=csp)}))
     return out

@@ -194,7 +194,10 @@ class TrainingEngine:
         self.optimizer.zero_grad(set_to_none=True)
 
     def optimizer_step(self, grad_clip: float) -> tuple[float, bool]:
-        """Clip and step. Returns (grad_norm, stepped); a non-finite norm skips the step."""
+        """Clip and step. Returns (grad_norm, stepped); a non-finite norm skips the step.
+
+        Either way the gradients are freed (set to None) before returning: they are held only
+        from the mini-batch's first backward to its step, not through the phases that follow."""
         assert self.optimizer is not None and self.scheduler is not None
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = grad_clip if grad_clip > 0 else float("inf")
@@ -209,6 +212,7 @@ class TrainingEngine:
             return norm_value, False
         self.optimizer.step()
         self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
         return norm_value, True
 
     @property
@@ -365,7 +369,8 @@ class TrainingEngine:
 
     @torch.no_grad()
     def offload(self, params: bool = True, optimizer: bool = True) -> None:
-        """Move the sharded parameters (+ gradients) and/or the optimizer state to ``offload_device``."""
+        """Move the sharded parameters (+ any gradients, None after ``optimizer_step``) and/or the optimizer
+        state to ``offload_device``."""
         if params and not self.params_offloaded:
             # nn.Module._apply swaps DTensor parameters in place (the optimizer's
             # references stay valid) and FSDP2's _apply re-registers the new shards.

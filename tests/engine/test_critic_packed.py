@@ -13,7 +13,7 @@ from hybrid_rl.phases.reward import sparse_scores
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 from hybrid_rl.workers.critic import CriticWorker
 
-from helpers import chat_prompts, cpu_dist, generate_batch, make_cfg
+from helpers import chat_prompts, cpu_dist, generate_batch, grads_at_step, make_cfg
 
 RAGGED = ("data.max_response_length=10", "rollout.forced_lengths=lognormal:4:0.8", "algorithm.adv_estimator=gae",
           "critic.ppo_mini_batch_size=2", "critic.lr=1e-3")
@@ -65,6 +65,17 @@ def test_packed_values_and_update_equal_padded(batch, budget):
         # by up to ~lr: the step itself is compared to 1% of lr
         for n, p in params[name].items():
             assert (p - params["padded"][n]).abs().max() < 1e-2 * 1e-3, (name, n)
+
+
+def test_the_critic_update_frees_the_gradients_its_step_took(batch):
+    """Every trainable parameter of the critic has a gradient at the optimizer step, and none after the update."""
+    critic = _critic(True, False)
+    scored, _ = compute_advantage(critic.compute_values(batch), critic.cfg.algorithm)
+    trainable = [n for n, p in critic.engine.model.named_parameters() if p.requires_grad]
+    with grads_at_step(critic.engine) as steps:
+        critic.update_critic(scored)
+    assert steps and all(sorted(g) == sorted(trainable) for g in steps)
+    assert all(p.grad is None for p in critic.engine.model.parameters() if p.requires_grad)
 
 
 def test_packing_follows_the_actor_unless_set(tiny_model_path):

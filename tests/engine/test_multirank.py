@@ -205,6 +205,7 @@ def test_lora_engine_sees_merged_weights_and_static_weights_go_once(runs):
 def test_offload_round_trip_keeps_state(runs):
     for res in runs["ranks"]:
         assert res["offloaded_inside"] and res["onloaded_after"]
+        assert res["offload_grads_after_update"] == []  # the round trip below is of parameters without gradients
         assert res["offload_param_mismatches"] == [] and res["offload_optim_mismatches"] == []
         assert res["offload_storage_moved"] >= 20  # the copies really happened
         # after the round trip the next update is exactly the one without offload
@@ -281,6 +282,7 @@ def test_gpu_two_rank_push_lora_offload(tiny_model_path, tmp_path):
     for r in range(2):
         res = _load(tmp_path / f"rank{r}.pt")
         _assert_bf16_push_reference_and_lora(res)
+        assert res["offload_grads_after_update"] == []
         assert res["offload_param_mismatches"] == [] and res["offload_optim_mismatches"] == []
         assert res["offload_devices_inside"] == ["cpu"] and res["offload_mem_inside"] < res["offload_mem_before"]
 

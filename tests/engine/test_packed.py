@@ -10,7 +10,7 @@ from hybrid_rl.algorithms import LOSS_AGG_MODES, entropy_from_logits, logprobs_f
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 from hybrid_rl.workers.packed import fused_logprob_entropy, pack, unpack
 
-from helpers import assert_close_grads, chat_prompts, cpu_dist, generate_batch, grads, make_cfg, score_batch
+from helpers import assert_close_grads, chat_prompts, cpu_dist, generate_batch, grads, grads_at_step, make_cfg, score_batch
 
 RAGGED = ("data.max_response_length=10", "rollout.forced_lengths=lognormal:4:0.8")
 PATHS = [(False, False), (True, False), (False, True), (True, True)]  # (use_remove_padding, fused_logprob)
@@ -124,8 +124,9 @@ def _update_grads(remove_padding: bool, fused: bool, mode: str, micro: int, save
     if saved is None:
         saved = w.compute_ref_log_prob(score_batch(w, generate_batch(w, chat_prompts(w, ("7", "a longer prompt here")))))
     batch = w.compute_ref_log_prob(w.compute_log_prob(saved))
-    stats = w.update_actor(batch)
-    return grads(w.actor.model), batch, saved, stats
+    with grads_at_step(w.actor) as steps:
+        stats = w.update_actor(batch)
+    return steps[-1], batch, saved, stats
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)

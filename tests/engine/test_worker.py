@@ -14,12 +14,7 @@ from hybrid_rl.phases.reward import sparse_scores
 from hybrid_rl.batch import Batch
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 
-from helpers import actor_params, chat_prompts, cpu_dist, generate_batch, make_cfg, score_batch
-
-
-def _actor_grads(worker) -> dict[str, torch.Tensor]:
-    """Gradients of the last mini-batch (the optimizer step leaves them in place)."""
-    return {n: p.grad.detach().clone() for n, p in worker.actor.model.named_parameters() if p.grad is not None}
+from helpers import actor_params, chat_prompts, cpu_dist, generate_batch, make_cfg, score_batch, update_grads
 
 
 def _assert_same_gradients(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -124,6 +119,15 @@ def test_sleep_level2_discards_and_push_restores(worker):
             assert torch.equal(p, dict(worker.actor.model.named_parameters())[name])
 
 
+def test_the_update_frees_the_gradients_its_step_took(worker):
+    """Every trainable parameter has a gradient at the optimizer step, and none after the update."""
+    batch = score_batch(worker, generate_batch(worker))
+    trainable = [n for n, p in worker.actor.model.named_parameters() if p.requires_grad]
+    stepped = update_grads(worker, batch)
+    assert sorted(stepped) == sorted(trainable) and any(float(g.abs().max()) > 0 for g in stepped.values())
+    assert all(p.grad is None for p in worker.actor.model.parameters() if p.requires_grad)
+
+
 def test_update_changes_params_and_next_rollout_uses_them(worker):
     before = actor_params(worker)
     batch = score_batch(worker, generate_batch(worker))
@@ -157,8 +161,7 @@ def test_micro_batch_accumulation_invariance(tiny_model_path, mode):
         w = ActorRolloutRefWorker(cfg, cpu_dist())
         if not results:
             saved = score_batch(w, generate_batch(w, chat_prompts(w, ("7", "a longer prompt here"))))
-        w.update_actor(saved)
-        results.append(_actor_grads(w))
+        results.append(update_grads(w, saved))
     _assert_same_gradients(*results)
 
 
@@ -172,8 +175,7 @@ def _ragged_grads(mode: str, micro: int, saved: Batch | None) -> tuple[dict[str,
     w = ActorRolloutRefWorker(cfg, cpu_dist())
     if saved is None:
         saved = w.compute_ref_log_prob(score_batch(w, generate_batch(w, chat_prompts(w, ("7", "a longer prompt here")))))
-    w.update_actor(saved)
-    return _actor_grads(w), saved
+    return update_grads(w, saved), saved
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
@@ -259,8 +261,7 @@ def test_training_knobs_give_the_same_update_and_log_probs(tiny_model_path, knob
         batch, _ = compute_advantage(batch.union(tensors=dict(
             token_level_scores=sparse_scores(torch.arange(len(batch)).remainder(2).float(), batch["response_mask"]))),
             w.cfg.algorithm)
-        w.update_actor(batch)
-        results.append((batch["old_log_probs"] * batch["response_mask"], _actor_grads(w)))
+        results.append((batch["old_log_probs"] * batch["response_mask"], update_grads(w, batch)))
     (lp_a, ga), (lp_b, gb) = results
     assert (lp_a - lp_b).abs().max() < 1e-5
     _assert_same_gradients(ga, gb)
@@ -335,8 +336,7 @@ def test_mask_truncated_completions_drops_cut_responses_from_the_loss(tiny_model
         w = ActorRolloutRefWorker(cfg, cpu_dist())
         if batch is None:
             batch = score_batch(w, generate_batch(w, chat_prompts(w, ("7", "a longer prompt here"))))
-        w.update_actor(batch)
-        return _actor_grads(w), batch
+        return update_grads(w, batch), batch
 
     masked, batch = grads(None, "actor.mask_truncated_completions=true")
     cut = batch["response_mask"].sum(1) >= 10

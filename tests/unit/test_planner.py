@@ -49,6 +49,22 @@ def test_states_and_activations_match_hand_computed_bytes():
     assert update[f"activations ({tokens} tokens)"] == tokens * L * per_token_layer
 
 
+def test_gradients_are_held_only_in_their_models_update():
+    """The optimizer step frees the gradients: each model's fp32 gradient shards (4 bytes a trainable parameter over
+    the ranks) are a term of its own update phase and of no other phase."""
+    cfg = _cfg("algorithm.adv_estimator=gae", world=2)
+    by_name = {p.name: p.terms for p in phases(cfg, read_shape(cfg.model.path), 2, 80 * GIB)}
+    critic_params = PARAMS + H + 1  # the backbone (tied: no separate head to drop) and a scalar value head
+    grads = {"actor update": ("actor grads (fp32, sharded)", 4 * PARAMS / 2),
+             "critic update": ("critic grads (fp32, sharded)", 4 * critic_params / 2)}
+    assert {"weight push", "generation", "old log-prob", "critic values"} <= by_name.keys()
+    for name, terms in by_name.items():
+        for update, (term, size) in grads.items():
+            assert terms.get(term) == (size if name == update else None), (name, term)
+    assert by_name["generation"]["critic params (fp32, sharded)"] == 4 * critic_params / 2
+    assert by_name["critic update"]["critic params (fp32, sharded)"] == 4 * critic_params / 2
+
+
 def test_recomputation_keeps_layer_inputs_and_one_layer():
     cfg = _cfg("actor.use_remove_padding=false", "actor.share_prompts=false", "model.enable_gradient_checkpointing=true",
                "actor.ppo_micro_batch_size_per_device=2", "actor.ppo_mini_batch_size=32")

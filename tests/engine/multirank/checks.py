@@ -282,6 +282,7 @@ def run_offload(d: DistInfo, res: dict) -> None:
     batch, batch2 = make_batch(w, seed=0), make_batch(w, seed=1)
     w.update_actor(local_share(batch, d))
     named = dict(w.actor.model.named_parameters())
+    res["offload_grads_after_update"] = [n for n, p in named.items() if p.grad is not None]  # the step frees them
     snap = {n: (local(p).clone(), local(p.grad).clone() if p.grad is not None else None) for n, p in named.items()}
     opt = {n: {k: local(v).clone() for k, v in w.actor.optimizer.state[p].items()} for n, p in named.items()}
     ptr_before = {n: local(p).data_ptr() for n, p in named.items()}
