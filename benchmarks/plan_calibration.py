@@ -10,9 +10,9 @@ logged is the engine's share. The measured figures, the GPUs and the card of eac
 (``benchmarks/results/``); a row whose file or entry is missing says so. Measured and predicted are torch's
 allocated bytes, GiB. Prints a table; writes nothing.
 
-The curated runs predate the optimizer step's freeing of the gradients: they held the actor's fp32 gradients from
-one update through the next step's log-prob passes (``update_step`` times each pass after a warm-up update, the
-flagship a step after its first). Their rows (``Row.held_grads``) add the planner's actor-gradient term of the update
+The curated runs were measured with the actor's fp32 gradients kept from one update through the next step's
+log-prob passes (``update_step`` times each pass after a warm-up update, the flagship a step after its first), where
+the trainer's optimizer step frees them. Their rows (``Row.held_grads``) add the planner's actor-gradient term of the update
 to its no-grad passes, so the prediction is of what those runs held.
 """
 
