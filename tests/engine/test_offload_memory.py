@@ -41,8 +41,9 @@ def test_cpu_smoke_reports_both_modes(tiny_model_path, tmp_path):
     off, on = record["modes"]["off"][0], record["modes"]["on"][0]
     assert off["offloaded"] == {"params": False, "optimizer": False}
     assert on["offloaded"] == {"params": True, "optimizer": True}  # the sharding manager offloaded on entry
-    # params + grads + AdamW exp_avg/exp_avg_sq in fp32 (+ AdamW's scalar steps): the update really ran
-    assert off["params"] == 80896 and off["actor_state_bytes"] >= 4 * 80896 * 4
+    # params + AdamW exp_avg/exp_avg_sq in fp32 (+ AdamW's scalar steps): the update really ran; no gradients (its
+    # optimizer step freed them), which would add another 4 bytes a parameter
+    assert off["params"] == 80896 and 3 * 80896 * 4 <= off["actor_state_bytes"] < 4 * 80896 * 4
     assert off["engine_bytes"] >= 80896 * 4 and off["generated_tokens"] == on["generated_tokens"] == 4 * 2 * 6
     assert off["worker_freed"] and on["worker_freed"]
     assert record["actor_state_bytes"] == {"off": off["actor_state_bytes"], "on": on["actor_state_bytes"]}
