@@ -94,7 +94,9 @@ def wilson(p: float | None, n: int, z: float = 1.96) -> list[float] | None:
     """The 95% Wilson score interval of a proportion ``p`` of ``n``: unlike ``se``, not empty at 0 or 1."""
     if p is None or not n:
         return None
-    centre, half = (p + z * z / (2 * n)) / (1 + z * z / n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    scale = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / scale
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / scale
     return [max(0.0, centre - half), min(1.0, centre + half)]
 
 
