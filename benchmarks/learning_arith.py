@@ -13,7 +13,9 @@ it. The JSON records the test split's name (``data.arith.split`` from each run's
 test problem's commuted or reworded twin could be a training row, and their figures are not comparable). Where
 validation samples are saved (the recipe's ``trainer.validation_data_dir``), each mode's final accuracy is also
 compared per question with sync's, and with the mean of the sync seeds when ``sync_seed1`` ran too: the paired
-difference, its standard error, and whether it lies within two of them.
+difference, its standard error, and whether it lies within two of them; a run cut short is compared with the others
+at the step it reached. Each mode's folder keeps its ``run.json`` (command, exit, wall time, host, steps planned), so
+modes run by separate invocations, or on separate machines, collect into one JSON.
 
 Modes (``--modes``, comma-separated; by default the two sync seeds and the modes the README's chooser recommends:
 ``sync,sync_seed1,overlap,overlap_partial``, and ``split_partial`` with ``--gpus`` 2 or more):
@@ -40,6 +42,7 @@ import argparse
 import json
 import math
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -92,7 +95,10 @@ def run_mode(mode: str, gpus: int, steps: int, out: Path, overrides: list[str], 
             rc = "timeout"
     wall = time.time() - start
     print(json.dumps({"mode": mode, "rc": rc, "wall_s": round(wall, 1), "log": str(run_dir / "train.log")}), flush=True)
-    return {"rc": rc, "wall_s": wall, "command": " ".join(cmd[1:])}
+    meta = {"rc": rc, "wall_s": wall, "command": " ".join(cmd[1:]), "steps_planned": steps,
+            "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(start))}
+    (run_dir / "run.json").write_text(json.dumps(meta, indent=1))  # travels with the mode's folder
+    return meta
 
 
 def arith_split(run: Path) -> str | None:
@@ -131,7 +137,8 @@ def val_scores(run: Path, step: int) -> dict[int, float]:
     return scores
 
 
-def summarize(mode: str, run: Path, n_test: int, meta: dict | None, gain: float) -> dict | None:
+def summarize(mode: str, run: Path, n_test: int, meta: dict | None, gain: float,
+              steps_planned: int) -> dict | None:
     rows = read_rows(run)
     if not rows:
         return None
@@ -160,14 +167,21 @@ def summarize(mode: str, run: Path, n_test: int, meta: dict | None, gain: float)
         "per_step": [{"step": r["step"], **{k: r[k] for k in STEP_CURVES if k in r}} for r in steps],
     }
     if meta:
-        out.update({"run_wall_s": round(meta["wall_s"], 1), "rc": meta["rc"], "command": meta["command"]})
+        out.update({"run_wall_s": round(meta["wall_s"], 1), "rc": meta["rc"], "command": meta["command"],
+                    **{k: meta[k] for k in ("host", "started") if k in meta}})
+    planned = (meta or {}).get("steps_planned", steps_planned)
+    out["steps_planned"] = planned
+    if out["steps_run"] < planned:
+        out["ended"] = f"cut after step {out['steps_run']} of {planned}; its figures are at step {out['step_after']}"
     return out
 
 
-def paired(refs: list[tuple[Path, int]], run_b: Path, step_b: int) -> dict | None:
-    """Per question, run b's final greedy score minus the mean of the reference runs' (one run, or the sync seeds):
-    the mean difference, its standard error, and whether it lies within two of them (None without samples)."""
-    ref_scores = [val_scores(run, step) for run, step in refs]
+def paired(refs: list[Path], run_b: Path, step_b: int) -> dict | None:
+    """Per question, run b's greedy score at ``step_b`` (its last validation) minus the mean of the reference runs'
+    (one run, or the sync seeds) at the same step: the mean difference, its standard error, and whether it lies
+    within two of them. A run cut short is so compared with the references at the step it reached, not at their end.
+    None without samples at that step in every run."""
+    ref_scores = [val_scores(run, step_b) for run in refs]
     b = val_scores(run_b, step_b)
     common = sorted(set(b).intersection(*ref_scores))
     if not common:
@@ -176,7 +190,7 @@ def paired(refs: list[tuple[Path, int]], run_b: Path, step_b: int) -> dict | Non
     mean = sum(d) / len(d)
     var = sum((x - mean) ** 2 for x in d) / max(len(d) - 1, 1)
     err = math.sqrt(var / len(d))
-    return {"diff": mean, "se": err, "within_2se": abs(mean) <= 2 * err, "n": len(d),
+    return {"step": step_b, "diff": mean, "se": err, "within_2se": abs(mean) <= 2 * err, "n": len(d),
             "gained": sum(x > 0 for x in d), "lost": sum(x < 0 for x in d)}
 
 
@@ -236,6 +250,8 @@ def main() -> int:
     ap.add_argument("--device", help="device tag for the JSON (default: read from torch)")
     ap.add_argument("--json", help="where to write the JSON (default: OUT/learning_arith_smollm2_<device>.json)")
     ap.add_argument("--n-test", type=int, default=1000, help="test problems validated (data.arith.test_size)")
+    ap.add_argument("--note", help="a remark recorded in the JSON as written (\"note\"), e.g. how the runs were "
+                                   "spread over machines")
     args, overrides = ap.parse_known_args()
     bad = [o for o in overrides if "=" not in o or o.startswith("-")]
     if bad:
@@ -266,9 +282,12 @@ def main() -> int:
                           "the wording), none of them a training row in any order or wording",
               "settings": {"steps": args.steps, "overrides": overrides,
                            "modes": {m: MODES[m] for m in modes}},
-              "modes": {}}
+              "modes": {}, **({"note": args.note} if args.note else {})}
     for mode in modes:
-        s = summarize(mode, out / mode, args.n_test, meta.get(mode), args.gain)
+        own = out / mode / "run.json"
+        s = summarize(mode, out / mode, args.n_test,
+                      meta.get(mode) or (json.loads(own.read_text()) if own.is_file() else None), args.gain,
+                      args.steps)
         if s is not None:
             result["modes"][mode] = s
     splits = sorted({str(m["split"]) for m in result["modes"].values()})
@@ -277,11 +296,10 @@ def main() -> int:
     if sync:
         result.update(acc_before=sync["acc_before"], acc_after=sync["acc_after"], se=sync["se_after"],
                       se_before=se(sync["acc_before"], args.n_test) if sync["acc_before"] is not None else None)
-        seeds = [(out / k, result["modes"][k]["step_after"]) for k in SYNC_SEEDS
-                 if k in result["modes"] and result["modes"][k]["step_after"] is not None]
+        seeds = [out / k for k in SYNC_SEEDS if k in result["modes"] and result["modes"][k]["step_after"] is not None]
         for mode, m in result["modes"].items():
             if mode != "sync" and m["step_after"] is not None:
-                m["vs_sync"] = paired([(out / "sync", sync["step_after"])], out / mode, m["step_after"])
+                m["vs_sync"] = paired([out / "sync"], out / mode, m["step_after"])
                 if len(seeds) > 1 and mode not in SYNC_SEEDS:
                     m["vs_sync_seeds_mean"] = paired(seeds, out / mode, m["step_after"])
     json_path = Path(args.json) if args.json else out / f"learning_arith_smollm2_{device}.json"

@@ -75,3 +75,34 @@ def test_runs_from_before_the_split_key_are_labelled_ordered(tmp_path, monkeypat
                                       "--json", str(out), "--n-test", "2"])
     assert learning_arith.main() == 0
     assert json.loads(out.read_text())["split"] == ["canonical", "ordered"]  # mixed: not comparable
+
+
+def test_a_run_cut_short_is_paired_at_the_step_it_reached(tmp_path, monkeypatch):
+    """overlap stops after step 10 of 20: it is compared with sync's step-10 scores, not sync's final ones, and the
+    JSON says it was cut; its own run.json (written beside its folder's logs) supplies the planned steps."""
+    at10 = [1, 0, 0, 1]
+    _run(tmp_path, "sync", [0.2, 0.5, 0.75], [1, 1, 1, 0], "canonical")
+    (tmp_path / "sync" / "validation" / "step_00000010_rank0.jsonl").write_text(
+        "".join(json.dumps({"index": i, "score": s}) + "\n" for i, s in enumerate(at10)))
+    run = tmp_path / "overlap"
+    (run / "validation").mkdir(parents=True)
+    rows = [{"step": 0, "val/reward_mean": 0.2}] + [{"step": s, "reward/mean": 0.5, "timing/iteration": 10.0}
+                                                     for s in range(1, 11)]
+    rows[-1]["val/reward_mean"] = 0.25
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "validation" / "step_00000010_rank0.jsonl").write_text(
+        "".join(json.dumps({"index": i, "score": s}) + "\n" for i, s in enumerate([0, 0, 0, 1])))
+    (run / "config.yaml").write_text(yaml.safe_dump({"data": {"arith": {"split": "canonical"}}}))
+    (run / "run.json").write_text(json.dumps({"rc": "timeout", "wall_s": 99.0, "command": "x", "steps_planned": 20,
+                                              "host": "h1"}))
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["learning_arith.py", "--collect", str(tmp_path), "--modes", "sync,overlap",
+                                      "--json", str(out), "--n-test", "4", "--note", "two machines", "--steps", "20"])
+    assert learning_arith.main() == 0
+    res = json.loads(out.read_text())
+    o = res["modes"]["overlap"]
+    # per question at step 10: overlap 0,0,0,1 minus sync 1,0,0,1 -> -1,0,0,0: mean -0.25 (not -0.5 against step 20)
+    assert o["vs_sync"]["step"] == 10 and math.isclose(o["vs_sync"]["diff"], -0.25)
+    assert o["steps_planned"] == 20 and o["ended"].startswith("cut after step 10 of 20")
+    assert (o["rc"], o["host"]) == ("timeout", "h1") and res["note"] == "two machines"
+    assert "ended" not in res["modes"]["sync"]
