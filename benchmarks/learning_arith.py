@@ -26,6 +26,8 @@ Modes (``--modes``, comma-separated; by default the two sync seeds and the modes
   ``trainer.max_staleness=4``;
 - ``overlap_sequence_mask``, ``overlap_geo_mask``, ``overlap_token_mask``: ``overlap`` with that
   ``algorithm.rollout_correction.method`` at its default knobs;
+- ``overlap_proc``: ``overlap`` with vLLM's engine core in a process of its own (``rollout.vllm.engine_process``), so
+  the generation running beside the update shares no Python interpreter with it;
 - ``split_partial``: split placement (half the GPUs generate, half train) with partial rollouts,
   ``trainer.partial_rollout_ahead=3``, ``trainer.max_staleness=4``.
 
@@ -61,6 +63,7 @@ MODES = {
                         "trainer.max_staleness=4"],
     **{f"overlap_{m}": [*OVERLAP, f"algorithm.rollout_correction.method={m}"]
        for m in ("sequence_mask", "geo_mask", "token_mask")},
+    "overlap_proc": [*OVERLAP, "rollout.vllm.engine_process=true"],
     "split_partial": ["trainer.placement=split", "trainer.mode=overlap", "trainer.partial_rollouts=true",
                       "trainer.partial_rollout_ahead=3", "trainer.max_staleness=4"],
 }
