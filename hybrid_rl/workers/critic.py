@@ -4,8 +4,9 @@
 plus a fresh ``Linear(hidden, 1)`` value head, as TRL and verl build it. It is
 initialised from ``critic.model_path`` (default: the actor's ``model.path``).
 ``CriticWorker`` wraps it in the actor's ``TrainingEngine`` (FSDP2 per decoder
-block, its own AdamW + LR schedule, explicit offload/onload) and does the two
-critic phases of the step:
+block, its own AdamW + LR schedule, explicit offload/onload; with
+``critic.accumulate_unsharded``, by default the actor's setting, its parameters
+gathered once per pass) and does the two critic phases of the step:
 
 - ``compute_values``: no-grad values [B, R] of the response tokens, in micro-batches.
   V_t is read at the position *before* response token t (the state in which
@@ -126,7 +127,8 @@ class CriticWorker:
         model = build_value_model(c.model_path or cfg.model.path, cfg.model.trust_remote_code,
                                   on_meta=not reads_weights(dist.group))
         self.engine = TrainingEngine(model, self.device, resolve_dtype(cfg.model.dtype, self.device), trainable=True,
-                                     gradient_checkpointing=c.enable_gradient_checkpointing, group=dist.group,
+                                     gradient_checkpointing=c.enable_gradient_checkpointing,
+                                     accumulate_unsharded=c.accumulates_unsharded(cfg.actor), group=dist.group,
                                      remove_padding=packs, share_prompts=packs and share_prompts,
                                      sp=sp if packs else None)  # unpacked: each rank runs its group's rows whole
         self.engine.configure_optimizer(c.lr, (c.betas[0], c.betas[1]), c.weight_decay, c.lr_warmup_steps, c.lr_scheduler,
