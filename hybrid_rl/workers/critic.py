@@ -21,8 +21,9 @@ through the same packing, prompt sharing and sequence-parallel slicing as the ac
 (``TrainingEngine.packed_inputs``); the value head reads only the positions that predict a response token.
 
 With ``critic.param_offload`` / ``critic.optimizer_offload`` the critic lives on
-CPU between its phases: it comes back for ``compute_values`` and leaves after
-``update_critic``, so its memory is free while the engine generates.
+CPU between steps: it comes back for ``compute_values``, stays through the
+advantage phase, and leaves after ``update_critic`` (one round trip a step), so
+its memory is free while the engine generates.
 
 Left out: LoRA on the critic (it is always fully fine-tuned), a critic sharing
 the actor's backbone (two heads on one model), and reward models.
@@ -181,9 +182,12 @@ class CriticWorker:
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
-        """``values`` [B, R] of the response tokens under the current critic (0 past each response)."""
+        """``values`` [B, R] of the response tokens under the current critic (0 past each response). The critic comes
+        to its device here and stays there for the step's ``update_critic``, which offloads it (``critic.*_offload``);
+        it is offloaded here only when the pass fails."""
         c = self.cfg.critic
-        with self.resident():
+        self.engine.onload()
+        try:
             model = self.engine.model
             model.eval()
             values = torch.zeros(batch.tensors["responses"].shape, device=self.device)  # [B, R]
@@ -195,12 +199,16 @@ class CriticWorker:
             finally:
                 self.engine.reshard()
             model.train()
+        except BaseException:
+            self._release()
+            raise
         mask = batch.tensors["response_mask"].to(self.device).bool()
         return batch.union(tensors=dict(values=torch.where(mask, values, torch.zeros_like(values))))
 
     # -- update --------------------------------------------------------------------------
     def update_critic(self, batch: Batch) -> dict[str, tuple[float, float]]:
-        """Clipped value regression onto ``returns``; (sum, count) metric pairs, reduced across ranks by the driver."""
+        """Clipped value regression onto ``returns``; (sum, count) metric pairs, reduced across ranks by the driver.
+        Offloads the critic afterwards (``critic.*_offload``)."""
         c = self.cfg.critic
         # a sequence-parallel group (the actor's) holds one share of the batch, each of its ranks all of it
         seqs_per_mini = mini_batch_seqs(c, data_parallel_size(self.cfg, self.dist.world_size), self.cfg.rollout.n)
