@@ -136,8 +136,16 @@ class CriticConfig(UpdateConfig):
     A packing critic also shares prompts when the actor does (``actor.share_prompts``) and cuts its rows over the
     actor's sequence-parallel groups (``actor.ulysses_sequence_parallel_size``); one that does not pack runs each
     group's rows whole on every rank of the group. Default (null): as the actor."""
+    accumulate_unsharded: Optional[bool] = harmless(None)
+    """FSDP2: the critic's parameters stay gathered and its gradients unreduced across the micro-batches of a pass, as
+    ``actor.accumulate_unsharded`` keeps the actor's: one all-gather per block for the value pass and, per mini-batch
+    of the update, one all-gather and one reduce-scatter per block. Default (null): as the actor."""
     cliprange_value: Optional[float] = 0.5
     """Value clipping: a prediction may move at most this far from the values the batch was scored with (null = off)."""
+
+    def accumulates_unsharded(self, actor: ActorConfig) -> bool:
+        """``accumulate_unsharded`` resolved: null follows ``actor.accumulate_unsharded``."""
+        return actor.accumulate_unsharded if self.accumulate_unsharded is None else self.accumulate_unsharded
 
     def validate(self) -> None:
         """Checked only where a critic is built (``Config.need_critic``)."""

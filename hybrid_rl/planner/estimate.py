@@ -10,7 +10,7 @@ mini-batch's first backward until its optimizer step frees them, so only in the 
 reference is sharded in the compute dtype (``cP/W``; LoRA reuses the actor). A pass gathers two blocks at a time
 (the current one and the prefetched next) and the root (embeddings) in the compute dtype; with
 ``actor.accumulate_unsharded`` the whole model stays gathered (``cP``) and the update accumulates full fp32
-gradients (``4P``).
+gradients (``4P``); the critic's passes likewise with ``critic.accumulate_unsharded`` (by default the actor's).
 
 Activations kept for backward, bytes per token per layer at c = 2, counted from what autograd saves in a
 Qwen2/Llama block: the two RMSNorms save their fp32 input and bf16 output (6h each), q/k/v's input (2h), attention's
@@ -235,9 +235,10 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> lis
                 out["critic AdamW (sharded)"] = critic["critic AdamW (sharded)"]
         return out
 
-    def gathered(params: int, trainable: int, grad: bool) -> dict[str, float]:
-        """The compute-dtype copies a pass gathers, and in backward the gradients not yet reduce-scattered."""
-        if a.accumulate_unsharded:
+    def gathered(params: int, trainable: int, grad: bool, unsharded: bool = a.accumulate_unsharded) -> dict[str, float]:
+        """The compute-dtype copies a pass gathers, and in backward the gradients not yet reduce-scattered
+        (``unsharded``: the engine's ``accumulate_unsharded``, the actor's unless given)."""
+        if unsharded:
             out = {"gathered params (whole model)": c * params}
             if grad:
                 out["unsharded grads (fp32, whole model)"] = 4 * trainable
@@ -298,17 +299,19 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> lis
     # -- the critic's passes
     if critic:
         cr, Pc = cfg.critic, critic_params(shape)
+        cu = cr.accumulates_unsharded(a)
         cbudget = cr.max_token_len_per_device if cr.use_dynamic_bsz else None
         csp = sp if (lay.packed if cr.use_remove_padding is None else cr.use_remove_padding) else 1
         tv = micro_tokens(cfg, cr.forward_micro_batch_size_per_device, cbudget, rank_seqs)
-        out.append(Phase("critic values", {**kept(critic_on=True), **awake, **gathered(Pc, Pc, grad=False),
+        out.append(Phase("critic values", {**kept(critic_on=True), **awake,
+                                           **gathered(Pc, Pc, grad=False, unsharded=cu),
                                            f"activations, no grad ({tokens_label(tv, csp)})":
                                                slice_of(tv, csp) * no_grad_bytes_per_token(shape) * c / 2}))
         cmini = max(mini_batch_seqs(cr, dp, cfg.rollout.n), 1)
         tc = micro_tokens(cfg, min(cr.ppo_micro_batch_size_per_device, cmini), cbudget, rank_seqs)
         out.append(Phase("critic update", {
             **kept(critic_on=True), "critic grads (fp32, sharded)": 4 * Pc / W, **awake,
-            **gathered(Pc, Pc, grad=True),
+            **gathered(Pc, Pc, grad=True, unsharded=cu),
             f"activations ({tokens_label(tc, csp)}{', recomputed' if cr.enable_gradient_checkpointing else ''})":
                 grad_activations(shape, slice_of(tc, csp), c, False, cr.enable_gradient_checkpointing, sp=csp)}))
     return out

@@ -2,7 +2,8 @@
 
 Candidates come in the order of what they cost: for the engine's phases the engine's share, then offloading the
 trainer's states; for the training passes the fused head (free), the micro-batch of the phase at its peak (the
-largest value that fits), ``actor.accumulate_unsharded=false``, sequence parallelism for the actor's passes (the
+largest value that fits), ``actor.accumulate_unsharded=false`` (``critic.accumulate_unsharded=false`` for the
+critic's phases), sequence parallelism for the actor's passes (the
 smallest size the ranks and heads allow), recomputation, offloading the reference. When no
 single change fits, the one that lowers the peak most is named, with what it leaves.
 """
@@ -133,7 +134,10 @@ def candidates(cfg: "Config", peak: str, shape: ModelShape | None = None,
     if a.fused_logprob is False and not peak.startswith("critic"):
         yield [{"actor.fused_logprob": True}]
     yield _micro_batch_keys(cfg, peak)
-    if a.accumulate_unsharded:
+    if peak.startswith("critic"):
+        if cfg.critic.accumulates_unsharded(a):
+            yield [{"critic.accumulate_unsharded": False}]
+    elif a.accumulate_unsharded:
         yield [{"actor.accumulate_unsharded": False}]
     if peak in ("actor update", "old log-prob", "ref log-prob"):
         yield _sequence_parallel(cfg, shape, gpus)

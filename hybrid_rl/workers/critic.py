@@ -4,8 +4,9 @@
 plus a fresh ``Linear(hidden, 1)`` value head, as TRL and verl build it. It is
 initialised from ``critic.model_path`` (default: the actor's ``model.path``).
 ``CriticWorker`` wraps it in the actor's ``TrainingEngine`` (FSDP2 per decoder
-block, its own AdamW + LR schedule, explicit offload/onload) and does the two
-critic phases of the step:
+block, its own AdamW + LR schedule, explicit offload/onload; with
+``critic.accumulate_unsharded``, by default the actor's setting, its parameters
+gathered once per pass) and does the two critic phases of the step:
 
 - ``compute_values``: no-grad values [B, R] of the response tokens, in micro-batches.
   V_t is read at the position *before* response token t (the state in which
@@ -20,8 +21,9 @@ through the same packing, prompt sharing and sequence-parallel slicing as the ac
 (``TrainingEngine.packed_inputs``); the value head reads only the positions that predict a response token.
 
 With ``critic.param_offload`` / ``critic.optimizer_offload`` the critic lives on
-CPU between its phases: it comes back for ``compute_values`` and leaves after
-``update_critic``, so its memory is free while the engine generates.
+CPU between steps: it comes back for ``compute_values``, stays through the
+advantage phase, and leaves after ``update_critic`` (one round trip a step), so
+its memory is free while the engine generates.
 
 Left out: LoRA on the critic (it is always fully fine-tuned), a critic sharing
 the actor's backbone (two heads on one model), and reward models.
@@ -126,7 +128,8 @@ class CriticWorker:
         model = build_value_model(c.model_path or cfg.model.path, cfg.model.trust_remote_code,
                                   on_meta=not reads_weights(dist.group))
         self.engine = TrainingEngine(model, self.device, resolve_dtype(cfg.model.dtype, self.device), trainable=True,
-                                     gradient_checkpointing=c.enable_gradient_checkpointing, group=dist.group,
+                                     gradient_checkpointing=c.enable_gradient_checkpointing,
+                                     accumulate_unsharded=c.accumulates_unsharded(cfg.actor), group=dist.group,
                                      remove_padding=packs, share_prompts=packs and share_prompts,
                                      sp=sp if packs else None)  # unpacked: each rank runs its group's rows whole
         self.engine.configure_optimizer(c.lr, (c.betas[0], c.betas[1]), c.weight_decay, c.lr_warmup_steps, c.lr_scheduler,
@@ -179,9 +182,12 @@ class CriticWorker:
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
-        """``values`` [B, R] of the response tokens under the current critic (0 past each response)."""
+        """``values`` [B, R] of the response tokens under the current critic (0 past each response). The critic comes
+        to its device here and stays there for the step's ``update_critic``, which offloads it (``critic.*_offload``);
+        it is offloaded here only when the pass fails."""
         c = self.cfg.critic
-        with self.resident():
+        self.engine.onload()
+        try:
             model = self.engine.model
             model.eval()
             values = torch.zeros(batch.tensors["responses"].shape, device=self.device)  # [B, R]
@@ -193,12 +199,16 @@ class CriticWorker:
             finally:
                 self.engine.reshard()
             model.train()
+        except BaseException:
+            self._release()
+            raise
         mask = batch.tensors["response_mask"].to(self.device).bool()
         return batch.union(tensors=dict(values=torch.where(mask, values, torch.zeros_like(values))))
 
     # -- update --------------------------------------------------------------------------
     def update_critic(self, batch: Batch) -> dict[str, tuple[float, float]]:
-        """Clipped value regression onto ``returns``; (sum, count) metric pairs, reduced across ranks by the driver."""
+        """Clipped value regression onto ``returns``; (sum, count) metric pairs, reduced across ranks by the driver.
+        Offloads the critic afterwards (``critic.*_offload``)."""
         c = self.cfg.critic
         # a sequence-parallel group (the actor's) holds one share of the batch, each of its ranks all of it
         seqs_per_mini = mini_batch_seqs(c, data_parallel_size(self.cfg, self.dist.world_size), self.cfg.rollout.n)

@@ -158,6 +158,8 @@ def pack_shared(tensors: dict[str, torch.Tensor], host: dict[str, torch.Tensor] 
     come first in the row and the responses after them, so each attention call reads a contiguous slice. The LM-head
     row that predicts a response's first token is its prompt's last position, shared by the group's responses.
     Like ``pack``, the layout is built on the host (``host``: the mask and ids read once per batch) and sent as indices.
+    A micro-batch whose prompts are all distinct (one sample per prompt) has nothing to share: it gets ``pack``'s layout
+    (``shared`` None), one attention call per layer and no gathered copies of keys and values.
     """
     responses = tensors["responses"]  # [b, R]
     mask = _host(tensors, host, "attention_mask").bool()  # [b, L]
@@ -170,6 +172,8 @@ def pack_shared(tensors: dict[str, torch.Tensor], host: dict[str, torch.Tensor] 
     p_len, r_len = mask[:, :prompt_width].sum(1).numpy(), mask[:, prompt_width:].sum(1).numpy()
     # groups in the order their first row comes; rows grouped, ascending within a group
     _, first = np.unique(group, return_index=True)  # the inverse ids are 0..G-1: first[g] is group g's first row
+    if len(first) == len(group):
+        return pack(tensors, host)
     rank = np.empty(len(first), dtype=np.int64)
     rank[np.argsort(first, kind="stable")] = np.arange(len(first))
     rank_of = rank[group]  # [b] each row's group, numbered in that order

@@ -191,3 +191,33 @@ def test_layout_on_hand_built_rows_with_empty_responses():
     assert torch.equal(s.position_ids[0, s.keep], p.position_ids[0, p.keep])
     assert torch.equal(unpack(s.targets.float(), s), (t["responses"] * s.valid).float())
     assert sh.tokens_unshared == int(mask.sum()) and sh.max_kv == 6 and sh.max_prompt == 4
+
+
+def test_distinct_prompts_are_packed_without_sharing(tiny_model_path, monkeypatch):
+    """One sample per prompt (PPO's rollout.n=1): nothing to share, so ``pack_shared`` lays the row out as ``pack``
+    does, and a sharing worker's forward is the unshared one to the bit: one attention call per layer, not two."""
+    import hybrid_rl.workers.packed as packed
+
+    calls = []
+    attention = packed._segments_attention
+    monkeypatch.setattr(packed, "_segments_attention", lambda *a, **k: calls.append(1) or attention(*a, **k))
+    extra = ("rollout.n=1", "algorithm.adv_estimator=reinforce_pp", "actor.ppo_micro_batch_size_per_device=4")
+    results, batch = [], None
+    for share in (False, True):
+        w = _worker(share, False, *extra)
+        if batch is None:
+            batch = generate_batch(w, chat_prompts(w, PROMPTS))  # 3 distinct prompts x 1 sample
+            t = batch.tensors
+            p, s = pack(t), pack_shared(t)
+            assert s.shared is None
+            for key in ("input_ids", "position_ids", "cu_seqlens", "keep", "targets", "slots", "valid"):
+                assert torch.equal(getattr(s, key), getattr(p, key)), key
+        calls.clear()
+        lp, ent = w.actor.forward(batch, 0.7, with_entropy=True)
+        ((lp * batch["response_mask"]).sum()).backward()
+        results.append((lp, ent, grads(w.actor.model), len(calls)))
+    layers = w.actor.model.config.num_hidden_layers
+    (lp_a, ent_a, g_a, calls_a), (lp_b, ent_b, g_b, calls_b) = results
+    assert calls_a == calls_b == layers
+    assert torch.equal(lp_a, lp_b) and torch.equal(ent_a, ent_b)
+    assert all(torch.equal(g_a[n], g_b[n]) for n in g_a)

@@ -279,3 +279,39 @@ def test_a_config_head_dim_wider_than_hidden_over_heads():
     plain = from_hf_config(dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                                 num_key_value_heads=8, vocab_size=151936, tie_word_embeddings=True))
     assert (plain.head_size, plain.kv_dim) == (64, 512)
+
+
+def test_the_critic_gathers_as_its_own_accumulate_unsharded_says():
+    """``critic.accumulate_unsharded`` (null: the actor's) decides what the critic's passes hold gathered: the whole
+    value model in bf16 and its full fp32 gradients, or two blocks and the root and their gradients."""
+    critic_params = PARAMS + H + 1  # the backbone (tied) and a scalar value head
+    root = V * H  # the root as the planner counts it: the embedding
+    for actor, critic, whole in (("true", "null", True), ("true", "false", False), ("false", "null", False),
+                                 ("false", "true", True)):
+        cfg = _cfg("algorithm.adv_estimator=gae", f"actor.accumulate_unsharded={actor}",
+                   f"critic.accumulate_unsharded={critic}", world=2)
+        by_name = {p.name: p.terms for p in phases(cfg, read_shape(cfg.model.path), 2, 80 * GIB)}
+        if whole:
+            want = {"gathered params (whole model)": 2 * critic_params,
+                    "unsharded grads (fp32, whole model)": 4 * critic_params}
+        else:
+            want = {"gathered params (2 blocks + root)": 2 * (2 * LAYER + root),
+                    "unsharded grads (2 blocks + root)": 4 * (2 * LAYER + root)}
+        for phase in ("critic values", "critic update"):
+            got = {k: v for k, v in by_name[phase].items() if k.startswith(("gathered", "unsharded"))}
+            assert got == {k: v for k, v in want.items() if phase == "critic update" or k.startswith("gathered")}, \
+                (actor, critic, phase)
+        actor_whole = "gathered params (whole model)" in by_name["actor update"]
+        assert actor_whole is (actor == "true")
+
+
+def test_a_critic_peak_is_offered_the_critics_accumulate_unsharded():
+    from hybrid_rl.planner.verdict import candidates
+
+    def offered(peak: str, *overrides: str) -> list[dict]:
+        cfg = _cfg("algorithm.adv_estimator=gae", *overrides, world=2)
+        return [s for group in candidates(cfg, peak) for s in group if "accumulate_unsharded" in next(iter(s))]
+
+    assert offered("critic update", "actor.accumulate_unsharded=true") == [{"critic.accumulate_unsharded": False}]
+    assert offered("critic update", "actor.accumulate_unsharded=true", "critic.accumulate_unsharded=false") == []
+    assert offered("actor update", "actor.accumulate_unsharded=true") == [{"actor.accumulate_unsharded": False}]

@@ -27,10 +27,13 @@ from hybrid_rl.batch import Batch  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
 from hybrid_rl.data import collate_prompts  # noqa: E402
 from hybrid_rl.distributed import DistInfo, destroy, init_distributed  # noqa: E402
-from hybrid_rl.models import load_causal_lm  # noqa: E402
+from hybrid_rl.models import load_causal_lm, load_tokenizer  # noqa: E402
+from hybrid_rl.phases.advantage import compute_advantage  # noqa: E402
+from hybrid_rl.phases.reward import sparse_scores  # noqa: E402
 from hybrid_rl.phases.old_log_prob import plan_old_log_prob  # noqa: E402
 from hybrid_rl.rollout.base import assemble_rollout  # noqa: E402
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker  # noqa: E402
+from hybrid_rl.workers.critic import CriticWorker  # noqa: E402
 
 DEVICE = os.environ.get("MULTIRANK_DEVICE", "cpu")
 # MULTIRANK_DTYPE=bfloat16 on CPU runs FSDP2's mixed precision (bf16 compute, fp32 masters and reduction) on gloo
@@ -209,6 +212,34 @@ def run_accumulate_unsharded(d: DistInfo, res: dict) -> None:
                              ref_unsharded_after=[
                                  n for n, p in w.ref.model.named_parameters() if type(p).__name__ != "DTensor"])
     res["unsharded"] = results
+
+
+def run_critic_unsharded(d: DistInfo, res: dict) -> None:
+    """The critic's value pass and two updates with its parameters gathered once per pass (critic.accumulate_unsharded)
+    and without; the collectives of the second step's passes are counted (the first moves the zero-initialised value
+    head, so that the second's gradients reach every block)."""
+    critic_keys = ["algorithm.adv_estimator=gae", "critic.lr=1e-3", "critic.ppo_mini_batch_size=4",
+                   "critic.ppo_micro_batch_size_per_device=2", "critic.forward_micro_batch_size_per_device=3"]
+    results = {}
+    for flag in (False, True):
+        cfg = load_config(None, BASE + critic_keys + [f"critic.accumulate_unsharded={str(flag).lower()}"]
+                          ).validate(d.world_size)
+        critic = CriticWorker(cfg, d)
+        maker = type("Maker", (), {"cfg": cfg, "tokenizer": load_tokenizer(cfg.model.path)})()
+        batch = local_share(make_batch(maker, seed=0), d)
+        scores = torch.tensor([1.0, 0.0, 0.0, 1.0])
+        batch = batch.union(tensors=dict(token_level_scores=sparse_scores(scores, batch["response_mask"])))
+        critic.update_critic(compute_advantage(critic.compute_values(batch), cfg.algorithm)[0])
+        with _CountCollectives() as c_values:
+            scored = critic.compute_values(batch)
+        with _CountCollectives() as c_update:
+            stats = critic.update_critic(compute_advantage(scored, cfg.algorithm)[0])
+        results[flag] = dict(values=scored["values"], values_counts=c_values.counts, update_counts=c_update.counts,
+                             params={n: full(p) for n, p in critic.model.named_parameters()},
+                             grad_norm=stats["critic/grad_norm"][0],
+                             unsharded_after=[n for n, p in critic.model.named_parameters()
+                                              if type(p).__name__ != "DTensor"])
+    res["critic_unsharded"] = results
 
 
 def run_packed(d: DistInfo, res: dict) -> None:
@@ -448,6 +479,8 @@ def main() -> None:
         run_accumulate_unsharded(d, res)
     if "uneven" in which:
         run_uneven_shards(d, res)
+    if "critic_unsharded" in which:  # not in the default set: its own launch (test_multirank.py)
+        run_critic_unsharded(d, res)
     if "packed" in which:
         run_packed(d, res)
     if "shared" in which:
