@@ -101,12 +101,12 @@ def test_split_overlap_step_holds_the_wait_for_generation(tmp_path):
     ``timing/iteration`` is the loop's cadence: it holds the step and what ran after the one before (here a
     validation).
 
-    The premise holds by a wide margin on a loaded machine: 256 decoding steps cost the same whatever the batch
-    (the tiny model is overhead-bound), while the update of 4 sequences is small (idle 2 cores: generation ~0.45 s,
-    update ~0.06 s; with both cores busy elsewhere the ratio stays ~8)."""
+    The premise holds by a wide margin on a loaded machine: 480 decoding steps cost the same whatever the batch
+    (the tiny model is overhead-bound), while the update of 4 sequences is small (idle 2 cores: generation ~0.53 s,
+    update ~0.08 s, wait ~0.45 s; with both cores busy elsewhere the ratio stays ~5)."""
     run_checked(_torchrun(2) + COMMON + [
         "trainer.total_steps=8", "trainer.mode=overlap", "trainer.placement=split", "trainer.test_freq=6",
-        "data.max_val_samples=8", "data.max_response_length=256", "rollout.forced_lengths=fixed:256",
+        "data.max_val_samples=8", "data.max_response_length=480", "rollout.forced_lengths=fixed:480",
         "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=2",
         "actor.ppo_micro_batch_size_per_device=4", f"trainer.output_dir={tmp_path}"], timeout=400)
     rows = {r["step"]: r for r in _metrics(tmp_path) if r["step"] > 0}
