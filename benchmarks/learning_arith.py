@@ -15,7 +15,9 @@ validation samples are saved (the recipe's ``trainer.validation_data_dir``), eac
 compared per question with sync's, and with the mean of the sync seeds when ``sync_seed1`` ran too: the paired
 difference, its standard error, and whether it lies within two of them; a run cut short is compared with the others
 at the step it reached. Each mode's folder keeps its ``run.json`` (command, exit, wall time, host, steps planned), so
-modes run by separate invocations, or on separate machines, collect into one JSON.
+modes run by separate invocations, or on separate machines, collect into one JSON. Each mode's entry also stores its
+per-question scores at every validation (``scores``), so that a later collection can take modes from an earlier JSON
+(``--include``) and pair its new runs with them per question, without the earlier runs' folders.
 
 Modes (``--modes``, comma-separated; by default the two sync seeds and the modes the README's chooser recommends:
 ``sync,sync_seed1,overlap,overlap_partial``, and ``split_partial`` with ``--gpus`` 2 or more):
@@ -33,6 +35,8 @@ Modes (``--modes``, comma-separated; by default the two sync seeds and the modes
 
     python benchmarks/learning_arith.py --gpus 1 --modes sync,sync_seed1,overlap,overlap_partial --out runs/la
     python benchmarks/learning_arith.py --collect runs/learning_arith --json out.json   # from finished runs only
+    python benchmarks/learning_arith.py --collect runs/la2 --modes sync,sync_seed1,overlap_geo_mask \
+        --include benchmarks/results/learning_arith_smollm2_H200x1.json --json out.json   # sync seeds from before
 
 On one H200 each mode's 200 steps take ~6-7 minutes (vLLM start-up ~1.5 minutes). Any further ``key=value``
 arguments override the recipe in every mode. A run cut by ``--mode-timeout`` keeps what it logged; the JSON says so.
@@ -140,6 +144,21 @@ def val_scores(run: Path, step: int) -> dict[int, float]:
     return scores
 
 
+def encode_scores(scores: dict[int, float]) -> str | list:
+    """Per-question scores as stored in the JSON: a string indexed by test problem, ``1``/``0`` for a right/wrong
+    answer and ``-`` where the problem was not validated; a list (``None`` where missing) if any score is not 0 or 1."""
+    n = max(scores, default=-1) + 1
+    if all(v in (0.0, 1.0) for v in scores.values()):
+        return "".join("-" if i not in scores else str(int(scores[i])) for i in range(n))
+    return [scores.get(i) for i in range(n)]
+
+
+def decode_scores(stored: str | list) -> dict[int, float]:
+    if isinstance(stored, str):
+        return {i: float(c) for i, c in enumerate(stored) if c != "-"}
+    return {i: float(v) for i, v in enumerate(stored) if v is not None}
+
+
 def summarize(mode: str, run: Path, n_test: int, meta: dict | None, gain: float,
               steps_planned: int) -> dict | None:
     rows = read_rows(run)
@@ -167,6 +186,8 @@ def summarize(mode: str, run: Path, n_test: int, meta: dict | None, gain: float,
         "train_wall_s": round(wall, 1),
         "mean_step_s": sum(r.get("timing/iteration", 0.0) for r in steps) / max(len(steps), 1),
         "curve": curve,
+        # each validation's per-question scores, so that runs collected later pair with this one without its folder
+        "scores": {str(c["step"]): encode_scores(sc) for c in curve if (sc := val_scores(run, c["step"]))},
         "per_step": [{"step": r["step"], **{k: r[k] for k in STEP_CURVES if k in r}} for r in steps],
     }
     if meta:
@@ -179,13 +200,14 @@ def summarize(mode: str, run: Path, n_test: int, meta: dict | None, gain: float,
     return out
 
 
-def paired(refs: list[Path], run_b: Path, step_b: int) -> dict | None:
-    """Per question, run b's greedy score at ``step_b`` (its last validation) minus the mean of the reference runs'
+def paired(refs: list[dict], b_mode: dict, step_b: int) -> dict | None:
+    """Per question, mode b's greedy score at ``step_b`` (its last validation) minus the mean of the reference modes'
     (one run, or the sync seeds) at the same step: the mean difference, its standard error, and whether it lies
     within two of them. A run cut short is so compared with the references at the step it reached, not at their end.
-    None without samples at that step in every run."""
-    ref_scores = [val_scores(run, step_b) for run in refs]
-    b = val_scores(run_b, step_b)
+    The modes are summaries (``summarize``) with their stored scores. None without scores at that step in every one."""
+    at = lambda m: decode_scores(m.get("scores", {}).get(str(step_b), ""))  # noqa: E731
+    ref_scores = [at(m) for m in refs]
+    b = at(b_mode)
     common = sorted(set(b).intersection(*ref_scores))
     if not common:
         return None
@@ -255,6 +277,10 @@ def main() -> int:
     ap.add_argument("--n-test", type=int, default=1000, help="test problems validated (data.arith.test_size)")
     ap.add_argument("--note", help="a remark recorded in the JSON as written (\"note\"), e.g. how the runs were "
                                    "spread over machines")
+    ap.add_argument("--include", action="append", metavar="JSON",
+                    help="an earlier result of this script: the modes asked for that have no run here are taken from "
+                         "it as summarised (marked included_from) and paired per question through its stored scores; "
+                         "repeatable")
     args, overrides = ap.parse_known_args()
     bad = [o for o in overrides if "=" not in o or o.startswith("-")]
     if bad:
@@ -293,18 +319,32 @@ def main() -> int:
                       args.steps)
         if s is not None:
             result["modes"][mode] = s
+    for path in args.include or []:  # modes with no folder here, as an earlier JSON summarised them
+        try:
+            earlier = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            ap.error(f"--include {path}: not a readable JSON ({e.__class__.__name__}); give a result this script wrote")
+        for mode in modes:
+            if mode not in result["modes"] and mode in earlier.get("modes", {}):
+                m = {k: v for k, v in earlier["modes"][mode].items() if not k.startswith("vs_")}
+                m["included_from"] = {"json": Path(path).name, "commit": earlier.get("commit"),
+                                      "device": earlier.get("device")}
+                result["modes"][mode] = m
+    result["modes"] = {m: result["modes"][m] for m in modes if m in result["modes"]}
     splits = sorted({str(m["split"]) for m in result["modes"].values()})
     result["split"] = splits[0] if len(splits) == 1 else splits  # runs on different splits are not comparable
     sync = result["modes"].get("sync")
     if sync:
         result.update(acc_before=sync["acc_before"], acc_after=sync["acc_after"], se=sync["se_after"],
                       se_before=se(sync["acc_before"], args.n_test) if sync["acc_before"] is not None else None)
-        seeds = [out / k for k in SYNC_SEEDS if k in result["modes"] and result["modes"][k]["step_after"] is not None]
+        seeds = [result["modes"][k] for k in SYNC_SEEDS
+                 if k in result["modes"] and result["modes"][k]["step_after"] is not None]
         for mode, m in result["modes"].items():
-            if mode != "sync" and m["step_after"] is not None:
-                m["vs_sync"] = paired([out / "sync"], out / mode, m["step_after"])
-                if len(seeds) > 1 and mode not in SYNC_SEEDS:
-                    m["vs_sync_seeds_mean"] = paired(seeds, out / mode, m["step_after"])
+            # per question only on one test set: a problem's index names the same problem only within one split
+            if mode != "sync" and m["step_after"] is not None and m["split"] == sync["split"]:
+                m["vs_sync"] = paired([sync], m, m["step_after"])
+                if len(seeds) > 1 and mode not in SYNC_SEEDS and all(r["split"] == m["split"] for r in seeds):
+                    m["vs_sync_seeds_mean"] = paired(seeds, m, m["step_after"])
     json_path = Path(args.json) if args.json else out / f"learning_arith_smollm2_{device}.json"
     run_dir("learning_arith", json_path.parent)  # never among the curated results: publish.py copies it there
     json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -106,3 +106,49 @@ def test_a_run_cut_short_is_paired_at_the_step_it_reached(tmp_path, monkeypatch)
     assert o["steps_planned"] == 20 and o["ended"].startswith("cut after step 10 of 20")
     assert (o["rc"], o["host"]) == ("timeout", "h1") and res["note"] == "two machines"
     assert "ended" not in res["modes"]["sync"]
+
+
+def test_modes_included_from_an_earlier_json_pair_through_their_stored_scores(tmp_path, monkeypatch):
+    """The sync seeds are collected into one JSON and their folders removed; overlap, collected later with that JSON
+    included, is paired per question with them as if all three had been collected together (the first test's
+    hand-worked figures), and the included modes say where they came from."""
+    first, later = tmp_path / "first", tmp_path / "later"
+    _run(first, "sync", [0.2, 0.45, 0.625], [1, 1, 0, 0, 1, 0, 1, 1], "canonical")
+    _run(first, "sync_seed1", [0.2, 0.55, 0.625], [1, 0, 0, 1, 1, 0, 1, 1], "canonical")
+    earlier = tmp_path / "earlier.json"
+    monkeypatch.setattr(sys, "argv", ["learning_arith.py", "--collect", str(first), "--modes", "sync,sync_seed1",
+                                      "--json", str(earlier), "--n-test", "8"])
+    assert learning_arith.main() == 0
+    assert json.loads(earlier.read_text())["modes"]["sync"]["scores"] == {"20": "11001011"}
+    for run in first.iterdir():
+        for f in sorted(run.rglob("*"), reverse=True):
+            f.unlink() if f.is_file() else f.rmdir()
+    _run(later, "overlap", [0.2, 0.3, 0.375], [1, 1, 0, 0, 0, 0, 1, 0], "canonical")
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["learning_arith.py", "--collect", str(later), "--modes",
+                                      "sync,sync_seed1,overlap", "--include", str(earlier), "--json", str(out),
+                                      "--n-test", "8"])
+    assert learning_arith.main() == 0
+    res = json.loads(out.read_text())
+    assert list(res["modes"]) == ["sync", "sync_seed1", "overlap"]
+    assert res["modes"]["sync"]["included_from"]["json"] == "earlier.json"
+    assert "included_from" not in res["modes"]["overlap"]
+    p = res["modes"]["overlap"]["vs_sync_seeds_mean"]
+    d = [0, 0.5, 0, -0.5, -1, 0, 0, -1]
+    err = math.sqrt(sum((x + 0.25) ** 2 for x in d) / 7 / 8)
+    assert math.isclose(p["diff"], -0.25) and math.isclose(p["se"], err) and (p["gained"], p["lost"]) == (1, 3)
+    s1 = res["modes"]["sync_seed1"]["vs_sync"]  # seed 1 vs seed 0: question 1 lost, question 3 gained
+    assert s1["diff"] == 0 and (s1["gained"], s1["lost"]) == (1, 1)
+
+
+def test_scores_are_stored_with_gaps_marked_and_not_paired_across_splits(tmp_path, monkeypatch):
+    assert learning_arith.encode_scores({0: 1.0, 2: 0.0, 3: 1.0}) == "1-01"
+    assert learning_arith.decode_scores("1-01") == {0: 1.0, 2: 0.0, 3: 1.0}
+    assert learning_arith.encode_scores({0: 0.5, 1: 1.0}) == [0.5, 1.0]
+    _run(tmp_path, "sync", [0.2, 0.3, 0.4], [1, 0], "canonical")
+    _run(tmp_path, "overlap", [0.2, 0.3, 0.4], [1, 1], "ordered")
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["learning_arith.py", "--collect", str(tmp_path), "--modes", "sync,overlap",
+                                      "--json", str(out), "--n-test", "2"])
+    assert learning_arith.main() == 0
+    assert "vs_sync" not in json.loads(out.read_text())["modes"]["overlap"]  # index 1 is not the same problem
