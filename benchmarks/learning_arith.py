@@ -27,7 +27,9 @@ Modes (``--modes``, comma-separated; by default the two sync seeds and the modes
 - ``overlap_partial``: overlap colocated with partial rollouts, ``trainer.partial_rollout_ahead=3``,
   ``trainer.max_staleness=4``;
 - ``overlap_sequence_mask``, ``overlap_geo_mask``, ``overlap_token_mask``: ``overlap`` with that
-  ``algorithm.rollout_correction.method`` at its default knobs;
+  ``algorithm.rollout_correction.method`` at its default knobs; ``overlap_partial_sequence_mask``,
+  ``overlap_partial_geo_mask``, ``overlap_partial_token_mask``: the same on ``overlap_partial``, whose samples are
+  up to four versions old;
 - ``overlap_proc``: ``overlap`` with vLLM's engine core in a process of its own (``rollout.vllm.engine_process``), so
   the generation running beside the update shares no Python interpreter with it;
 - ``split_partial``: split placement (half the GPUs generate, half train) with partial rollouts,
@@ -59,14 +61,16 @@ from benchmarks.bench_common import ROOT, git_commit, gpu_short_name, kill_tree,
 
 RECIPE = "recipes/arith_grpo_smollm2.yaml"
 OVERLAP = ["trainer.mode=overlap", "trainer.max_staleness=1"]
+PARTIAL = ["trainer.mode=overlap", "trainer.partial_rollouts=true", "trainer.partial_rollout_ahead=3",
+           "trainer.max_staleness=4"]
+CORRECTIONS = ("sequence_mask", "geo_mask", "token_mask")
 MODES = {
     "sync": ["trainer.mode=sync"],
     "sync_seed1": ["trainer.mode=sync", "trainer.seed=1"],
     "overlap": OVERLAP,
-    "overlap_partial": ["trainer.mode=overlap", "trainer.partial_rollouts=true", "trainer.partial_rollout_ahead=3",
-                        "trainer.max_staleness=4"],
-    **{f"overlap_{m}": [*OVERLAP, f"algorithm.rollout_correction.method={m}"]
-       for m in ("sequence_mask", "geo_mask", "token_mask")},
+    "overlap_partial": PARTIAL,
+    **{f"overlap_{m}": [*OVERLAP, f"algorithm.rollout_correction.method={m}"] for m in CORRECTIONS},
+    **{f"overlap_partial_{m}": [*PARTIAL, f"algorithm.rollout_correction.method={m}"] for m in CORRECTIONS},
     "overlap_proc": [*OVERLAP, "rollout.vllm.engine_process=true"],
     "split_partial": ["trainer.placement=split", "trainer.mode=overlap", "trainer.partial_rollouts=true",
                       "trainer.partial_rollout_ahead=3", "trainer.max_staleness=4"],
