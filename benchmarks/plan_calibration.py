@@ -10,6 +10,13 @@ logged is the engine's share. The measured figures, the GPUs and the card of eac
 (``benchmarks/results/``); a row whose file or entry is missing says so. Measured and predicted are torch's
 allocated bytes, GiB. Prints a table; writes nothing.
 
+Below them, one row per measured phase of every ``scale_7b_*.json`` (``benchmarks/scale_7b.py``, any model): each
+run records its recipe, model, overrides, GPUs and card, and per timed phase the peak it measured (the engine's pool
+taken off the phases it sleeps through) and the engine's pool; the prediction is the planner's as it is now, not the
+one the run recorded. ``--max-error PCT`` exits 1 when any row is off by more than ``PCT`` percent, naming them.
+
+    PYTHONPATH=. python benchmarks/plan_calibration.py --max-error 10
+
 The curated runs were measured with the actor's fp32 gradients kept from one update through the next step's
 log-prob passes (``update_step`` times each pass after a warm-up update, the flagship a step after its first), where
 the trainer's optimizer step frees them. Their rows (``Row.held_grads``) add the planner's actor-gradient term of the update
@@ -30,7 +37,7 @@ sys.path.insert(1, str(ROOT / "benchmarks"))
 
 from bench_common import RESULTS  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
-from hybrid_rl.planner.estimate import GIB, phases  # noqa: E402
+from hybrid_rl.planner.estimate import GIB, Phase, phases  # noqa: E402
 from hybrid_rl.planner.gpus import card_memory_gib  # noqa: E402
 from hybrid_rl.planner.shape import read_shape  # noqa: E402
 
@@ -126,8 +133,43 @@ def predicted(overrides: list[str], gpus: int, gib: float, which: str, held_grad
     return max(p.total + (grads if GRADS not in p.terms else 0.0) for p in trainer) / GIB
 
 
-def main(results: Path = RESULTS) -> None:
+SCALE_PHASES = {"gen": "generation", "old_log_prob": "old log-prob", "ref": "ref log-prob", "update": "actor update"}
+"""``scale_7b.py``'s timed phase → the planner's phase (as ``scale_7b.PLANNED``)."""
+
+
+def scale_rows(doc: dict) -> list[tuple[str, float, float]]:
+    """(run and phase, measured GiB, the planner's GiB now) for every measured phase and engine pool of a
+    ``scale_7b_*.json``; runs that failed are left out."""
+    from hybrid_rl.planner.verdict import judge
+
+    out = []
+    for run in doc.get("runs", []):
+        if "error" in run or "memory" not in run:
+            continue
+        overrides = [f"model.path={doc['model']}", *run["base_overrides"], *run["overrides"]]
+        cfg = load_config(str(ROOT / doc["recipe"]), overrides).validate(doc["gpus"])  # as the run was checked
+        planned = {p.name: p for p in judge(cfg, read_shape(cfg.model.path), doc["gpus"], doc["gpu_gib"] * GIB)[0]}
+        for phase, m in run["memory"].items():
+            if m.get("measured_gib") is not None and SCALE_PHASES.get(phase) in planned:
+                out.append((f"{run['mode']} {phase}", m["measured_gib"], planned[SCALE_PHASES[phase]].total / GIB))
+        pool = (run.get("engine_pool") or {}).get("measured_gib")
+        engine = planned.get("generation", Phase("generation")).terms.get("engine (awake)")
+        if pool and engine:
+            out.append((f"{run['mode']} engine pool", pool, engine / GIB))
+    return out
+
+
+def main(results: Path = RESULTS, max_error: float | None = None) -> int:
+    """Print the table; 1 if ``max_error`` (percent) is given and a row errs by more, else 0."""
     print(f"{'result':40s} {'run':40s} {'measured':>9s} {'predicted':>9s} {'error':>7s}")
+    worse = []
+
+    def line(label: str, what: str, value: float, pred: float) -> None:
+        err = 100 * (pred - value) / value
+        print(f"{label[:40]:40s} {what[:40]:40s} {value:9.1f} {pred:9.1f} {err:+6.0f}%")
+        if max_error is not None and abs(err) > max_error:
+            worse.append(f"{label} {what} ({err:+.0f}%)")
+
     for row in ROWS:
         label = f"{row.file} ({row.entry})" if not row.file.startswith("update_step") else row.file
         path = results / f"{row.file}.json"
@@ -138,9 +180,23 @@ def main(results: Path = RESULTS) -> None:
             print(f"{label[:40]:40s} {row.what:40s} {'-':>9s}  ({path.name}: {e})")
             continue
         gpus, gib = box(doc)
-        pred = predicted([*row.overrides, *shape], gpus, gib, row.which, row.held_grads)
-        print(f"{label[:40]:40s} {row.what:40s} {value:9.1f} {pred:9.1f} {100 * (pred - value) / value:+6.0f}%")
+        line(label, row.what, value, predicted([*row.overrides, *shape], gpus, gib, row.which, row.held_grads))
+    for path in sorted(results.glob("scale_7b_*.json")):
+        doc = json.loads(path.read_text())
+        for what, value, pred in scale_rows(doc):
+            line(path.stem, what, value, pred)
+    if worse:
+        print(f"off by more than {max_error:g}%: {'; '.join(worse)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--max-error", type=float, default=None, metavar="PCT",
+                    help="exit 1 when a row's prediction is off by more than PCT percent of what it measured")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="the folder of result files (default: the curated)")
+    a = ap.parse_args()
+    sys.exit(main(a.results, a.max_error))

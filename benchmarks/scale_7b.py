@@ -29,7 +29,8 @@ MFU (``perf/mfu_update``: the FLOPs it ran ÷ time ÷ the GPUs' dense bf16 peak;
 prompt whole), and per phase the measured peak (``perf/phase_memory_allocated_gb/<phase>``, the largest over steps
 and ranks; the engine's pool, ``perf/engine_pool_gb``, taken off the training phases, which run with it asleep) beside
 the planner's figure for that phase on this GPU (``hybrid_rl.planner``: generation, old log-prob, reference, update;
-the push is not a timed phase of its own). Writes ``scale_7b_<device>.json`` and ``.png`` and each run's directory
+the push is not a timed phase of its own). Writes ``scale_7b_<device>.json`` and ``.png`` (another ``--model``:
+``scale_7b_<device>_<model name>.json``, e.g. ``scale_7b_H200x1_qwen2.5-1.5b-random.json``) and each run's directory
 (``run_<name>/``: metrics.jsonl, stderr.log) into ``--out`` (default ``runs/scale_7b/<UTC time>/``); into
 ``benchmarks/results/`` only through ``benchmarks/publish.py``. A run that fails is one line naming it and its log; exit status 1.
 """
@@ -147,6 +148,11 @@ def one_run(name: str, overrides: list[str], args, out_dir: Path, gpu_gib: float
             "peak_outside_engine": {"measured_gib": got["peak_outside_engine_gib"],
                                     "predicted_gib": max((plan["phases_gib"].get(PLANNED[p], 0.0) for p in TRAINING))},
             "planner": plan}
+
+
+def result_stem(device: str, model: str, default_model: str) -> str:
+    """``scale_7b_<device>``; another model's runs go to a file of their own, ``scale_7b_<device>_<model name>``."""
+    return f"scale_7b_{device}" if model == default_model else f"scale_7b_{device}_{model.split(':')[-1].split('/')[-1]}"
 
 
 def settings(args) -> dict:
@@ -283,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     resolve_model_path(args.model)  # built once here, before any rank waits on it
     run_args = argparse.Namespace(**{**vars(args), "overrides": args.base})
     results = []
-    path = out / f"scale_7b_{device}.json"
+    stem = result_stem(device, args.model, (CPU_SMOKE if args.cpu_smoke else GPU)["model"])
+    path = out / f"{stem}.json"
     every_run = merged(path, [], args.model)
     for name, ovr in todo:
         print(f"[{name}] {' '.join(ovr)}", file=sys.stderr, flush=True)
@@ -293,9 +300,9 @@ def main(argv: list[str] | None = None) -> int:
                "recipe": str(RECIPE.relative_to(ROOT)), "gpus": args.gpus, "gpu_gib": gpu_gib, "n": args.n,
                "overrides": args.base, "runs": every_run}  # each run holds its own settings and commit
         path.write_text(json.dumps(doc, indent=2) + "\n")
-    plot(every_run, f"{args.model} on {device}, {args.n} samples per prompt", out / f"scale_7b_{device}.png")
+    plot(every_run, f"{args.model} on {device}, {args.n} samples per prompt", path.with_suffix(".png"))
     print(table(every_run))
-    print(f"wrote {out / f'scale_7b_{device}.json'} and .png")
+    print(f"wrote {path} and .png")
     failed = [r for r in results if "error" in r]
     for r in failed:
         print(f"FAILED {r['mode']}: {r['error']} (log: {r.get('log')})", file=sys.stderr)

@@ -68,6 +68,11 @@ def test_runs_of_several_commands_share_one_json(tmp_path):
     assert scale_7b.merged(path, [{"mode": "b", "x": 3}, {"mode": "c", "x": 4}], "m") == [
         {"mode": "a", "x": 1}, {"mode": "b", "x": 3}, {"mode": "c", "x": 4}]
     assert scale_7b.merged(path, [{"mode": "c"}], "another model") == [{"mode": "c"}]
+    # so another model's runs get a file of their own
+    seven = scale_7b.GPU["model"]
+    assert scale_7b.result_stem("H200x1", seven, seven) == "scale_7b_H200x1"
+    assert scale_7b.result_stem("H200x1", "builtin:qwen2.5-1.5b-random", seven) == "scale_7b_H200x1_qwen2.5-1.5b-random"
+    assert scale_7b.result_stem("H200x1", "/data/Qwen2.5-0.5B", seven) == "scale_7b_H200x1_Qwen2.5-0.5B"
 
 
 def test_refuses_to_write_among_the_curated_results():

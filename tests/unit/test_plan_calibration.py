@@ -33,3 +33,30 @@ def test_measured_figures_come_from_the_result_files(tmp_path, capsys):
     assert rows[("flagship_H200x4 (076941d)", "engine pool")][0] == "2.5"  # the most any step logged
     assert rows[(name, "padded, unfused")][0] == "44.6"
     assert rows[("flagship_H100x1 (cba16b7)", "trainer peak, padded, unfused")][0] == "-"  # not copied: missing
+
+
+def test_scale_runs_are_rows_predicted_by_the_planner_now(tmp_path, capsys):
+    """A ``scale_7b_*.json`` run's measured phases become rows beside the planner's figure for the config the run
+    recorded (recomputed, not read from the file); ``max_error`` fails on the rows beyond it and names them."""
+    import scale_7b
+
+    args = scale_7b.parse_args(["--gpus", "1", "--model", "builtin:qwen2.5-1.5b-random", "--mean", "2048"])
+    base = scale_7b.base_overrides(args)
+    name, ovr = scale_7b.runs(args)[0]
+    plan = scale_7b.predicted(args, [*base, *ovr], 139.8)["phases_gib"]
+    memory = {"old_log_prob": {"measured_gib": plan["old log-prob"], "predicted_gib": 1.0},  # the file's figure: unread
+              "update": {"measured_gib": plan["actor update"] / 1.25, "predicted_gib": 1.0},
+              "ref": {"measured_gib": None, "predicted_gib": 1.0}}
+    doc = {"bench": "scale_7b", "recipe": "recipes/gsm8k_grpo_7b.yaml", "model": "builtin:qwen2.5-1.5b-random",
+           "gpus": 1, "gpu_gib": 139.8, "runs": [{"mode": name, "base_overrides": base, "overrides": ovr,
+                                                  "memory": memory}, {"mode": "oom", "error": "out of memory"}]}
+    (tmp_path / "scale_7b_H200x1_qwen2.5-1.5b-random.json").write_text(json.dumps(doc))
+    assert pc.main(tmp_path) == 0
+    assert pc.main(tmp_path, max_error=30) == 0
+    assert pc.main(tmp_path, max_error=10) == 1
+    out, err = capsys.readouterr()
+    rows = [line.split() for line in out.splitlines() if line.startswith("scale_7b_H200x1")]
+    by_phase = {r[2]: r for r in rows[:2]}
+    assert set(by_phase) == {"old_log_prob", "update"} and not any(r[2] in ("ref", "oom") for r in rows)
+    assert by_phase["old_log_prob"][-1] == "+0%" and by_phase["update"][-1] == "+25%"  # 1.25x what it measured
+    assert f"{name} update (+25%)" in err and "old_log_prob" not in err
