@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import probe  # noqa: E402
 from workload import (ROOT, chat_token_counter, commit, common_args, device_name, file_sha256, prepare_model,  # noqa: E402
                       prepare_prompts, resolve_options, result_path, run_watched, settings_record, summarize, tail,
                       workload_spec, write_result)
@@ -177,6 +178,8 @@ def main() -> None:
     metrics.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in [env.get("PYTHONPATH", ""), str(ROOT)] if p)
+    probe_dir = out / f"probe_hybrid_rl_{w['name']}"
+    env = probe.env_for(env, probe.site(out / "probe_site"), probe_dir)
     wt = run_watched(cmd, ROOT, env, log_path,
                      lambda: sum(1 for l in metrics.read_text().splitlines() if '"timing/step"' in l) if metrics.exists() else 0,
                      w["steps"], args.timeout, t0)
@@ -196,7 +199,9 @@ def main() -> None:
                         wall_s=wt.done_at or time.perf_counter() - t0, settings=settings,
                         notes=[f"response lengths forced: rollout.forced_lengths={w['lengths']} (cap "
                                f"{w['response_length']}; EOS ignored, no stop ids)"])
-    doc.update(device=device_name(args.gpus) if not args.cpu_smoke else "CPU", commit=commit())
+    doc.update(device=device_name(args.gpus) if not args.cpu_smoke else "CPU", commit=commit(),
+               took_effect=probe.collect(probe_dir, w["max_prompt_length"] + w["response_length"],
+                                         {"liger": opts["liger"]}))
     write_result(doc, result_path(out, "hybrid_rl", w), w)
 
 

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import probe  # noqa: E402
 from workload import (ROOT, VERSIONS, chat_token_counter, commit, common_args, device_name, forced,  # noqa: E402
                       file_sha256, gsm8k_reward, gsm8k_rows, length_table, prepare_model, prepare_prompts, resolve_options,
                       result_path, run_watched, settings_record, skipped, summarize, tail, workload_spec,
@@ -311,6 +312,8 @@ def main() -> None:
     steps_file = out / "trl_steps.jsonl"
     steps_file.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    probe_dir = out / f"probe_trl_{w['name']}"
+    env = probe.env_for(env, probe.site(out / "probe_site"), probe_dir)
     wt = run_watched(cmd, ROOT, env, log_path,
                      lambda: len(steps_file.read_text().splitlines()) if steps_file.exists() else 0, w["steps"],
                      args.timeout, t0)
@@ -343,7 +346,9 @@ def main() -> None:
                                "TRL fixes vLLM max_num_batched_tokens=4096 (hybrid_rl and verl: 8192) and derives "
                                "max_num_seqs = per-device batch x steps per generation",
                                "phases: gen and sync_weights timed around TRL's own calls; train = the rest"])
-    doc.update(device=device_name(args.gpus) if not args.cpu_smoke else "CPU", commit=commit())
+    doc.update(device=device_name(args.gpus) if not args.cpu_smoke else "CPU", commit=commit(),
+               took_effect=probe.collect(probe_dir, w["max_prompt_length"] + w["response_length"],
+                                         {"liger": opts["liger"]}))
     write_result(doc, result_path(out, "trl", w), w)
 
 

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import probe  # noqa: E402
 from workload import (VERSIONS, chat_token_counter, commit, common_args, device_name, file_sha256, forced,  # noqa: E402
                       gsm8k_rows, prepare_model, prepare_prompts, resolve_options, result_path, row_lengths,
                       run_watched, settings_record, skipped, summarize, tail, workload_spec, write_result)
@@ -291,9 +292,7 @@ if os.environ.get("VLLM_PORT", "") in ("", os.environ.get("HYBRID_RL_PEERS_VLLM_
 def port_site(out: Path) -> Path:
     """A folder on the verl run's PYTHONPATH: the sitecustomize.py above (Python's own start-up hook; verl's code is
     not touched) and the forced-length agent loop module, importable in verl's Ray workers."""
-    site = out / "verl_port_site"
-    site.mkdir(parents=True, exist_ok=True)
-    (site / "sitecustomize.py").write_text(PORT_SITE)
+    site = probe.site(out / "verl_port_site", prelude=PORT_SITE)  # and the probe of what took effect
     shutil.copyfile(Path(__file__).resolve().parent / "verl_agent_loop.py", site / "peers_verl_agent_loop.py")
     return site
 
@@ -327,6 +326,8 @@ def main() -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1", VERL_FILE_LOGGER_PATH=str(metrics), TOKENIZERS_PARALLELISM="false",
                RAY_DEDUP_LOGS="0", HYDRA_FULL_ERROR="1", RAY_USAGE_STATS_ENABLED="0")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH", "")]))
+    probe_dir = out / f"probe_verl_{w['name']}"
+    env = probe.env_for(env, site, probe_dir)  # the site is first on PYTHONPATH already: env_for keeps that
     flash_attn = flash_attn_importable(env)
     if w["algorithm"] == "gae" and not flash_attn:
         doc = {**skipped("verl", w, NO_FLASH_ATTN), "version": VERL_VERSION, "profile": args.profile,
@@ -381,7 +382,9 @@ def main() -> None:
                                                               if forced(w) else ""),
                                "verl's own gsm8k scorer (data_source openai/gsm8k) is the reward",
                                "verl defaults kept: torch.compile of its log-prob helpers, balance_batch"])
-    doc.update(device=device_name(args.gpus), commit=commit())
+    doc.update(device=device_name(args.gpus), commit=commit(),
+               took_effect=probe.collect(probe_dir, w["max_prompt_length"] + w["response_length"],
+                                         {k: opts.get(k) for k in ("liger", "attn_implementation", "remove_padding")}))
     write_result(doc, result_path(out, "verl", w), w)
 
 

@@ -332,7 +332,9 @@ def test_report_combines_one_workload(tmp_path):
                 "machine": "a", "profile": profile, **kw}
 
     (tmp_path / "hybrid_rl_ppo.json").write_text(json.dumps(res("hybrid_rl", 2.0, 2.0, trained_tokens_per_s=300.0)))
-    (tmp_path / "verl_ppo.json").write_text(json.dumps(res("verl", 5.0, 4.0, trained_tokens_per_s=100.0)))
+    took = {"mismatches": ["attn_implementation"]}
+    (tmp_path / "verl_ppo.json").write_text(json.dumps(res("verl", 5.0, 4.0, trained_tokens_per_s=100.0,
+                                                           took_effect=took)))
     (tmp_path / "trl_ppo.json").write_text(json.dumps(workload.skipped("trl", w, "no critic")))
     (tmp_path / "verl_grpo.json").write_text(json.dumps(res("verl", 9.0, 9.0)))  # another workload: not read
     doc = plot.combine(tmp_path, "ppo")
@@ -340,7 +342,10 @@ def test_report_combines_one_workload(tmp_path):
     assert doc["ratios"]["hybrid_rl_vs_verl_step_time_median"] == 2.0
     assert doc["ratios"]["hybrid_rl_vs_verl_trained_tokens_per_s"] == 3.0
     assert doc["skipped"] == {"trl": "no critic"} and [r["framework"] for r in doc["frameworks"]] == ["hybrid_rl", "verl"]
-    assert plot.stem(doc) == "peers_H200x2_ppo" and doc["target_met"]
+    assert plot.stem(doc) == "peers_H200x2_ppo" and doc["target_met"] == {"verl": True}  # medians 4.0 / 2.0
+    assert doc["took_effect_mismatches"] == {"verl": ["attn_implementation"]}
+    (tmp_path / "verl_ppo.json").write_text(json.dumps(res("verl", 2.5, 2.5)))
+    assert plot.combine(tmp_path, "ppo")["target_met"] == {"verl": False}  # 1.25x by the median: short of 1.3
     (tmp_path / "verl_ppo.json").write_text(json.dumps(res("verl", 5.0, 4.0, profile="baseline")))
     assert plot.stem(plot.combine(tmp_path, "ppo")) == "peers_H200x2_ppo_mixed"
     (tmp_path / "verl_ppo.json").write_text(json.dumps({**res("verl", 5.0, 4.0), "workload": workload_spec("ppo", 4)}))
@@ -545,13 +550,18 @@ def test_verl_ppo_without_flash_attn_is_recorded_as_not_run(tmp_path, monkeypatc
 @pytest.mark.parametrize("name", list(WORKLOADS))
 def test_hybrid_rl_cpu_smoke(name, tmp_path, monkeypatch):
     """run_hybrid_rl.py --cpu-smoke trains 3 steps of every workload on CPU (prompts within the tiny model's 512
-    positions) and records the prompt file's hash."""
+    positions), records the prompt file's hash and what took effect in the rank: on CPU the training passes run
+    transformers' SDPA on padded rows (packing is for CUDA and 16-bit models), and no Liger (CUDA only)."""
     import subprocess
 
     monkeypatch.delenv("OUT", raising=False)
+    env = {k: v for k, v in __import__("os").environ.items() if k != "OUT"}
+    env["HYBRID_RL_PEERS_PROBE_AT"] = "0,0.3"  # a smoke step takes well under a second: look at once
     r = subprocess.run([sys.executable, str(PEERS / "run_hybrid_rl.py"), "--cpu-smoke", "--workload", name,
-                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
-                       env={k: v for k, v in __import__("os").environ.items() if k != "OUT"})
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
     doc = json.loads((tmp_path / f"hybrid_rl_{name}.json").read_text())
     assert "step_s" in doc, (r.stdout[-2000:], doc.get("log_tail", "")[-3000:])
     assert doc["settings"]["prompts_sha256"] == workload.file_sha256(tmp_path / f"prompts_{name}.jsonl")
+    took = doc["took_effect"]
+    assert took["processes"] == 1 and took["attention_in_training"] == ["sdpa"], took
+    assert took["packed_rows_in_training"] is False and took["liger_modules"] == 0
