@@ -40,6 +40,7 @@ from hybrid_rl.config import load_config  # noqa: E402
 from hybrid_rl.planner.estimate import GIB, Phase, phases  # noqa: E402
 from hybrid_rl.planner.gpus import card_memory_gib  # noqa: E402
 from hybrid_rl.planner.shape import read_shape  # noqa: E402
+from scale_7b import PLANNED  # noqa: E402  (its timed phase -> the planner's phase)
 
 RECIPE = ROOT / "recipes" / "gsm8k_grpo.yaml"
 M15 = "model.path=builtin:qwen2.5-1.5b-random"
@@ -133,10 +134,6 @@ def predicted(overrides: list[str], gpus: int, gib: float, which: str, held_grad
     return max(p.total + (grads if GRADS not in p.terms else 0.0) for p in trainer) / GIB
 
 
-SCALE_PHASES = {"gen": "generation", "old_log_prob": "old log-prob", "ref": "ref log-prob", "update": "actor update"}
-"""``scale_7b.py``'s timed phase → the planner's phase (as ``scale_7b.PLANNED``)."""
-
-
 def scale_rows(doc: dict) -> list[tuple[str, float, float]]:
     """(run and phase, measured GiB, the planner's GiB now) for every measured phase and engine pool of a
     ``scale_7b_*.json``; runs that failed are left out."""
@@ -150,8 +147,8 @@ def scale_rows(doc: dict) -> list[tuple[str, float, float]]:
         cfg = load_config(str(ROOT / doc["recipe"]), overrides).validate(doc["gpus"])  # as the run was checked
         planned = {p.name: p for p in judge(cfg, read_shape(cfg.model.path), doc["gpus"], doc["gpu_gib"] * GIB)[0]}
         for phase, m in run["memory"].items():
-            if m.get("measured_gib") is not None and SCALE_PHASES.get(phase) in planned:
-                out.append((f"{run['mode']} {phase}", m["measured_gib"], planned[SCALE_PHASES[phase]].total / GIB))
+            if m.get("measured_gib") is not None and PLANNED.get(phase) in planned:
+                out.append((f"{run['mode']} {phase}", m["measured_gib"], planned[PLANNED[phase]].total / GIB))
         pool = (run.get("engine_pool") or {}).get("measured_gib")
         engine = planned.get("generation", Phase("generation")).terms.get("engine (awake)")
         if pool and engine:
