@@ -40,6 +40,11 @@ Modes (``--modes``, comma-separated; by default the two sync seeds and the modes
     python benchmarks/learning_arith.py --collect runs/la2 --modes sync,sync_seed1,overlap_geo_mask \
         --include benchmarks/results/learning_arith_smollm2_H200x1.json --json out.json   # sync seeds from before
 
+``--concurrent`` runs the modes at the same time on the same GPUs (a 135M model leaves an H200 mostly idle): their
+accuracy is what it would be alone, up to the timing-dependent parts of the asynchronous modes (how far a partial
+rollout got before a weight push), but their times are not their own; each such mode's record says so
+(``ran_beside``, ``timing_note``) and the table marks it.
+
 On one H200 each mode's 200 steps take ~6-7 minutes (vLLM start-up ~1.5 minutes). Any further ``key=value``
 arguments override the recipe in every mode. A run cut by ``--mode-timeout`` keeps what it logged; the JSON says so.
 """
@@ -84,8 +89,10 @@ STEP_CURVES = ["reward/mean", "rollout/response_length_mean", "reward/format_exa
                "timing/gen", "timing/update", "actor/ppo_kl", "actor/pg_clipfrac"]
 
 
-def run_mode(mode: str, gpus: int, steps: int, out: Path, overrides: list[str], timeout: float) -> dict:
-    """Train one mode into ``out/mode``; returns how the run ended and its whole wall time."""
+def run_mode(mode: str, gpus: int, steps: int, out: Path, overrides: list[str], timeout: float,
+             beside: list[str] | None = None) -> dict:
+    """Train one mode into ``out/mode``; returns how the run ended and its whole wall time. ``beside`` names the modes
+    running on the same GPUs at the same time (``--concurrent``), recorded so that no one reads its time as its own."""
     run_dir = out / mode
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "hybrid_rl", "train", "--nproc", str(gpus), RECIPE,
@@ -107,7 +114,8 @@ def run_mode(mode: str, gpus: int, steps: int, out: Path, overrides: list[str], 
     wall = time.time() - start
     print(json.dumps({"mode": mode, "rc": rc, "wall_s": round(wall, 1), "log": str(run_dir / "train.log")}), flush=True)
     meta = {"rc": rc, "wall_s": wall, "command": " ".join(cmd[1:]), "steps_planned": steps,
-            "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(start))}
+            "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(start)),
+            **({"ran_beside": beside} if beside else {})}
     (run_dir / "run.json").write_text(json.dumps(meta, indent=1))  # travels with the mode's folder
     return meta
 
@@ -196,7 +204,10 @@ def summarize(mode: str, run: Path, n_test: int, meta: dict | None, gain: float,
     }
     if meta:
         out.update({"run_wall_s": round(meta["wall_s"], 1), "rc": meta["rc"], "command": meta["command"],
-                    **{k: meta[k] for k in ("host", "started") if k in meta}})
+                    **{k: meta[k] for k in ("host", "started", "ran_beside") if k in meta}})
+        if meta.get("ran_beside"):
+            out["timing_note"] = (f"shared its GPUs with {', '.join(meta['ran_beside'])} for the whole run: its "
+                                  "wall-clock and step times are not comparable with a run that had them alone")
     planned = (meta or {}).get("steps_planned", steps_planned)
     out["steps_planned"] = planned
     if out["steps_run"] < planned:
@@ -254,6 +265,21 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def run_concurrently(modes: list[str], args: argparse.Namespace, out: Path, overrides: list[str]) -> dict:
+    """Every mode's run at once on the same GPUs, the starts ``args.stagger`` seconds apart (the engines' start-ups,
+    their compile caches included, do not race); each run's record names the others."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int, mode: str) -> dict:
+        time.sleep(i * args.stagger)
+        return run_mode(mode, args.gpus, args.steps, out, overrides, args.mode_timeout,
+                        beside=[m for m in modes if m != mode])
+
+    with ThreadPoolExecutor(len(modes)) as pool:
+        futures = {mode: pool.submit(one, i, mode) for i, mode in enumerate(modes)}
+        return {mode: f.result() for mode, f in futures.items()}
+
+
 def device_name(gpus: int) -> str:
     try:
         import torch
@@ -279,6 +305,10 @@ def main() -> int:
     ap.add_argument("--device", help="device tag for the JSON (default: read from torch)")
     ap.add_argument("--json", help="where to write the JSON (default: OUT/learning_arith_smollm2_<device>.json)")
     ap.add_argument("--n-test", type=int, default=1000, help="test problems validated (data.arith.test_size)")
+    ap.add_argument("--concurrent", action="store_true",
+                    help="run the modes at the same time on the same GPUs, each started --stagger seconds after the "
+                         "one before (each run's record names the others: its times are not its own)")
+    ap.add_argument("--stagger", type=float, default=45.0, help="seconds between concurrent starts")
     ap.add_argument("--note", help="a remark recorded in the JSON as written (\"note\"), e.g. how the runs were "
                                    "spread over machines")
     ap.add_argument("--include", action="append", metavar="JSON",
@@ -301,9 +331,13 @@ def main() -> int:
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     if not args.collect:
         out.mkdir(parents=True, exist_ok=True)
-        for mode in modes:
-            meta[mode] = run_mode(mode, args.gpus, args.steps, out, overrides, args.mode_timeout)
+        if args.concurrent and len(modes) > 1:
+            meta.update(run_concurrently(modes, args, out, overrides))
             meta_path.write_text(json.dumps(meta, indent=1))
+        else:
+            for mode in modes:
+                meta[mode] = run_mode(mode, args.gpus, args.steps, out, overrides, args.mode_timeout)
+                meta_path.write_text(json.dumps(meta, indent=1))
     device = args.device or meta.get("_device") or device_name(args.gpus)
     if not args.collect:
         meta["_device"] = device
@@ -362,7 +396,8 @@ def main() -> int:
         fmt = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
         at = m["gain"]["wall_s"] if m["gain"] else None
         print(f"{mode:<22} {m['steps_run']:>5} {fmt(m['acc_before']):>10} {fmt(m['acc_after']):>10} "
-              f"{m['train_wall_s']:>8.0f} {m['mean_step_s']:>7.2f} {'-' if at is None else f'{at:.0f}':>10}")
+              f"{m['train_wall_s']:>8.0f} {m['mean_step_s']:>7.2f} {'-' if at is None else f'{at:.0f}':>10}"
+              + ("  (GPUs shared: times not its own)" if m.get("ran_beside") else ""))
     print(f"wrote {json_path}")
     failed = [m for m in modes if not args.collect and meta.get(m, {}).get("rc") not in (0,)]
     if failed:

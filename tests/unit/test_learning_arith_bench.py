@@ -152,3 +152,36 @@ def test_scores_are_stored_with_gaps_marked_and_not_paired_across_splits(tmp_pat
                                       "--json", str(out), "--n-test", "2"])
     assert learning_arith.main() == 0
     assert "vs_sync" not in json.loads(out.read_text())["modes"]["overlap"]  # index 1 is not the same problem
+
+
+def test_concurrent_runs_overlap_in_time_and_name_each_other(tmp_path, monkeypatch):
+    """--concurrent starts every mode's run, --stagger seconds apart, while the others still run; each run's record
+    and its summary name the modes it shared the GPUs with."""
+    import subprocess
+    import time
+
+    spans = {}
+    real_popen = subprocess.Popen
+
+    def fake_popen(cmd, **kw):  # a run that takes 1.5 s and logs one finished step
+        run = Path(next(c for c in cmd if c.startswith("trainer.output_dir=")).split("=", 1)[1])
+        spans[run.name] = [time.time()]
+        row = json.dumps({"step": 1, "reward/mean": 0.5, "timing/iteration": 1.5, "val/reward_mean": 0.5})
+        code = f"import time, pathlib; time.sleep(1.5); pathlib.Path({str(run / 'metrics.jsonl')!r}).write_text({row!r} + '\\n')"
+        return real_popen([sys.executable, "-c", code], **kw)
+
+    monkeypatch.setattr(learning_arith.subprocess, "Popen", fake_popen)
+    out = tmp_path / "runs"
+    monkeypatch.setattr(sys, "argv", ["learning_arith.py", "--modes", "sync_seed1,overlap_partial_geo_mask",
+                                      "--concurrent", "--stagger", "0.5", "--steps", "1", "--out", str(out),
+                                      "--device", "cpux1", "--json", str(tmp_path / "r.json"), "--n-test", "8"])
+    assert learning_arith.main() == 0
+    metas = {m: json.loads((out / m / "run.json").read_text()) for m in ("sync_seed1", "overlap_partial_geo_mask")}
+    assert metas["sync_seed1"]["ran_beside"] == ["overlap_partial_geo_mask"]
+    assert metas["overlap_partial_geo_mask"]["ran_beside"] == ["sync_seed1"]
+    # the second started half a second after the first, while the first (1.5 s) was still running
+    gap = spans["overlap_partial_geo_mask"][0] - spans["sync_seed1"][0]
+    assert 0.4 <= gap < 1.4
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["modes"]["sync_seed1"]["ran_beside"] == ["overlap_partial_geo_mask"]
+    assert "not comparable" in res["modes"]["overlap_partial_geo_mask"]["timing_note"]
