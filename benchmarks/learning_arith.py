@@ -171,6 +171,19 @@ def decode_scores(stored: str | list) -> dict[int, float]:
     return {i: float(v) for i, v in enumerate(stored) if v is not None}
 
 
+def medians(per_step: list[dict]) -> dict:
+    """Median step, generation and update time over the run's steps (``timing/step``, ``timing/gen``,
+    ``timing/update``), in seconds; a key is left out where no step logged it."""
+    out = {}
+    for name, key in (("median_step_s", "timing/step"), ("median_gen_s", "timing/gen"),
+                      ("median_update_s", "timing/update")):
+        xs = sorted(r[key] for r in per_step if key in r)
+        if xs:
+            mid = len(xs) // 2
+            out[name] = xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+    return out
+
+
 def summarize(mode: str, run: Path, n_test: int, meta: dict | None, gain: float,
               steps_planned: int) -> dict | None:
     rows = read_rows(run)
@@ -202,6 +215,7 @@ def summarize(mode: str, run: Path, n_test: int, meta: dict | None, gain: float,
         "scores": {str(c["step"]): encode_scores(sc) for c in curve if (sc := val_scores(run, c["step"]))},
         "per_step": [{"step": r["step"], **{k: r[k] for k in STEP_CURVES if k in r}} for r in steps],
     }
+    out.update(medians(out["per_step"]))
     if meta:
         out.update({"run_wall_s": round(meta["wall_s"], 1), "rc": meta["rc"], "command": meta["command"],
                     **{k: meta[k] for k in ("host", "started", "ran_beside") if k in meta}})
@@ -367,6 +381,14 @@ def main() -> int:
                 m = {k: v for k, v in earlier["modes"][mode].items() if not k.startswith("vs_")}
                 m["included_from"] = {"json": Path(path).name, "commit": earlier.get("commit"),
                                       "device": earlier.get("device")}
+                m.update({k: v for k, v in medians(m.get("per_step", [])).items() if k not in m})
+                if not m.get("scores"):
+                    # no per-question scores to pair with the runs here: the earlier JSON's own pairing, against
+                    # its sync runs (their final accuracies beside it, to compare with this collection's)
+                    m.update({f"{k}_at_source": v for k, v in earlier["modes"][mode].items()
+                              if k.startswith("vs_") and v})
+                    m["source_sync_acc_after"] = {k: earlier["modes"][k]["acc_after"] for k in SYNC_SEEDS
+                                                  if k in earlier["modes"]}
                 result["modes"][mode] = m
     result["modes"] = {m: result["modes"][m] for m in modes if m in result["modes"]}
     splits = sorted({str(m["split"]) for m in result["modes"].values()})

@@ -185,3 +185,29 @@ def test_concurrent_runs_overlap_in_time_and_name_each_other(tmp_path, monkeypat
     res = json.loads((tmp_path / "r.json").read_text())
     assert res["modes"]["sync_seed1"]["ran_beside"] == ["overlap_partial_geo_mask"]
     assert "not comparable" in res["modes"]["overlap_partial_geo_mask"]["timing_note"]
+
+
+def test_an_included_mode_without_scores_keeps_its_earlier_pairing_and_gets_medians(tmp_path, monkeypatch):
+    """A mode from a JSON written before per-question scores were stored cannot be paired here: its earlier pairing is
+    kept as ``vs_*_at_source`` beside the sync accuracies it was computed against; its step, generation and update
+    medians are worked out from its stored steps."""
+    earlier = tmp_path / "earlier.json"
+    steps = [{"step": s, "timing/step": t, "timing/gen": g} for s, t, g in ((1, 1.0, 0.2), (2, 3.0, 0.6),
+                                                                           (3, 2.0, 0.4), (4, 9.0, 0.5))]
+    old = {"acc_after": 0.5, "acc_before": 0.2, "step_after": 20, "split": "canonical", "per_step": steps,
+           "curve": [{"step": 20, "wall_s": 15.0, "acc": 0.5}], "gain": None, "steps_run": 20, "train_wall_s": 15.0,
+           "mean_step_s": 3.75,
+           "vs_sync_seeds_mean": {"diff": 0.01, "se": 0.02}, "vs_sync": None}
+    earlier.write_text(json.dumps({"commit": "abc", "device": "H200x1", "modes": {
+        "overlap": old, "sync": {"acc_after": 0.6}, "sync_seed1": {"acc_after": 0.62}}}))
+    later = tmp_path / "later"
+    _run(later, "sync", [0.2, 0.45, 0.625], [1, 1, 0, 0, 1, 0, 1, 1], "canonical")
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["learning_arith.py", "--collect", str(later), "--modes", "sync,overlap",
+                                      "--include", str(earlier), "--json", str(out), "--n-test", "8"])
+    assert learning_arith.main() == 0
+    o = json.loads(out.read_text())["modes"]["overlap"]
+    assert o["vs_sync_seeds_mean_at_source"] == {"diff": 0.01, "se": 0.02} and "vs_sync_at_source" not in o
+    assert o["source_sync_acc_after"] == {"sync": 0.6, "sync_seed1": 0.62}
+    assert o["vs_sync"] is None  # nothing to pair here: no scores
+    assert o["median_step_s"] == 2.5 and math.isclose(o["median_gen_s"], 0.45) and "median_update_s" not in o
