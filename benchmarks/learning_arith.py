@@ -255,17 +255,20 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 4, figsize=(21, 4.6))
-    for mode, m in result["modes"].items():
+    for i, (mode, m) in enumerate(result["modes"].items()):
+        style = {"color": f"C{i}", "label": mode}
         xs = [c["wall_s"] for c in m["curve"]]
         ys = [100 * c["acc"] for c in m["curve"]]
-        axes[0].plot(xs, ys, marker="o", label=mode)
-        axes[1].plot([c["step"] for c in m["curve"]], ys, marker="o", label=mode)
+        # a run that shared its GPUs: dashed against time, where its clock is not its own
+        axes[0].plot(xs, ys, marker="o", **{**style, **({"linestyle": "--", "label": f"{mode} (GPU shared)"}
+                                                        if m.get("ran_beside") else {})})
+        axes[1].plot([c["step"] for c in m["curve"]], ys, marker="o", **style)
         axes[2].plot([r["step"] for r in m["per_step"]], [r.get("reward/mean", float("nan")) for r in m["per_step"]],
-                     label=mode)
+                     **style)
         if any("rollout/is_truncated_frac" in r or "rollout/is_masked_frac" in r for r in m["per_step"]):
             changed = [100 * (r.get("rollout/is_truncated_frac", 0.0) + r.get("rollout/is_masked_frac", 0.0))
                        for r in m["per_step"]]
-            axes[3].plot([r["step"] for r in m["per_step"]], changed, label=mode)
+            axes[3].plot([r["step"] for r in m["per_step"]], changed, **style)
     axes[0].set(xlabel="training wall-clock (s)", ylabel="held-out greedy accuracy (%)", title="accuracy vs time")
     axes[1].set(xlabel="step", ylabel="held-out greedy accuracy (%)", title="accuracy vs steps")
     axes[2].set(xlabel="step", ylabel="training reward (mean)", title="training reward")
