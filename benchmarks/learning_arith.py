@@ -29,7 +29,8 @@ Modes (``--modes``, comma-separated; by default the two sync seeds and the modes
 - ``overlap_sequence_mask``, ``overlap_geo_mask``, ``overlap_token_mask``: ``overlap`` with that
   ``algorithm.rollout_correction.method`` at its default knobs; ``overlap_partial_sequence_mask``,
   ``overlap_partial_geo_mask``, ``overlap_partial_token_mask``: the same on ``overlap_partial``, whose samples are
-  up to four versions old;
+  up to four versions old; ``overlap_partial_ahead1``: partial rollouts at ``make bench``'s setting,
+  ``trainer.partial_rollout_ahead=1``, ``trainer.max_staleness=2``;
 - ``overlap_proc``: ``overlap`` with vLLM's engine core in a process of its own (``rollout.vllm.engine_process``), so
   the generation running beside the update shares no Python interpreter with it;
 - ``split_partial``: split placement (half the GPUs generate, half train) with partial rollouts,
@@ -76,6 +77,8 @@ MODES = {
     "overlap_partial": PARTIAL,
     **{f"overlap_{m}": [*OVERLAP, f"algorithm.rollout_correction.method={m}"] for m in CORRECTIONS},
     **{f"overlap_partial_{m}": [*PARTIAL, f"algorithm.rollout_correction.method={m}"] for m in CORRECTIONS},
+    "overlap_partial_ahead1": ["trainer.mode=overlap", "trainer.partial_rollouts=true",
+                               "trainer.partial_rollout_ahead=1", "trainer.max_staleness=2"],
     "overlap_proc": [*OVERLAP, "rollout.vllm.engine_process=true"],
     "split_partial": ["trainer.placement=split", "trainer.mode=overlap", "trainer.partial_rollouts=true",
                       "trainer.partial_rollout_ahead=3", "trainer.max_staleness=4"],

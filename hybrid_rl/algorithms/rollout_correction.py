@@ -153,6 +153,10 @@ def geo_mask(log_ratio: Tensor, response_mask: Tensor, delta: float = 0.01) -> C
     SkyRL's ``off_policy_correction.sequence_mask_metric: geometric`` (``geo_mask_low/high`` 0.99 / 1.01, δ = 0.01
     here), verl's geometric rejection sampling (``rollout_rs: geometric``). Unlike the product ratio, g does not
     grow with the response's length. Masked: every token of a sequence whose g_i leaves the band.
+
+    The ±1% band is sized for engine-vs-trainer numerics at the same weights. Under staleness ρ also carries the
+    policy's change since the sample was drawn, so the same band drops far more: on samples four versions old it
+    keeps only the sequences the policy has moved least on (``benchmarks/README.md``, the learning runs).
     """
     if not 0 < delta < 1:
         raise ValueError(f"delta must be in (0, 1), got {delta}")
