@@ -257,7 +257,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(21, 4.6))
+    fig, axes = plt.subplots(1, 5, figsize=(26, 4.6))
     for i, (mode, m) in enumerate(result["modes"].items()):
         style = {"color": f"C{i}", "label": mode}
         xs = [c["wall_s"] for c in m["curve"]]
@@ -272,10 +272,17 @@ def plot(result: dict, path: Path) -> None:
             changed = [100 * (r.get("rollout/is_truncated_frac", 0.0) + r.get("rollout/is_masked_frac", 0.0))
                        for r in m["per_step"]]
             axes[3].plot([r["step"] for r in m["per_step"]], changed, **style)
+        gap = [(r["step"], r["rollout/logprob_diff"]) for r in m["per_step"] if "rollout/logprob_diff" in r]
+        stale = [r["rollout/staleness_mean"] for r in m["per_step"] if "rollout/staleness_mean" in r]
+        if gap:
+            axes[4].plot(*zip(*gap), **{**style, "label": f"{mode} (staleness "
+                                                           f"{sum(stale) / max(len(stale), 1):.1f})"})
     axes[0].set(xlabel="training wall-clock (s)", ylabel="held-out greedy accuracy (%)", title="accuracy vs time")
     axes[1].set(xlabel="step", ylabel="held-out greedy accuracy (%)", title="accuracy vs steps")
     axes[2].set(xlabel="step", ylabel="training reward (mean)", title="training reward")
     axes[3].set(xlabel="step", ylabel="tokens truncated or masked (%)", title="off-policy correction")
+    axes[4].set(xlabel="step", ylabel="mean |log-prob gap| per token", yscale="log",
+                title="engine vs trainer log-probs (rollout/logprob_diff)")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
