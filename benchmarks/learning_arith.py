@@ -285,7 +285,8 @@ def plot(result: dict, path: Path) -> None:
                 title="engine vs trainer log-probs (rollout/logprob_diff)")
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # a panel no mode logged stays empty, without a legend
+            ax.legend()
     fig.suptitle(f"SmolLM2-135M-Instruct, held-out arithmetic ({result['n_test']} problems, split "
                  f"{result['split']}), {result['device']}, commit {result['commit']}")
     fig.tight_layout()
