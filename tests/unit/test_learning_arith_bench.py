@@ -211,3 +211,11 @@ def test_an_included_mode_without_scores_keeps_its_earlier_pairing_and_gets_medi
     assert o["source_sync_acc_after"] == {"sync": 0.6, "sync_seed1": 0.62}
     assert o["vs_sync"] is None  # nothing to pair here: no scores
     assert o["median_step_s"] == 2.5 and math.isclose(o["median_gen_s"], 0.45) and "median_update_s" not in o
+
+
+def test_a_negative_stagger_is_refused_in_one_line():
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "learning_arith.py"), "--concurrent", "--stagger",
+                          "-1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--stagger -1" in out.stderr.strip().splitlines()[-1]

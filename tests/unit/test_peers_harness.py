@@ -567,3 +567,17 @@ def test_hybrid_rl_cpu_smoke(name, tmp_path, monkeypatch):
     took = doc["took_effect"]
     assert took["processes"] == 1 and took["attention_in_training"] == ["sdpa"], took
     assert took["packed_rows_in_training"] is False and took["liger_modules"] == 0
+
+
+@pytest.mark.parametrize("script, env, args, key", [
+    ("benchmarks/peers/stage.sh", {"PEERS_FOLDER_MIB": "52m"}, [], "PEERS_FOLDER_MIB"),
+    ("benchmarks/offline/stage.sh", {}, ["5x"], "SIZE '5x'"),
+])
+def test_staging_refuses_a_bad_size_in_one_line_before_downloading(tmp_path, script, env, args, key):
+    import os
+    import subprocess
+
+    out = subprocess.run(["bash", str(ROOT / script), *args], env={**os.environ, **env}, capture_output=True,
+                         text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 2 and out.stdout == ""
+    assert len(out.stderr.strip().splitlines()) == 1 and key in out.stderr
