@@ -218,14 +218,15 @@ def test_load_rejects_other_world_size_and_bad_extra(tmp_path):
 
 
 # --------------------------------------------------------------------------- (4) FSDP2, 2 ranks (gloo)
-def _fsdp_worker(rank: int, world: int, port: int, model_path: str, out: str) -> None:
+def _fsdp_worker(rank: int, world: int, model_path: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # A file store: no port to race for beside other test workers, and no TCP store thread on rank 0
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=world)
     # An explicit CPU mesh: fully_shard's default mesh is CUDA whenever a GPU is visible.
     mesh = init_device_mesh("cpu", (world,))
     try:
@@ -271,6 +272,11 @@ def _fsdp_worker(rank: int, world: int, port: int, model_path: str, out: str) ->
             dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Every assertion has passed: leave without interpreter teardown, where gloo's worker threads can still be
+    # releasing tensors and abort the process (SIGABRT, "terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")
@@ -279,7 +285,7 @@ def fsdp_run(tiny_path, tmp_path_factory):
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("fsdp")
-    mp.spawn(_fsdp_worker, args=(2, _free_port(), tiny_path, str(out)), nprocs=2, join=True)
+    mp.spawn(_fsdp_worker, args=(2, tiny_path, str(out)), nprocs=2, join=True)
     return out
 
 
