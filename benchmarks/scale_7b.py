@@ -29,7 +29,8 @@ MFU (``perf/mfu_update``: the FLOPs it ran ÷ time ÷ the GPUs' dense bf16 peak;
 prompt whole), and per phase the measured peak (``perf/phase_memory_allocated_gb/<phase>``, the largest over steps
 and ranks; the engine's pool, ``perf/engine_pool_gb``, taken off the training phases, which run with it asleep) beside
 the planner's figure for that phase on this GPU (``hybrid_rl.planner``: generation, old log-prob, reference, update;
-the push is not a timed phase of its own). Writes ``scale_7b_<device>.json`` and ``.png`` (another ``--model``:
+the push is not a timed phase of its own), and its figure at the largest micro-batch the phase computed
+(``perf/phase_micro_batch_tokens/<phase>``: the memory model apart from the worst-case lengths it plans for). Writes ``scale_7b_<device>.json`` and ``.png`` (another ``--model``:
 ``scale_7b_<device>_<model name>.json``, e.g. ``scale_7b_H200x1_qwen2.5-1.5b-random.json``) and each run's directory
 (``run_<name>/``: metrics.jsonl, stderr.log) into ``--out`` (default ``runs/scale_7b/<UTC time>/``); into
 ``benchmarks/results/`` only through ``benchmarks/publish.py``. A run that fails is one line naming it and its log; exit status 1.
@@ -97,17 +98,24 @@ def base_overrides(args) -> list[str]:
             *([f"rollout.vllm.tensor_parallel_size={fit}"] if fit != tp else []), *args.overrides]
 
 
-def predicted(args, overrides: list[str], gpu_gib: float) -> dict:
-    """The planner on this run's config: each phase's peak (GiB per GPU) and the verdict line."""
+def predicted(args, overrides: list[str], gpu_gib: float, micro_tokens: dict[str, int] | None = None) -> dict:
+    """The planner on this run's config: each phase's peak (GiB per GPU) and the verdict line; with ``micro_tokens``
+    (timed phase → the largest micro-batch the run logged) also each phase at those micro-batches."""
     from hybrid_rl.config import load_config
-    from hybrid_rl.planner.estimate import GIB
+    from hybrid_rl.planner.estimate import GIB, phases
     from hybrid_rl.planner.shape import read_shape
     from hybrid_rl.planner.verdict import judge
 
     cfg = load_config(str(args.recipe), [f"model.path={args.model}", *overrides]).validate(args.gpus)
-    all_phases, verdict = judge(cfg, read_shape(cfg.model.path), args.gpus, gpu_gib * GIB)
-    return {"phases_gib": {p.name: p.total / GIB for p in all_phases}, "verdict": verdict.line,
-            "engine_share_gib": cfg.rollout.vllm.gpu_memory_utilization * gpu_gib if cfg.rollout.name == "vllm" else None}
+    shape = read_shape(cfg.model.path)
+    all_phases, verdict = judge(cfg, shape, args.gpus, gpu_gib * GIB)
+    out = {"phases_gib": {p.name: p.total / GIB for p in all_phases}, "verdict": verdict.line,
+           "engine_share_gib": cfg.rollout.vllm.gpu_memory_utilization * gpu_gib if cfg.rollout.name == "vllm" else None}
+    if micro_tokens:
+        at = {PLANNED[k]: t for k, t in micro_tokens.items() if k in PLANNED}
+        out["phases_at_run_micro_batches_gib"] = {p.name: p.total / GIB
+                                                   for p in phases(cfg, shape, args.gpus, gpu_gib * GIB, at)}
+    return out
 
 
 def measured(run_dir: Path, args) -> dict:
@@ -116,13 +124,16 @@ def measured(run_dir: Path, args) -> dict:
     rows = [r for r in rows if "timing/step" in r][args.warmup:args.stop_after]
     mean = lambda k: statistics.fmean(r[k] for r in rows) if all(k in r for r in rows) else None  # noqa: E731
     pool = max((r.get("perf/engine_pool_gb", 0.0) for r in rows), default=0.0)
-    phases = {}
+    phases, micro = {}, {}
     for phase in PLANNED:
         key = f"perf/phase_memory_allocated_gb/{phase}"
         if any(key in r for r in rows):
             peak = max(r[key] for r in rows if key in r)
             phases[phase] = peak - pool if phase in TRAINING else peak
-    return {"mfu_update": mean("perf/mfu_update"), "mfu_update_equiv": mean("perf/mfu_update_equiv"),
+        key = f"perf/phase_micro_batch_tokens/{phase}"
+        if any(key in r for r in rows):
+            micro[phase] = int(max(r[key] for r in rows if key in r))
+    return {"micro_batch_tokens": micro, "mfu_update": mean("perf/mfu_update"), "mfu_update_equiv": mean("perf/mfu_update_equiv"),
             "engine_pool_gb": pool or None, "phase_peak_gib": phases,
             "peak_outside_engine_gib": max((r["perf/max_memory_allocated_outside_engine_gb"] for r in rows
                                             if "perf/max_memory_allocated_outside_engine_gb" in r), default=None)}
@@ -138,7 +149,11 @@ def one_run(name: str, overrides: list[str], args, out_dir: Path, gpu_gib: float
     if "error" in res:
         return {**res, **settings(args), "planner": plan}
     got = measured(out_dir / f"run_{name}", args)
-    memory = {phase: {"measured_gib": got["phase_peak_gib"].get(phase), "predicted_gib": plan["phases_gib"].get(planned)}
+    at_run = predicted(args, [*args.base, *overrides], gpu_gib, got["micro_batch_tokens"]).get(
+        "phases_at_run_micro_batches_gib", {})
+    memory = {phase: {"measured_gib": got["phase_peak_gib"].get(phase), "predicted_gib": plan["phases_gib"].get(planned),
+                      "micro_batch_tokens": got["micro_batch_tokens"].get(phase),
+                      "predicted_at_run_micro_batches_gib": at_run.get(planned)}
               for phase, planned in PLANNED.items() if planned in plan["phases_gib"]}
     keep = ("step_s", "trainer_step_s", "phases_s", "gen_tokens_per_s", "trained_tokens_per_s", "engine_gen_tokens_per_s",
             "response_length_mean", "steps_measured", "wall_s", "gpu_busy_fraction")

@@ -21,6 +21,7 @@ import torch
 
 from hybrid_rl.batch import Batch
 from hybrid_rl.distributed import all_reduce_max
+from hybrid_rl.telemetry.tracking import note_micro_batch_tokens
 
 PROMPT_KEYS = ("prompts",)
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -212,12 +213,27 @@ def micro_batches(batch: Batch, max_seqs: int, max_tokens: int | None = None,
     p_len, r_len = _lengths(batch)
     host = _host_layout(batch, share_prompts) if packed else None
     out = []
-    for idx in plan_micro_batches(batch, max_seqs, max_tokens, (p_len, r_len), group, packed, share_prompts):
+    plan = plan_micro_batches(batch, max_seqs, max_tokens, (p_len, r_len), group, packed, share_prompts)
+    uid = np.asarray(batch.non_tensors["uid"]) if packed and share_prompts and "uid" in batch.non_tensors else None
+    note_micro_batch_tokens(max((computed_tokens(idx, p_len, r_len, packed, uid) for idx in plan), default=0))
+    for idx in plan:
         micro = trim_padding(batch.index(idx), (p_len[idx], r_len[idx]))
         if host is not None:
             micro.meta[HOST_META] = _host_rows(host, idx, batch, micro)
         out.append((idx, micro))
     return out
+
+
+def computed_tokens(rows: np.ndarray, p_len: np.ndarray, r_len: np.ndarray, packed: bool,
+                    uid: np.ndarray | None = None) -> int:
+    """Tokens one micro-batch computes: with ``uid`` (prompts shared) each distinct prompt once plus every response,
+    packed its real tokens, else its rows × (longest prompt + longest response)."""
+    if uid is not None:
+        first = {}
+        for r in np.asarray(rows).tolist():
+            first.setdefault(uid[r], r)
+        return int(p_len[list(first.values())].sum() + r_len[rows].sum())
+    return _padded(list(np.asarray(rows).tolist()), p_len, r_len, packed)
 
 
 def _host_layout(batch: Batch, with_ids: bool) -> dict[str, torch.Tensor]:

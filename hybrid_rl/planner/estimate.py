@@ -26,7 +26,10 @@ an entry) and in the update their gradient (2 more), rows being the micro-batch'
 slices them out of the whole width and copies them, one more bf16 copy (2 more).
 
 Micro-batches are taken at their worst: every sequence at ``max_prompt_length + max_response_length`` (a token
-budget: the budget itself). Ulysses sequence parallelism (``actor.ulysses_sequence_parallel_size = s``) gives each
+budget: the budget itself). With prompts shared, a fixed-size micro-batch of ``s`` rows computes each of its prompts
+once: rows stay in prompt order (``micro_batching._by_prompt``; the update's unless ``actor.shuffle_mini_batches``), so
+it meets at most ``g`` prompts, the most groups of ``n`` rows that a chunk of ``s`` rows cut at multiples of ``s``
+spans, and computes ``g·p + s·r`` tokens. Ulysses sequence parallelism (``actor.ulysses_sequence_parallel_size = s``) gives each
 group of ``s`` ranks one share of the batch (``W / s`` shares) and each rank ``1/s`` of every packed row of the actor's
 and the reference's passes: their activations and LM-head rows are those of ``T / s`` tokens, except that attention
 holds every position of its ``1/s`` of the heads, key/value heads repeated up to ``s`` (the ``4kv`` term becomes
@@ -42,6 +45,7 @@ training state anyway.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -154,18 +158,30 @@ def seq_len(cfg: "Config") -> int:
     return cfg.data.max_prompt_length + cfg.data.max_response_length
 
 
-def micro_tokens(cfg: "Config", seqs: int, budget: int | None, rank_seqs: int) -> int:
+def prompts_met(rows: int, n: int) -> int:
+    """The most prompts a chunk of ``rows`` consecutive rows meets, chunks cut at multiples of ``rows`` from the start
+    of rows in prompt order, ``n`` rows per prompt (the pattern repeats every ``lcm(rows, n)`` rows)."""
+    period = rows * n // math.gcd(rows, n)
+    return max((start + rows - 1) // n - start // n + 1 for start in range(0, period, rows))
+
+
+def micro_tokens(cfg: "Config", seqs: int, budget: int | None, rank_seqs: int, shared: bool = False) -> int:
     """Tokens of the largest micro-batch: the budget (a longer sequence goes alone), else ``seqs`` sequences at
-    full length, never more than the rank holds."""
+    full length, never more than the rank holds; ``shared``: rows in prompt order, each prompt computed once."""
     if budget is not None:
         return max(budget, seq_len(cfg))
-    return min(seqs, rank_seqs) * seq_len(cfg)
+    s = min(seqs, rank_seqs)
+    if shared:
+        return prompts_met(s, cfg.rollout.n) * cfg.data.max_prompt_length + s * cfg.data.max_response_length
+    return s * seq_len(cfg)
 
 
-def unshared_ratio(cfg: "Config") -> float:
+def unshared_ratio(cfg: "Config", seqs: int | None = None, tokens: int | None = None) -> float:
     """Tokens of a micro-batch's sequences each whole, per token of its packed row with prompts shared, at full
-    lengths: ``n(p + r) / (p + n·r)``."""
+    lengths: ``n(p + r) / (p + n·r)`` in a budget's micro-batch, ``s(p + r) / tokens`` in one of ``seqs`` rows."""
     p, r, n = cfg.data.max_prompt_length, cfg.data.max_response_length, cfg.rollout.n
+    if seqs is not None and tokens is not None:
+        return seqs * (p + r) / tokens
     return n * (p + r) / (p + n * r)
 
 
@@ -201,8 +217,12 @@ def critic_params(shape: ModelShape) -> int:
     return shape.params - head + shape.hidden + 1
 
 
-def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> list[Phase]:
-    """The phases of one step on the busiest GPU, each with its terms."""
+def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float,
+           micro_at: dict[str, int] | None = None) -> list[Phase]:
+    """The phases of one step on the busiest GPU, each with its terms. ``micro_at`` (phase name → tokens) puts a
+    phase's largest micro-batch at the size a run logged (``perf/phase_micro_batch_tokens/*``) instead of its worst
+    case: the memory model checked on its own, apart from the worst-case lengths a verdict assumes."""
+    micro_at = micro_at or {}
     lay = Layout.of(cfg, gpus)
     a, d, W, c = cfg.actor, cfg.data, lay.train_ranks, lay.c
     P = shape.params
@@ -253,7 +273,7 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> lis
         return f"{t} tokens" if sp == 1 else f"{slice_of(t, sp)} tokens, 1/{sp} of {t}"
 
     def no_grad_pass(name: str, seqs: int, extra: dict[str, float], logits: bool = True) -> Phase:
-        t = micro_tokens(cfg, seqs, budget, rank_seqs)
+        t = micro_at.get(name) or micro_tokens(cfg, seqs, budget, rank_seqs, shared=lay.shared)  # rows in batch order
         ts = slice_of(t, sp)
         terms = {**extra, **awake, **gathered(P, P_train, grad=False),
                  f"activations, no grad ({tokens_label(t)})": ts * no_grad_bytes_per_token(shape) * c / 2}
@@ -288,13 +308,17 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> lis
     if ref:
         out.append(no_grad_pass("ref log-prob", cfg.ref.log_prob_micro_batch_size_per_device, kept(ref_on=True)))
     # -- the actor's update
-    t = micro_tokens(cfg, min(a.ppo_micro_batch_size_per_device, mini_seqs), budget, rank_seqs)
+    update_seqs = min(a.ppo_micro_batch_size_per_device, mini_seqs, rank_seqs)
+    in_order = lay.shared and not a.shuffle_mini_batches  # shuffled mini-batches scatter a prompt's rows
+    worst = micro_tokens(cfg, update_seqs, budget, rank_seqs, shared=in_order)
+    t = micro_at.get("actor update") or worst
+    ratio = (unshared_ratio(cfg) if budget is not None else unshared_ratio(cfg, update_seqs, worst)) if lay.shared \
+        else None
     recompute = cfg.model.enable_gradient_checkpointing
     out.append(Phase("actor update", {
         **kept(), "actor grads (fp32, sharded)": 4 * P_train / W, **awake, **gathered(P, P_train, grad=True),
         f"activations ({tokens_label(t)}{', recomputed' if recompute else ''})":
-            grad_activations(shape, slice_of(t, sp), c, cfg.model.use_liger, recompute,
-                             unshared_ratio(cfg) if lay.shared else None, sp),
+            grad_activations(shape, slice_of(t, sp), c, cfg.model.use_liger, recompute, ratio, sp),
         "logits": logits_bytes(shape, slice_of(response_rows(cfg, t), sp), lay.fused, grad=True, packed=lay.packed)}))
     # -- the critic's passes
     if critic:
@@ -302,13 +326,15 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> lis
         cu = cr.accumulates_unsharded(a)
         cbudget = cr.max_token_len_per_device if cr.use_dynamic_bsz else None
         csp = sp if (lay.packed if cr.use_remove_padding is None else cr.use_remove_padding) else 1
-        tv = micro_tokens(cfg, cr.forward_micro_batch_size_per_device, cbudget, rank_seqs)
+        tv = micro_at.get("critic values") or micro_tokens(cfg, cr.forward_micro_batch_size_per_device, cbudget,
+                                                            rank_seqs)
         out.append(Phase("critic values", {**kept(critic_on=True), **awake,
                                            **gathered(Pc, Pc, grad=False, unsharded=cu),
                                            f"activations, no grad ({tokens_label(tv, csp)})":
                                                slice_of(tv, csp) * no_grad_bytes_per_token(shape) * c / 2}))
         cmini = max(mini_batch_seqs(cr, dp, cfg.rollout.n), 1)
-        tc = micro_tokens(cfg, min(cr.ppo_micro_batch_size_per_device, cmini), cbudget, rank_seqs)
+        tc = micro_at.get("critic update") or micro_tokens(cfg, min(cr.ppo_micro_batch_size_per_device, cmini),
+                                                            cbudget, rank_seqs)
         out.append(Phase("critic update", {
             **kept(critic_on=True), "critic grads (fp32, sharded)": 4 * Pc / W, **awake,
             **gathered(Pc, Pc, grad=True, unsharded=cu),

@@ -14,12 +14,26 @@ import math
 import os
 import shutil
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 import torch
+
+
+_running = threading.local()
+"""``_running.timer``: the Timer whose phases are open on this thread (``note_micro_batch_tokens`` credits them)."""
+
+
+def note_micro_batch_tokens(tokens: int) -> None:
+    """Credit a pass's largest micro-batch (the tokens it computes: a packed row's, or rows × padded width) to every
+    phase open now on this thread's timer (``Timer.micro_tokens``); nothing when no phase is open."""
+    timer = getattr(_running, "timer", None)
+    if timer is not None:
+        for name, _ in timer._open:
+            timer.micro_tokens[name] = max(timer.micro_tokens.get(name, 0), int(tokens))
 
 
 class Timer:
@@ -38,6 +52,8 @@ class Timer:
         self.step_peaks = (0, 0)
         """(allocated, reserved) bytes at most since the timer was made, up to the last phase boundary."""
         self._open: list[list] = []  # [name, peak bytes so far] of the phases running now, outermost first
+        self.micro_tokens: dict[str, int] = {}
+        """Phase name → tokens of the largest micro-batch its passes computed (``note_micro_batch_tokens``)."""
 
     def _fold(self) -> None:
         if self.device is None:
@@ -54,6 +70,8 @@ class Timer:
         start = time.perf_counter()
         self._fold()
         self._open.append([name, 0])
+        outer = getattr(_running, "timer", None)
+        _running.timer = self
         try:
             with torch.profiler.record_function(f"phase/{name}"):  # phases show up in trainer.profile_steps tables
                 yield
@@ -62,6 +80,7 @@ class Timer:
             self._fold()
             _, peak = self._open.pop()
             self.peaks[name] = max(self.peaks.get(name, 0), peak)
+            _running.timer = outer
 
     def pop(self) -> dict[str, float]:
         out, self.times = self.times, {}
@@ -72,6 +91,12 @@ class Timer:
         if self.device is None:
             return {}
         return {f"perf/phase_memory_allocated_gb/{name}": b / 2**30 for name, b in self.peaks.items() if name != "step"}
+
+    def micro_batch_metrics(self) -> dict[str, float]:
+        """``perf/phase_micro_batch_tokens/<phase>``: the largest micro-batch each phase computed, in tokens (what
+        the memory planner's activation terms scale with; ``hybrid_rl.planner``)."""
+        return {f"perf/phase_micro_batch_tokens/{name}": float(t) for name, t in self.micro_tokens.items()
+                if name != "step"}
 
 
 class Tracker:

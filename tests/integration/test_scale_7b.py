@@ -96,6 +96,11 @@ def test_cpu_smoke_runs_every_run_and_reports_the_planner_beside_it(tmp_path):
         assert set(r["memory"]) == {"gen", "old_log_prob", "ref", "update"}
         assert all(m["predicted_gib"] > 0 for m in r["memory"].values())
         assert r["planner"]["verdict"].startswith("fits")
+        # each training pass logged its largest micro-batch, and the planner at it is at most its worst case
+        for phase in ("old_log_prob", "update"):
+            m = r["memory"][phase]
+            assert 0 < m["micro_batch_tokens"] <= 16384
+            assert 0 < m["predicted_at_run_micro_batches_gib"] <= m["predicted_gib"]
     fixed = doc["runs"][1]
     assert fixed["response_length_mean"] == 32  # every response forced to the cap
     ran = yaml.safe_load((tmp_path / "run_fixed32_sp2" / "config.yaml").read_text())

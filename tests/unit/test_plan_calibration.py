@@ -60,3 +60,31 @@ def test_scale_runs_are_rows_predicted_by_the_planner_now(tmp_path, capsys):
     assert set(by_phase) == {"old_log_prob", "update"} and not any(r[2] in ("ref", "oom") for r in rows)
     assert by_phase["old_log_prob"][-1] == "+0%" and by_phase["update"][-1] == "+25%"  # 1.25x what it measured
     assert f"{name} update (+25%)" in err and "old_log_prob" not in err
+
+
+def test_a_run_that_logged_its_micro_batches_is_judged_at_them(tmp_path, capsys):
+    """A phase with ``micro_batch_tokens`` gets a second prediction at that micro-batch (the same as the worst case
+    when it is the worst case, lower when smaller), and ``max_error`` judges that one."""
+    import scale_7b
+    from hybrid_rl.config import load_config
+    from hybrid_rl.planner.estimate import micro_tokens
+
+    args = scale_7b.parse_args(["--gpus", "1", "--model", "builtin:qwen2.5-1.5b-random", "--mean", "2048"])
+    base = scale_7b.base_overrides(args)
+    name, ovr = scale_7b.runs(args)[0]
+    cfg = load_config(str(args.recipe), [f"model.path={args.model}", *base, *ovr])
+    worst = micro_tokens(cfg, 1, cfg.actor.max_token_len_per_device, 1)  # the token budget
+    plan = scale_7b.predicted(args, [*base, *ovr], 139.8)["phases_gib"]
+    half = scale_7b.predicted(args, [*base, *ovr], 139.8, {"update": worst // 2})["phases_at_run_micro_batches_gib"]
+    assert half["actor update"] < plan["actor update"] and half["old log-prob"] == plan["old log-prob"]
+    memory = {"old_log_prob": {"measured_gib": plan["old log-prob"], "micro_batch_tokens": worst},
+              "update": {"measured_gib": half["actor update"], "micro_batch_tokens": worst // 2}}
+    doc = {"bench": "scale_7b", "recipe": "recipes/gsm8k_grpo_7b.yaml", "model": "builtin:qwen2.5-1.5b-random",
+           "gpus": 1, "gpu_gib": 139.8, "runs": [{"mode": name, "base_overrides": base, "overrides": ovr,
+                                                  "memory": memory}]}
+    (tmp_path / "scale_7b_H200x1_qwen2.5-1.5b-random.json").write_text(json.dumps(doc))
+    assert pc.main(tmp_path, max_error=1) == 0  # the worst case errs high on the update, the model at the run does not
+    rows = {r[2]: r for r in (line.split() for line in capsys.readouterr().out.splitlines())
+            if r and r[0].startswith("scale_7b_H200x1")}
+    assert rows["old_log_prob"][-2:] == [f"{plan['old log-prob']:.1f}", "+0%"]
+    assert rows["update"][-1] == "+0%" and rows["update"][-3] != "+0%"

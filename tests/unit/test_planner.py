@@ -71,6 +71,11 @@ def test_recomputation_keeps_layer_inputs_and_one_layer():
     update = {p.name: p for p in phases(cfg, read_shape(cfg.model.path), 1, 80 * GIB)}["actor update"].terms
     tokens = 2 * 64
     assert update[f"activations ({tokens} tokens, recomputed)"] == tokens * (L * H * 2 + 22 * H + 4 * KV + 8 * I)
+    # at the micro-batch a run logged (here 40 tokens and 24 for the log-prob pass) instead of the worst case
+    at = {p.name: p for p in phases(cfg, read_shape(cfg.model.path), 1, 80 * GIB,
+                                    {"actor update": 40, "old log-prob": 24})}
+    assert at["actor update"].terms["activations (40 tokens, recomputed)"] == 40 * (L * H * 2 + 22 * H + 4 * KV + 8 * I)
+    assert at["old log-prob"].terms["activations, no grad (24 tokens)"] == 24 * (16 * H + 6 * I)
 
 
 # a 0.5B shape on one 16 GiB card: 16 bytes per parameter of states, and the update's activations decide
@@ -93,8 +98,13 @@ def test_verdict_names_one_setting_that_fits():
     cfg = _cfg(*BIG, "actor.ppo_micro_batch_size_per_device=8")
     _, verdict = judge(cfg, read_shape(cfg.model.path), 1, 16 * GIB)
     assert verdict.peak.name == "actor update"
+    # prompts shared (on CUDA by default): 4 of a prompt's 16 samples compute 512 + 4 x 512 tokens, 8 of them 512 + 8 x 512
+    assert verdict.fix == "lower actor.ppo_micro_batch_size_per_device to 4"
+    assert _fits("actor.ppo_micro_batch_size_per_device=4") and not _fits("actor.ppo_micro_batch_size_per_device=8")
+    # without sharing, 4 samples compute 4 x 1024 tokens: the largest that fits is 2
+    _, verdict = judge(_cfg(*BIG, "actor.ppo_micro_batch_size_per_device=8", "actor.share_prompts=false"),
+                       read_shape(cfg.model.path), 1, 16 * GIB)
     assert verdict.fix == "lower actor.ppo_micro_batch_size_per_device to 2"
-    assert _fits("actor.ppo_micro_batch_size_per_device=2") and not _fits("actor.ppo_micro_batch_size_per_device=4")
 
 
 def test_cli_prints_the_table_and_exits_0_when_it_fits(capsys):
@@ -110,7 +120,7 @@ def test_cli_exits_1_naming_the_setting_when_it_does_not_fit(capsys):
                  "--gpu-memory-gb", "16"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert code == 1
-    assert last.startswith("does not fit: actor update") and last.endswith("actor.ppo_micro_batch_size_per_device to 2")
+    assert last.startswith("does not fit: actor update") and last.endswith("actor.ppo_micro_batch_size_per_device to 4")
 
 
 def test_cli_unknown_model_path_is_one_line(capsys, tmp_path):
@@ -130,9 +140,9 @@ def test_local_config_json_is_read(tmp_path):
 
 
 def test_train_check_refuses_clearly_too_big_and_names_the_setting():
-    cfg = _cfg(*BIG, "actor.ppo_micro_batch_size_per_device=8")
+    cfg = _cfg(*BIG, "actor.ppo_micro_batch_size_per_device=16")
     line = check.memory_refusal(cfg, 1, 16 * GIB)
-    assert line is not None and "actor.ppo_micro_batch_size_per_device to 2" in line
+    assert line is not None and "actor.ppo_micro_batch_size_per_device to 4" in line
     assert "trainer.check_memory=false" in line
     assert check.memory_refusal(_cfg(*BIG, "actor.ppo_micro_batch_size_per_device=1"), 1, 16 * GIB) is None
 
@@ -315,3 +325,59 @@ def test_a_critic_peak_is_offered_the_critics_accumulate_unsharded():
     assert offered("critic update", "actor.accumulate_unsharded=true") == [{"critic.accumulate_unsharded": False}]
     assert offered("critic update", "actor.accumulate_unsharded=true", "critic.accumulate_unsharded=false") == []
     assert offered("actor update", "actor.accumulate_unsharded=true") == [{"actor.accumulate_unsharded": False}]
+
+
+def _full_length_batch(prompts: int, n: int, p: int, r: int):
+    """``prompts`` groups of ``n`` rows, every prompt ``p`` real tokens (distinct per group), every response ``r``."""
+    import numpy as np
+    import torch
+
+    from hybrid_rl.batch import Batch
+
+    g = torch.arange(prompts).repeat_interleave(n)[:, None]
+    prompt_ids = 3 + (g * 7 + torch.arange(p)[None, :]) % 97
+    responses = 3 + torch.randint(0, 97, (prompts * n, r), generator=torch.Generator().manual_seed(0))
+    ids = torch.cat([prompt_ids, responses], 1)
+    return Batch(dict(prompts=prompt_ids, responses=responses, input_ids=ids, attention_mask=torch.ones_like(ids),
+                      position_ids=torch.arange(p + r).expand(len(ids), -1).contiguous()),
+                 dict(uid=np.repeat(np.arange(prompts), n)))
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_shared_fixed_micro_batch_is_planned_at_what_the_packer_lays_out(n):
+    """The planner's largest fixed-size micro-batch with prompts shared equals the longest row ``pack_shared`` builds
+    from ``micro_batches``' chunks of full-length rows; the timer credits that row's tokens to the open phase."""
+    from hybrid_rl.micro_batching import micro_batches
+    from hybrid_rl.planner.estimate import micro_tokens
+    from hybrid_rl.telemetry.tracking import Timer
+    from hybrid_rl.workers.packed import pack_shared
+
+    p, r, prompts = 5, 3, 6
+    cfg = _cfg("data.max_prompt_length=5", "data.max_response_length=3", f"rollout.n={n}")
+    batch = _full_length_batch(prompts, n, p, r)
+    for seqs in (1, 2, 3, 4, 5, 6, 8, 12):
+        timer = Timer()
+        with timer("step"), timer("update"):
+            micros = micro_batches(batch, seqs, None, None, packed=True, share_prompts=True)
+        longest = max(pack_shared(m.tensors).input_ids.shape[1] for _, m in micros)
+        assert micro_tokens(cfg, seqs, None, len(batch), shared=True) == longest, seqs
+        assert timer.micro_batch_metrics() == {"perf/phase_micro_batch_tokens/update": float(longest)}
+        # unshared: every row whole
+        assert micro_tokens(cfg, seqs, None, len(batch)) == seqs * (p + r)
+
+
+def test_micro_batch_tokens_go_to_the_phases_open_on_this_thread():
+    from hybrid_rl.micro_batching import micro_batches
+    from hybrid_rl.telemetry.tracking import Timer
+
+    batch = _full_length_batch(2, 4, 5, 3)  # 8 rows of 8 tokens
+    micro_batches(batch, 4, None, None, packed=True)  # no phase open: nothing is credited, nothing fails
+    timer = Timer()
+    with timer("step"):
+        with timer("old_log_prob"):
+            micro_batches(batch, 2, None, None, packed=True)  # rows whole: 2 x 8
+        with timer("update"):
+            micro_batches(batch, 4, None, None, packed=False)  # padded: 4 x 8
+            micro_batches(batch, 1, None, None, packed=True)
+    assert timer.micro_batch_metrics() == {"perf/phase_micro_batch_tokens/old_log_prob": 16.0,
+                                           "perf/phase_micro_batch_tokens/update": 32.0}
