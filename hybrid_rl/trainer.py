@@ -281,9 +281,8 @@ class Trainer:
         times = timer.pop()
         sync_s, sync_bytes = self.source.sync_stats()
         out = reduce_weighted_means(means, dist.device, dist.group)
-        out.update(reduce_max({**maxima, **step_times(times, sync_s), **timer.memory_metrics(),
-                               **timer.micro_batch_metrics()}, dist.device,
-                              dist.group))
+        maxima = {**maxima, **step_times(times, sync_s), **timer.memory_metrics(), **timer.micro_batch_metrics()}
+        out.update(reduce_max(maxima, dist.device, dist.group))
         finish_step_metrics(out, batch.meta, sync_bytes, dist.world_size)
         step_perf_metrics(out, dist.world_size, self.global_dist.world_size, self.model_flops, self.peak_flops,
                           self.cfg.actor.ppo_epochs, dist.device, self.worker.rollout, timer.step_peaks)
