@@ -364,6 +364,15 @@ def test_shared_fixed_micro_batch_is_planned_at_what_the_packer_lays_out(n):
         assert timer.micro_batch_metrics() == {"perf/phase_micro_batch_tokens/update": float(longest)}
         # unshared: every row whole
         assert micro_tokens(cfg, seqs, None, len(batch)) == seqs * (p + r)
+    # shuffled mini-batches scatter a prompt's rows: the update is planned with every row whole, the log-prob pass not
+    shuffled = _cfg("data.max_prompt_length=5", "data.max_response_length=3", f"rollout.n={n}",
+                    "actor.use_remove_padding=true", "actor.share_prompts=true", "actor.shuffle_mini_batches=true",
+                    "actor.ppo_micro_batch_size_per_device=4", "actor.log_prob_micro_batch_size_per_device=4",
+                    "actor.use_dynamic_bsz=false", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8")
+    by_name = {ph.name: ph for ph in phases(shuffled, read_shape(shuffled.model.path), 1, 80 * GIB)}
+    assert "activations (32 tokens, recomputed)" in by_name["actor update"].terms or \
+        "activations (32 tokens)" in by_name["actor update"].terms
+    assert f"activations, no grad ({p + 4 * r} tokens)" in by_name["old log-prob"].terms  # 4 rows of one prompt
 
 
 def test_micro_batch_tokens_go_to_the_phases_open_on_this_thread():
