@@ -148,11 +148,8 @@ def _by_prompt(uid: np.ndarray, p_len: np.ndarray, r_len: np.ndarray, max_seqs: 
             piece.append(r)
         units.append(piece)
 
-    def cost(rows: list[int]) -> int:  # tokens of a prompt-shared row: each distinct prompt once
-        seen = {}
-        for r in rows:
-            seen.setdefault(uid[r], p_len[r])
-        return int(sum(seen.values()) + r_len[rows].sum())
+    def cost(rows: list[int]) -> int:
+        return computed_tokens(rows, p_len, r_len, True, uid)
 
     bins: list[list[int]] = []
     for unit in sorted(units, key=lambda u: -cost(u)):
@@ -228,12 +225,13 @@ def computed_tokens(rows: np.ndarray, p_len: np.ndarray, r_len: np.ndarray, pack
                     uid: np.ndarray | None = None) -> int:
     """Tokens one micro-batch computes: with ``uid`` (prompts shared) each distinct prompt once plus every response,
     packed its real tokens, else its rows × (longest prompt + longest response)."""
+    rows = list(np.asarray(rows).tolist())
     if uid is not None:
         first = {}
-        for r in np.asarray(rows).tolist():
+        for r in rows:
             first.setdefault(uid[r], r)
         return int(p_len[list(first.values())].sum() + r_len[rows].sum())
-    return _padded(list(np.asarray(rows).tolist()), p_len, r_len, packed)
+    return _padded(rows, p_len, r_len, packed)
 
 
 def _host_layout(batch: Batch, with_ids: bool) -> dict[str, torch.Tensor]:
