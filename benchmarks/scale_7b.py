@@ -10,9 +10,9 @@ the memory planner's prediction for the same config.
 Runs ``recipes/gsm8k_grpo_7b.yaml`` (``python -m hybrid_rl train`` under torchrun, through ``modes.run_mode``) with
 ``builtin:qwen2.5-7b-random`` (Qwen2.5-7B's shape with random weights: no download; built once per host before the
 first run, 15.2 GB in ``$HYBRID_RL_CACHE``) on the GSM8K prompts shipped in ``benchmarks/data/``, ``--prompts`` × 8
-samples per step in 4 mini-batches, no validation or checkpoints. A random model does not end its responses, so the
-response lengths are forced (``rollout.forced_lengths``), capped at 16,384 tokens with the token budget raised to one
-prompt + cap (16,896):
+samples per step (default 4 prompts per GPU: 32 on 8, 4 on one) in 4 mini-batches, no validation or checkpoints. A
+random model does not end its responses, so the response lengths are forced (``rollout.forced_lengths``), capped at
+16,384 tokens with the token budget raised to one prompt + cap (16,896):
 
   mean8k_sp1               lognormal:8192:0.8 (mean 8k, long tail cut at the cap; ``--mean`` sets another mean, which
                            names the run: mean2k_sp1), no sequence parallelism
@@ -58,8 +58,8 @@ PLANNED = {"gen": "generation", "old_log_prob": "old log-prob", "ref": "ref log-
 """Timed phase → the planner's phase."""
 TRAINING = ("old_log_prob", "ref", "update")
 """Phases that run with the engine asleep: its pool (counted by torch while it sleeps) is taken off their peak."""
-GPU = dict(model="builtin:qwen2.5-7b-random", prompts=32, warmup=1, measure=2, run_timeout=2400.0, cap=16384,
-           mean=8192, sp_sizes=(1, 2, 4), overrides=[])
+GPU = dict(model="builtin:qwen2.5-7b-random", prompts=None, prompts_per_gpu=4, warmup=1, measure=2, run_timeout=2400.0,
+           cap=16384, mean=8192, sp_sizes=(1, 2, 4), overrides=[])
 CPU_SMOKE = dict(model="builtin:tiny-qwen2", prompts=8, warmup=1, measure=1, run_timeout=240.0, cap=32, mean=16,
                  sp_sizes=(2,), overrides=["trainer.device=cpu", "rollout.name=hf", "model.dtype=float32",
                                            "data.max_prompt_length=384", "actor.use_remove_padding=true"])
@@ -243,7 +243,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", type=int, default=None, help="ranks, one per GPU (default: every visible GPU)")
     ap.add_argument("--runs", default="", help="comma-separated run names (default: all; see above)")
-    ap.add_argument("--prompts", type=int, default=None, help=f"prompts per step (default {GPU['prompts']}), 8 samples each")
+    ap.add_argument("--prompts", type=int, default=None, help=f"prompts per step, 8 samples each (default "
+                                                              f"{GPU['prompts_per_gpu']} per GPU)")
     ap.add_argument("--warmup", type=int, default=None, help=f"steps dropped (default {GPU['warmup']})")
     ap.add_argument("--measure", type=int, default=None, help=f"steps measured (default {GPU['measure']})")
     ap.add_argument("--run-timeout", type=float, default=None, help=f"seconds per run (default {GPU['run_timeout']:g})")
@@ -259,6 +260,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key in ("model", "prompts", "warmup", "measure", "run_timeout"):
         if getattr(args, key) is None:
             setattr(args, key, base[key])
+    if args.prompts is None and args.gpus:  # GPU runs: a per-GPU load that stays the same on any number of GPUs
+        args.prompts = base["prompts_per_gpu"] * args.gpus
     args.cap, args.sp_sizes = base["cap"], base["sp_sizes"]
     args.mean = args.mean or base["mean"]
     if not 1 <= args.mean <= args.cap:
@@ -286,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             print("error: scale_7b.py needs NVIDIA GPUs and vLLM; --cpu-smoke runs its plumbing on CPU", file=sys.stderr)
             return 2
         args.gpus = args.gpus or torch.cuda.device_count()
+        args.prompts = args.prompts or GPU["prompts_per_gpu"] * args.gpus
     from hybrid_rl.models import resolve_model_path
     from hybrid_rl.planner.gpus import visible_gpu
 

@@ -47,6 +47,9 @@ def test_one_gpu_gets_an_engine_of_one_gpu_and_no_sequence_parallel_split():
     assert scale_7b.runs(args)[0][1] == ["rollout.forced_lengths=lognormal:2048:0.8"]
     base = scale_7b.base_overrides(args)
     assert "rollout.vllm.tensor_parallel_size=1" in base and base[-1] == "model.lora.rank=64"  # the user's last
+    # the same 4 prompts per GPU as 32 on 8: one sample group per mini-batch, 4 of them
+    assert "data.train_batch_size=4" in base and "actor.ppo_mini_batch_size=1" in base
+    assert "data.train_batch_size=12" in scale_7b.base_overrides(scale_7b.parse_args(["--gpus", "1", "--prompts", "12"]))
     for name, ovr in scale_7b.runs(args):  # the trainer accepts each on one rank
         scale_7b.predicted(args, [*base, *ovr], 139.8)
     # the recipe's 2 where the GPUs allow it; else the largest size below it that divides them
