@@ -239,6 +239,13 @@ def plot(results: list[dict], title: str, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def default_prompts(args: argparse.Namespace) -> None:
+    """GPU runs without ``--prompts``: ``prompts_per_gpu`` per GPU, a per-GPU load the same on any number of GPUs
+    (once the GPUs are known)."""
+    if args.prompts is None and args.gpus:
+        args.prompts = GPU["prompts_per_gpu"] * args.gpus
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", type=int, default=None, help="ranks, one per GPU (default: every visible GPU)")
@@ -260,8 +267,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key in ("model", "prompts", "warmup", "measure", "run_timeout"):
         if getattr(args, key) is None:
             setattr(args, key, base[key])
-    if args.prompts is None and args.gpus:  # GPU runs: a per-GPU load that stays the same on any number of GPUs
-        args.prompts = base["prompts_per_gpu"] * args.gpus
+    default_prompts(args)
     args.cap, args.sp_sizes = base["cap"], base["sp_sizes"]
     args.mean = args.mean or base["mean"]
     if not 1 <= args.mean <= args.cap:
@@ -289,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             print("error: scale_7b.py needs NVIDIA GPUs and vLLM; --cpu-smoke runs its plumbing on CPU", file=sys.stderr)
             return 2
         args.gpus = args.gpus or torch.cuda.device_count()
-        args.prompts = args.prompts or GPU["prompts_per_gpu"] * args.gpus
+        default_prompts(args)
     from hybrid_rl.models import resolve_model_path
     from hybrid_rl.planner.gpus import visible_gpu
 
