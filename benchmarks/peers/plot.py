@@ -2,8 +2,10 @@
 ``peers_<device>_<workload>.json`` and a bar plot beside it, in a run directory (``runs/peers/<UTC time>/`` unless
 ``--out-dir``; ``benchmarks/publish.py`` copies them to ``benchmarks/results/``) (``..._<profile>`` when every framework
 ran another profile than ``tuned``, ``..._mixed`` when they ran different ones). Refuses (exit 2) results that read
-different prompt files (``settings.prompts_sha256``). Runs on the GPU machine at the end of every ``run_all.sh`` part
-(into ``$OUT``), or on any machine from the JSON files the runs wrote:
+different prompt files (``settings.prompts_sha256``). Each peer is compared with the hybrid_rl run on its own machine
+(boot id): beside ``hybrid_rl_<workload>.json``, a run of hybrid_rl on another machine of the same kind is read from
+``hybrid_rl_<workload>@<label>.json``; ``pairs`` in the report names the machines of every ratio. Runs on the GPU
+machine at the end of every ``run_all.sh`` part (into ``$OUT``), or on any machine from the JSON files the runs wrote:
 
     python benchmarks/peers/plot.py --res /path/with/the/jsons --workload grpo_long
 """
@@ -31,27 +33,38 @@ def combine(res: Path, workload: str) -> dict:
         p = res / f"{name}_{workload}.json"
         if p.exists():
             runs[name] = json.loads(p.read_text())
+    # hybrid_rl on other machines of the same kind, one per machine a peer ran on
+    extra = [json.loads(p.read_text()) for p in sorted(res.glob(f"hybrid_rl_{workload}@*.json"))]
+    extra = [r for r in extra if "step_s" in r]
     ok = {k: v for k, v in runs.items() if "step_s" in v}
     devices = {v.get("device") for v in runs.values() if v.get("device")}
     device = sorted(devices)[0] if devices else "unknown"
-    workloads = {json.dumps(v["workload"], sort_keys=True) for v in ok.values() if v.get("workload")}
+    workloads = {json.dumps(v["workload"], sort_keys=True) for v in [*ok.values(), *extra] if v.get("workload")}
     if len(workloads) > 1:
         raise SystemExit(f"the results in {res} ran different workloads (PEERS_PROMPTS? --steps?): "
                          + "; ".join(f"{k}: {v.get('workload', {}).get('prompts_per_step')} prompts, "
                                      f"{v.get('workload', {}).get('steps')} steps" for k, v in ok.items())
                          + ". Rerun them with the same settings")
     hashes = {k: (v.get("settings") or {}).get("prompts_sha256") for k, v in runs.items() if "skipped" not in v}
+    hashes.update({f"hybrid_rl@{r.get('machine')}": (r.get("settings") or {}).get("prompts_sha256") for r in extra})
     if len({h for h in hashes.values() if h}) > 1:  # one line, exit 2: results that read different prompt files
         print(f"error: the results in {res} read different prompt files (settings.prompts_sha256: "
               + ", ".join(f"{k} {h[:12] if h else None}" for k, h in hashes.items())
               + "); rerun them with the same --data / PEERS_DATA", file=sys.stderr)
         raise SystemExit(2)
     w = json.loads(workloads.pop()) if workloads else {"name": workload, **WORKLOADS.get(workload, {})}
-    base = ok.get("hybrid_rl")
-    ratios = {}
-    if base:
+    bases = [ok["hybrid_rl"]] + extra if "hybrid_rl" in ok else extra
+    ratios, pairs = {}, {}
+    if bases:
         for peer in ("verl", "trl"):
             if peer in ok:
+                # the hybrid_rl run on the peer's machine where there is one, else the main one
+                base = next((b for b in bases if b.get("machine") and b.get("machine") == ok[peer].get("machine")),
+                            bases[0])
+                pairs[peer] = {"hybrid_rl_machine": base.get("machine"), "peer_machine": ok[peer].get("machine"),
+                               "same_machine": bool(base.get("machine")) and base.get("machine") == ok[peer].get(
+                                   "machine"),
+                               "hybrid_rl_step_s_median": base["step_s_median"]}
                 # the same prompts and the same response lengths, sample by sample: the step-time ratio is the
                 # throughput ratio; the token-based ratio is kept beside it as a check, the medians as a third
                 ratios[f"hybrid_rl_vs_{peer}_step_time"] = ok[peer]["step_s"] / base["step_s"]
@@ -60,13 +73,15 @@ def combine(res: Path, workload: str) -> dict:
                     ratios[f"hybrid_rl_vs_{peer}_trained_tokens_per_s"] = (base["trained_tokens_per_s"]
                                                                           / ok[peer]["trained_tokens_per_s"])
     machines = {k: v.get("machine") for k, v in ok.items()}
-    same = len(set(machines.values())) <= 1 and None not in machines.values()
+    machines.update({f"hybrid_rl@{r.get('machine')}": r.get("machine") for r in extra})
+    same = (all(p["same_machine"] for p in pairs.values()) if pairs
+            else len(set(machines.values())) <= 1 and None not in machines.values())
     profiles = {k: v.get("profile") or (v.get("settings") or {}).get("profile") for k, v in runs.items()
                 if "skipped" not in v}
     return {"device": device, "workload_name": w.get("name", workload), "model": w.get("model"), "workload": w,
             "pinned_versions": VERSIONS, "hybrid_rl_commit": (runs.get("hybrid_rl") or {}).get("commit"),
             "profiles": profiles, "prompts_sha256": next((h for h in hashes.values() if h), None),
-            "ratios": ratios, "machines": machines, "same_machine": same,
+            "ratios": ratios, "pairs": pairs, "machines": machines, "same_machine": same,
             "machine_note": None if same else "the ratios compare runs on different machines of the same device "
                                               "kind: compare with that in mind",
             "skipped": {k: v["skipped"] for k, v in runs.items() if "skipped" in v},
@@ -76,7 +91,7 @@ def combine(res: Path, workload: str) -> dict:
             # per framework, the options it was asked for that did not take effect (benchmarks/peers/probe.py)
             "took_effect_mismatches": {k: v["took_effect"].get("mismatches") for k, v in runs.items()
                                        if isinstance(v.get("took_effect"), dict) and "mismatches" in v["took_effect"]},
-            "frameworks": [runs[k] for k in ORDER if k in runs and "skipped" not in runs[k]]}
+            "frameworks": [runs[k] for k in ORDER if k in runs and "skipped" not in runs[k]] + extra}
 
 
 def stem(doc: dict) -> str:
@@ -96,7 +111,9 @@ def plot(doc: dict, path: Path) -> None:
     if not ok:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    names = [f"{r['framework']}\n({r.get('profile')})" for r in ok]
+    several = len({r.get("machine") for r in ok}) > 1
+    names = [f"{r['framework']}\n({r.get('profile')})" + (f"\n{r.get('machine', '')[-8:]}" if several else "")
+             for r in ok]
     bottom = [0.0] * len(ok)
     phases = list(dict.fromkeys(p for r in ok for p in r.get("phases_s", {})))
     cmap = plt.get_cmap("tab20")
@@ -111,11 +128,12 @@ def plot(doc: dict, path: Path) -> None:
     ax1.legend(fontsize=6, ncol=2, loc="upper left")
     tput = [r.get("trained_tokens_per_s") or 0.0 for r in ok]
     ax2.bar(names, tput, color=[COLORS.get(r["framework"], "gray") for r in ok], width=0.6)
-    base = next((r["step_s"] for r in ok if r["framework"] == "hybrid_rl"), None)
     for i, r in enumerate(ok):
         label = f'{r["step_s"]:.1f} s/step (median {r["step_s_median"]:.1f})'
-        if base and r["framework"] != "hybrid_rl":
-            label += f'\nhybrid_rl {r["step_s"] / base:.2f}x'
+        ratio = doc["ratios"].get(f'hybrid_rl_vs_{r["framework"]}_step_time_median')
+        if ratio and r["framework"] != "hybrid_rl":
+            label += f'\nhybrid_rl {ratio:.2f}x (median, same machine)' if doc["pairs"][r["framework"]][
+                "same_machine"] else f'\nhybrid_rl {ratio:.2f}x (median)'
         ax2.text(i, tput[i], label, ha="center", va="bottom", fontsize=8)
     ax2.set_ylim(0, max(tput) * 1.3 if max(tput) > 0 else 1)
     ax2.set_ylabel("trained tokens / s (prompt + response)")

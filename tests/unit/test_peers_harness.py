@@ -353,6 +353,32 @@ def test_report_combines_one_workload(tmp_path):
         plot.combine(tmp_path, "ppo")
 
 
+def test_report_pairs_each_peer_with_hybrid_rl_on_its_own_machine(tmp_path):
+    w = workload_spec("grpo", 1)
+
+    def res(name, median, machine):
+        return {"framework": name, "step_s": median, "step_s_median": median, "workload": w, "device": "H200x1",
+                "machine": machine, "profile": "tuned"}
+
+    (tmp_path / "hybrid_rl_grpo.json").write_text(json.dumps(res("hybrid_rl", 3.0, "a")))
+    (tmp_path / "trl_grpo.json").write_text(json.dumps(res("trl", 6.0, "a")))
+    (tmp_path / "verl_grpo.json").write_text(json.dumps(res("verl", 9.0, "b")))
+    doc = plot.combine(tmp_path, "grpo")  # verl's machine has no hybrid_rl run: compared across machines
+    assert doc["ratios"]["hybrid_rl_vs_verl_step_time_median"] == 3.0 and not doc["same_machine"]
+    assert doc["pairs"]["verl"] == {"hybrid_rl_machine": "a", "peer_machine": "b", "same_machine": False,
+                                    "hybrid_rl_step_s_median": 3.0}
+    (tmp_path / "hybrid_rl_grpo@b.json").write_text(json.dumps(res("hybrid_rl", 4.5, "b")))
+    (tmp_path / "hybrid_rl_grpo_long@b.json").write_text(json.dumps(res("hybrid_rl", 1.0, "b")))  # not this workload
+    doc = plot.combine(tmp_path, "grpo")
+    assert doc["ratios"]["hybrid_rl_vs_verl_step_time_median"] == 2.0  # 9.0 / 4.5, both on b
+    assert doc["ratios"]["hybrid_rl_vs_trl_step_time_median"] == 2.0  # 6.0 / 3.0, both on a
+    assert doc["same_machine"] and doc["machine_note"] is None
+    assert [(r["framework"], r["machine"]) for r in doc["frameworks"]] == [
+        ("hybrid_rl", "a"), ("verl", "b"), ("trl", "a"), ("hybrid_rl", "b")]
+    plot.plot(doc, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
 def test_summary_drops_the_warmup_and_reports_means_and_medians():
     rows = [{"step_s": s, "phases": {"gen": s / 2}} for s in (30.0, 9.0, 2.0, 3.0, 10.0)]
     doc = workload.summarize("x", "1", rows, 2, 2, startup_s=None, wall_s=None,
