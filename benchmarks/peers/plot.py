@@ -59,11 +59,10 @@ def combine(res: Path, workload: str) -> dict:
         for peer in ("verl", "trl"):
             if peer in ok:
                 # the hybrid_rl run on the peer's machine where there is one, else the main one
-                base = next((b for b in bases if b.get("machine") and b.get("machine") == ok[peer].get("machine")),
-                            bases[0])
-                pairs[peer] = {"hybrid_rl_machine": base.get("machine"), "peer_machine": ok[peer].get("machine"),
-                               "same_machine": bool(base.get("machine")) and base.get("machine") == ok[peer].get(
-                                   "machine"),
+                where = ok[peer].get("machine")
+                base = next((b for b in bases if where and b.get("machine") == where), bases[0])
+                pairs[peer] = {"hybrid_rl_machine": base.get("machine"), "peer_machine": where,
+                               "same_machine": bool(where) and base.get("machine") == where,
                                "hybrid_rl_step_s_median": base["step_s_median"]}
                 # the same prompts and the same response lengths, sample by sample: the step-time ratio is the
                 # throughput ratio; the token-based ratio is kept beside it as a check, the medians as a third
@@ -132,8 +131,8 @@ def plot(doc: dict, path: Path) -> None:
         label = f'{r["step_s"]:.1f} s/step (median {r["step_s_median"]:.1f})'
         ratio = doc["ratios"].get(f'hybrid_rl_vs_{r["framework"]}_step_time_median')
         if ratio and r["framework"] != "hybrid_rl":
-            label += f'\nhybrid_rl {ratio:.2f}x (median, same machine)' if doc["pairs"][r["framework"]][
-                "same_machine"] else f'\nhybrid_rl {ratio:.2f}x (median)'
+            same = doc["pairs"][r["framework"]]["same_machine"]
+            label += f'\nhybrid_rl {ratio:.2f}x (median{", same machine" if same else ""})'
         ax2.text(i, tput[i], label, ha="center", va="bottom", fontsize=8)
     ax2.set_ylim(0, max(tput) * 1.3 if max(tput) > 0 else 1)
     ax2.set_ylabel("trained tokens / s (prompt + response)")
