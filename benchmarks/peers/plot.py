@@ -167,7 +167,8 @@ def main() -> None:
         print(f"no plot ({e}); run this script where matplotlib is installed", file=sys.stderr)
     print(json.dumps({"device": doc["device"], "workload": doc["workload_name"], "profiles": doc["profiles"],
                       "ratios": doc["ratios"], "target_met": doc["target_met"], "same_machine": doc["same_machine"],
-                      "steps": {r["framework"]: r.get("step_s", r.get("error")) for r in doc["frameworks"]}}))
+                      "steps": {r["framework"] + (f"@{r.get('machine')}" if i >= len(doc["profiles"]) else ""):
+                                r.get("step_s", r.get("error")) for i, r in enumerate(doc["frameworks"])}}))
     print(f"wrote {path}.json (+ .png)", file=sys.stderr)
 
 
