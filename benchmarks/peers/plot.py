@@ -109,8 +109,13 @@ def plot(doc: dict, path: Path) -> None:
     ok = [r for r in doc["frameworks"] if "step_s" in r]
     if not ok:
         return
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     several = len({r.get("machine") for r in ok}) > 1
+    if several:  # each machine's runs side by side, hybrid_rl first
+        first = {}
+        for r in ok:
+            first.setdefault(r.get("machine"), len(first))
+        ok.sort(key=lambda r: (first[r.get("machine")], r["framework"] != "hybrid_rl"))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(6 + 2 * len(ok), 4.8))
     names = [f"{r['framework']}\n({r.get('profile')})" + (f"\n{r.get('machine', '')[-8:]}" if several else "")
              for r in ok]
     bottom = [0.0] * len(ok)
@@ -124,7 +129,8 @@ def plot(doc: dict, path: Path) -> None:
     ax1.plot(names, [r["step_s_median"] for r in ok], "kx", label="step (median)")
     ax1.set_ylabel(f"seconds per step (mean of measured steps; first {ok[0].get('warmup_dropped')} dropped)")
     ax1.set_title("step time and the phases each framework reports")
-    ax1.legend(fontsize=6, ncol=2, loc="upper left")
+    ax1.set_ylim(0, max(max(bottom), max(r["step_s"] for r in ok)) * 1.05)
+    ax1.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     tput = [r.get("trained_tokens_per_s") or 0.0 for r in ok]
     ax2.bar(names, tput, color=[COLORS.get(r["framework"], "gray") for r in ok], width=0.6)
     for i, r in enumerate(ok):
@@ -133,8 +139,8 @@ def plot(doc: dict, path: Path) -> None:
         if ratio and r["framework"] != "hybrid_rl":
             same = doc["pairs"][r["framework"]]["same_machine"]
             label += f'\nhybrid_rl {ratio:.2f}x (median{", same machine" if same else ""})'
-        ax2.text(i, tput[i], label, ha="center", va="bottom", fontsize=8)
-    ax2.set_ylim(0, max(tput) * 1.3 if max(tput) > 0 else 1)
+        ax2.text(i, tput[i], label, ha="center", va="bottom", fontsize=7)
+    ax2.set_ylim(0, max(tput) * 1.35 if max(tput) > 0 else 1)
     ax2.set_ylabel("trained tokens / s (prompt + response)")
     ax2.set_title("throughput at equal work")
     w = doc["workload"]
@@ -143,6 +149,7 @@ def plot(doc: dict, path: Path) -> None:
     fig.suptitle(f"{doc['workload_name']}: {doc['model']} on {doc['device']}, {algo}, {w.get('prompts_per_step')} prompts "
                  f"x {w.get('n')}, lengths {w.get('lengths')} (cap {w.get('response_length')}), mini-batch "
                  f"{w.get('mini_batch_prompts')} prompts" + (f"\nnot run: {skipped}" if skipped else "")
+                 + ("\neach peer beside the hybrid_rl run on its own machine (boot id under each bar)" if several and doc.get("same_machine") else "")
                  + ("" if doc.get("same_machine", True) else "\nruns on different machines: "
                     + ", ".join(f"{k} {v}" for k, v in doc["machines"].items())), fontsize=9)
     fig.tight_layout()
