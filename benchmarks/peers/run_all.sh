@@ -2,11 +2,15 @@
 # On a GPU machine without network access: one framework per invocation, all on one machine, then the combined report.
 #   bash benchmarks/peers/run_all.sh PART [GPUS] [--workload grpo|grpo_long|ppo] [--profile tuned|baseline]
 #     PART: hybrid_rl | trl | verl       run in the foreground (up to the workload's time limit)
+#           queue FW:WORKLOAD ...        run several, one after the other, detached (each writes its result and
+#                                        report as it finishes; 'wait' follows the queue), e.g.
+#                                        queue 1 hybrid_rl:ppo verl:ppo hybrid_rl:grpo_long trl:grpo_long
 #           hybrid_rl_bg | trl_bg | verl_bg   start detached (survives the shell), then
 #           wait                         wait up to ~9 minutes for the detached run, then report what is finished
 #           report                       rebuild the combined report only
 #     GPUS default: every visible GPU. The workload and profile also come from PEERS_WORKLOAD / PEERS_PROFILE
-#     (defaults grpo / tuned); FW_ARGS (HYBRID_RL_ARGS, TRL_ARGS, VERL_ARGS) add arguments, e.g. "--set liger=off".
+#     (defaults grpo / tuned); PEERS_RES names the results folder (default /tmp/peers_res); FW_ARGS (HYBRID_RL_ARGS,
+#     TRL_ARGS, VERL_ARGS) add arguments, e.g. "--set liger=off".
 # Expects: vLLM 0.26's pieces (benchmarks/offline/stage.sh: .stage/pN/bundle.tar.partNN + bundle.sha256) copied into
 # /tmp/vs (PEERS_VS names another folder), installed by benchmarks/offline/install.sh on first use; the peers' staged
 # pieces copied into /tmp/ps (benchmarks/peers/stage.sh; trl_c1 before 'trl', every verl_cK before 'verl'; Liger's and
@@ -20,9 +24,10 @@
 # the run (the first part on a fresh machine installs vLLM for ~1-2 minutes first); workloads that take longer run
 # detached (PART_bg, then 'wait' until done), with their own longer limit.
 set -u
-PART=${1:?usage: run_all.sh hybrid_rl|trl|verl|hybrid_rl_bg|trl_bg|verl_bg|wait|report [GPUS] [--workload W] [--profile P]}
+PART=${1:?usage: run_all.sh hybrid_rl|trl|verl|hybrid_rl_bg|trl_bg|verl_bg|queue|wait|report [GPUS] [--workload W] [--profile P] [FW:WORKLOAD ...]}
 shift
 GPUS=""
+QUEUE=()
 WORKLOAD=${PEERS_WORKLOAD:-grpo}
 PROFILE=${PEERS_PROFILE:-tuned}
 while [ $# -gt 0 ]; do
@@ -31,6 +36,7 @@ while [ $# -gt 0 ]; do
   --workload=*) WORKLOAD=${1#*=}; shift ;;
   --profile) PROFILE=$2; shift 2 ;;
   --profile=*) PROFILE=${1#*=}; shift ;;
+  *:*) QUEUE+=("$1"); shift ;;
   *) GPUS=$1; shift ;;
   esac
 done
@@ -41,9 +47,12 @@ grpo_long) LIMIT=${PEERS_TIMEOUT:-2100} ;;  # 6 steps of ~2k-token responses wit
 ppo) LIMIT=${PEERS_TIMEOUT:-1500} ;;        # 12 steps of 512 prompts x 1 with a critic: detached (_bg)
 *) echo "unknown workload $WORKLOAD (grpo | grpo_long | ppo)"; exit 2 ;;
 esac
+# a detached part is not bound by one 600 s command: grpo gets room for verl's start-up (421 s in all on 1×H200)
+case $PART in *_bg|queue*) [ "$WORKLOAD" = grpo ] && LIMIT=${PEERS_TIMEOUT:-900} ;; esac
+[ -n "${PEERS_QUEUED:-}" ] && [ "$WORKLOAD" = grpo ] && LIMIT=${PEERS_TIMEOUT:-900}
 export PEERS_WORKLOAD=$WORKLOAD
 OUT=${OUT:-/tmp/peers_out}
-RES=/tmp/peers_res
+RES=${PEERS_RES:-/tmp/peers_res}
 VS=${PEERS_VS:-/tmp/vs}
 MODEL_DIR=/tmp/peers_model
 DATA=${PEERS_DATA:-$PWD/benchmarks/data/gsm8k_train_1k.jsonl}
@@ -134,14 +143,45 @@ hybrid_rl_bg|trl_bg|verl_bg)  # start detached (the run goes on after this comma
   echo "started pid $!; poll with: bash benchmarks/peers/run_all.sh wait $GPUS --workload $WORKLOAD"
   exit 0
   ;;
-verl_wait|wait)  # wait (up to 560 s) for the detached run, then report what it finished
-  for _ in $(seq 56); do pgrep -f 'benchmarks/peers/run_(hybrid_rl|trl|verl)[.]py' > /dev/null || break; sleep 10; done
-  if pgrep -f 'benchmarks/peers/run_(hybrid_rl|trl|verl)[.]py' > /dev/null; then
+queue)  # check every FW:WORKLOAD, then run them one after the other, detached; 'wait' follows the queue
+  [ ${#QUEUE[@]} -gt 0 ] || { echo "queue: name the runs, e.g. run_all.sh queue $GPUS hybrid_rl:ppo verl:ppo"; exit 2; }
+  for item in "${QUEUE[@]}"; do
+    case ${item%%:*} in hybrid_rl|trl|verl) ;; *) echo "queue: unknown framework in '$item' (hybrid_rl | trl | verl)"; exit 2 ;; esac
+    case ${item#*:} in grpo|grpo_long|ppo) ;; *) echo "queue: unknown workload in '$item' (grpo | grpo_long | ppo)"; exit 2 ;; esac
+    [ "$item" != trl:ppo ] || { echo "queue: trl:ppo cannot run (TRL's GRPO trainer has no critic): leave it out"; exit 2; }
+  done
+  if [ -f "$RES/queue.pid" ] && kill -0 "$(cat "$RES/queue.pid")" 2>/dev/null; then
+    echo "queue: one is running already (pid $(cat "$RES/queue.pid")): follow it with 'run_all.sh wait'"; exit 2
+  fi
+  : > "$RES/queue.log"
+  setsid nohup bash "$ROOT/benchmarks/peers/run_all.sh" queue_run "$GPUS" --profile "$PROFILE" "${QUEUE[@]}" \
+    > "$RES/queue_stdout.log" 2>&1 < /dev/null &
+  echo $! > "$RES/queue.pid"
+  echo "queued ${QUEUE[*]} (pid $!); each writes $RES/<framework>_<workload>.json and its report into $OUT"
+  echo "as it finishes; follow with: bash benchmarks/peers/run_all.sh wait $GPUS"
+  exit 0
+  ;;
+queue_run)  # the queue itself: one foreground part after the other (each with its workload's limit)
+  for item in "${QUEUE[@]}"; do
+    echo "start $item $(date -u +%FT%TZ)" >> "$RES/queue.log"
+    PEERS_QUEUED=1 bash "$ROOT/benchmarks/peers/run_all.sh" "${item%%:*}" "$GPUS" --workload "${item#*:}" \
+      --profile "$PROFILE" > /dev/null 2>&1 < /dev/null
+    echo "end $item exit $? $(date -u +%FT%TZ)" >> "$RES/queue.log"
+  done
+  echo "queue done $(date -u +%FT%TZ)" >> "$RES/queue.log"
+  exit 0
+  ;;
+verl_wait|wait)  # wait (up to 560 s) for the detached run or queue, then report what it finished
+  busy() { pgrep -f 'benchmarks/peers/run_(hybrid_rl|trl|verl)[.]py' > /dev/null \
+           || { [ -f "$RES/queue.pid" ] && kill -0 "$(cat "$RES/queue.pid")" 2>/dev/null; }; }
+  for _ in $(seq 56); do busy || break; sleep 10; done
+  [ -f "$RES/queue.log" ] && { echo "queue:"; cat "$RES/queue.log"; }
+  if busy; then
     echo "still running:"; tail -c 600 "$RES"/*_"$WORKLOAD"_stdout.log "$RES"/run_hybrid_rl_"$WORKLOAD"/stdout.log 2>/dev/null
   fi
   ;;
 report) ;;
-*) echo "unknown part $PART (hybrid_rl | trl | verl | hybrid_rl_bg | trl_bg | verl_bg | wait | report)"; exit 2 ;;
+*) echo "unknown part $PART (hybrid_rl | trl | verl | hybrid_rl_bg | trl_bg | verl_bg | queue | wait | report)"; exit 2 ;;
 esac
 report
 stamp "done"

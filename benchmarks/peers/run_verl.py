@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import probe  # noqa: E402
+import verl_critic_attn  # noqa: E402
 from workload import (VERSIONS, chat_token_counter, commit, common_args, device_name, file_sha256, forced,  # noqa: E402
                       gsm8k_rows, prepare_model, prepare_prompts, resolve_options, result_path, row_lengths,
                       run_watched, settings_record, skipped, summarize, tail, workload_spec, write_result)
@@ -265,9 +266,13 @@ def flash_attn_importable(env: dict) -> bool:
 
 # verl 0.9.1 loads the critic with attn_implementation="flash_attention_2" written into the call
 # (verl/utils/model.py load_valuehead_model, from workers/engine/fsdp/transformer_impl.py); no override_config reaches
-# it, so a workload with a critic needs the flash-attn package.
-NO_FLASH_ATTN = ("verl 0.9.1 loads its critic with attn_implementation='flash_attention_2' hard-coded "
-                 "(verl/utils/model.py load_valuehead_model) and flash_attn is not importable here")
+# it. Without the flash-attn package the critic loads with the actor's implementation instead (verl_critic_attn.py);
+# only a run that asks for flash attention itself cannot go on.
+NO_FLASH_ATTN = ("attn_implementation=flash_attention_2 was asked for and flash_attn is not importable here "
+                 "(no wheel for this torch): run with --set attn_implementation=flex_attention or sdpa")
+CRITIC_ATTN_NOTE = ("verl 0.9.1 hard-codes attn_implementation='flash_attention_2' for its critic "
+                    "(verl/utils/model.py load_valuehead_model) and flash_attn is not importable here: the critic "
+                    "loaded with the actor's {attn} instead (benchmarks/peers/verl_critic_attn.py)")
 
 
 def port_race(log_path: Path) -> bool:
@@ -291,9 +296,12 @@ if os.environ.get("VLLM_PORT", "") in ("", os.environ.get("HYBRID_RL_PEERS_VLLM_
 
 def port_site(out: Path) -> Path:
     """A folder on the verl run's PYTHONPATH: the sitecustomize.py above (Python's own start-up hook; verl's code is
-    not touched) and the forced-length agent loop module, importable in verl's Ray workers."""
-    site = probe.site(out / "verl_port_site", prelude=PORT_SITE)  # and the probe of what took effect
-    shutil.copyfile(Path(__file__).resolve().parent / "verl_agent_loop.py", site / "peers_verl_agent_loop.py")
+    not touched), the forced-length agent loop module and the critic's attention choice, importable in verl's Ray
+    workers."""
+    here = Path(__file__).resolve().parent
+    site = probe.site(out / "verl_port_site", prelude=PORT_SITE + verl_critic_attn.SITE_HOOK)  # + the probe
+    shutil.copyfile(here / "verl_agent_loop.py", site / "peers_verl_agent_loop.py")
+    shutil.copyfile(here / "verl_critic_attn.py", site / "peers_verl_critic_attn.py")
     return site
 
 
@@ -329,7 +337,10 @@ def main() -> None:
     probe_dir = out / f"probe_verl_{w['name']}"
     env = probe.env_for(env, site, probe_dir)  # the site is first on PYTHONPATH already: env_for keeps that
     flash_attn = flash_attn_importable(env)
+    critic_attn = None  # verl's own choice (flash_attention_2), or the actor's where flash_attn is missing
     if w["algorithm"] == "gae" and not flash_attn:
+        critic_attn = env[verl_critic_attn.ENV] = opts["attn_implementation"]
+    if opts["attn_implementation"] == "flash_attention_2" and not flash_attn:
         doc = {**skipped("verl", w, NO_FLASH_ATTN), "version": VERL_VERSION, "profile": args.profile,
                "settings": settings_record(args.profile, opts, flash_attn_importable=flash_attn)}
         doc.update(device=device_name(args.gpus), commit=commit())
@@ -360,6 +371,8 @@ def main() -> None:
     rows = parse(metrics, w) if metrics.exists() else []
     settings = settings_record(args.profile, opts, prompts_sha256=file_sha256(prompts), flash_attn_importable=flash_attn,
                                overrides=ov)
+    if w["algorithm"] == "gae":
+        settings["critic_attn_implementation"] = critic_attn or "flash_attention_2"
     try:
         import verl
 
@@ -381,7 +394,8 @@ def main() -> None:
                                "(rollout.ignore_eos=True)" + ("; per-sample max_tokens from the peers' agent loop"
                                                               if forced(w) else ""),
                                "verl's own gsm8k scorer (data_source openai/gsm8k) is the reward",
-                               "verl defaults kept: torch.compile of its log-prob helpers, balance_batch"])
+                               "verl defaults kept: torch.compile of its log-prob helpers, balance_batch"]
+                        + ([CRITIC_ATTN_NOTE.format(attn=critic_attn)] if critic_attn else []))
     doc.update(device=device_name(args.gpus), commit=commit(),
                took_effect=probe.collect(probe_dir, w["max_prompt_length"] + w["response_length"],
                                          {k: opts.get(k) for k in ("liger", "attn_implementation", "remove_padding")}))

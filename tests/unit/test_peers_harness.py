@@ -561,17 +561,143 @@ def test_report_refuses_results_of_different_prompt_files(tmp_path):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "prompts_sha256" in r.stderr
 
 
-def test_verl_ppo_without_flash_attn_is_recorded_as_not_run(tmp_path, monkeypatch):
-    """verl's critic loader asks for flash_attention_2 in its code: without flash_attn, ppo is recorded as not run."""
+def test_verl_asked_for_flash_attention_without_flash_attn_is_recorded_as_not_run(tmp_path, monkeypatch):
+    """A verl run that asks for flash_attention_2 where flash_attn does not import is recorded as not run, in one
+    line that names the fix."""
     monkeypatch.setattr(run_verl, "flash_attn_importable", lambda env: False)
     monkeypatch.setattr(run_verl, "prepare_model", lambda *a: pytest.fail("the model is not needed"))
     monkeypatch.delenv("OUT", raising=False)
-    monkeypatch.setattr(sys, "argv", ["run_verl.py", "--workload", "ppo", "--gpus", "2", "--out", str(tmp_path)])
+    monkeypatch.setattr(sys, "argv", ["run_verl.py", "--workload", "ppo", "--gpus", "2", "--out", str(tmp_path),
+                                      "--set", "attn_implementation=flash_attention_2"])
     run_verl.main()
     doc = json.loads((tmp_path / "verl_ppo.json").read_text())
-    assert "flash_attention_2" in doc["skipped"] and "\n" not in doc["skipped"]
+    assert "flash_attention_2" in doc["skipped"] and "\n" not in doc["skipped"] and "--set" in doc["skipped"]
     assert doc["settings"]["flash_attn_importable"] is False
     assert plot.combine(tmp_path, "ppo")["skipped"]["verl"] == doc["skipped"]
+
+
+def test_verl_ppo_without_flash_attn_runs_its_critic_with_the_actors_attention(tmp_path, monkeypatch):
+    """Without flash_attn, verl's ppo run goes on: its processes get the actor's attention implementation for the
+    critic (the environment variable its site hook reads), and the result records it."""
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def watched(cmd, out, env, *a, **k):
+        seen["env"] = env
+        raise Stop
+
+    monkeypatch.setattr(run_verl, "flash_attn_importable", lambda env: False)
+    monkeypatch.setattr(run_verl, "prepare_model", lambda *a: tmp_path)
+    monkeypatch.setattr(run_verl, "prepare_prompts", lambda *a: tmp_path / "p.jsonl")
+    monkeypatch.setattr(run_verl, "chat_token_counter", lambda *a: None)
+    monkeypatch.setattr(run_verl, "write_parquet", lambda *a: None)
+    monkeypatch.setattr(run_verl, "run_watched", watched)
+    monkeypatch.delenv("OUT", raising=False)
+    for profile, attn in (("tuned", "flex_attention"), ("baseline", "sdpa")):
+        monkeypatch.setattr(sys, "argv", ["run_verl.py", "--workload", "ppo", "--gpus", "1", "--out", str(tmp_path),
+                                          "--profile", profile])
+        with pytest.raises(Stop):
+            run_verl.main()
+        assert seen.pop("env")[run_verl.verl_critic_attn.ENV] == attn
+    assert not (tmp_path / "verl_ppo.json").exists()
+    site = tmp_path / "verl_port_site"
+    assert (site / "peers_verl_critic_attn.py").read_text() == (PEERS / "verl_critic_attn.py").read_text()
+    assert run_verl.verl_critic_attn.ENV in (site / "sitecustomize.py").read_text()
+
+
+def test_verl_critic_loader_takes_the_asked_attention(tmp_path):
+    """verl_critic_attn.wrap: a loader written like verl 0.9.1's (flash_attention_2 in the call) fails without
+    flash_attn; wrapped, it loads with the implementation asked for, and the auto class is as it was afterwards."""
+    import torch
+    import transformers
+    import verl_critic_attn
+
+    cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path)
+    cls = transformers.AutoModelForTokenClassification
+    before = cls.__dict__.get("from_pretrained")
+
+    def load_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
+        return transformers.AutoModelForTokenClassification.from_pretrained(
+            pretrained_model_name_or_path=local_path, torch_dtype=torch_dtype, config=model_config,
+            attn_implementation="flash_attention_2", trust_remote_code=trust_remote_code)
+
+    cfg.num_labels = 1
+    with pytest.raises(Exception, match="(?i)flash"):
+        load_valuehead_model(str(tmp_path), torch.float32, cfg, False)
+    model = verl_critic_attn.wrap(load_valuehead_model, "sdpa")(str(tmp_path), torch.float32, cfg, False)
+    assert type(model).__name__ == "Qwen2ForTokenClassification" and model.config._attn_implementation == "sdpa"
+    assert model.score.out_features == 1
+    assert cls.__dict__.get("from_pretrained") is before
+
+
+def test_verl_critic_site_hook_wraps_verls_loader_on_import(tmp_path):
+    """The run's sitecustomize wraps verl.utils.model.load_valuehead_model when the module is imported, in any
+    process started with the environment variable, and leaves it alone without it (a stand-in verl package)."""
+    import subprocess
+
+    site = run_verl.port_site(tmp_path)
+    pkg = tmp_path / "fake" / "verl" / "utils"
+    pkg.mkdir(parents=True)
+    (pkg.parent / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "model.py").write_text("def load_valuehead_model(*a, **k):\n    return 'loaded'\n")
+    code = ("from verl.utils.model import load_valuehead_model as f; "
+            "print(getattr(f, '__peers_critic_attn__', None), f())")
+    base = {k: v for k, v in __import__("os").environ.items() if not k.startswith("HYBRID_RL_PEERS")}
+    base["PYTHONPATH"] = f"{site}:{tmp_path / 'fake'}"
+    outs = []
+    for extra in ({run_verl.verl_critic_attn.ENV: "flex_attention"}, {}):
+        r = subprocess.run([sys.executable, "-c", code], env={**base, **extra}, capture_output=True, text=True,
+                           timeout=120, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-2000:]
+        outs.append(r.stdout.split())
+    assert outs == [["flex_attention", "loaded"], ["None", "loaded"]]
+
+
+def _run_all(tmp_path, *args, timeout=60):
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PEERS_")}
+    env.update(OUT=str(tmp_path / "out"), PEERS_RES=str(tmp_path / "res"), PEERS_VS=str(tmp_path / "no_vs"))
+    return subprocess.run(["bash", str(PEERS / "run_all.sh"), *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.parametrize("items, key", [
+    ([], "name the runs"), (["hybrid_rl:grpo", "slime:grpo"], "'slime:grpo'"), (["verl:dpo"], "'verl:dpo'"),
+    (["trl:ppo"], "no critic"),
+])
+def test_run_all_queue_refuses_bad_items_in_one_line(tmp_path, items, key):
+    """`run_all.sh queue` checks every FW:WORKLOAD before it starts anything: exit 2, one line naming the item."""
+    r = _run_all(tmp_path, "queue", "1", *items)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    last = [l for l in r.stdout.splitlines() if l.startswith("queue:")]
+    assert len(last) == 1 and key in last[0], r.stdout
+    assert not (tmp_path / "res" / "queue.pid").exists()
+
+
+def test_run_all_queue_runs_its_items_in_order_detached(tmp_path):
+    """The queue returns at once and runs its items one after the other in the background: here, with no vLLM
+    staged, each part stops at its install (exit 3), and the queue goes on to the next and says when it is done."""
+    import time
+
+    r = _run_all(tmp_path, "queue", "1", "hybrid_rl:ppo", "trl:grpo_long")
+    assert r.returncode == 0 and "queued hybrid_rl:ppo trl:grpo_long" in r.stdout, (r.stdout, r.stderr)
+    log = tmp_path / "res" / "queue.log"
+    deadline = time.monotonic() + 120
+    while "queue done" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    lines = [l.split()[:4] for l in log.read_text().splitlines()]
+    assert lines == [["start", "hybrid_rl:ppo"] + lines[0][2:3], ["end", "hybrid_rl:ppo", "exit", "3"],
+                     ["start", "trl:grpo_long"] + lines[2][2:3], ["end", "trl:grpo_long", "exit", "3"],
+                     ["queue", "done"] + lines[4][2:3]], lines
+    w = _run_all(tmp_path, "wait", "1")
+    assert "queue:" in w.stdout and "queue done" in w.stdout and "still running" not in w.stdout
 
 
 @pytest.mark.slow
