@@ -8,8 +8,8 @@ model instance, so parameter names, FSDP2 units and the weight push are untouche
 
 Only the in-model kernels are used. Liger's fused linear cross-entropy is left off: hybrid_rl's own LM-head path
 (``workers/packed.py``'s ``FusedLogProb``) gives per-token log-probs at a temperature and the entropy, which a
-cross-entropy loss does not. Left out: the critic's value model (its head is not a causal LM), and any device but
-CUDA (Triton).
+cross-entropy loss does not. Patched into the actor, the reference and the critic (its decoder stack, before the
+value head goes on); never on any device but CUDA (Triton).
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = harmless(False)
     """Recompute activations in the backward pass (≈ half the activation memory)."""
     use_liger: bool = harmless(False)
-    """Liger-Kernel's fused Triton kernels (RMSNorm, SwiGLU, rotary embeddings) in the actor and the reference
-    (``hybrid_rl/liger.py``); CUDA only, needs ``pip install 'hybrid_rl[liger]'``. Same math, fewer kernels."""
+    """Liger-Kernel's fused Triton kernels (RMSNorm, SwiGLU, rotary embeddings) in the actor, the reference and the
+    critic (``hybrid_rl/liger.py``); CUDA only, needs ``pip install 'hybrid_rl[liger]'``. Same math, fewer kernels."""
     trust_remote_code: bool = harmless(False)
     """Passed to ``from_pretrained``."""
     lora: LoraConfig = field(default_factory=LoraConfig)

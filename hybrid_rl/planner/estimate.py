@@ -339,5 +339,6 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float,
             **kept(critic_on=True), "critic grads (fp32, sharded)": 4 * Pc / W, **awake,
             **gathered(Pc, Pc, grad=True, unsharded=cu),
             f"activations ({tokens_label(tc, csp)}{', recomputed' if cr.enable_gradient_checkpointing else ''})":
-                grad_activations(shape, slice_of(tc, csp), c, False, cr.enable_gradient_checkpointing, sp=csp)}))
+                grad_activations(shape, slice_of(tc, csp), c, cfg.model.use_liger, cr.enable_gradient_checkpointing,
+                                 sp=csp)}))
     return out

@@ -41,6 +41,7 @@ from hybrid_rl import algorithms as alg
 from hybrid_rl.batch import Batch, row_index
 from hybrid_rl.config import Config, data_parallel_size, lr_schedule_steps, mini_batch_seqs
 from hybrid_rl.distributed import DistInfo, all_reduce_sum
+from hybrid_rl.liger import apply_liger
 from hybrid_rl.micro_batching import HOST_META, micro_batches
 from hybrid_rl.models import load_causal_lm, resolve_dtype
 from hybrid_rl.workers.actor_rollout_ref import UpdateStats
@@ -96,11 +97,15 @@ class ValueModel(nn.Module):
         return self.value_head(hidden).squeeze(-1).float()
 
 
-def build_value_model(path: str, trust_remote_code: bool = False, on_meta: bool = False) -> ValueModel:
+def build_value_model(path: str, trust_remote_code: bool = False, on_meta: bool = False,
+                      liger_device: torch.device | None = None) -> ValueModel:
     """A ``ValueModel`` from a causal LM checkpoint (fp32 on CPU; the engine moves and shards it). ``on_meta``: built
     on the ``meta`` device without reading the weights (``models.load_causal_lm``); the engine fills it from the first
-    rank's, value head included."""
+    rank's, value head included. ``liger_device``: Liger's kernels patched into the decoder stack first
+    (``model.use_liger``; the LM head they would leave alone is dropped anyway)."""
     lm = load_causal_lm(path, torch.float32, trust_remote_code, on_meta=on_meta)
+    if liger_device is not None:
+        apply_liger(lm, liger_device)
     backbone = lm.base_model  # the decoder stack (``model`` for Llama/Qwen), without the LM head
     if backbone is lm:
         raise ValueError(f"critic.model_path: {type(lm).__name__} exposes no backbone (base_model) to put a value head "
@@ -126,7 +131,8 @@ class CriticWorker:
         packs = actor_packs if c.use_remove_padding is None else c.use_remove_padding
         # only the data-parallel group's first rank reads the weights (workers/materialize.py)
         model = build_value_model(c.model_path or cfg.model.path, cfg.model.trust_remote_code,
-                                  on_meta=not reads_weights(dist.group))
+                                  on_meta=not reads_weights(dist.group),
+                                  liger_device=self.device if cfg.model.use_liger else None)
         self.engine = TrainingEngine(model, self.device, resolve_dtype(cfg.model.dtype, self.device), trainable=True,
                                      gradient_checkpointing=c.enable_gradient_checkpointing,
                                      accumulate_unsharded=c.accumulates_unsharded(cfg.actor), group=dist.group,

@@ -1,6 +1,6 @@
-"""Liger's fused kernels on a GPU (``model.use_liger``): patched into the actor and the reference, and the packed bf16
-log-probs and gradients agree with the unpatched pass's (``pytest -m gpu tests/gpu/test_liger_gpu.py``; skips without
-CUDA or without liger-kernel)."""
+"""Liger's fused kernels on a GPU (``model.use_liger``): patched into the actor, the reference and the critic, and
+the packed bf16 log-probs and gradients agree with the unpatched pass's (``pytest -m gpu tests/gpu/test_liger_gpu.py``;
+skips without CUDA or without liger-kernel)."""
 
 from __future__ import annotations
 
@@ -24,3 +24,11 @@ def test_liger_kernels_are_patched_and_agree(tiny_model_path):
     assert liger_patched(w.ref.model), "the reference model was not patched"
     # same parameter names (FSDP units and the weight push untouched), log-probs and gradients within bf16 noise
     assert_bf16_parity(batch, lp_ref, lp_liger, g_ref, g_liger)
+
+
+def test_liger_kernels_are_patched_into_the_critic(tiny_model_path):
+    from hybrid_rl.workers.critic import build_value_model
+
+    patched = liger_patched(build_value_model(tiny_model_path, liger_device=torch.device("cuda", 0)))
+    assert any("mlp" in n for n in patched) and any("layernorm" in n for n in patched), patched
+    assert all(n.startswith("backbone.") for n in patched), patched

@@ -82,3 +82,28 @@ def test_worker_on_cpu_stops_before_training(tiny_model_path):
 
     with pytest.raises(ValueError, match=r"model\.use_liger=true needs a CUDA device"):
         ActorRolloutRefWorker(make_cfg("model.use_liger=true"), cpu_dist())
+
+
+def test_critic_decoder_stack_gets_the_kernels(monkeypatch, tiny_model_path):
+    """``model.use_liger`` reaches the critic: Liger patches the causal LM whose decoder stack becomes the value model's
+    backbone (a stand-in patch that marks the final norm, as Liger's instance patch replaces its forward)."""
+    from hybrid_rl.workers.critic import build_value_model
+
+    seen = []
+
+    def apply_qwen2(model, **kw):
+        seen.append(model)
+        base = getattr(model, model.base_model_prefix)
+
+        def forward(self, x):
+            return x
+
+        forward.__module__ = "liger_kernel.transformers.rms_norm"
+        base.norm.forward = forward.__get__(base.norm)
+
+    _fake_liger(monkeypatch, {"qwen2": apply_qwen2})
+    plain = build_value_model(tiny_model_path)
+    assert seen == [] and liger_patched(plain) == []
+    critic = build_value_model(tiny_model_path, liger_device=CUDA)
+    (lm,) = seen
+    assert lm.base_model is critic.backbone and liger_patched(critic) == ["backbone.norm"]
