@@ -165,6 +165,7 @@ def overrides(model_dir: str, parquet: Path, gpus: int, w: dict, opts: dict, age
             f"{c}.model.enable_gradient_checkpointing={opts['gradient_checkpointing']}",
             f"{c}.model.use_remove_padding={opts['remove_padding']}",
             f"+{c}.model.override_config.attn_implementation={opts['attn_implementation']}",
+            f"{c}.model.use_liger={opts['liger']}",
             f"{c}.optim.lr={w['critic_lr']}", f"{c}.optim.weight_decay=0.0", f"{c}.optim.lr_scheduler_type=constant",
             f"{c}.optim.clip_grad={w['grad_clip']}", f"{c}.grad_clip={w['grad_clip']}",
             f"{c}.ppo_mini_batch_size={w['mini_batch_prompts']}", f"{c}.ppo_epochs=1",
@@ -248,7 +249,7 @@ def check_config(ov: list[str]) -> dict:
             "actor_rollout_ref.actor.fsdp_config.use_no_sync_for_gradient_accumulation",
             "actor_rollout_ref.rollout.enable_chunked_prefill", "actor_rollout_ref.rollout.agent.default_agent_loop",
             "critic.strategy", "critic.ppo_infer_max_token_len_per_gpu", "critic.model.use_remove_padding",
-            "critic.model.enable_gradient_checkpointing", "algorithm.adv_estimator"]
+            "critic.model.enable_gradient_checkpointing", "critic.model.use_liger", "algorithm.adv_estimator"]
     out = {k: OmegaConf.select(cfg, k) for k in keys}
     out.update(use_critic=need_critic(cfg), use_reference_policy=need_reference_policy(cfg),
                rollout_agent=rollout.agent.default_agent_loop)

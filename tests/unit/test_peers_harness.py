@@ -122,7 +122,7 @@ def test_tuned_is_the_default_and_each_option_reaches_the_config():
     assert v[f"{a}.ppo_max_token_len_per_gpu"] == "16384" and v[f"{r}.log_prob_max_token_len_per_gpu"] == "32768"
     assert v["critic.ppo_infer_max_token_len_per_gpu"] == "16384"
     assert f"{a}.ppo_micro_batch_size_per_gpu" not in v
-    assert v[f"{m}.use_fused_kernels"] == v[f"{m}.use_liger"] == "True"
+    assert v[f"{m}.use_fused_kernels"] == v[f"{m}.use_liger"] == v["critic.model.use_liger"] == "True"
     assert v[f"{m}.enable_gradient_checkpointing"] == v["critic.model.enable_gradient_checkpointing"] == "False"
     assert v[f"{a}.fsdp_config.reshard_after_forward"] == "False"
     assert v[f"{a}.fsdp_config.use_no_sync_for_gradient_accumulation"] == "True"
@@ -422,6 +422,8 @@ def test_verl_config_composes_and_validates():
             got = run_verl.check_config(ov)
             assert got["use_critic"] == (name == "ppo")
             assert got["actor_rollout_ref.model.use_liger"] == (profile == "tuned")
+            if name == "ppo":
+                assert got["critic.model.use_liger"] == (profile == "tuned")
 
 
 # -- verl's restart rule -------------------------------------------------------------------------------------------------
