@@ -175,9 +175,14 @@ verl_wait|wait)  # wait (up to 560 s) for the detached run or queue, then report
   busy() { pgrep -f 'benchmarks/peers/run_(hybrid_rl|trl|verl)[.]py' > /dev/null \
            || { [ -f "$RES/queue.pid" ] && kill -0 "$(cat "$RES/queue.pid")" 2>/dev/null; }; }
   for _ in $(seq 56); do busy || break; sleep 10; done
-  [ -f "$RES/queue.log" ] && { echo "queue:"; cat "$RES/queue.log"; }
+  W=$WORKLOAD
+  if [ -f "$RES/queue.log" ]; then
+    echo "queue:"; cat "$RES/queue.log"
+    CUR=$(awk '/^start /{c=$2} /^end /{c=""} END{print c}' "$RES/queue.log")  # the item running now, if any
+    [ -n "$CUR" ] && W=${CUR#*:}
+  fi
   if busy; then
-    echo "still running:"; tail -c 600 "$RES"/*_"$WORKLOAD"_stdout.log "$RES"/run_hybrid_rl_"$WORKLOAD"/stdout.log 2>/dev/null
+    echo "still running:"; tail -c 600 "$RES"/*_"$W"_stdout.log "$RES"/run_hybrid_rl_"$W"/stdout.log 2>/dev/null
   fi
   ;;
 report) ;;
