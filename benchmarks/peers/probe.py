@@ -178,11 +178,12 @@ def _record(out_dir: Path, looked: bool) -> None:
     tmp.replace(path)
 
 
-class _WrapOnImport:
-    """A ``sys.meta_path`` finder that lets transformers' ``modeling_utils`` load as usual and wraps its attention
-    registry at once, before any model can call it (then leaves ``sys.meta_path``)."""
+class AfterImport:
+    """A ``sys.meta_path`` finder that lets module ``name`` load as usual, then calls ``hook(module)`` at once, before
+    any other code can use the module (and leaves ``sys.meta_path``). Also used by ``verl_critic_attn.py``."""
 
-    name = "transformers.modeling_utils"
+    def __init__(self, name: str, hook):
+        self.name, self.hook = name, hook
 
     def find_spec(self, fullname, path, target=None):
         if fullname != self.name:
@@ -198,7 +199,7 @@ class _WrapOnImport:
         def exec_module(module):
             run(module)
             sys.modules[fullname] = module
-            _wrap_registry()
+            self.hook(module)
 
         spec.loader.exec_module = exec_module  # this spec's own loader object
         return spec
@@ -246,7 +247,8 @@ def start() -> None:
     if "transformers.modeling_utils" in sys.modules:
         _wrap_registry()
     else:
-        sys.meta_path.insert(0, _WrapOnImport())
+        # the attention registry wrapped as soon as transformers' modeling_utils loads, before any model can call it
+        sys.meta_path.insert(0, AfterImport("transformers.modeling_utils", lambda module: _wrap_registry()))
     threading.Thread(target=_watch, args=(out_dir, at), name="peers-probe", daemon=True).start()
 
 

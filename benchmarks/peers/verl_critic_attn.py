@@ -17,7 +17,6 @@ when ``HYBRID_RL_PEERS_VERL_CRITIC_ATTN`` is set. The result records it (``setti
 from __future__ import annotations
 
 import functools
-import importlib.util
 import sys
 
 ENV = "HYBRID_RL_PEERS_VERL_CRITIC_ATTN"
@@ -66,35 +65,17 @@ def _patch(module, attn: str) -> None:
         module.load_valuehead_model = wrap(fn, attn)
 
 
-class _PatchOnImport:
-    """A ``sys.meta_path`` finder that lets ``verl.utils.model`` load as usual, then wraps its loader at once (before
-    verl's engine can import the name), and leaves ``sys.meta_path``."""
-
-    def __init__(self, attn: str):
-        self.attn = attn
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != MODULE:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            _patch(module, self.attn)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
 def install(attn: str) -> None:
+    """Wrap verl's loader now if ``verl.utils.model`` is loaded, else as soon as it loads (before verl's engine can
+    import the name)."""
+    try:
+        from peers_probe import AfterImport  # the run's site folder holds the probe under this name
+    except ImportError:
+        from probe import AfterImport  # beside this file
     if MODULE in sys.modules:
         _patch(sys.modules[MODULE], attn)
-    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport(attn))
+    elif not any(getattr(f, "name", None) == MODULE for f in sys.meta_path):
+        sys.meta_path.insert(0, AfterImport(MODULE, lambda module: _patch(module, attn)))
 
 
 SITE_HOOK = f"""\
