@@ -9,7 +9,7 @@ In each process that imports transformers it
   ``flash_attention_2``, ...) with a counter: calls with and without autograd, calls on a batch of one row, the
   longest query, and the mask's type (flex attention's ``BlockMask``, a dense tensor, None);
 - looks, a few times during the run, for the Hugging Face models alive in the process (``nn.Module`` with a
-  ``config``): class, ``config._attn_implementation``, parameters and their dtype, and how many submodules run Liger's
+  ``config``, found by the garbage collector or noted as they were built): class, ``config._attn_implementation``, parameters and their dtype, and how many submodules run Liger's
   kernels (a class or a bound ``forward`` from ``liger_kernel``), plus whether Qwen2's rotary function is Liger's;
 - writes ``probe_<pid>.json`` into that folder after each look, every 30 s, and at exit (``atexit``, and
   ``os._exit``, which ranks that skip interpreter finalization leave through), with torch.compile's counters. A
@@ -29,6 +29,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 ENV_DIR = "HYBRID_RL_PEERS_PROBE_DIR"
@@ -123,8 +124,38 @@ def _from_liger(obj) -> bool:
     return mod.startswith("liger_kernel")
 
 
+_built: weakref.WeakSet = weakref.WeakSet()
+"""Every transformers model built since ``transformers.modeling_utils`` loaded (``_track_models``), held weakly."""
+
+
+def _track_models(modeling_utils) -> None:
+    """Note each ``PreTrainedModel`` as it is built (its ``post_init``, which every model's ``__init__`` ends with).
+    vLLM freezes the garbage collector's heap once its engine has started (``gc.freeze``), and ``gc.get_objects()``
+    leaves frozen objects out, so a trainer's model built before its in-process engine is found only through this."""
+    cls = getattr(modeling_utils, "PreTrainedModel", None)
+    if cls is None or getattr(cls.post_init, "__peers_probe__", False):
+        return
+    post_init = cls.post_init
+
+    def wrapped(self, *args, **kwargs):
+        try:
+            _built.add(self)
+        except TypeError:  # noqa: BLE001  (not weak-referenceable: the garbage collector's view still has it)
+            pass
+        return post_init(self, *args, **kwargs)
+
+    wrapped.__peers_probe__ = True
+    cls.post_init = wrapped
+
+
+def _on_modeling_utils(module) -> None:
+    _wrap_registry()
+    _track_models(module)
+
+
 def _models() -> list[dict]:
-    """The Hugging Face-style models alive in this process (the outermost of those nested in one another)."""
+    """The Hugging Face-style models alive in this process (the outermost of those nested in one another): those the
+    garbage collector tracks, and those noted as they were built (``_track_models``)."""
     import gc
     import warnings
 
@@ -134,6 +165,9 @@ def _models() -> list[dict]:
         warnings.simplefilter("ignore")
         found = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)
                  and getattr(getattr(o, "config", None), "model_type", None) is not None]
+    seen = {id(m) for m in found}
+    found += [m for m in list(_built) if id(m) not in seen
+              and getattr(getattr(m, "config", None), "model_type", None) is not None]
     inner = {id(m) for o in found for m in o.modules() if m is not o}
     out = []
     for m in found:
@@ -245,10 +279,11 @@ def start() -> None:
 
     os._exit = _exit
     if "transformers.modeling_utils" in sys.modules:
-        _wrap_registry()
+        _on_modeling_utils(sys.modules["transformers.modeling_utils"])
     else:
-        # the attention registry wrapped as soon as transformers' modeling_utils loads, before any model can call it
-        sys.meta_path.insert(0, AfterImport("transformers.modeling_utils", lambda module: _wrap_registry()))
+        # the attention registry wrapped, and models noted as they are built, as soon as transformers' modeling_utils
+        # loads: before any model can be built or call attention
+        sys.meta_path.insert(0, AfterImport("transformers.modeling_utils", _on_modeling_utils))
     threading.Thread(target=_watch, args=(out_dir, at), name="peers-probe", daemon=True).start()
 
 

@@ -30,6 +30,10 @@ SCRIPT = textwrap.dedent("""
             layer.input_layernorm = LigerRMSNorm(32)
             layer.post_attention_layernorm = LigerRMSNorm(32)
         model.model.norm = LigerRMSNorm(32)
+    if sys.argv[1] == "frozen":  # what vLLM does once its engine has started: the heap so far leaves the GC's view
+        import gc
+        gc.freeze()
+        assert not any(o is model for o in gc.get_objects())
     model(torch.randint(0, 97, (1, 40))).logits.sum().backward()   # one row of 40 tokens, with autograd
     with torch.no_grad():
         model(torch.randint(0, 97, (2, 12)))                           # two rows of 12, no grad
@@ -90,6 +94,18 @@ def test_without_liger_and_within_one_sequence_nothing_is_claimed(tmp_path):
     assert took["liger_modules"] == 0 and took["packed_rows_in_training"] is False  # 40 fits one sequence of 64
     assert took["mismatches"] == ["liger"]
     assert probe.collect(tmp_path / "nothing", seq_cap=64, asked={"liger": True})["processes"] == 0
+
+
+def test_a_model_built_before_the_heap_is_frozen_is_still_found(tmp_path):
+    """vLLM freezes the garbage collector's heap after start-up; a trainer's model built before that is out of
+    ``gc.get_objects()`` (the script checks) and the probe still lists it, from the models it saw being built."""
+    out = _run(tmp_path, "frozen")
+    took = probe.collect(out, seq_cap=64, asked={"liger": False})
+    [model] = [m for m in took["models"] if m["class"] == "Qwen2ForCausalLM"]
+    # 3 layers of a 32-wide Qwen2 with a 97-token vocabulary, embeddings untied: counted from the shape
+    per_layer = (32 * 32 + 32) + 2 * (32 * 16 + 16) + (32 * 32) + 3 * 32 * 64 + 2 * 32
+    assert model["params"] == 97 * 32 * 2 + 3 * per_layer + 32
+    assert model["training"] is True and model["liger_modules"] == 0
 
 
 def test_the_site_keeps_what_runs_before_the_probe(tmp_path):
