@@ -20,6 +20,9 @@ prediction where there is one), naming them.
 
     PYTHONPATH=. python benchmarks/plan_calibration.py --max-error 10
 
+Then one row per measured phase of the hybrid_rl run of every ``peers_*.json`` (``benchmarks/peers/``) that recorded
+its phases' peaks (``memory``), the same way: its recipe and overrides, the workload's built-in model.
+
 The curated runs were measured with the actor's fp32 gradients kept from one update through the next step's
 log-prob passes (``update_step`` times each pass after a warm-up update, the flagship a step after its first), where
 the trainer's optimizer step frees them. Their rows (``Row.held_grads``) add the planner's actor-gradient term of the update
@@ -43,7 +46,7 @@ from hybrid_rl.config import load_config  # noqa: E402
 from hybrid_rl.planner.estimate import GIB, Phase, phases  # noqa: E402
 from hybrid_rl.planner.gpus import card_memory_gib  # noqa: E402
 from hybrid_rl.planner.shape import read_shape  # noqa: E402
-from scale_7b import PLANNED  # noqa: E402  (its timed phase -> the planner's phase)
+from phase_memory import PLANNED  # noqa: E402  (a timed phase -> the planner's phase)
 
 RECIPE = ROOT / "recipes" / "gsm8k_grpo.yaml"
 M15 = "model.path=builtin:qwen2.5-1.5b-random"
@@ -137,32 +140,59 @@ def predicted(overrides: list[str], gpus: int, gib: float, which: str, held_grad
     return max(p.total + (grads if GRADS not in p.terms else 0.0) for p in trainer) / GIB
 
 
-def scale_rows(doc: dict) -> list[tuple[str, float, float, float | None]]:
-    """(run and phase, measured GiB, the planner's GiB now, the planner's GiB now at the run's largest micro-batch
-    or None where the run did not log it) for every measured phase and engine pool of a ``scale_7b_*.json``; runs
-    that failed are left out."""
+def run_rows(label: str, recipe: Path, overrides: list[str], gpus: int, gpu_gib: float, memory: dict,
+             pool: float | None) -> list[tuple[str, float, float, float | None]]:
+    """(``label`` and phase, measured GiB, the planner's GiB now, the planner's GiB now at the run's largest
+    micro-batch or None where the run did not log it) for each measured phase of one run (``memory``: timed phase →
+    ``measured_gib``, ``micro_batch_tokens``) and its engine pool."""
     from hybrid_rl.planner.verdict import judge
 
+    cfg = load_config(str(recipe), overrides).validate(gpus)  # as the run was checked
+    shape, gpu_bytes = read_shape(cfg.model.path), gpu_gib * GIB
+    planned = {p.name: p for p in judge(cfg, shape, gpus, gpu_bytes)[0]}
+    micro = {PLANNED[ph]: m["micro_batch_tokens"] for ph, m in memory.items()
+             if m.get("micro_batch_tokens") and ph in PLANNED}
+    at_run = {p.name: p for p in phases(cfg, shape, gpus, gpu_bytes, micro)} if micro else {}
+    out = []
+    for phase, m in memory.items():
+        if m.get("measured_gib") is not None and PLANNED.get(phase) in planned:
+            name = PLANNED[phase]
+            out.append((f"{label} {phase}", m["measured_gib"], planned[name].total / GIB,
+                        at_run[name].total / GIB if name in micro and name in at_run else None))
+    engine = planned.get("generation", Phase("generation")).terms.get("engine (awake)")
+    if pool and engine:
+        out.append((f"{label} engine pool", pool, engine / GIB, None))
+    return out
+
+
+def scale_rows(doc: dict) -> list[tuple[str, float, float, float | None]]:
+    """``run_rows`` for every run of a ``scale_7b_*.json``; runs that failed are left out."""
     out = []
     for run in doc.get("runs", []):
         if "error" in run or "memory" not in run:
             continue
         overrides = [f"model.path={doc['model']}", *run["base_overrides"], *run["overrides"]]
-        cfg = load_config(str(ROOT / doc["recipe"]), overrides).validate(doc["gpus"])  # as the run was checked
-        shape, gpu_bytes = read_shape(cfg.model.path), doc["gpu_gib"] * GIB
-        planned = {p.name: p for p in judge(cfg, shape, doc["gpus"], gpu_bytes)[0]}
-        micro = {PLANNED[ph]: m["micro_batch_tokens"] for ph, m in run["memory"].items()
-                 if m.get("micro_batch_tokens") and ph in PLANNED}
-        at_run = {p.name: p for p in phases(cfg, shape, doc["gpus"], gpu_bytes, micro)} if micro else {}
-        for phase, m in run["memory"].items():
-            if m.get("measured_gib") is not None and PLANNED.get(phase) in planned:
-                name = PLANNED[phase]
-                out.append((f"{run['mode']} {phase}", m["measured_gib"], planned[name].total / GIB,
-                            at_run[name].total / GIB if name in micro and name in at_run else None))
-        pool = (run.get("engine_pool") or {}).get("measured_gib")
-        engine = planned.get("generation", Phase("generation")).terms.get("engine (awake)")
-        if pool and engine:
-            out.append((f"{run['mode']} engine pool", pool, engine / GIB, None))
+        out += run_rows(run["mode"], ROOT / doc["recipe"], overrides, doc["gpus"], doc["gpu_gib"], run["memory"],
+                        (run.get("engine_pool") or {}).get("measured_gib"))
+    return out
+
+
+RUN_PATHS = ("data.train_path=", "data.val_path=", "trainer.output_dir=", "model.path=")
+"""Overrides of a peers run that name its machine's files: the model is the workload's built-in shape instead."""
+
+
+def peers_rows(doc: dict) -> list[tuple[str, float, float, float | None]]:
+    """``run_rows`` for the hybrid_rl run of a ``peers_*.json`` (``benchmarks/peers/``) that recorded its phases'
+    peaks: its recipe and overrides, the workload's model."""
+    out = []
+    for run in doc.get("frameworks", []):
+        if run.get("framework") != "hybrid_rl" or "memory" not in run or "error" in run:
+            continue
+        gpus, gib = box(run)
+        settings = run["settings"]
+        overrides = [f"model.path={doc['model']}", *(o for o in settings["overrides"] if not o.startswith(RUN_PATHS))]
+        out += run_rows(f"hybrid_rl {doc['workload_name']}", ROOT / settings["recipe"], overrides, gpus, gib,
+                        run["memory"], (run.get("engine_pool") or {}).get("measured_gib"))
     return out
 
 
@@ -196,6 +226,9 @@ def main(results: Path = RESULTS, max_error: float | None = None) -> int:
     for path in sorted(results.glob("scale_7b_*.json")):
         doc = json.loads(path.read_text())
         for what, value, pred, at_run in scale_rows(doc):
+            line(path.stem, what, value, pred, at_run)
+    for path in sorted(results.glob("peers_*.json")):
+        for what, value, pred, at_run in peers_rows(json.loads(path.read_text())):
             line(path.stem, what, value, pred, at_run)
     if worse:
         print(f"off by more than {max_error:g}%: {'; '.join(worse)}", file=sys.stderr)

@@ -52,12 +52,10 @@ sys.path.insert(1, str(ROOT))
 import modes  # noqa: E402  (benchmarks/modes.py: run_mode, summarize, device_name)
 from bench_common import run_dir  # noqa: E402
 
+from phase_memory import PLANNED, TRAINING, from_rows  # noqa: E402  (timed phase → the planner's; its peaks)
+
 RECIPE = ROOT / "recipes" / "gsm8k_grpo_7b.yaml"
 DATA = ROOT / "benchmarks" / "data" / "gsm8k_train_1k.jsonl"
-PLANNED = {"gen": "generation", "old_log_prob": "old log-prob", "ref": "ref log-prob", "update": "actor update"}
-"""Timed phase → the planner's phase."""
-TRAINING = ("old_log_prob", "ref", "update")
-"""Phases that run with the engine asleep: its pool (counted by torch while it sleeps) is taken off their peak."""
 GPU = dict(model="builtin:qwen2.5-7b-random", prompts=None, prompts_per_gpu=4, warmup=1, measure=2, run_timeout=2400.0,
            cap=16384, mean=8192, sp_sizes=(1, 2, 4), overrides=[])
 CPU_SMOKE = dict(model="builtin:tiny-qwen2", prompts=8, warmup=1, measure=1, run_timeout=240.0, cap=32, mean=16,
@@ -123,20 +121,7 @@ def measured(run_dir: Path, args) -> dict:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "timing/step" in r][args.warmup:args.stop_after]
     mean = lambda k: statistics.fmean(r[k] for r in rows) if all(k in r for r in rows) else None  # noqa: E731
-    pool = max((r.get("perf/engine_pool_gb", 0.0) for r in rows), default=0.0)
-    phases, micro = {}, {}
-    for phase in PLANNED:
-        key = f"perf/phase_memory_allocated_gb/{phase}"
-        if any(key in r for r in rows):
-            peak = max(r[key] for r in rows if key in r)
-            phases[phase] = peak - pool if phase in TRAINING else peak
-        key = f"perf/phase_micro_batch_tokens/{phase}"
-        if any(key in r for r in rows):
-            micro[phase] = int(max(r[key] for r in rows if key in r))
-    return {"micro_batch_tokens": micro, "mfu_update": mean("perf/mfu_update"), "mfu_update_equiv": mean("perf/mfu_update_equiv"),
-            "engine_pool_gb": pool or None, "phase_peak_gib": phases,
-            "peak_outside_engine_gib": max((r["perf/max_memory_allocated_outside_engine_gb"] for r in rows
-                                            if "perf/max_memory_allocated_outside_engine_gb" in r), default=None)}
+    return {**from_rows(rows), "mfu_update": mean("perf/mfu_update"), "mfu_update_equiv": mean("perf/mfu_update_equiv")}
 
 
 def one_run(name: str, overrides: list[str], args, out_dir: Path, gpu_gib: float) -> dict:
@@ -225,7 +210,8 @@ def plot(results: list[dict], title: str, path: Path) -> None:
         ax1.text(i, max(bottom[i], r["step_s"]), f"{r['step_s']:.3g} s{mfu}", ha="center", va="bottom", fontsize=7)
     ax1.set_ylabel("seconds per step (phases: maxima over ranks)")
     ax1.legend(fontsize=7)
-    width, phases = 0.8 / max(len(ok), 1), list(PLANNED)
+    phases = [p for p in PLANNED if any(p in r["memory"] for r in ok)]
+    width = 0.8 / max(len(ok), 1)
     for i, r in enumerate(ok):
         xs = [j + i * width for j in range(len(phases))]
         ax2.bar(xs, [r["memory"].get(p, {}).get("measured_gib") or 0.0 for p in phases], width * 0.9, label=r["mode"])

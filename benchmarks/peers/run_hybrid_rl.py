@@ -5,6 +5,11 @@ JSON shape.
     python benchmarks/peers/run_hybrid_rl.py --gpus 2 --workload grpo --model-dir /tmp/peers_model --out /tmp/peers_res
     python benchmarks/peers/run_hybrid_rl.py --workload ppo --print-overrides
     python benchmarks/peers/run_hybrid_rl.py --cpu-smoke      # tiny model on CPU (HF engine): checks the plumbing
+    python benchmarks/peers/run_hybrid_rl.py --workload ppo --out /tmp/peers_res --add-memory
+                                          # runs nothing: adds the per-phase peaks of the run in --out to its result
+
+The result records each timed phase's peak memory over the measured steps as the planner names it (``memory``,
+``engine_pool``: ``benchmarks/phase_memory.py``), which ``benchmarks/plan_calibration.py`` sets beside the planner.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 import probe  # noqa: E402
+from phase_memory import memory_record  # noqa: E402
 from workload import (ROOT, chat_token_counter, commit, common_args, device_name, file_sha256, prepare_model,  # noqa: E402
                       prepare_prompts, resolve_options, result_path, run_watched, settings_record, summarize, tail,
                       workload_spec, write_result)
@@ -129,11 +136,37 @@ def parse(metrics: Path) -> list[dict]:
     return rows
 
 
+def measured_memory(metrics: Path, warmup: int) -> dict:
+    """``memory`` and ``engine_pool`` (``phase_memory.memory_record``) over the steps after ``warmup`` of a run's
+    ``metrics.jsonl``."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return memory_record([r for r in rows if "timing/step" in r][warmup:])
+
+
+def add_memory(out: Path, w: dict) -> int:
+    """Add ``memory`` and ``engine_pool`` to the result in ``out`` from its run's ``metrics.jsonl`` (a result written
+    before they were recorded); 2 with one line when either file is missing."""
+    path, metrics = result_path(out, "hybrid_rl", w), out / f"run_hybrid_rl_{w['name']}" / "metrics.jsonl"
+    for need in (path, metrics):
+        if not need.is_file():
+            print(f"error: {need} not found: --add-memory reads a finished run's result and its metrics.jsonl in --out",
+                  file=sys.stderr)
+            return 2
+    doc = json.loads(path.read_text())
+    doc.update(measured_memory(metrics, doc.get("warmup_dropped", w["warmup"])))
+    doc["memory_added"] = f"from {metrics.parent.name}/metrics.jsonl by run_hybrid_rl.py --add-memory at {commit()}"
+    path.write_text(json.dumps(doc, indent=2))
+    print(json.dumps({k: doc[k] for k in ("memory", "engine_pool", "memory_added")}))
+    return 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common_args(ap, default_timeout=420)
     ap.add_argument("--cpu-smoke", action="store_true")
     ap.add_argument("--print-overrides", action="store_true")
+    ap.add_argument("--add-memory", action="store_true",
+                    help="run nothing: add the per-phase peaks of the finished run in --out to its result")
     ap.add_argument("extra", nargs="*", help="more key=value overrides")
     args = ap.parse_args()
     if args.cpu_smoke:
@@ -142,6 +175,8 @@ def main() -> None:
     w.update(steps=args.steps or w["steps"], warmup=w["warmup"] if args.warmup is None else args.warmup)
     opts = resolve_options(PROFILES, args.profile, w, args.set)
     out = Path(args.out)
+    if args.add_memory:
+        sys.exit(add_memory(out, w))
     run_dir = out / f"run_hybrid_rl_{w['name']}"
     if args.print_overrides:
         print("\n".join(overrides(args.model_dir, run_dir, "PROMPTS.jsonl", w, opts, False) + args.extra))
@@ -199,6 +234,7 @@ def main() -> None:
                         wall_s=wt.done_at or time.perf_counter() - t0, settings=settings,
                         notes=[f"response lengths forced: rollout.forced_lengths={w['lengths']} (cap "
                                f"{w['response_length']}; EOS ignored, no stop ids)"])
+        doc.update(measured_memory(metrics, w["warmup"]))
     doc.update(device=device_name(args.gpus) if not args.cpu_smoke else "CPU", commit=commit(),
                took_effect=probe.collect(probe_dir, w["max_prompt_length"] + w["response_length"],
                                          {"liger": opts["liger"]}))

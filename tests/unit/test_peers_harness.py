@@ -735,3 +735,33 @@ def test_staging_refuses_a_bad_size_in_one_line_before_downloading(tmp_path, scr
                          text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 2 and out.stdout == ""
     assert len(out.stderr.strip().splitlines()) == 1 and key in out.stderr
+
+
+def test_add_memory_records_the_phase_peaks_of_a_finished_run(tmp_path):
+    """``run_hybrid_rl.py --add-memory`` runs nothing: it adds to the result in --out the per-phase peaks of the
+    measured steps (after the result's warm-up) of its run's metrics.jsonl, the engine's pool off the training
+    phases; without the files it is one line and exit 2, the result untouched."""
+    import subprocess
+
+    run = tmp_path / "run_hybrid_rl_ppo"
+    run.mkdir()
+    rows = [{"timing/step": 9.0, "perf/engine_pool_gb": 4.0, "perf/phase_memory_allocated_gb/update": 99.0},  # warm-up
+            {"event": "not a step", "perf/phase_memory_allocated_gb/update": 500.0},
+            {"timing/step": 1.0, "perf/engine_pool_gb": 4.0, "perf/phase_memory_allocated_gb/update": 30.0,
+             "perf/phase_memory_allocated_gb/gen": 20.0, "perf/phase_micro_batch_tokens/update": 700},
+            {"timing/step": 1.0, "perf/engine_pool_gb": 4.0, "perf/phase_memory_allocated_gb/update": 34.0,
+             "perf/phase_micro_batch_tokens/update": 900}]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "OUT"}
+    cmd = [sys.executable, str(PEERS / "run_hybrid_rl.py"), "--workload", "ppo", "--out", str(tmp_path), "--add-memory"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "hybrid_rl_ppo.json" in r.stderr
+    (tmp_path / "hybrid_rl_ppo.json").write_text(json.dumps({"framework": "hybrid_rl", "warmup_dropped": 1,
+                                                              "step_s": 1.0}))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads((tmp_path / "hybrid_rl_ppo.json").read_text())
+    assert doc["step_s"] == 1.0
+    assert doc["memory"] == {"update": {"measured_gib": 34.0 - 4.0, "micro_batch_tokens": 900},
+                             "gen": {"measured_gib": 20.0, "micro_batch_tokens": None}}
+    assert doc["engine_pool"] == {"measured_gib": 4.0} and "metrics.jsonl" in doc["memory_added"]

@@ -88,3 +88,58 @@ def test_a_run_that_logged_its_micro_batches_is_judged_at_them(tmp_path, capsys)
             if r and r[0].startswith("scale_7b_H200x1")}
     assert rows["old_log_prob"][-2:] == [f"{plan['old log-prob']:.1f}", "+0%"]
     assert rows["update"][-1] == "+0%" and rows["update"][-3] != "+0%"
+
+
+def test_phase_peaks_take_the_engine_pool_off_the_training_phases_only():
+    """``phase_memory.from_rows``: the largest peak of each phase over the rows, the engine's pool (which torch still
+    counts while the engine sleeps) off the phases that run with it asleep, not off generation; the largest
+    micro-batch; rows that are not steps are ignored by the callers, and a phase never logged is absent."""
+    import phase_memory
+
+    rows = [{"perf/engine_pool_gb": 10.0, "perf/phase_memory_allocated_gb/gen": 50.0,
+             "perf/phase_memory_allocated_gb/update": 90.0, "perf/phase_memory_allocated_gb/values": 40.0,
+             "perf/phase_micro_batch_tokens/update": 1000},
+            {"perf/engine_pool_gb": 10.0, "perf/phase_memory_allocated_gb/gen": 52.0,
+             "perf/phase_memory_allocated_gb/update": 95.0, "perf/phase_memory_allocated_gb/update_critic": 70.0,
+             "perf/phase_micro_batch_tokens/update": 1500, "perf/max_memory_allocated_outside_engine_gb": 85.0}]
+    got = phase_memory.from_rows(rows)
+    assert got["phase_peak_gib"] == {"gen": 52.0, "update": 85.0, "values": 30.0, "update_critic": 60.0}
+    assert got["micro_batch_tokens"] == {"update": 1500}
+    assert got["engine_pool_gb"] == 10.0 and got["peak_outside_engine_gib"] == 85.0
+    rec = phase_memory.memory_record(rows)
+    assert rec["memory"]["update"] == {"measured_gib": 85.0, "micro_batch_tokens": 1500}
+    assert rec["memory"]["gen"] == {"measured_gib": 52.0, "micro_batch_tokens": None}
+    assert rec["engine_pool"] == {"measured_gib": 10.0}
+
+
+def test_a_peers_hybrid_rl_run_is_rows_beside_the_planner_with_its_critic(tmp_path, capsys):
+    """The hybrid_rl run of a ``peers_*.json`` that recorded ``memory`` becomes rows: the planner for its recipe and
+    overrides with the workload's built-in model (the run's own model folder and data files dropped), its critic's
+    phases included; another framework's run and a run without ``memory`` give none."""
+    from hybrid_rl.config import load_config
+    from hybrid_rl.planner.estimate import GIB, phases
+    from hybrid_rl.planner.shape import read_shape
+
+    model = "builtin:qwen2.5-1.5b-random"
+    overrides = ["model.path=/machine/peers_model", "data.train_path=/machine/prompts.jsonl", "data.val_path=null",
+                 "trainer.output_dir=/machine/run", "data.train_batch_size=128", "rollout.n=1",
+                 "actor.ppo_mini_batch_size=64", "critic.ppo_mini_batch_size=64", "actor.use_dynamic_bsz=true",
+                 "actor.max_token_len_per_device=16384", "critic.use_dynamic_bsz=true",
+                 "critic.max_token_len_per_device=16384", "model.enable_gradient_checkpointing=false"]
+    kept = [f"model.path={model}", *overrides[4:]]
+    cfg = load_config(str(ROOT / "recipes" / "gsm8k_ppo.yaml"), kept)
+    plan = {p.name: p.total / GIB for p in phases(cfg, read_shape(model), 1, 139.8 * GIB)}
+    memory = {"values": {"measured_gib": plan["critic values"], "micro_batch_tokens": None},
+              "update_critic": {"measured_gib": plan["critic update"] / 1.25, "micro_batch_tokens": None},
+              "gen": {"measured_gib": plan["generation"], "micro_batch_tokens": None}}
+    run = {"framework": "hybrid_rl", "device": "H200x1", "memory": memory, "engine_pool": {"measured_gib": None},
+           "settings": {"recipe": "recipes/gsm8k_ppo.yaml", "overrides": overrides}}
+    doc = {"model": model, "workload_name": "ppo",
+           "frameworks": [run, {**run, "framework": "verl"}, {k: v for k, v in run.items() if k != "memory"}]}
+    (tmp_path / "peers_H200x1_ppo.json").write_text(json.dumps(doc))
+    assert pc.main(tmp_path, max_error=10) == 1
+    out, err = capsys.readouterr()
+    rows = {r[3]: r for r in (line.split() for line in out.splitlines()) if r and r[0] == "peers_H200x1_ppo"}
+    assert set(rows) == {"values", "update_critic", "gen"}  # one run's rows: the verl entry and the bare one give none
+    assert rows["values"][-1] == "+0%" and rows["gen"][-1] == "+0%" and rows["update_critic"][-1] == "+25%"
+    assert "hybrid_rl ppo update_critic (+25%)" in err
