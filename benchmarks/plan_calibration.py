@@ -25,8 +25,9 @@ its phases' peaks (``memory``), the same way: its recipe and overrides, the work
 
 The curated runs were measured with the actor's fp32 gradients kept from one update through the next step's
 log-prob passes (``update_step`` times each pass after a warm-up update, the flagship a step after its first), where
-the trainer's optimizer step frees them. Their rows (``Row.held_grads``) add the planner's actor-gradient term of the update
-to its no-grad passes, so the prediction is of what those runs held.
+the trainer's optimizer step frees them. Their rows (``Row.held_grads``) add the actor's fp32 gradient shards to every
+phase that does not already count them (the no-grad passes, and an update that accumulates unsharded), so the
+prediction is of what those runs held.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ def predicted(overrides: list[str], gpus: int, gib: float, which: str, held_grad
     if which == "engine":
         return next(p for p in all_phases if p.name == "generation").terms["engine (awake)"] / GIB
     trainer = [p for p in all_phases if p.name not in ("weight push", "generation")]
-    grads = next(p for p in trainer if p.name == "actor update").terms[GRADS] if held_grads else 0.0
+    grads = 4 * read_shape(cfg.model.path).params / gpus if held_grads else 0.0  # the actor's fp32 shards
     return max(p.total + (grads if GRADS not in p.terms else 0.0) for p in trainer) / GIB
 
 

@@ -10,7 +10,10 @@ mini-batch's first backward until its optimizer step frees them, so only in the 
 reference is sharded in the compute dtype (``cP/W``; LoRA reuses the actor). A pass gathers two blocks at a time
 (the current one and the prefetched next) and the root (embeddings) in the compute dtype; with
 ``actor.accumulate_unsharded`` the whole model stays gathered (``cP``) and the update accumulates full fp32
-gradients (``4P``); the critic's passes likewise with ``critic.accumulate_unsharded`` (by default the actor's).
+gradients (``4P``), reduce-scattered into their shards block by block only in the mini-batch's last backward, as
+that backward frees the activations: the shards (``4P/W``) are not held beside the activations, and the update's
+peak is the unsharded gradients with the last micro-batch's activations. The critic's passes likewise with
+``critic.accumulate_unsharded`` (by default the actor's).
 
 Activations kept for backward, bytes per token per layer at c = 2, counted from what autograd saves in a
 Qwen2/Llama block: the two RMSNorms save their fp32 input and bf16 output (6h each), q/k/v's input (2h), attention's
@@ -315,8 +318,10 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float,
     ratio = (unshared_ratio(cfg) if budget is not None else unshared_ratio(cfg, update_seqs, worst)) if lay.shared \
         else None
     recompute = cfg.model.enable_gradient_checkpointing
+    # gradient shards beside the activations only when each micro-batch reduce-scatters (module docstring)
+    shards = {} if a.accumulate_unsharded else {"actor grads (fp32, sharded)": 4 * P_train / W}
     out.append(Phase("actor update", {
-        **kept(), "actor grads (fp32, sharded)": 4 * P_train / W, **awake, **gathered(P, P_train, grad=True),
+        **kept(), **shards, **awake, **gathered(P, P_train, grad=True),
         f"activations ({tokens_label(t)}{', recomputed' if recompute else ''})":
             grad_activations(shape, slice_of(t, sp), c, cfg.model.use_liger, recompute, ratio, sp),
         "logits": logits_bytes(shape, slice_of(response_rows(cfg, t), sp), lay.fused, grad=True, packed=lay.packed)}))
@@ -335,8 +340,9 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float,
         cmini = max(mini_batch_seqs(cr, dp, cfg.rollout.n), 1)
         tc = micro_at.get("critic update") or micro_tokens(cfg, min(cr.ppo_micro_batch_size_per_device, cmini),
                                                             cbudget, rank_seqs)
+        cshards = {} if cu else {"critic grads (fp32, sharded)": 4 * Pc / W}
         out.append(Phase("critic update", {
-            **kept(critic_on=True), "critic grads (fp32, sharded)": 4 * Pc / W, **awake,
+            **kept(critic_on=True), **cshards, **awake,
             **gathered(Pc, Pc, grad=True, unsharded=cu),
             f"activations ({tokens_label(tc, csp)}{', recomputed' if cr.enable_gradient_checkpointing else ''})":
                 grad_activations(shape, slice_of(tc, csp), c, cfg.model.use_liger, cr.enable_gradient_checkpointing,

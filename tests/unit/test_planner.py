@@ -65,6 +65,24 @@ def test_gradients_are_held_only_in_their_models_update():
     assert by_name["critic update"]["critic params (fp32, sharded)"] == 4 * critic_params / 2
 
 
+def test_accumulating_unsharded_holds_whole_gradients_and_no_shards_beside_the_activations():
+    """With ``accumulate_unsharded`` the update accumulates whole fp32 gradients (4 bytes a parameter, on every rank)
+    and reduce-scatters them only in its last backward, as the activations are freed: the update holds those, not
+    the shards as well (peaks measured on 1×H200 agree within 3%, ``plan_calibration.py``); the critic's likewise."""
+    cfg = _cfg("algorithm.adv_estimator=gae", "actor.accumulate_unsharded=true", world=2)
+    by_name = {p.name: p.terms for p in phases(cfg, read_shape(cfg.model.path), 2, 80 * GIB)}
+    critic_params = PARAMS + H + 1
+    assert by_name["actor update"]["unsharded grads (fp32, whole model)"] == 4 * PARAMS
+    assert by_name["critic update"]["unsharded grads (fp32, whole model)"] == 4 * critic_params
+    for name, term in (("actor update", "actor grads (fp32, sharded)"), ("critic update", "critic grads (fp32, sharded)")):
+        assert term not in by_name[name]
+    # the critic reduce-scattering every micro-batch holds its shards again
+    off = _cfg("algorithm.adv_estimator=gae", "actor.accumulate_unsharded=true", "critic.accumulate_unsharded=false",
+               world=2)
+    critic = {p.name: p.terms for p in phases(off, read_shape(off.model.path), 2, 80 * GIB)}["critic update"]
+    assert critic["critic grads (fp32, sharded)"] == 4 * critic_params / 2
+
+
 def test_recomputation_keeps_layer_inputs_and_one_layer():
     cfg = _cfg("actor.use_remove_padding=false", "actor.share_prompts=false", "model.enable_gradient_checkpointing=true",
                "actor.ppo_micro_batch_size_per_device=2", "actor.ppo_mini_batch_size=32")
