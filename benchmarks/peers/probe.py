@@ -9,8 +9,9 @@ In each process that imports transformers it
   ``flash_attention_2``, ...) with a counter: calls with and without autograd, calls on a batch of one row, the
   longest query, and the mask's type (flex attention's ``BlockMask``, a dense tensor, None);
 - looks, a few times during the run, for the Hugging Face models alive in the process (``nn.Module`` with a
-  ``config``, found by the garbage collector or noted as they were built): class, ``config._attn_implementation``, parameters and their dtype, and how many submodules run Liger's
-  kernels (a class or a bound ``forward`` from ``liger_kernel``), plus whether Qwen2's rotary function is Liger's;
+  ``config``, found by the garbage collector or noted as they were built): class, ``config._attn_implementation``,
+  parameters and their dtype, and how many submodules run Liger's kernels (a class or a bound ``forward`` from
+  ``liger_kernel``), plus whether Qwen2's rotary function is Liger's;
 - writes ``probe_<pid>.json`` into that folder after each look, every 30 s, and at exit (``atexit``, and
   ``os._exit``, which ranks that skip interpreter finalization leave through), with torch.compile's counters. A
   process killed outright keeps what its last write held.
