@@ -38,6 +38,7 @@ from hybrid_rl.phases.old_log_prob import old_log_probs, plan_old_log_prob
 from hybrid_rl.phases.reward import RewardPhase
 from hybrid_rl.rewards import RewardScorer
 from hybrid_rl.runlock import take_run_lock
+from hybrid_rl.telemetry.gc_pauses import StepCollection
 from hybrid_rl.telemetry.metrics import finish_step_metrics, step_metrics, step_times
 from hybrid_rl.telemetry.perf import ModelFlops, peak_flops, step_perf_means, step_perf_metrics, watched_step
 from hybrid_rl.telemetry.tracking import Timer, Tracker, run_summary, trim_metrics
@@ -156,12 +157,28 @@ class Trainer:
                                                                      self.cfg.trainer.val_before_train)):
             self._log(self.validate(), step=self.start_step)  # before training, or the one a stop put off (below)
             self.loop.val_owed = False
+        collector = StepCollection(self.cfg.trainer.gc_steps)  # trainer.gc_steps: collect between steps only
+        collector.start()
+        try:
+            self._steps(history, collector)
+        finally:
+            collector.stop()
+        self.source.close()
+        self.tracker.close()
+        self.tracker.write(self._summary(history, time.perf_counter() - started))
+        return history
+
+    def _steps(self, history: list[dict[str, float]], collector: StepCollection) -> None:
+        """Steps ``start_step + 1 .. total_steps``, each logged into ``history``, validated and saved when due."""
         with GracefulStop() as stop:  # SIGTERM / SIGINT: finish the step, checkpoint, exit non-zero
             stop_at = self.placement.stop_check(self.global_dist.device)  # (device, group) of the per-step check
             prev_end = time.perf_counter()
             for step in range(self.start_step + 1, self.total_steps + 1):
                 with watched_step(self.cfg, step, self.global_dist.rank, self.dist.device):
                     metrics = self.step(last=step == self.total_steps)
+                gc_s = collector.after_step(step)
+                if metrics and gc_s is not None:
+                    metrics["timing/gc"] = gc_s
                 now = time.perf_counter()
                 if metrics:  # (split placement's rollout ranks log nothing)
                     # the loop's cadence: this step plus what ran after the last one (its validation, logging,
@@ -188,10 +205,6 @@ class Trainer:
                 signum = stop.agreed(*stop_at) if step < self.total_steps else 0
                 if signum:
                     self._stop_on_signal(step, signum, saved)
-        self.source.close()
-        self.tracker.close()
-        self.tracker.write(self._summary(history, time.perf_counter() - started))
-        return history
 
     def _stop_on_signal(self, step: int, signum: int, saved: bool) -> None:
         """After the step a signal arrived in: checkpoint (unless checkpoints are off), close, raise RunInterrupted."""
@@ -281,7 +294,8 @@ class Trainer:
         times = timer.pop()
         sync_s, sync_bytes = self.source.sync_stats()
         out = reduce_weighted_means(means, dist.device, dist.group)
-        maxima = {**maxima, **step_times(times, sync_s), **timer.memory_metrics(), **timer.micro_batch_metrics()}
+        maxima = {**maxima, **step_times(times, sync_s), **timer.memory_metrics(), **timer.micro_batch_metrics(),
+                  **timer.gc_metrics()}
         out.update(reduce_max(maxima, dist.device, dist.group))
         finish_step_metrics(out, batch.meta, sync_bytes, dist.world_size)
         step_perf_metrics(out, dist.world_size, self.global_dist.world_size, self.model_flops, self.peak_flops,

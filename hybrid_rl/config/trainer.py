@@ -69,6 +69,12 @@ class TrainerConfig:
     stall_dump_s: float = harmless(0.0)
     """A step (or the run's set-up) running longer than this many seconds dumps every thread's Python stack to
     stderr, and again every as many seconds (0 = off): the first thing to look at when a multi-rank run hangs."""
+    gc_steps: int = harmless(0)
+    """Python's cyclic garbage collector: 0 leaves it automatic (it runs whenever allocations cross its threshold, in
+    any phase, while the in-process engine and the trainer wait); N > 0 turns it off while steps run and collects
+    after every N-th step, with what set-up built frozen out of its scans (``gc.freeze``), as torchtitan's
+    ``gc_freq`` does. Reference counting still frees at once every object outside a cycle. ``perf/gc_pause_s`` (and
+    ``/<phase>``) logs the pauses either way; the collection between steps is ``timing/gc``."""
     expandable_segments: bool = harmless(False)
     """CUDA: PyTorch's expandable segments for the trainer's allocations (``PYTORCH_CUDA_ALLOC_CONF``; vLLM turns
     them off around its own pools). Packed micro-batches change size every call, and the caching allocator fragments:
@@ -116,6 +122,9 @@ class TrainerConfig:
                               f"placement=split)")
         if self.collective_timeout_s <= 0:
             raise ConfigError(f"trainer.collective_timeout_s={self.collective_timeout_s} must be > 0 seconds")
+        if self.gc_steps < 0:
+            raise ConfigError(f"trainer.gc_steps={self.gc_steps} must be >= 0 (0 = Python's automatic collection, N = "
+                              f"collect after every N-th step)")
         if self.stall_dump_s < 0:
             raise ConfigError(f"trainer.stall_dump_s={self.stall_dump_s} must be >= 0 seconds (0 = off)")
         if self.peak_tflops is not None and self.peak_tflops <= 0:

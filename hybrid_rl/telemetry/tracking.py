@@ -22,6 +22,8 @@ from typing import Iterator
 
 import torch
 
+from hybrid_rl.telemetry.gc_pauses import gc_clock
+
 
 _running = threading.local()
 """``_running.timer``: the Timer whose phases are open on this thread (``note_micro_batch_tokens`` credits them)."""
@@ -54,6 +56,9 @@ class Timer:
         self._open: list[list] = []  # [name, peak bytes so far] of the phases running now, outermost first
         self.micro_tokens: dict[str, int] = {}
         """Phase name → tokens of the largest micro-batch its passes computed (``note_micro_batch_tokens``)."""
+        self.gc_clock = gc_clock()
+        self.gc_seconds: dict[str, float] = {}
+        """Phase name → seconds the garbage collector ran while the phase was open (any thread's collection)."""
 
     def _fold(self) -> None:
         if self.device is None:
@@ -68,6 +73,7 @@ class Timer:
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
+        gc_start = self.gc_clock.seconds
         self._fold()
         self._open.append([name, 0])
         outer = getattr(_running, "timer", None)
@@ -77,6 +83,7 @@ class Timer:
                 yield
         finally:
             self.times[f"timing/{name}"] = self.times.get(f"timing/{name}", 0.0) + time.perf_counter() - start
+            self.gc_seconds[name] = self.gc_seconds.get(name, 0.0) + self.gc_clock.seconds - gc_start
             self._fold()
             _, peak = self._open.pop()
             self.peaks[name] = max(self.peaks.get(name, 0), peak)
@@ -91,6 +98,13 @@ class Timer:
         if self.device is None:
             return {}
         return {f"perf/phase_memory_allocated_gb/{name}": b / 2**30 for name, b in self.peaks.items() if name != "step"}
+
+    def gc_metrics(self) -> dict[str, float]:
+        """``perf/gc_pause_s``: seconds the garbage collector stopped the process for during the step, and
+        ``perf/gc_pause_s/<phase>`` for each phase it ran in (``telemetry/gc_pauses.py``)."""
+        out = {"perf/gc_pause_s": self.gc_seconds.get("step", 0.0)}
+        out.update({f"perf/gc_pause_s/{name}": s for name, s in self.gc_seconds.items() if name != "step" and s > 0})
+        return out
 
     def micro_batch_metrics(self) -> dict[str, float]:
         """``perf/phase_micro_batch_tokens/<phase>``: the largest micro-batch each phase computed, in tokens (what
