@@ -4,7 +4,9 @@
 ran another profile than ``tuned``, ``..._mixed`` when they ran different ones). Refuses (exit 2) results that read
 different prompt files (``settings.prompts_sha256``). Each peer is compared with the hybrid_rl run on its own machine
 (boot id): beside ``hybrid_rl_<workload>.json``, a run of hybrid_rl on another machine of the same kind is read from
-``hybrid_rl_<workload>@<label>.json``; ``pairs`` in the report names the machines of every ratio. Runs on the GPU
+``hybrid_rl_<workload>@<label>.json``; ``pairs`` in the report names the machines of every ratio. A variant of
+hybrid_rl (``hybrid_rl+NAME_<workload>.json``, ``run_hybrid_rl.py --variant``) is a bar of its own with its ratios to
+the peers on its machine (``variant_ratios``); the target stays on the plain run. Runs on the GPU
 machine at the end of every ``run_all.sh`` part (into ``$OUT``), or on any machine from the JSON files the runs wrote:
 
     python benchmarks/peers/plot.py --res /path/with/the/jsons --workload grpo_long
@@ -36,10 +38,13 @@ def combine(res: Path, workload: str) -> dict:
     # hybrid_rl on other machines of the same kind, one per machine a peer ran on
     extra = [json.loads(p.read_text()) for p in sorted(res.glob(f"hybrid_rl_{workload}@*.json"))]
     extra = [r for r in extra if "step_s" in r]
+    variants = [json.loads(p.read_text()) for p in sorted(res.glob(f"hybrid_rl+*_{workload}.json"))]
+    variants = [r for r in variants if "step_s" in r]
     ok = {k: v for k, v in runs.items() if "step_s" in v}
     devices = {v.get("device") for v in runs.values() if v.get("device")}
     device = sorted(devices)[0] if devices else "unknown"
-    workloads = {json.dumps(v["workload"], sort_keys=True) for v in [*ok.values(), *extra] if v.get("workload")}
+    workloads = {json.dumps(v["workload"], sort_keys=True) for v in [*ok.values(), *extra, *variants]
+                 if v.get("workload")}
     if len(workloads) > 1:
         raise SystemExit(f"the results in {res} ran different workloads (PEERS_PROMPTS? --steps?): "
                          + "; ".join(f"{k}: {v.get('workload', {}).get('prompts_per_step')} prompts, "
@@ -47,6 +52,7 @@ def combine(res: Path, workload: str) -> dict:
                          + ". Rerun them with the same settings")
     hashes = {k: (v.get("settings") or {}).get("prompts_sha256") for k, v in runs.items() if "skipped" not in v}
     hashes.update({f"hybrid_rl@{r.get('machine')}": (r.get("settings") or {}).get("prompts_sha256") for r in extra})
+    hashes.update({r["framework"]: (r.get("settings") or {}).get("prompts_sha256") for r in variants})
     if len({h for h in hashes.values() if h}) > 1:  # one line, exit 2: results that read different prompt files
         print(f"error: the results in {res} read different prompt files (settings.prompts_sha256: "
               + ", ".join(f"{k} {h[:12] if h else None}" for k, h in hashes.items())
@@ -71,7 +77,15 @@ def combine(res: Path, workload: str) -> dict:
                 if base.get("trained_tokens_per_s") and ok[peer].get("trained_tokens_per_s"):
                     ratios[f"hybrid_rl_vs_{peer}_trained_tokens_per_s"] = (base["trained_tokens_per_s"]
                                                                           / ok[peer]["trained_tokens_per_s"])
+    variant_ratios = {}  # each variant against each peer that ran on its machine
+    for var in variants:
+        for peer in ("verl", "trl"):
+            if peer in ok and var.get("machine") and var.get("machine") == ok[peer].get("machine"):
+                variant_ratios[f"{var['framework']}_vs_{peer}_step_time_median"] = (ok[peer]["step_s_median"]
+                                                                                    / var["step_s_median"])
+                variant_ratios[f"{var['framework']}_vs_{peer}_step_time"] = ok[peer]["step_s"] / var["step_s"]
     machines = {k: v.get("machine") for k, v in ok.items()}
+    machines.update({r["framework"]: r.get("machine") for r in variants})
     machines.update({f"hybrid_rl@{r.get('machine')}": r.get("machine") for r in extra})
     same = (all(p["same_machine"] for p in pairs.values()) if pairs
             else len(set(machines.values())) <= 1 and None not in machines.values())
@@ -80,7 +94,8 @@ def combine(res: Path, workload: str) -> dict:
     return {"device": device, "workload_name": w.get("name", workload), "model": w.get("model"), "workload": w,
             "pinned_versions": VERSIONS, "hybrid_rl_commit": (runs.get("hybrid_rl") or {}).get("commit"),
             "profiles": profiles, "prompts_sha256": next((h for h in hashes.values() if h), None),
-            "ratios": ratios, "pairs": pairs, "machines": machines, "same_machine": same,
+            "ratios": ratios, "variant_ratios": variant_ratios, "pairs": pairs, "machines": machines,
+            "same_machine": same,
             "machine_note": None if same else "the ratios compare runs on different machines of the same device "
                                               "kind: compare with that in mind",
             "skipped": {k: v["skipped"] for k, v in runs.items() if "skipped" in v},
@@ -90,7 +105,7 @@ def combine(res: Path, workload: str) -> dict:
             # per framework, the options it was asked for that did not take effect (benchmarks/peers/probe.py)
             "took_effect_mismatches": {k: v["took_effect"].get("mismatches") for k, v in runs.items()
                                        if isinstance(v.get("took_effect"), dict) and "mismatches" in v["took_effect"]},
-            "frameworks": [runs[k] for k in ORDER if k in runs and "skipped" not in runs[k]] + extra}
+            "frameworks": [runs[k] for k in ORDER if k in runs and "skipped" not in runs[k]] + extra + variants}
 
 
 def stem(doc: dict) -> str:
@@ -132,13 +147,17 @@ def plot(doc: dict, path: Path) -> None:
     ax1.set_ylim(0, max(max(bottom), max(r["step_s"] for r in ok)) * 1.05)
     ax1.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     tput = [r.get("trained_tokens_per_s") or 0.0 for r in ok]
-    ax2.bar(names, tput, color=[COLORS.get(r["framework"], "gray") for r in ok], width=0.6)
+    ax2.bar(names, tput, color=[COLORS.get(r["framework"], "tab:olive") for r in ok], width=0.6)  # olive: variants
     for i, r in enumerate(ok):
         label = f'{r["step_s"]:.1f} s/step (median {r["step_s_median"]:.1f})'
         ratio = doc["ratios"].get(f'hybrid_rl_vs_{r["framework"]}_step_time_median')
         if ratio and r["framework"] != "hybrid_rl":
             same = doc["pairs"][r["framework"]]["same_machine"]
             label += f'\nhybrid_rl {ratio:.2f}x (median{", same machine" if same else ""})'
+        for peer in ("verl", "trl"):  # a variant: its own ratios, on its machine
+            v_ratio = doc.get("variant_ratios", {}).get(f'{r["framework"]}_vs_{peer}_step_time_median')
+            if v_ratio:
+                label += f"\n{v_ratio:.2f}x {peer} (median)"
         ax2.text(i, tput[i], label, ha="center", va="bottom", fontsize=7)
     ax2.set_ylim(0, max(tput) * 1.35 if max(tput) > 0 else 1)
     ax2.set_ylabel("trained tokens / s (prompt + response)")

@@ -5,6 +5,7 @@
 #           queue FW:WORKLOAD ...        run several, one after the other, detached (each writes its result and
 #                                        report as it finishes; 'wait' follows the queue), e.g.
 #                                        queue 1 hybrid_rl:ppo verl:ppo hybrid_rl:grpo_long trl:grpo_long
+#                                        (FW hybrid_rl+NAME: run_hybrid_rl.py --variant NAME)
 #           hybrid_rl_bg | trl_bg | verl_bg   start detached (survives the shell), then
 #           wait                         wait up to ~9 minutes for the detached run, then report what is finished
 #           report                       rebuild the combined report only
@@ -123,7 +124,7 @@ report() {
   PYTHONPATH=$ROOT python3 benchmarks/peers/plot.py --res "$RES" --workload "$WORKLOAD" --out-dir "$OUT" \
     || echo "report failed"
   cp "$RES"/*_"$WORKLOAD".json "$OUT/" 2>/dev/null
-  for f in "$RES"/*_"$WORKLOAD"_stdout.log "$RES"/run_hybrid_rl_"$WORKLOAD"/stdout.log; do
+  for f in "$RES"/*_"$WORKLOAD"_stdout.log "$RES"/run_hybrid_rl*_"$WORKLOAD"/stdout.log; do
     [ -f "$f" ] && tail -c 200000 "$f" > "$OUT/$(basename "$(dirname "$f")")_$(basename "$f")"
   done
 }
@@ -146,7 +147,10 @@ hybrid_rl_bg|trl_bg|verl_bg)  # start detached (the run goes on after this comma
 queue)  # check every FW:WORKLOAD, then run them one after the other, detached; 'wait' follows the queue
   [ ${#QUEUE[@]} -gt 0 ] || { echo "queue: name the runs, e.g. run_all.sh queue $GPUS hybrid_rl:ppo verl:ppo"; exit 2; }
   for item in "${QUEUE[@]}"; do
-    case ${item%%:*} in hybrid_rl|trl|verl) ;; *) echo "queue: unknown framework in '$item' (hybrid_rl | trl | verl)"; exit 2 ;; esac
+    case ${item%%:*} in hybrid_rl|trl|verl) ;;
+    hybrid_rl+*) V=${item%%:*}; grep -q "^    \"${V#hybrid_rl+}\": (" "$ROOT/benchmarks/peers/run_hybrid_rl.py" \
+      || { echo "queue: unknown hybrid_rl variant in '$item' (hybrid_rl+NAME, NAME a key of VARIANTS in run_hybrid_rl.py)"; exit 2; } ;;
+    *) echo "queue: unknown framework in '$item' (hybrid_rl | hybrid_rl+VARIANT | trl | verl)"; exit 2 ;; esac
     case ${item#*:} in grpo|grpo_long|ppo) ;; *) echo "queue: unknown workload in '$item' (grpo | grpo_long | ppo)"; exit 2 ;; esac
     [ "$item" != trl:ppo ] || { echo "queue: trl:ppo cannot run (TRL's GRPO trainer has no critic): leave it out"; exit 2; }
   done
@@ -164,8 +168,11 @@ queue)  # check every FW:WORKLOAD, then run them one after the other, detached; 
 queue_run)  # the queue itself: one foreground part after the other (each with its workload's limit)
   for item in "${QUEUE[@]}"; do
     echo "start $item $(date -u +%FT%TZ)" >> "$RES/queue.log"
-    PEERS_QUEUED=1 bash "$ROOT/benchmarks/peers/run_all.sh" "${item%%:*}" "$GPUS" --workload "${item#*:}" \
-      --profile "$PROFILE" > /dev/null 2>&1 < /dev/null
+    FW=${item%%:*}
+    VARIANT_ARGS=""
+    case $FW in hybrid_rl+*) VARIANT_ARGS="--variant ${FW#hybrid_rl+}"; FW=hybrid_rl ;; esac
+    HYBRID_RL_ARGS="${HYBRID_RL_ARGS:-} $VARIANT_ARGS" PEERS_QUEUED=1 bash "$ROOT/benchmarks/peers/run_all.sh" "$FW" \
+      "$GPUS" --workload "${item#*:}" --profile "$PROFILE" > /dev/null 2>&1 < /dev/null
     echo "end $item exit $? $(date -u +%FT%TZ)" >> "$RES/queue.log"
   done
   echo "queue done $(date -u +%FT%TZ)" >> "$RES/queue.log"

@@ -7,6 +7,13 @@ JSON shape.
     python benchmarks/peers/run_hybrid_rl.py --cpu-smoke      # tiny model on CPU (HF engine): checks the plumbing
     python benchmarks/peers/run_hybrid_rl.py --workload ppo --out /tmp/peers_res --add-memory
                                           # runs nothing: adds the per-phase peaks of the run in --out to its result
+    python benchmarks/peers/run_hybrid_rl.py --workload grpo_long --variant overlap_partial ...
+
+``--variant NAME`` runs the same workload with hybrid_rl's settings changed as ``VARIANTS`` names them, written as
+framework ``hybrid_rl+NAME`` (``hybrid_rl+NAME_<workload>.json``) beside the plain run; ``plot.py`` shows it as a bar of
+its own and keeps the target's ratios to the plain run. A variant in overlap mode is not the synchronous algorithm the
+peers run: its step is the loop's cadence (``timing/iteration``), and its samples are up to ``max_staleness`` weight
+versions old.
 
 The result records each timed phase's peak memory over the measured steps as the planner names it (``memory``,
 ``engine_pool``: ``benchmarks/phase_memory.py``), which ``benchmarks/plan_calibration.py`` sets beside the planner.
@@ -59,6 +66,18 @@ def tuned(w: dict) -> dict:
 
 
 PROFILES = {"tuned": tuned, "baseline": baseline}
+
+VARIANTS = {
+    "gc": (["trainer.gc_steps=1"],
+           "the garbage collector off while steps run, one collection after each step (trainer.gc_steps=1)"),
+    "overlap": (["trainer.mode=overlap", "trainer.max_staleness=1"],
+                "one-step overlap colocated: batch k+1 generates while batch k trains (staleness 1, decoupled PPO)"),
+    "overlap_partial": (["trainer.mode=overlap", "trainer.partial_rollouts=true", "trainer.partial_rollout_ahead=1",
+                         "trainer.max_staleness=2"],
+                        "overlap colocated with partial rollouts: the engine stops once a step's groups are complete "
+                        "and carries the unfinished ones into the next round (staleness up to 2, decoupled PPO)"),
+}
+"""``--variant NAME``: (overrides, what it changes). Overlap variants are compared by the loop's cadence."""
 SMOKE_PROMPT = 504  # --cpu-smoke: the tiny model's 512 positions less its 8-token responses
 
 
@@ -116,7 +135,9 @@ def overrides(model_dir: str, run_dir: Path, data: str, w: dict, opts: dict, cpu
     return o
 
 
-def parse(metrics: Path) -> list[dict]:
+def parse(metrics: Path, step_key: str = "timing/step") -> list[dict]:
+    """Per-step rows of a run's ``metrics.jsonl``; ``step_key`` is the step's time (``timing/iteration`` for a mode
+    whose generation runs beside the step)."""
     rows = []
     for line in metrics.read_text().splitlines():
         r = json.loads(line)
@@ -124,7 +145,7 @@ def parse(metrics: Path) -> list[dict]:
             continue
         resp_mean = r.get("rollout/response_length_mean")
         rows.append({
-            "step_s": r["timing/step"],
+            "step_s": r.get(step_key, r["timing/step"]),
             "phases": {p: r[f"timing/{p}"] for p in PHASES if f"timing/{p}" in r},
             "total_tokens": r["perf/tokens_per_s"] * r["timing/step"] if "perf/tokens_per_s" in r else None,
             "response_tokens": r["perf/gen_tokens_per_s"] * r["timing/gen"] if "perf/gen_tokens_per_s" in r else None,
@@ -134,6 +155,17 @@ def parse(metrics: Path) -> list[dict]:
             "max_memory_reserved_gb": r.get("perf/max_memory_reserved_gb"),
         })
     return rows
+
+
+def measured_gc(metrics: Path, warmup: int) -> dict:
+    """``gc_pause_s``: the garbage collector's mean seconds per measured step, in the step and in each phase it ran in
+    (``perf/gc_pause_s``), and the collection between steps (``timing/gc``, with ``trainer.gc_steps``)."""
+    rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if "timing/step" in r][warmup:]
+    keys = dict.fromkeys(k for r in rows for k in r if k.startswith("perf/gc_pause_s") or k == "timing/gc")
+    if not rows or not keys:
+        return {}
+    name = lambda k: "between_steps" if k == "timing/gc" else "step" if k == "perf/gc_pause_s" else k.rsplit("/", 1)[1]
+    return {"gc_pause_s": {name(k): sum(r.get(k, 0.0) for r in rows) / len(rows) for k in keys}}
 
 
 def measured_memory(metrics: Path, warmup: int) -> dict:
@@ -167,6 +199,8 @@ def main() -> None:
     ap.add_argument("--print-overrides", action="store_true")
     ap.add_argument("--add-memory", action="store_true",
                     help="run nothing: add the per-phase peaks of the finished run in --out to its result")
+    ap.add_argument("--variant", choices=sorted(VARIANTS),
+                    help="hybrid_rl's settings changed as VARIANTS names them; written as framework hybrid_rl+NAME")
     ap.add_argument("extra", nargs="*", help="more key=value overrides")
     args = ap.parse_args()
     if args.cpu_smoke:
@@ -177,9 +211,12 @@ def main() -> None:
     out = Path(args.out)
     if args.add_memory:
         sys.exit(add_memory(out, w))
-    run_dir = out / f"run_hybrid_rl_{w['name']}"
+    framework = f"hybrid_rl+{args.variant}" if args.variant else "hybrid_rl"
+    variant_ov, variant_note = VARIANTS[args.variant] if args.variant else ([], None)
+    overlap = "trainer.mode=overlap" in variant_ov
+    run_dir = out / f"run_{framework}_{w['name']}"
     if args.print_overrides:
-        print("\n".join(overrides(args.model_dir, run_dir, "PROMPTS.jsonl", w, opts, False) + args.extra))
+        print("\n".join(overrides(args.model_dir, run_dir, "PROMPTS.jsonl", w, opts, False) + variant_ov + args.extra))
         return
     run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -205,7 +242,9 @@ def main() -> None:
                "actor.max_token_len_per_device=1024", "critic.max_token_len_per_device=1024"]
         if w["n"] > 1:
             ov += ["rollout.n=2"]
-    ov += args.extra
+    ov += variant_ov + args.extra
+    if overlap:  # one step more, left out below: the last step has nothing to generate beside it
+        ov += [f"trainer.total_steps={w['steps'] + 1}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
            "-m", "hybrid_rl", "train", str(recipe(w)), *ov]
     log_path = run_dir / "stdout.log"
@@ -213,32 +252,37 @@ def main() -> None:
     metrics.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in [env.get("PYTHONPATH", ""), str(ROOT)] if p)
-    probe_dir = out / f"probe_hybrid_rl_{w['name']}"
+    probe_dir = out / f"probe_{framework}_{w['name']}"
     env = probe.env_for(env, probe.site(out / "probe_site"), probe_dir)
     wt = run_watched(cmd, ROOT, env, log_path,
                      lambda: sum(1 for l in metrics.read_text().splitlines() if '"timing/step"' in l) if metrics.exists() else 0,
-                     w["steps"], args.timeout, t0)
-    rows = parse(metrics) if metrics.exists() else []
+                     w["steps"] + overlap, args.timeout, t0)
+    rows = parse(metrics, "timing/iteration" if overlap else "timing/step") if metrics.exists() else []
+    rows = rows[:w["steps"]]
     import torch
 
     version = f"{commit()} (torch {torch.__version__})"
     settings = settings_record(args.profile, opts, prompts_sha256=file_sha256(prompts),
-                               recipe=str(recipe(w).relative_to(ROOT)), overrides=ov)
+                               recipe=str(recipe(w).relative_to(ROOT)), overrides=ov, variant=args.variant)
     if len(rows) <= w["warmup"]:
-        doc = {"framework": "hybrid_rl", "version": version, "error": f"exit {wt.returncode}, {len(rows)} steps logged",
+        doc = {"framework": framework, "version": version, "error": f"exit {wt.returncode}, {len(rows)} steps logged",
                "profile": args.profile, "settings": settings, "log_tail": tail(log_path)}
     else:
         first = rows[0]["step_s"]
-        doc = summarize("hybrid_rl", version, rows, args.gpus, w["warmup"],
+        notes = [f"response lengths forced: rollout.forced_lengths={w['lengths']} (cap {w['response_length']}; "
+                 f"EOS ignored, no stop ids)"]
+        if variant_note:
+            notes.append(f"variant {args.variant}: {variant_note}" + (
+                "; step = the loop's cadence (timing/iteration), generation runs beside it" if overlap else ""))
+        doc = summarize(framework, version, rows, args.gpus, w["warmup"],
                         startup_s=(wt.first_step_at - first) if wt.first_step_at else None,
-                        wall_s=wt.done_at or time.perf_counter() - t0, settings=settings,
-                        notes=[f"response lengths forced: rollout.forced_lengths={w['lengths']} (cap "
-                               f"{w['response_length']}; EOS ignored, no stop ids)"])
+                        wall_s=wt.done_at or time.perf_counter() - t0, settings=settings, notes=notes)
         doc.update(measured_memory(metrics, w["warmup"]))
+        doc.update(measured_gc(metrics, w["warmup"]))
     doc.update(device=device_name(args.gpus) if not args.cpu_smoke else "CPU", commit=commit(),
                took_effect=probe.collect(probe_dir, w["max_prompt_length"] + w["response_length"],
                                          {"liger": opts["liger"]}))
-    write_result(doc, result_path(out, "hybrid_rl", w), w)
+    write_result(doc, result_path(out, framework, w), w)
 
 
 if __name__ == "__main__":

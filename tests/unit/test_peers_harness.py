@@ -379,6 +379,46 @@ def test_report_pairs_each_peer_with_hybrid_rl_on_its_own_machine(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
+def test_report_shows_a_variant_beside_the_plain_run_with_its_own_ratios(tmp_path):
+    w = workload_spec("grpo_long", 1)
+
+    def res(name, mean, median, machine="a"):
+        return {"framework": name, "step_s": mean, "step_s_median": median, "workload": w, "device": "H200x1",
+                "machine": machine, "profile": "tuned"}
+
+    (tmp_path / "hybrid_rl_grpo_long.json").write_text(json.dumps(res("hybrid_rl", 24.0, 24.0)))
+    (tmp_path / "verl_grpo_long.json").write_text(json.dumps(res("verl", 25.0, 25.0)))
+    (tmp_path / "trl_grpo_long.json").write_text(json.dumps(res("trl", 50.0, 48.0, machine="b")))
+    (tmp_path / "hybrid_rl+overlap_grpo_long.json").write_text(json.dumps(res("hybrid_rl+overlap", 20.0, 16.0)))
+    (tmp_path / "hybrid_rl+gc_grpo.json").write_text(json.dumps(res("hybrid_rl+gc", 1.0, 1.0)))  # another workload
+    doc = plot.combine(tmp_path, "grpo_long")
+    assert [r["framework"] for r in doc["frameworks"]] == ["hybrid_rl", "verl", "trl", "hybrid_rl+overlap"]
+    # against verl on its machine (25 / 16 by the median, 25 / 20 by the mean); TRL ran on another machine: none
+    assert doc["variant_ratios"] == {"hybrid_rl+overlap_vs_verl_step_time_median": 25.0 / 16.0,
+                                     "hybrid_rl+overlap_vs_verl_step_time": 25.0 / 20.0}
+    assert doc["target_met"] == {"verl": False, "trl": True}  # the plain run's: 25 / 24 and 48 / 24
+    assert doc["machines"]["hybrid_rl+overlap"] == "a"
+    plot.plot(doc, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_gc_pauses_are_averaged_over_the_measured_steps(tmp_path):
+    import run_hybrid_rl
+
+    rows = [{"step": 1, "timing/step": 9.0, "perf/gc_pause_s": 5.0, "perf/gc_pause_s/gen": 5.0},
+            {"step": 2, "timing/step": 3.0, "perf/gc_pause_s": 0.5, "perf/gc_pause_s/gen": 0.25,
+             "perf/gc_pause_s/update": 0.25, "timing/gc": 0.1},
+            {"step": 2, "val/reward_mean": 0.5},  # a validation row: not a step
+            {"step": 3, "timing/step": 3.0, "perf/gc_pause_s": 0.25, "perf/gc_pause_s/gen": 0.25, "timing/gc": 0.3}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # the warm-up step (1) left out; a phase absent in a step counts 0 there
+    assert run_hybrid_rl.measured_gc(path, 1) == {"gc_pause_s": {"step": 0.375, "gen": 0.25, "update": 0.125,
+                                                                 "between_steps": 0.2}}
+    path.write_text(json.dumps({"step": 1, "timing/step": 1.0}) + "\n")
+    assert run_hybrid_rl.measured_gc(path, 0) == {}  # a run that logs no pauses records none
+
+
 def test_summary_drops_the_warmup_and_reports_means_and_medians():
     rows = [{"step_s": s, "phases": {"gen": s / 2}} for s in (30.0, 9.0, 2.0, 3.0, 10.0)]
     doc = workload.summarize("x", "1", rows, 2, 2, startup_s=None, wall_s=None,
@@ -672,7 +712,7 @@ def _run_all(tmp_path, *args, timeout=60):
 
 @pytest.mark.parametrize("items, key", [
     ([], "name the runs"), (["hybrid_rl:grpo", "slime:grpo"], "'slime:grpo'"), (["verl:dpo"], "'verl:dpo'"),
-    (["trl:ppo"], "no critic"),
+    (["trl:ppo"], "no critic"), (["hybrid_rl+nope:grpo"], "unknown hybrid_rl variant in 'hybrid_rl+nope:grpo'"),
 ])
 def test_run_all_queue_refuses_bad_items_in_one_line(tmp_path, items, key):
     """`run_all.sh queue` checks every FW:WORKLOAD before it starts anything: exit 2, one line naming the item."""
@@ -688,16 +728,18 @@ def test_run_all_queue_runs_its_items_in_order_detached(tmp_path):
     staged, each part stops at its install (exit 3), and the queue goes on to the next and says when it is done."""
     import time
 
-    r = _run_all(tmp_path, "queue", "1", "hybrid_rl:ppo", "trl:grpo_long")
-    assert r.returncode == 0 and "queued hybrid_rl:ppo trl:grpo_long" in r.stdout, (r.stdout, r.stderr)
+    r = _run_all(tmp_path, "queue", "1", "hybrid_rl:ppo", "hybrid_rl+overlap:grpo", "trl:grpo_long")
+    assert r.returncode == 0 and "queued hybrid_rl:ppo hybrid_rl+overlap:grpo trl:grpo_long" in r.stdout, (
+        r.stdout, r.stderr)
     log = tmp_path / "res" / "queue.log"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 180
     while "queue done" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
         time.sleep(0.5)
     lines = [l.split()[:4] for l in log.read_text().splitlines()]
-    assert lines == [["start", "hybrid_rl:ppo"] + lines[0][2:3], ["end", "hybrid_rl:ppo", "exit", "3"],
-                     ["start", "trl:grpo_long"] + lines[2][2:3], ["end", "trl:grpo_long", "exit", "3"],
-                     ["queue", "done"] + lines[4][2:3]], lines
+    items = ["hybrid_rl:ppo", "hybrid_rl+overlap:grpo", "trl:grpo_long"]
+    assert lines == [row for i, item in enumerate(items)
+                     for row in (["start", item] + lines[2 * i][2:3], ["end", item, "exit", "3"])] + [
+                         ["queue", "done"] + lines[6][2:3]], lines
     w = _run_all(tmp_path, "wait", "1")
     assert "queue:" in w.stdout and "queue done" in w.stdout and "still running" not in w.stdout
 
@@ -721,6 +763,28 @@ def test_hybrid_rl_cpu_smoke(name, tmp_path, monkeypatch):
     took = doc["took_effect"]
     assert took["processes"] == 1 and took["attention_in_training"] == ["sdpa"], took
     assert took["packed_rows_in_training"] is False and took["liger_modules"] == 0
+
+
+@pytest.mark.slow
+def test_an_overlap_variant_runs_one_step_more_and_times_the_loop_cadence(tmp_path):
+    """``--variant overlap``: written as hybrid_rl+overlap; the run goes one step past the workload's (its last step
+    has nothing to generate beside it) and that step is left out; each step's time is its ``timing/iteration``."""
+    import subprocess
+
+    env = {k: v for k, v in __import__("os").environ.items() if k != "OUT"}
+    env["HYBRID_RL_PEERS_PROBE_AT"] = "0,0.3"
+    r = subprocess.run([sys.executable, str(PEERS / "run_hybrid_rl.py"), "--cpu-smoke", "--workload", "grpo",
+                        "--variant", "overlap", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                       env=env)
+    doc = json.loads((tmp_path / "hybrid_rl+overlap_grpo.json").read_text())
+    assert "step_s" in doc, (r.stdout[-2000:], doc.get("log_tail", "")[-3000:])
+    rows = [json.loads(line) for line in (tmp_path / "run_hybrid_rl+overlap_grpo" / "metrics.jsonl").read_text()
+            .splitlines()]
+    rows = [r for r in rows if "timing/step" in r]
+    assert len(rows) == 4 and doc["framework"] == "hybrid_rl+overlap" and doc["steps_logged"] == 3
+    assert doc["step_s_all"] == [round(r["timing/iteration"], 3) for r in rows[:3]]
+    assert "trainer.mode=overlap" in doc["settings"]["overrides"] and doc["settings"]["variant"] == "overlap"
+    assert any(n.startswith("variant overlap:") for n in doc["notes"])
 
 
 @pytest.mark.parametrize("script, env, args, key", [
