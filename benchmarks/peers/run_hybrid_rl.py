@@ -70,6 +70,9 @@ PROFILES = {"tuned": tuned, "baseline": baseline}
 VARIANTS = {
     "gc": (["trainer.gc_steps=1"],
            "the garbage collector off while steps run, one collection after each step (trainer.gc_steps=1)"),
+    "engine_process": (["rollout.vllm.engine_process=true"],
+                       "vLLM's engine core in a process of its own (as verl's server runs it), weights pushed as CUDA "
+                       "IPC handles; the same synchronous algorithm"),
     "overlap": (["trainer.mode=overlap", "trainer.max_staleness=1"],
                 "one-step overlap colocated: batch k+1 generates while batch k trains (staleness 1, decoupled PPO)"),
     "overlap_partial": (["trainer.mode=overlap", "trainer.partial_rollouts=true", "trainer.partial_rollout_ahead=1",
