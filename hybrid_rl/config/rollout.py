@@ -50,6 +50,13 @@ class RolloutConfig:
     colocated placement. On SmolLM2-135M (1xH200, overlap) ``high`` is no faster than ``shared``: median step 1.44
     against 1.37 s (``benchmarks/results/learning_smollm2_H200x1_overlong.json``); other models and lengths are not
     measured."""
+    logprobs: Literal["always", "auto"] = harmless("always")
+    """The engine's log-prob of every sampled token (``rollout_log_probs``): ``always`` (the metrics
+    ``rollout/logprob_diff`` and ``is_ratio_*``, the engine's numerics against the trainer's, every step); ``auto``
+    only where training reads them (overlap mode, ``algorithm.rollout_correction.apply=always``,
+    ``actor.old_log_prob=engine``, a policy loss other than ``ppo``/``gspo``, a multi-turn environment), so that a
+    synchronous run's engine neither computes nor returns them, as verl's ``rollout.calculate_log_probs=false``.
+    Validation never asks for them."""
     vllm: VLLMOptions = field(default_factory=VLLMOptions)
     """The vLLM engine's own options (``hybrid_rl/rollout/vllm_options.py``)."""
 

@@ -51,6 +51,15 @@ class Config:
         return rc == "always"
 
     @property
+    def engine_logprobs(self) -> bool:
+        """Whether training generations return the engine's log-probs (``rollout.logprobs``; ``auto``: where a phase
+        reads them)."""
+        if self.rollout.logprobs == "always":
+            return True
+        return (self.trainer.mode == "overlap" or self.use_rollout_correction or self.actor.old_log_prob == "engine"
+                or self.policy_loss not in ("ppo", "gspo") or self.env.name is not None)
+
+    @property
     def engine_sleeps(self) -> bool:
         """The engine releases its memory after each rollout: sync mode only (in overlap mode it generates while training)."""
         return self.rollout.free_cache_engine and self.trainer.mode == "sync"

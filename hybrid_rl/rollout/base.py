@@ -48,6 +48,9 @@ class SamplingParams:
     tokens; checked on the text of the tokens it sampled in this call."""
     stop_token_ids: tuple[int, ...] = ()
     """``generate_interruptible``: token ids that end a continuation like EOS (a stop string that is one token)."""
+    logprobs: bool = True
+    """``generate``: return the sampled tokens' log-probs (``rollout_log_probs``); false, the batch has none and the
+    engine skips computing and returning them (``rollout.logprobs``)."""
 
     @property
     def greedy(self) -> bool:
@@ -239,13 +242,14 @@ class RolloutEngine(abc.ABC):
         """Re-acquire memory for ``tags`` (``weights``, ``kv_cache``; None = both)."""
 
 
-def assemble_rollout(prompts: Batch, responses: torch.Tensor, logprobs: torch.Tensor, n: int,
+def assemble_rollout(prompts: Batch, responses: torch.Tensor, logprobs: torch.Tensor | None, n: int,
                      eos_token_ids: list[int], pad_token_id: int,
                      response_lengths: tuple[int, ...] | None = None) -> Batch:
     """Build the trainer-facing rollout batch.
 
     prompts: the original B prompts (left padded). responses [B·n, R] and
-    logprobs [B·n, R] are row-aligned with ``prompts.repeat_interleave(n)``.
+    logprobs [B·n, R] are row-aligned with ``prompts.repeat_interleave(n)`` (None: the batch has no
+    ``rollout_log_probs``).
     The response mask covers tokens up to and including the first EOS; tokens
     after it are replaced by pad and masked out. With ``response_lengths`` the
     mask covers exactly that many tokens instead (EOS ignored). Whole-tensor
@@ -267,7 +271,7 @@ def assemble_rollout(prompts: Batch, responses: torch.Tensor, logprobs: torch.Te
         inside = (eos_count - is_eos.long()) == 0
     response_mask = inside.long()  # [B·n, R]
     responses = responses.masked_fill(~inside, pad_token_id)
-    logprobs = logprobs.float() * response_mask
+    logged = {} if logprobs is None else dict(rollout_log_probs=logprobs.float() * response_mask)
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)  # [B·n, P+R]
     # Prompt positions count real tokens (left pads get 0); response positions
     # continue after the prompt even where the mask is 0, so padded tail tokens
@@ -286,15 +290,16 @@ def assemble_rollout(prompts: Batch, responses: torch.Tensor, logprobs: torch.Te
             input_ids=torch.cat([prompt_ids, responses], dim=1),
             attention_mask=attention_mask,
             position_ids=position_ids,
-            rollout_log_probs=logprobs,
+            **logged,
         ),
         non_tensors=dict(uid=uid),
     )
 
 
-def pad_rows(tokens: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]],
-             pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ragged rows → right-padded ``[N, R]`` long tokens (pad id) and float32 log-probs (0), R = longest row.
+def pad_rows(tokens: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]] | None,
+             pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Ragged rows → right-padded ``[N, R]`` long tokens (pad id) and float32 log-probs (0), R = longest row
+    (log-probs None when ``logprobs`` is).
 
     Each tensor comes from one flat array (``np.fromiter`` over the chained rows)
     scattered through a length mask, so the cost is one pass over the tokens.
@@ -303,11 +308,13 @@ def pad_rows(tokens: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]
     total = int(lengths.sum())
     width = int(lengths.max()) if len(lengths) else 0
     responses = torch.full((len(tokens), width), pad_token_id, dtype=torch.long)
-    out_lps = torch.zeros((len(tokens), width), dtype=torch.float32)
+    out_lps = None if logprobs is None else torch.zeros((len(tokens), width), dtype=torch.float32)
     if total:
         mask = torch.arange(width)[None, :] < torch.from_numpy(lengths)[:, None]  # row-major = concatenation order
         responses.masked_scatter_(mask, torch.from_numpy(np.fromiter(itertools.chain.from_iterable(tokens), np.int64,
                                                                      count=total)))
+        if out_lps is None:
+            return responses, None
         # float64 → float32 rounds exactly as torch.tensor(list, dtype=float32) does
         out_lps.masked_scatter_(mask, torch.from_numpy(np.fromiter(itertools.chain.from_iterable(logprobs), np.float32,
                                                                    count=total)))

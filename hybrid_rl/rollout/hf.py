@@ -127,8 +127,8 @@ class HFRolloutEngine(RolloutEngine):
         width = max(o.shape[1] for o in outs)
         responses = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=self.pad_token_id) for o in outs])
         logprobs = torch.cat([torch.nn.functional.pad(lp, (0, width - lp.shape[1])) for lp in lps])
-        return assemble_rollout(prompts.to(self.device), responses, logprobs, params.n, self.eos_token_ids,
-                                self.pad_token_id, params.response_lengths)
+        return assemble_rollout(prompts.to(self.device), responses, logprobs if params.logprobs else None, params.n,
+                                self.eos_token_ids, self.pad_token_id, params.response_lengths)
 
     def _decode(self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
                 lengths: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -228,14 +228,14 @@ def sampling_kwargs(params: SamplingParams, eos_token_ids: Sequence[int], ignore
         # vLLM's ignore_eos leaves stop ids active
         stop_token_ids=[] if ignore_eos else list(eos_token_ids) + list(params.stop_token_ids),
         ignore_eos=bool(ignore_eos),
-        logprobs=0,  # the sampled token's log-prob only
+        logprobs=0 if params.logprobs else None,  # the sampled token's log-prob only (or none)
         flat_logprobs=True,  # one flat list per sequence instead of a dict per token
         detokenize=False,
     )
     if params.stop and not ignore_eos:  # stop strings are matched on text: vLLM detokenizes for them
         # special tokens kept in that text, as the transformers engine matches it
         kw.update(stop=list(params.stop), include_stop_str_in_output=True, detokenize=True, skip_special_tokens=False)
-    if not flat_logprobs:  # a vLLM without the field: the classic list of dicts comes back
+    if not flat_logprobs or not params.logprobs:  # a vLLM without the field: the classic list of dicts comes back
         del kw["flat_logprobs"]
     return kw
 
@@ -294,12 +294,14 @@ def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> list[float]:
     return out
 
 
-def collect_outputs(request_outputs: Sequence[Any], n: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def collect_outputs(request_outputs: Sequence[Any], n: int, pad_token_id: int,
+                    logprobs: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """vLLM ``RequestOutput``s (one per prompt, n completions each) → right-padded responses and log-probs.
 
     Returns ``responses`` [B·n, R] (pad id past each sequence's end) and
     ``logprobs`` [B·n, R] (0 there), rows ordered prompt by prompt, sample by
-    sample (``repeat_interleave(n)`` order), R = the longest response.
+    sample (``repeat_interleave(n)`` order), R = the longest response; ``logprobs`` False: None for them (the
+    requests asked for none).
     """
     tokens: list[list[int]] = []
     lps: list[list[float]] = []
@@ -312,8 +314,9 @@ def collect_outputs(request_outputs: Sequence[Any], n: int, pad_token_id: int) -
         for o in outs:
             toks = o.token_ids if isinstance(o.token_ids, list) else list(o.token_ids)
             tokens.append(toks)
-            lps.append(sampled_logprobs(toks, o.logprobs))
-    return pad_rows(tokens, lps, pad_token_id)
+            if logprobs:
+                lps.append(sampled_logprobs(toks, o.logprobs))
+    return pad_rows(tokens, lps if logprobs else None, pad_token_id)
 
 
 def drive_engine(engine: Any, ids: list[str], interrupt: Interrupt | None,
@@ -587,11 +590,12 @@ class VLLMRolloutEngine(RolloutEngine):
             n_per_request = params.n
         seconds = time.perf_counter() - start
         outputs = outputs[offset:offset + len(own)]
-        responses, logprobs = collect_outputs(outputs, n_per_request, self.pad_token_id)
+        responses, logprobs = collect_outputs(outputs, n_per_request, self.pad_token_id, params.logprobs)
         self.last_generate_stats = {"seconds": seconds,
                                     "num_tokens": float(sum(len(o.token_ids) for ro in outputs for o in ro.outputs)),
                                     "num_sequences": float(responses.shape[0])}
-        return assemble_rollout(prompts.to(self.device), responses.to(self.device), logprobs.to(self.device),
+        return assemble_rollout(prompts.to(self.device), responses.to(self.device),
+                                None if logprobs is None else logprobs.to(self.device),
                                 params.n, self.eos_token_ids, self.pad_token_id, params.response_lengths)
 
     # -- interruptible generation (partial rollouts) -----------------------------------

@@ -51,10 +51,7 @@ def batch_metrics(batch: Batch, max_response_length: int, trainer_version: int) 
     resp_len = response_extent(mask).float()  # [B]; a multi-turn trajectory's observations included
     prompt_len = t["attention_mask"][:, : t["prompts"].shape[1]].float().sum(dim=1)
     ntok = float(mask.sum())
-    diff = (t["rollout_log_probs"] - t["old_log_probs"]).abs() * mask
     scores = t["scores"].float()
-    # π_prox/π_behav per token: 1 in exact sync, drifts with staleness and engine numerics
-    is_ratio = torch.exp((t["old_log_probs"] - t["rollout_log_probs"]).clamp(-20, 20))
     staleness = (trainer_version - t["weight_version"]).float()
     out = outcome_sums(scores, mask, max_response_length, t.get("env_stop"))
     means = {
@@ -63,10 +60,8 @@ def batch_metrics(batch: Batch, max_response_length: int, trainer_version: int) 
         "rollout/response_length_mean": (out["length"], n),
         "rollout/prompt_length_mean": (float(prompt_len.sum()), n),
         "rollout/response_clip_ratio": (out["clipped"], n),
-        "rollout/logprob_diff": (float(diff.sum()), ntok),
         "actor/advantages_mean": (float((t["advantages"] * mask).sum()), ntok),
         "actor/entropy_old": (float((t["old_entropy"] * mask).sum()), ntok) if "old_entropy" in t else (0.0, 0.0),
-        "rollout/is_ratio_mean": (float((is_ratio * mask).sum()), ntok),
         "rollout/staleness_mean": (float(staleness.sum()), n),
         "perf/response_tokens": (ntok, 1.0),
         "perf/total_tokens": (float(t["attention_mask"].float().sum()), 1.0),  # observation tokens included
@@ -75,10 +70,16 @@ def batch_metrics(batch: Batch, max_response_length: int, trainer_version: int) 
         "reward/max": float(scores.max()),
         "reward/min_neg": float(-scores.min()),
         "rollout/response_length_max": float(resp_len.max()),
-        "rollout/logprob_diff_max": float(diff.max()),
-        "rollout/is_ratio_max": float((is_ratio * mask).max()),
         "rollout/staleness_max": float(staleness.max()),
     }
+    if "rollout_log_probs" in t:  # the engine's log-probs (rollout.logprobs): their gap to the trainer's
+        diff = (t["rollout_log_probs"] - t["old_log_probs"]).abs() * mask
+        # π_prox/π_behav per token: 1 in exact sync, drifts with staleness and engine numerics
+        is_ratio = torch.exp((t["old_log_probs"] - t["rollout_log_probs"]).clamp(-20, 20))
+        means.update({"rollout/logprob_diff": (float(diff.sum()), ntok),
+                      "rollout/is_ratio_mean": (float((is_ratio * mask).sum()), ntok)})
+        maxima.update({"rollout/logprob_diff_max": float(diff.max()),
+                       "rollout/is_ratio_max": float((is_ratio * mask).max())})
     return means, maxima
 
 

@@ -194,11 +194,12 @@ class ActorRolloutRefWorker:
 
     def sampling_params(self, validate: bool = False) -> SamplingParams:
         r = self.cfg.rollout
+        turns = self.cfg.env.name is not None  # a conversation's segments carry their log-probs
         if validate:
             return SamplingParams(n=1, temperature=r.val_temperature, top_p=1.0 if r.val_temperature == 0 else r.top_p,
-                                  top_k=0, max_tokens=self.cfg.data.max_response_length)
+                                  top_k=0, max_tokens=self.cfg.data.max_response_length, logprobs=turns)
         return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_tokens=self.cfg.data.max_response_length)
+                              max_tokens=self.cfg.data.max_response_length, logprobs=self.cfg.engine_logprobs)
 
     def generate(self, prompts: Batch, validate: bool = False) -> Batch:
         """Responses for ``prompts`` (n each) with the sampled tokens' log-probs; call inside ``rollout_mode()``."""

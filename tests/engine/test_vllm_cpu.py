@@ -291,6 +291,20 @@ def test_sampling_kwargs_sampled_and_greedy():
     assert vr.sampling_kwargs(SamplingParams(top_k=0), [EOS])["top_k"] == 0
 
 
+def test_sampling_kwargs_without_logprobs_asks_for_none():
+    kw = vr.sampling_kwargs(SamplingParams(n=2, logprobs=False), [EOS])
+    assert kw["logprobs"] is None and "flat_logprobs" not in kw
+
+
+def test_collect_outputs_without_logprobs_returns_the_tokens_only():
+    a0 = FakeCompletionOutput(index=0, text="", token_ids=[11, 12], cumulative_logprob=None, logprobs=None)
+    a1 = FakeCompletionOutput(index=1, text="", token_ids=[21, 22, 23], cumulative_logprob=None, logprobs=None)
+    resp, lps = vr.collect_outputs([request_output([a0, a1])], n=2, pad_token_id=PAD, logprobs=False)
+    assert resp.tolist() == [[11, 12, PAD], [21, 22, 23]] and lps is None
+    with pytest.raises(RuntimeError, match="no log-probs"):  # asked for, absent: an error, not zeros
+        vr.collect_outputs([request_output([a0, a1])], n=2, pad_token_id=PAD)
+
+
 @pytest.mark.parametrize("flat", [True, False])
 def test_sampled_logprobs_flat_and_dict_forms(flat):
     c, lps = completion(0, [4, 5, 6], flat=flat)

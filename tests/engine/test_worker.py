@@ -58,6 +58,23 @@ def test_engine_logprobs_match_trainer(worker):
     assert diff.max().item() < 1e-5, diff.max()
 
 
+@pytest.mark.parametrize("setting, mode, expect", [("always", "sync", True), ("auto", "sync", False),
+                                                   ("auto", "overlap", True)])
+def test_rollout_logprobs_auto_asks_the_engine_only_where_training_reads_them(tiny_model_path, setting, mode,
+                                                                                expect):
+    """``rollout.logprobs=auto``: a synchronous run's generations carry no ``rollout_log_probs``; the same samples
+    (one seed) as with them; overlap mode (decoupled PPO reads them) and ``always`` keep them."""
+    w = ActorRolloutRefWorker(make_cfg(f"rollout.logprobs={setting}", f"trainer.mode={mode}",
+                                       "trainer.max_staleness=1"), cpu_dist(), total_training_steps=10)
+    torch.manual_seed(3)
+    batch = generate_batch(w)
+    assert ("rollout_log_probs" in batch.tensors) == expect
+    ref = ActorRolloutRefWorker(make_cfg(), cpu_dist(), total_training_steps=10)  # the same built-in checkpoint
+    torch.manual_seed(3)
+    assert torch.equal(generate_batch(ref)["responses"], batch["responses"])
+    assert "rollout_log_probs" not in w.generate(chat_prompts(w), validate=True).tensors  # validation: never
+
+
 def test_response_mask_stops_after_eos(worker):
     eos = worker.tokenizer.eos_token_id
     batch0 = generate_batch(worker)  # push weights first; the hook below only biases the engine
