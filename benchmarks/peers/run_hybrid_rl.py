@@ -75,7 +75,7 @@ VARIANTS = {
                        "IPC handles; the same synchronous algorithm"),
     "logprobs_auto": (["rollout.logprobs=auto"],
                       "the engine computes and returns no log-probs (nothing in a synchronous step reads them), as "
-                      "verl's default rollout.calculate_log_probs=false; the same algorithm"),
+                      "verl with rollout.calculate_log_probs=false; the same algorithm"),
     "overlap": (["trainer.mode=overlap", "trainer.max_staleness=1"],
                 "one-step overlap colocated: batch k+1 generates while batch k trains (staleness 1, decoupled PPO)"),
     "overlap_partial": (["trainer.mode=overlap", "trainer.partial_rollouts=true", "trainer.partial_rollout_ahead=1",
