@@ -101,9 +101,10 @@ class Timer:
 
     def gc_metrics(self) -> dict[str, float]:
         """``perf/gc_pause_s``: seconds the garbage collector stopped the process for during the step, and
-        ``perf/gc_pause_s/<phase>`` for each phase it ran in (``telemetry/gc_pauses.py``)."""
+        ``perf/gc_pause_s/<phase>`` for each timed phase, 0 where none ran (every rank names the same phases: the
+        maxima are all-reduced key by key; ``telemetry/gc_pauses.py``)."""
         out = {"perf/gc_pause_s": self.gc_seconds.get("step", 0.0)}
-        out.update({f"perf/gc_pause_s/{name}": s for name, s in self.gc_seconds.items() if name != "step" and s > 0})
+        out.update({f"perf/gc_pause_s/{name}": s for name, s in self.gc_seconds.items() if name != "step"})
         return out
 
     def micro_batch_metrics(self) -> dict[str, float]:

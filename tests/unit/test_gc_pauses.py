@@ -60,7 +60,7 @@ def test_a_collection_is_charged_to_the_phase_it_ran_in_and_to_the_step():
         gc.enable()
     m = timer.gc_metrics()
     assert 0 < m["perf/gc_pause_s/gen"] <= wall
-    assert "perf/gc_pause_s/update" not in m  # no collection ran there (a phase with none is left out)
+    assert m["perf/gc_pause_s/update"] == 0  # no collection ran there: 0, so that every rank logs the same keys
     assert m["perf/gc_pause_s"] >= m["perf/gc_pause_s/gen"]
 
 
