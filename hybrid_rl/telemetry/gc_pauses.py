@@ -25,15 +25,13 @@ class GcClock:
         self.seconds = 0.0
         self.collections = 0
         self._started: float | None = None
-        self._lock = threading.Lock()
 
     def _callback(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._started = time.perf_counter()
-        elif self._started is not None:  # "stop" (collections do not nest: the GIL is held throughout)
-            with self._lock:
-                self.seconds += time.perf_counter() - self._started
-                self.collections += 1
+        elif self._started is not None:  # "stop": collections neither nest nor overlap (the GIL is held throughout)
+            self.seconds += time.perf_counter() - self._started
+            self.collections += 1
             self._started = None
 
 
@@ -59,7 +57,7 @@ class StepCollection:
         if every < 0:
             raise ValueError(f"gc_steps must be >= 0, got {every}")
         self.every = every
-        self._was_enabled = gc.isenabled()
+        self._was_enabled = True  # set by start
         self.active = False
 
     def start(self) -> None:
