@@ -4,9 +4,12 @@
 ran another profile than ``tuned``, ``..._mixed`` when they ran different ones). Refuses (exit 2) results that read
 different prompt files (``settings.prompts_sha256``). Each peer is compared with the hybrid_rl run on its own machine
 (boot id): beside ``hybrid_rl_<workload>.json``, a run of hybrid_rl on another machine of the same kind is read from
-``hybrid_rl_<workload>@<label>.json``; ``pairs`` in the report names the machines of every ratio. A variant of
-hybrid_rl (``hybrid_rl+NAME_<workload>.json``, ``run_hybrid_rl.py --variant``) is a bar of its own with its ratios to
-the peers on its machine (``variant_ratios``); the target stays on the plain run. Runs on the GPU
+``hybrid_rl_<workload>@<label>.json``; ``pairs`` in the report names the machines of every ratio. A peer run again on
+another machine (``verl_<workload>@<label>.json``, ``trl_...``) is paired the same way: ``per_machine`` lists every
+pair, ``ratios`` and ``pairs`` stay those of the main files, and the target counts as met for a peer only where it is
+met on every machine the peer ran on. A variant of hybrid_rl (``hybrid_rl+NAME_<workload>.json``, ``run_hybrid_rl.py
+--variant``) is a bar of its own with its ratios to the peers and to the plain run on its machine
+(``variant_ratios``); the target stays on the plain run. Runs on the GPU
 machine at the end of every ``run_all.sh`` part (into ``$OUT``), or on any machine from the JSON files the runs wrote:
 
     python benchmarks/peers/plot.py --res /path/with/the/jsons --workload grpo_long
@@ -40,10 +43,14 @@ def combine(res: Path, workload: str) -> dict:
     extra = [r for r in extra if "step_s" in r]
     variants = [json.loads(p.read_text()) for p in sorted(res.glob(f"hybrid_rl+*_{workload}.json"))]
     variants = [r for r in variants if "step_s" in r]
+    # a peer run again on other machines of the same kind, each paired with hybrid_rl on its own machine
+    repeats = [json.loads(p.read_text()) for peer in ("verl", "trl")
+               for p in sorted(res.glob(f"{peer}_{workload}@*.json"))]
+    repeats = [r for r in repeats if "step_s" in r]
     ok = {k: v for k, v in runs.items() if "step_s" in v}
     devices = {v.get("device") for v in runs.values() if v.get("device")}
     device = sorted(devices)[0] if devices else "unknown"
-    workloads = {json.dumps(v["workload"], sort_keys=True) for v in [*ok.values(), *extra, *variants]
+    workloads = {json.dumps(v["workload"], sort_keys=True) for v in [*ok.values(), *extra, *repeats, *variants]
                  if v.get("workload")}
     if len(workloads) > 1:
         raise SystemExit(f"the results in {res} ran different workloads (PEERS_PROMPTS? --steps?): "
@@ -53,6 +60,8 @@ def combine(res: Path, workload: str) -> dict:
     hashes = {k: (v.get("settings") or {}).get("prompts_sha256") for k, v in runs.items() if "skipped" not in v}
     hashes.update({f"hybrid_rl@{r.get('machine')}": (r.get("settings") or {}).get("prompts_sha256") for r in extra})
     hashes.update({r["framework"]: (r.get("settings") or {}).get("prompts_sha256") for r in variants})
+    hashes.update({f"{r['framework']}@{r.get('machine')}": (r.get("settings") or {}).get("prompts_sha256")
+                   for r in repeats})
     if len({h for h in hashes.values() if h}) > 1:  # one line, exit 2: results that read different prompt files
         print(f"error: the results in {res} read different prompt files (settings.prompts_sha256: "
               + ", ".join(f"{k} {h[:12] if h else None}" for k, h in hashes.items())
@@ -60,13 +69,18 @@ def combine(res: Path, workload: str) -> dict:
         raise SystemExit(2)
     w = json.loads(workloads.pop()) if workloads else {"name": workload, **WORKLOADS.get(workload, {})}
     bases = [ok["hybrid_rl"]] + extra if "hybrid_rl" in ok else extra
-    ratios, pairs = {}, {}
+
+    def base_for(run: dict) -> dict:
+        """The hybrid_rl run on ``run``'s machine where there is one, else the main one."""
+        where = run.get("machine")
+        return next((b for b in bases if where and b.get("machine") == where), bases[0])
+
+    ratios, pairs, per_machine = {}, {}, []
     if bases:
         for peer in ("verl", "trl"):
             if peer in ok:
-                # the hybrid_rl run on the peer's machine where there is one, else the main one
+                base = base_for(ok[peer])
                 where = ok[peer].get("machine")
-                base = next((b for b in bases if where and b.get("machine") == where), bases[0])
                 pairs[peer] = {"hybrid_rl_machine": base.get("machine"), "peer_machine": where,
                                "same_machine": bool(where) and base.get("machine") == where,
                                "hybrid_rl_step_s_median": base["step_s_median"]}
@@ -77,35 +91,57 @@ def combine(res: Path, workload: str) -> dict:
                 if base.get("trained_tokens_per_s") and ok[peer].get("trained_tokens_per_s"):
                     ratios[f"hybrid_rl_vs_{peer}_trained_tokens_per_s"] = (base["trained_tokens_per_s"]
                                                                           / ok[peer]["trained_tokens_per_s"])
-    variant_ratios = {}  # each variant against each peer that ran on its machine
+        for run in [ok[p] for p in ("verl", "trl") if p in ok] + repeats:
+            base = base_for(run)
+            per_machine.append({"peer": run["framework"], "peer_machine": run.get("machine"),
+                                "hybrid_rl_machine": base.get("machine"),
+                                "same_machine": bool(run.get("machine")) and base.get("machine") == run.get("machine"),
+                                "peer_step_s_median": run["step_s_median"],
+                                "hybrid_rl_step_s_median": base["step_s_median"],
+                                "ratio_median": run["step_s_median"] / base["step_s_median"],
+                                "ratio_mean": run["step_s"] / base["step_s"]})
+    variant_ratios = {}  # each variant against each peer run and the plain run on its machine
     for var in variants:
-        for peer in ("verl", "trl"):
-            if peer in ok and var.get("machine") and var.get("machine") == ok[peer].get("machine"):
-                variant_ratios[f"{var['framework']}_vs_{peer}_step_time_median"] = (ok[peer]["step_s_median"]
-                                                                                    / var["step_s_median"])
-                variant_ratios[f"{var['framework']}_vs_{peer}_step_time"] = ok[peer]["step_s"] / var["step_s"]
+        here = var.get("machine")
+        if not here:
+            continue
+        for run in [ok[p] for p in ("verl", "trl") if p in ok] + repeats:
+            if run.get("machine") == here:
+                variant_ratios[f"{var['framework']}_vs_{run['framework']}_step_time_median"] = (run["step_s_median"]
+                                                                                             / var["step_s_median"])
+                variant_ratios[f"{var['framework']}_vs_{run['framework']}_step_time"] = run["step_s"] / var["step_s"]
+        plain = next((b for b in bases if b.get("machine") == here), None)
+        if plain is not None:  # below 1: the variant's step is the longer one
+            variant_ratios[f"{var['framework']}_vs_hybrid_rl_step_time_median"] = (plain["step_s_median"]
+                                                                                 / var["step_s_median"])
     machines = {k: v.get("machine") for k, v in ok.items()}
     machines.update({r["framework"]: r.get("machine") for r in variants})
     machines.update({f"hybrid_rl@{r.get('machine')}": r.get("machine") for r in extra})
-    same = (all(p["same_machine"] for p in pairs.values()) if pairs
+    machines.update({f"{r['framework']}@{r.get('machine')}": r.get("machine") for r in repeats})
+    same = (all(p["same_machine"] for p in per_machine) if per_machine
             else len(set(machines.values())) <= 1 and None not in machines.values())
+    met = {}  # a peer's target: met on every machine it ran on
+    for pm in per_machine:
+        met[pm["peer"]] = met.get(pm["peer"], True) and pm["ratio_median"] >= 1.3
     profiles = {k: v.get("profile") or (v.get("settings") or {}).get("profile") for k, v in runs.items()
                 if "skipped" not in v}
     return {"device": device, "workload_name": w.get("name", workload), "model": w.get("model"), "workload": w,
             "pinned_versions": VERSIONS, "hybrid_rl_commit": (runs.get("hybrid_rl") or {}).get("commit"),
             "profiles": profiles, "prompts_sha256": next((h for h in hashes.values() if h), None),
-            "ratios": ratios, "variant_ratios": variant_ratios, "pairs": pairs, "machines": machines,
+            "ratios": ratios, "variant_ratios": variant_ratios, "pairs": pairs, "per_machine": per_machine,
+            "machines": machines,
             "same_machine": same,
             "machine_note": None if same else "the ratios compare runs on different machines of the same device "
                                               "kind: compare with that in mind",
             "skipped": {k: v["skipped"] for k, v in runs.items() if "skipped" in v},
-            "target": "hybrid_rl's median step at least 1.3x shorter than each peer's that ran",
-            "target_met": {peer: ratios[f"hybrid_rl_vs_{peer}_step_time_median"] >= 1.3 for peer in ("verl", "trl")
-                           if f"hybrid_rl_vs_{peer}_step_time_median" in ratios} or None,
+            "target": "hybrid_rl's median step at least 1.3x shorter than each peer's that ran, on every machine "
+                      "the peer ran on",
+            "target_met": met or None,
             # per framework, the options it was asked for that did not take effect (benchmarks/peers/probe.py)
             "took_effect_mismatches": {k: v["took_effect"].get("mismatches") for k, v in runs.items()
                                        if isinstance(v.get("took_effect"), dict) and "mismatches" in v["took_effect"]},
-            "frameworks": [runs[k] for k in ORDER if k in runs and "skipped" not in runs[k]] + extra + variants}
+            "frameworks": [runs[k] for k in ORDER if k in runs and "skipped" not in runs[k]] + extra + repeats
+                          + variants}
 
 
 def stem(doc: dict) -> str:
@@ -149,11 +185,12 @@ def plot(doc: dict, path: Path) -> None:
     tput = [r.get("trained_tokens_per_s") or 0.0 for r in ok]
     ax2.bar(names, tput, color=[COLORS.get(r["framework"], "tab:olive") for r in ok], width=0.6)  # olive: variants
     for i, r in enumerate(ok):
-        label = f'{r["step_s"]:.1f} s/step (median {r["step_s_median"]:.1f})'
-        ratio = doc["ratios"].get(f'hybrid_rl_vs_{r["framework"]}_step_time_median')
-        if ratio and r["framework"] != "hybrid_rl":
-            same = doc["pairs"][r["framework"]]["same_machine"]
-            label += f'\nhybrid_rl {ratio:.2f}x (median{", same machine" if same else ""})'
+        label = f'{r["step_s"]:.1f} s/step\n(median {r["step_s_median"]:.1f})'
+        pair = next((pm for pm in doc.get("per_machine", []) if pm["peer"] == r["framework"]
+                     and pm["peer_machine"] == r.get("machine")), None)
+        if pair:
+            label += (f'\nhybrid_rl {pair["ratio_median"]:.2f}x\n(median'
+                      f'{", same machine" if pair["same_machine"] else ""})')
         for peer in ("verl", "trl"):  # a variant: its own ratios, on its machine
             v_ratio = doc.get("variant_ratios", {}).get(f'{r["framework"]}_vs_{peer}_step_time_median')
             if v_ratio:

@@ -395,9 +395,46 @@ def test_report_shows_a_variant_beside_the_plain_run_with_its_own_ratios(tmp_pat
     assert [r["framework"] for r in doc["frameworks"]] == ["hybrid_rl", "verl", "trl", "hybrid_rl+overlap"]
     # against verl on its machine (25 / 16 by the median, 25 / 20 by the mean); TRL ran on another machine: none
     assert doc["variant_ratios"] == {"hybrid_rl+overlap_vs_verl_step_time_median": 25.0 / 16.0,
-                                     "hybrid_rl+overlap_vs_verl_step_time": 25.0 / 20.0}
+                                     "hybrid_rl+overlap_vs_verl_step_time": 25.0 / 20.0,
+                                     "hybrid_rl+overlap_vs_hybrid_rl_step_time_median": 24.0 / 16.0}
     assert doc["target_met"] == {"verl": False, "trl": True}  # the plain run's: 25 / 24 and 48 / 24
     assert doc["machines"]["hybrid_rl+overlap"] == "a"
+    plot.plot(doc, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_report_pairs_a_peer_run_on_two_machines_and_needs_the_target_on_both(tmp_path):
+    w = workload_spec("grpo_long", 1)
+
+    def res(name, mean, median, machine):
+        return {"framework": name, "step_s": mean, "step_s_median": median, "workload": w, "device": "H200x1",
+                "machine": machine, "profile": "tuned"}
+
+    (tmp_path / "hybrid_rl_grpo_long.json").write_text(json.dumps(res("hybrid_rl", 24.0, 24.0, "a")))
+    (tmp_path / "verl_grpo_long.json").write_text(json.dumps(res("verl", 25.0, 25.0, "a")))
+    (tmp_path / "trl_grpo_long.json").write_text(json.dumps(res("trl", 50.0, 48.0, "a")))
+    (tmp_path / "hybrid_rl_grpo_long@b.json").write_text(json.dumps(res("hybrid_rl", 23.0, 22.0, "b")))
+    (tmp_path / "verl_grpo_long@b.json").write_text(json.dumps(res("verl", 33.0, 33.0, "b")))
+    (tmp_path / "hybrid_rl+engine_process_grpo_long.json").write_text(
+        json.dumps(res("hybrid_rl+engine_process", 26.0, 27.5, "b")))
+    doc = plot.combine(tmp_path, "grpo_long")
+    # ratios stay the main files' (25 / 24); every pair is listed, each with hybrid_rl on its own machine
+    assert doc["ratios"]["hybrid_rl_vs_verl_step_time_median"] == 25.0 / 24.0
+    assert [(pm["peer"], pm["peer_machine"], pm["hybrid_rl_machine"], pm["ratio_median"], pm["ratio_mean"])
+            for pm in doc["per_machine"]] == [("verl", "a", "a", 25.0 / 24.0, 25.0 / 24.0),
+                                              ("trl", "a", "a", 2.0, 50.0 / 24.0),
+                                              ("verl", "b", "b", 1.5, 33.0 / 23.0)]
+    assert doc["target_met"] == {"verl": False, "trl": True}  # 1.5x on b, 1.04x on a: not on every machine
+    assert doc["same_machine"] and doc["machines"]["verl@b"] == "b"
+    # the variant ran on b: against verl there (33 / 27.5) and the plain run there (22 / 27.5, below 1: slower)
+    assert doc["variant_ratios"] == {"hybrid_rl+engine_process_vs_verl_step_time_median": 33.0 / 27.5,
+                                     "hybrid_rl+engine_process_vs_verl_step_time": 33.0 / 26.0,
+                                     "hybrid_rl+engine_process_vs_hybrid_rl_step_time_median": 22.0 / 27.5}
+    assert [(r["framework"], r["machine"]) for r in doc["frameworks"]] == [
+        ("hybrid_rl", "a"), ("verl", "a"), ("trl", "a"), ("hybrid_rl", "b"), ("verl", "b"),
+        ("hybrid_rl+engine_process", "b")]
+    (tmp_path / "verl_grpo_long.json").write_text(json.dumps(res("verl", 32.0, 32.0, "a")))
+    assert plot.combine(tmp_path, "grpo_long")["target_met"] == {"verl": True, "trl": True}  # 1.33x and 1.5x
     plot.plot(doc, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
 
