@@ -5,7 +5,10 @@ trainer's states; for the training passes the fused head (free), the micro-batch
 largest value that fits), ``actor.accumulate_unsharded=false`` (``critic.accumulate_unsharded=false`` for the
 critic's phases), sequence parallelism for the actor's passes (the
 smallest size the ranks and heads allow), recomputation, offloading the reference. When no
-single change fits, the one that lowers the peak most is named, with what it leaves.
+single change fits, changes are combined, one at a time, up to ``MAX_COMBINED``: each round takes the first candidate
+that makes it fit, else the one that leaves the lowest phases (the peak first, then the next), and plans again; a
+combination that fits is named whole (7B on one H200: the optimizer's and the reference's offload together). When
+none fits either, the single change that lowers the peak most is named, with what it leaves.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ if TYPE_CHECKING:
     from hybrid_rl.config import Config
 
 ENGINE_PHASES = ("weight push", "generation", "generation (rollout ranks)")
+MAX_COMBINED = 4
+"""The most settings a combined fix changes."""
 
 
 @dataclass
@@ -88,13 +93,29 @@ def _micro_batch_keys(cfg: "Config", phase: str) -> list[dict[str, object]]:
     return _lower("actor.log_prob_micro_batch_size_per_device", a.log_prob_micro_batch_size_per_device, 1)
 
 
-def _engine_share(cfg: "Config") -> list[dict[str, object]]:
-    """Smaller shares of the GPU for an engine that reserves one, in steps of 5%, largest first."""
+ENGINE_MARGIN_GIB = 1.0
+"""Beside its weights and one sequence's KV cache, what an engine's share must leave for its activations and graphs."""
+
+
+def engine_floor(cfg: "Config", shape: ModelShape) -> float:
+    """The least bytes a reserving engine can run in: its 16-bit weights and the KV cache of one sequence of the
+    longest length (vLLM refuses to start without room for it), both split over its tensor-parallel GPUs, and
+    ``ENGINE_MARGIN_GIB``."""
+    tp = cfg.rollout.engine_memory().tensor_parallel
+    kv_one = seq_len(cfg) * shape.layers * 2 * shape.kv_dim * 2
+    return (shape.params * 2 + kv_one) / tp + ENGINE_MARGIN_GIB * GIB
+
+
+def _engine_share(cfg: "Config", shape: ModelShape | None = None,
+                  gpu_bytes: float | None = None) -> list[dict[str, object]]:
+    """Smaller shares of the GPU for an engine that reserves one, in steps of 5%, largest first; with the shape and
+    the GPU's memory, none below what the engine can run in (``engine_floor``)."""
     mem = cfg.rollout.engine_memory()
     if mem.gpu_share is None:
         return []
     steps = int(round(mem.gpu_share * 20))
-    return [{mem.gpu_share_key: k / 20} for k in range(steps - 1, 1, -1)]
+    floor = engine_floor(cfg, shape) / gpu_bytes if shape is not None and gpu_bytes else 0.0
+    return [{mem.gpu_share_key: k / 20} for k in range(steps - 1, 1, -1) if k / 20 >= floor]
 
 
 def _sequence_parallel(cfg: "Config", shape: ModelShape | None, gpus: int | None) -> list[dict[str, object]]:
@@ -119,8 +140,8 @@ def _sequence_parallel(cfg: "Config", shape: ModelShape | None, gpus: int | None
     return out
 
 
-def candidates(cfg: "Config", peak: str, shape: ModelShape | None = None,
-               gpus: int | None = None) -> Iterator[list[dict[str, object]]]:
+def candidates(cfg: "Config", peak: str, shape: ModelShape | None = None, gpus: int | None = None,
+               gpu_bytes: float | None = None) -> Iterator[list[dict[str, object]]]:
     """Groups of alternative single-setting changes, in the order they are tried; inside a group, the mildest first."""
     a, sync = cfg.actor, cfg.engine_sleeps
     offloads = [[{k: True}] for k, on in (("actor.param_offload", a.param_offload and sync),
@@ -128,7 +149,7 @@ def candidates(cfg: "Config", peak: str, shape: ModelShape | None = None,
                                           ("ref.offload", cfg.ref.offload or not cfg.need_ref or cfg.model.lora.rank > 0))
                 if not on and (sync or k == "ref.offload")]
     if peak in ENGINE_PHASES:
-        yield _engine_share(cfg)
+        yield _engine_share(cfg, shape, gpu_bytes)
         yield from offloads
         return
     if a.fused_logprob is False and not peak.startswith("critic"):
@@ -147,7 +168,7 @@ def candidates(cfg: "Config", peak: str, shape: ModelShape | None = None,
         yield [{"critic.enable_gradient_checkpointing": True}]
     yield offloads[-1] if offloads and "ref.offload" in offloads[-1][0] else []
     if not sync:
-        yield _engine_share(cfg)
+        yield _engine_share(cfg, shape, gpu_bytes)
 
 
 def _describe(settings: dict[str, object]) -> str:
@@ -159,6 +180,36 @@ def _describe(settings: dict[str, object]) -> str:
     return f"lower {key} to {value:g}"
 
 
+def _totals(all_phases: list[Phase]) -> list[float]:
+    return sorted((p.total for p in all_phases), reverse=True)
+
+
+def combined_fix(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> dict[str, object] | None:
+    """Settings that make ``cfg`` fit together, chosen a round at a time (see the module's note), or ``None``."""
+    chosen: dict[str, object] = {}
+    current, now = cfg, phases(cfg, shape, gpus, gpu_bytes)
+    for _ in range(MAX_COMBINED):
+        best: tuple[list[float], dict[str, object], "Config", list[Phase]] | None = None
+        for group in candidates(current, peak_of(now).name, shape, gpus, gpu_bytes):
+            for settings in group:
+                trial_cfg = with_settings(current, settings)
+                trial = phases(trial_cfg, shape, gpus, gpu_bytes)
+                if fits(trial, gpu_bytes):
+                    return {**chosen, **settings}
+                if best is None or _totals(trial) < best[0]:
+                    best = (_totals(trial), settings, trial_cfg, trial)
+        if best is None or best[0] >= _totals(now):  # nothing lowers the phases any more
+            return None
+        chosen.update(best[1])
+        current, now = best[2], best[3]
+    return None
+
+
+def _describe_all(settings: dict[str, object]) -> str:
+    parts = [_describe({k: v}) for k, v in settings.items()]
+    return " and ".join(parts) + " (together: no single setting fits)"
+
+
 def judge(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> tuple[list[Phase], Verdict]:
     """The phases and the verdict; a config that does not fit gets the first candidate change that fits."""
     base = phases(cfg, shape, gpus, gpu_bytes)
@@ -166,7 +217,7 @@ def judge(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> tupl
     if fits(base, gpu_bytes):
         return base, Verdict(True, peak, gpu_bytes, None)
     best: tuple[float, dict[str, object]] | None = None
-    for group in candidates(cfg, peak.name, shape, gpus):
+    for group in candidates(cfg, peak.name, shape, gpus, gpu_bytes):
         for settings in group:
             trial = phases(with_settings(cfg, settings), shape, gpus, gpu_bytes)
             if fits(trial, gpu_bytes):
@@ -174,6 +225,9 @@ def judge(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> tupl
             left = peak_of(trial).total
             if best is None or left < best[0]:
                 best = (left, settings)
+    together = combined_fix(cfg, shape, gpus, gpu_bytes)
+    if together is not None:
+        return base, Verdict(False, peak, gpu_bytes, _describe_all(together))
     if best is None:
         return base, Verdict(False, peak, gpu_bytes, "no single setting makes it fit: use more GPUs or a smaller model")
     return base, Verdict(False, peak, gpu_bytes, f"{_describe(best[1])} (alone it still needs "

@@ -408,3 +408,40 @@ def test_micro_batch_tokens_go_to_the_phases_open_on_this_thread():
             micro_batches(batch, 1, None, None, packed=True)
     assert timer.micro_batch_metrics() == {"perf/phase_micro_batch_tokens/old_log_prob": 16.0,
                                            "perf/phase_micro_batch_tokens/update": 32.0}
+
+
+SEVEN_ON_ONE = ["model.path=builtin:qwen2.5-7b-random", "rollout.forced_lengths=lognormal:8192:0.8",
+                "data.max_response_length=16384", "actor.max_token_len_per_device=16896", "data.train_batch_size=4",
+                "actor.ppo_mini_batch_size=1", "rollout.vllm.tensor_parallel_size=1"]
+
+
+def _seven(*overrides: str):
+    recipe = str(Path(RECIPE).parent / "gsm8k_grpo_7b.yaml")
+    return load_config(recipe, [*SEVEN_ON_ONE, *overrides]).validate(1)
+
+
+def test_a_combination_is_named_when_no_single_setting_fits():
+    """Full fine-tuning of the 7B shape on one H200 (scale_7b's long run): no one setting fits, so the verdict names
+    the settings that fit together, and each of them alone, or the engine's share alone, still does not fit."""
+    h200 = 139.8 * GIB
+    shape = read_shape("builtin:qwen2.5-7b-random")
+    _, verdict = judge(_seven(), shape, 1, h200)
+    assert not verdict.fits
+    assert verdict.fix == "set actor.optimizer_offload=true and set ref.offload=true (together: no single setting fits)"
+    assert judge(_seven("actor.optimizer_offload=true", "ref.offload=true"), shape, 1, h200)[1].fits
+    for alone in ("actor.optimizer_offload=true", "ref.offload=true", "actor.param_offload=true",
+                  "rollout.vllm.gpu_memory_utilization=0.15"):
+        assert not judge(_seven(alone), shape, 1, h200)[1].fits, alone
+
+
+def test_an_engine_share_is_never_offered_below_what_the_engine_runs_in():
+    from hybrid_rl.planner.verdict import _engine_share
+
+    shape = read_shape("builtin:qwen2.5-7b-random")
+    # bf16 weights of 7.62B parameters (14.2 GiB), one 16,896-token sequence's K and V in 28 layers of 4 x 128 dims
+    # (0.9 GiB), 1 GiB beside them: 16.1 GiB, 11.5% of 139.8 GiB, so 15% is the smallest share in steps of 5%
+    floor = (2 * 7_615_616_512 + 16896 * 28 * 2 * 512 * 2) / GIB + 1.0
+    assert 16.0 < floor < 16.2
+    shares = [next(iter(s.values())) for s in _engine_share(_seven(), shape, 139.8 * GIB)]
+    assert shares == [k / 20 for k in range(9, 2, -1)]
+    assert [next(iter(s.values())) for s in _engine_share(_seven())][-1] == 0.1  # without the shape: no floor
