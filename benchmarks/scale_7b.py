@@ -3,6 +3,9 @@ the memory planner's prediction for the same config.
 
     python benchmarks/scale_7b.py --gpus 8                        # every run below, into runs/scale_7b/<UTC time>/
     python benchmarks/scale_7b.py --gpus 4 --runs mean8k_sp1      # one run
+    python benchmarks/scale_7b.py --gpus 1 --runs mean8k_sp1 --out D actor.optimizer_offload=true ref.offload=true
+                                                                  # one GPU, full fine-tuning, with the offloads that
+                                                                  # `make plan` names for it
     python benchmarks/scale_7b.py --gpus 1 --runs mean2k_sp1 --mean 2048 --tag lora64 --out D model.lora.rank=64
                                                                   # one GPU, LoRA: added to D's JSON as mean2k_sp1_lora64
     python benchmarks/scale_7b.py --cpu-smoke                     # plumbing only: tiny model, 2 CPU ranks, ~2 minutes
