@@ -183,23 +183,25 @@ RUN_PATHS = ("data.train_path=", "data.val_path=", "trainer.output_dir=", "model
 
 
 def peers_rows(doc: dict) -> list[tuple[str, float, float, float | None]]:
-    """``run_rows`` for the hybrid_rl run of a ``peers_*.json`` (``benchmarks/peers/``) that recorded its phases'
-    peaks: its recipe and overrides, the workload's model."""
+    """``run_rows`` for each hybrid_rl run of a ``peers_*.json`` (``benchmarks/peers/``) that recorded its phases'
+    peaks: its recipe and overrides, the workload's model; where it holds runs on several machines, each row names
+    its machine (the boot id's last 8 characters)."""
     out = []
-    for run in doc.get("frameworks", []):
-        if run.get("framework") != "hybrid_rl" or "memory" not in run or "error" in run:
-            continue
+    runs = [r for r in doc.get("frameworks", [])
+            if r.get("framework") == "hybrid_rl" and "memory" in r and "error" not in r]
+    for run in runs:
         gpus, gib = box(run)
+        where = f"@{str(run.get('machine'))[-8:]} " if len(runs) > 1 else ""
         settings = run["settings"]
         overrides = [f"model.path={doc['model']}", *(o for o in settings["overrides"] if not o.startswith(RUN_PATHS))]
-        out += run_rows(f"hybrid_rl {doc['workload_name']}", ROOT / settings["recipe"], overrides, gpus, gib,
+        out += run_rows(f"hybrid_rl {where}{doc['workload_name']}", ROOT / settings["recipe"], overrides, gpus, gib,
                         run["memory"], (run.get("engine_pool") or {}).get("measured_gib"))
     return out
 
 
 def main(results: Path = RESULTS, max_error: float | None = None) -> int:
     """Print the table; 1 if ``max_error`` (percent) is given and a row errs by more, else 0."""
-    print(f"{'result':40s} {'run':40s} {'measured':>9s} {'predicted':>9s} {'error':>7s} {'at run':>7s} {'error':>7s}")
+    print(f"{'result':40s} {'run':48s} {'measured':>9s} {'predicted':>9s} {'error':>7s} {'at run':>7s} {'error':>7s}")
     worse = []
 
     def line(label: str, what: str, value: float, pred: float, at_run: float | None = None) -> None:
@@ -208,7 +210,7 @@ def main(results: Path = RESULTS, max_error: float | None = None) -> int:
         if at_run is not None:
             run_err = 100 * (at_run - value) / value
             tail = f" {at_run:7.1f} {run_err:+6.0f}%"
-        print(f"{label[:40]:40s} {what[:40]:40s} {value:9.1f} {pred:9.1f} {err:+6.0f}%{tail}")
+        print(f"{label[:40]:40s} {what[:48]:48s} {value:9.1f} {pred:9.1f} {err:+6.0f}%{tail}")
         judged = run_err if at_run is not None else err  # the model at the run's micro-batches, where it logged them
         if max_error is not None and abs(judged) > max_error:
             worse.append(f"{label} {what} ({judged:+.0f}%)")
@@ -220,7 +222,7 @@ def main(results: Path = RESULTS, max_error: float | None = None) -> int:
             doc = json.loads(path.read_text())
             value, shape = measured(row, doc)
         except (OSError, KeyError, ValueError) as e:
-            print(f"{label[:40]:40s} {row.what:40s} {'-':>9s}  ({path.name}: {e})")
+            print(f"{label[:40]:40s} {row.what:48s} {'-':>9s}  ({path.name}: {e})")
             continue
         gpus, gib = box(doc)
         line(label, row.what, value, predicted([*row.overrides, *shape], gpus, gib, row.which, row.held_grads))
