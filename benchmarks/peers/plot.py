@@ -77,29 +77,27 @@ def combine(res: Path, workload: str) -> dict:
 
     ratios, pairs, per_machine = {}, {}, []
     if bases:
-        for peer in ("verl", "trl"):
-            if peer in ok:
-                base = base_for(ok[peer])
-                where = ok[peer].get("machine")
-                pairs[peer] = {"hybrid_rl_machine": base.get("machine"), "peer_machine": where,
-                               "same_machine": bool(where) and base.get("machine") == where,
-                               "hybrid_rl_step_s_median": base["step_s_median"]}
-                # the same prompts and the same response lengths, sample by sample: the step-time ratio is the
-                # throughput ratio; the token-based ratio is kept beside it as a check, the medians as a third
-                ratios[f"hybrid_rl_vs_{peer}_step_time"] = ok[peer]["step_s"] / base["step_s"]
-                ratios[f"hybrid_rl_vs_{peer}_step_time_median"] = ok[peer]["step_s_median"] / base["step_s_median"]
-                if base.get("trained_tokens_per_s") and ok[peer].get("trained_tokens_per_s"):
-                    ratios[f"hybrid_rl_vs_{peer}_trained_tokens_per_s"] = (base["trained_tokens_per_s"]
-                                                                          / ok[peer]["trained_tokens_per_s"])
         for run in [ok[p] for p in ("verl", "trl") if p in ok] + repeats:
-            base = base_for(run)
-            per_machine.append({"peer": run["framework"], "peer_machine": run.get("machine"),
+            base, where = base_for(run), run.get("machine")
+            per_machine.append({"peer": run["framework"], "peer_machine": where,
                                 "hybrid_rl_machine": base.get("machine"),
-                                "same_machine": bool(run.get("machine")) and base.get("machine") == run.get("machine"),
+                                "same_machine": bool(where) and base.get("machine") == where,
                                 "peer_step_s_median": run["step_s_median"],
                                 "hybrid_rl_step_s_median": base["step_s_median"],
                                 "ratio_median": run["step_s_median"] / base["step_s_median"],
                                 "ratio_mean": run["step_s"] / base["step_s"]})
+            if run is not ok.get(run["framework"]):
+                continue  # a repeat: in per_machine only
+            peer, pm = run["framework"], per_machine[-1]
+            pairs[peer] = {k: pm[k] for k in ("hybrid_rl_machine", "peer_machine", "same_machine",
+                                              "hybrid_rl_step_s_median")}
+            # the same prompts and the same response lengths, sample by sample: the step-time ratio is the
+            # throughput ratio; the token-based ratio is kept beside it as a check, the medians as a third
+            ratios[f"hybrid_rl_vs_{peer}_step_time"] = pm["ratio_mean"]
+            ratios[f"hybrid_rl_vs_{peer}_step_time_median"] = pm["ratio_median"]
+            if base.get("trained_tokens_per_s") and run.get("trained_tokens_per_s"):
+                ratios[f"hybrid_rl_vs_{peer}_trained_tokens_per_s"] = (base["trained_tokens_per_s"]
+                                                                      / run["trained_tokens_per_s"])
     variant_ratios = {}  # each variant against each peer run and the plain run on its machine
     for var in variants:
         here = var.get("machine")

@@ -184,9 +184,12 @@ def _totals(all_phases: list[Phase]) -> list[float]:
     return sorted((p.total for p in all_phases), reverse=True)
 
 
-def combined_fix(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> dict[str, object] | None:
-    """Settings that make ``cfg`` fit together, chosen a round at a time (see the module's note), or ``None``."""
+def search(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float
+           ) -> tuple[dict[str, object] | None, tuple[float, dict[str, object]] | None]:
+    """Settings that make ``cfg`` fit, one or several chosen a round at a time (see the module's note), or ``None``;
+    and the single change of the first round that lowers the peak most (the peak it leaves, the change)."""
     chosen: dict[str, object] = {}
+    single: tuple[float, dict[str, object]] | None = None
     current, now = cfg, phases(cfg, shape, gpus, gpu_bytes)
     for _ in range(MAX_COMBINED):
         best: tuple[list[float], dict[str, object], "Config", list[Phase]] | None = None
@@ -195,14 +198,16 @@ def combined_fix(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) 
                 trial_cfg = with_settings(current, settings)
                 trial = phases(trial_cfg, shape, gpus, gpu_bytes)
                 if fits(trial, gpu_bytes):
-                    return {**chosen, **settings}
+                    return {**chosen, **settings}, single
+                if not chosen and (single is None or peak_of(trial).total < single[0]):
+                    single = (peak_of(trial).total, settings)
                 if best is None or _totals(trial) < best[0]:
                     best = (_totals(trial), settings, trial_cfg, trial)
         if best is None or best[0] >= _totals(now):  # nothing lowers the phases any more
-            return None
+            break
         chosen.update(best[1])
         current, now = best[2], best[3]
-    return None
+    return None, single
 
 
 def _describe_all(settings: dict[str, object]) -> str:
@@ -211,23 +216,15 @@ def _describe_all(settings: dict[str, object]) -> str:
 
 
 def judge(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float) -> tuple[list[Phase], Verdict]:
-    """The phases and the verdict; a config that does not fit gets the first candidate change that fits."""
+    """The phases and the verdict; a config that does not fit gets the first candidate change that fits, or the
+    changes that fit together (``search``)."""
     base = phases(cfg, shape, gpus, gpu_bytes)
     peak = peak_of(base)
     if fits(base, gpu_bytes):
         return base, Verdict(True, peak, gpu_bytes, None)
-    best: tuple[float, dict[str, object]] | None = None
-    for group in candidates(cfg, peak.name, shape, gpus, gpu_bytes):
-        for settings in group:
-            trial = phases(with_settings(cfg, settings), shape, gpus, gpu_bytes)
-            if fits(trial, gpu_bytes):
-                return base, Verdict(False, peak, gpu_bytes, _describe(settings))
-            left = peak_of(trial).total
-            if best is None or left < best[0]:
-                best = (left, settings)
-    together = combined_fix(cfg, shape, gpus, gpu_bytes)
-    if together is not None:
-        return base, Verdict(False, peak, gpu_bytes, _describe_all(together))
+    fix, best = search(cfg, shape, gpus, gpu_bytes)
+    if fix is not None:
+        return base, Verdict(False, peak, gpu_bytes, _describe(fix) if len(fix) == 1 else _describe_all(fix))
     if best is None:
         return base, Verdict(False, peak, gpu_bytes, "no single setting makes it fit: use more GPUs or a smaller model")
     return base, Verdict(False, peak, gpu_bytes, f"{_describe(best[1])} (alone it still needs "
