@@ -23,9 +23,9 @@ random model does not end its responses, so the response lengths are forced (``r
                            that divide the GPUs)
 
 On fewer GPUs than the recipe's ``rollout.vllm.tensor_parallel_size`` (2), the engine spans the largest size that
-divides them (one GPU: 1). ``--tag`` appends a name to each run (settings of one kind, e.g. ``model.lora.rank=64``);
-runs are added to the JSON already in ``--out`` (a run of the same name replaced), each with its own settings and
-commit, so that the runs of several commands make one result.
+divides them (one GPU: 1). ``--tag`` appends a name to each run (settings of one kind, e.g. ``model.lora.rank=64``;
+``--runs`` takes either name); runs are added to the JSON already in ``--out`` (a run of the same name replaced), each
+with its own settings and commit, so that the runs of several commands make one result.
 
 Per run, over the measured steps (after ``--warmup``): step time and its phases, generated tokens/s, the update's
 MFU (``perf/mfu_update``: the FLOPs it ran ÷ time ÷ the GPUs' dense bf16 peak; ``_equiv`` counts every sample's
@@ -77,6 +77,17 @@ def runs(args) -> list[tuple[str, list[str]]]:
              [f"rollout.forced_lengths=fixed:{args.cap}", f"actor.ulysses_sequence_parallel_size={sp}"])
             for sp in args.sp_sizes if args.gpus % sp == 0]
     return out
+
+
+def selected(every: list[tuple[str, list[str]]], names: list[str], tag: str
+             ) -> tuple[list[tuple[str, list[str]]], set[str]]:
+    """The runs ``--runs`` names (all when it names none), by their full name or the name ``--tag`` extends
+    (``mean8k_sp1`` or ``mean8k_sp1_lora64``), and the names that match none."""
+    def base(name: str) -> str:
+        return name.removesuffix(f"_{tag}") if tag else name
+
+    known = {n for n, _ in every} | {base(n) for n, _ in every}
+    return [r for r in every if not names or r[0] in names or base(r[0]) in names], set(names) - known
 
 
 def engine_tp(recipe_tp: int, gpus: int) -> int:
@@ -292,11 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     gpu_gib = visible_gpu()[1] if not args.cpu_smoke else 80.0  # the smoke plans for a nominal 80 GiB card
     args.base = base_overrides(args)
     every = runs(args)
-    unknown = set(args.runs) - {n for n, _ in every}
+    todo, unknown = selected(every, args.runs, args.tag)
     if unknown:
         raise SystemExit(f"error: --runs: {', '.join(sorted(unknown))} not known; choose from "
                          f"{', '.join(n for n, _ in every)}")
-    todo = [r for r in every if not args.runs or r[0] in args.runs]
     out.mkdir(parents=True, exist_ok=True)
     print(f"scale_7b: {', '.join(n for n, _ in todo)} on {args.gpus} ranks ({device}), {args.model}; run directory "
           f"{out}", file=sys.stderr, flush=True)

@@ -53,6 +53,11 @@ class UpdateConfig:
     """Move this role's parameters (and gradients) to CPU between its phases (e.g. while the engine generates)."""
     optimizer_offload: bool = harmless(False)
     """Move this role's AdamW state to CPU between its updates (e.g. while the engine generates)."""
+    optimizer_impl: Literal["fused", "foreach", "for_loop"] = harmless("fused")
+    """``torch.optim.AdamW``'s kernels: ``fused`` updates every tensor in a few kernels without temporaries (as HF
+    Trainer's and torchtitan's default); ``foreach`` holds a copy of the second-moment state (4 bytes per trainable
+    parameter on each rank) through the step; ``for_loop`` one tensor at a time, a tensor's copy at most. Same update
+    up to rounding."""
 
     def validate_update(self, section: str) -> None:
         """The shared keys' checks; errors name ``<section>.<key>``."""

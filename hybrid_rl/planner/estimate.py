@@ -6,7 +6,9 @@ key/value widths, ``L`` the layers, ``V`` the vocabulary, ``c`` the compute dtyp
 
 What the trainer keeps (``workers/fsdp_engine.py``): trainable models hold fp32 masters, sharded (``4P/W``), and
 AdamW's two fp32 moments (``8P/W``); their fp32 gradients, sharded (``4P/W``; LoRA: adapters only), live from a
-mini-batch's first backward until its optimizer step frees them, so only in the model's own update phase. The frozen
+mini-batch's first backward until its optimizer step frees them, so only in the model's own update phase, whose
+peak is the larger of its last backward and its optimizer step (the gradient shards, the activations gone, and
+AdamW's temporaries: none fused, a copy of the second moment ``4P/W`` foreach, one tensor's for-loop). The frozen
 reference is sharded in the compute dtype (``cP/W``; LoRA reuses the actor). A pass gathers two blocks at a time
 (the current one and the prefetched next) and the root (embeddings) in the compute dtype; with
 ``actor.accumulate_unsharded`` the whole model stays gathered (``cP``) and the update accumulates full fp32
@@ -83,6 +85,24 @@ class Phase:
 
     def biggest(self, k: int = 3) -> list[tuple[str, float]]:
         return sorted(self.terms.items(), key=lambda kv: -kv[1])[:k]
+
+
+def largest_tensor(shape: ModelShape, lora: bool) -> int:
+    """Elements of the largest trainable tensor: the embedding (or LM head), else an MLP matrix; under LoRA an
+    adapter's factor, at most ``rank × max(h, I)``, which the embedding bounds."""
+    return shape.vocab * shape.hidden if not lora else shape.intermediate * shape.hidden
+
+
+def optimizer_step(role: str, p_rank: float, impl: str, largest: float) -> dict[str, float]:
+    """What the optimizer step adds to a role's kept state, ``p_rank`` trainable parameters on this rank: the fp32
+    gradients reduced to shards (the pass's activations and gathered copies gone) and AdamW's temporaries: none
+    (``fused``), a copy of the second-moment state (``foreach``), a copy of the largest tensor (``for_loop``)."""
+    out = {f"{role} grads (fp32, sharded)": 4 * p_rank}
+    if impl == "foreach":
+        out[f"{role} AdamW step copy (fp32, sharded)"] = 4 * p_rank
+    elif impl == "for_loop":
+        out[f"{role} AdamW step copy (one tensor)"] = 4 * min(largest, p_rank)
+    return out
 
 
 def sp_kv_dim(shape: ModelShape, sp: int) -> int:
@@ -320,11 +340,14 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float,
     recompute = cfg.model.enable_gradient_checkpointing
     # gradient shards beside the activations only when each micro-batch reduce-scatters (module docstring)
     shards = {} if a.accumulate_unsharded else {"actor grads (fp32, sharded)": 4 * P_train / W}
-    out.append(Phase("actor update", {
+    backward = {
         **kept(), **shards, **awake, **gathered(P, P_train, grad=True),
         f"activations ({tokens_label(t)}{', recomputed' if recompute else ''})":
             grad_activations(shape, slice_of(t, sp), c, cfg.model.use_liger, recompute, ratio, sp),
-        "logits": logits_bytes(shape, slice_of(response_rows(cfg, t), sp), lay.fused, grad=True, packed=lay.packed)}))
+        "logits": logits_bytes(shape, slice_of(response_rows(cfg, t), sp), lay.fused, grad=True, packed=lay.packed)}
+    step = {**kept(), **awake, **optimizer_step("actor", P_train / W, a.optimizer_impl,
+                                                 largest_tensor(shape, lora) / W)}
+    out.append(Phase("actor update", max(backward, step, key=lambda terms: sum(terms.values()))))
     # -- the critic's passes
     if critic:
         cr, Pc = cfg.critic, critic_params(shape)
@@ -341,10 +364,13 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float,
         tc = micro_at.get("critic update") or micro_tokens(cfg, min(cr.ppo_micro_batch_size_per_device, cmini),
                                                             cbudget, rank_seqs)
         cshards = {} if cu else {"critic grads (fp32, sharded)": 4 * Pc / W}
-        out.append(Phase("critic update", {
+        cbackward = {
             **kept(critic_on=True), **cshards, **awake,
             **gathered(Pc, Pc, grad=True, unsharded=cu),
             f"activations ({tokens_label(tc, csp)}{', recomputed' if cr.enable_gradient_checkpointing else ''})":
                 grad_activations(shape, slice_of(tc, csp), c, cfg.model.use_liger, cr.enable_gradient_checkpointing,
-                                 sp=csp)}))
+                                 sp=csp)}
+        cstep = {**kept(critic_on=True), **awake,
+                 **optimizer_step("critic", Pc / W, cr.optimizer_impl, largest_tensor(shape, False) / W)}
+        out.append(Phase("critic update", max(cbackward, cstep, key=lambda terms: sum(terms.values()))))
     return out

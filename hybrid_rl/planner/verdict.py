@@ -152,6 +152,9 @@ def candidates(cfg: "Config", peak: str, shape: ModelShape | None = None, gpus: 
         yield _engine_share(cfg, shape, gpu_bytes)
         yield from offloads
         return
+    impl = cfg.critic.optimizer_impl if peak.startswith("critic") else a.optimizer_impl
+    if peak in ("actor update", "critic update") and impl != "fused":
+        yield [{f"{peak.split()[0]}.optimizer_impl": "fused"}]
     if a.fused_logprob is False and not peak.startswith("critic"):
         yield [{"actor.fused_logprob": True}]
     yield _micro_batch_keys(cfg, peak)
@@ -175,7 +178,7 @@ def _describe(settings: dict[str, object]) -> str:
     (key, value), = settings.items()
     if isinstance(value, bool):
         return f"set {key}={str(value).lower()}"
-    if key == "actor.ulysses_sequence_parallel_size":
+    if key == "actor.ulysses_sequence_parallel_size" or isinstance(value, str):
         return f"set {key}={value}"
     return f"lower {key} to {value:g}"
 

@@ -136,7 +136,7 @@ class ActorRolloutRefWorker:
             a = cfg.actor
             self.actor.configure_optimizer(a.lr, (a.betas[0], a.betas[1]), a.weight_decay, a.lr_warmup_steps, a.lr_scheduler,
                                            lr_schedule_steps(a, cfg.data.train_batch_size, total_training_steps),
-                                           a.min_lr_ratio)
+                                           a.min_lr_ratio, a.optimizer_impl)
         self.ref: FrozenReference | AdapterDisabledReference | None = None
         if self.is_ref:
             if mcfg.lora.rank > 0 and self.actor is not None:

@@ -140,7 +140,7 @@ class CriticWorker:
                                      sp=sp if packs else None)  # unpacked: each rank runs its group's rows whole
         self.engine.configure_optimizer(c.lr, (c.betas[0], c.betas[1]), c.weight_decay, c.lr_warmup_steps, c.lr_scheduler,
                                         lr_schedule_steps(c, cfg.data.train_batch_size, total_training_steps),
-                                        c.min_lr_ratio)
+                                        c.min_lr_ratio, c.optimizer_impl)
         self._token_budget = c.max_token_len_per_device if c.use_dynamic_bsz else None
         self._release()
 

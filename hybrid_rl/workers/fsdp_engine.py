@@ -41,6 +41,9 @@ from hybrid_rl.workers.packed import (Packed, logprob_head, pack, pack_shared, s
 from hybrid_rl.workers.ulysses import SequenceParallel, ShardedRow, shard
 from hybrid_rl.weights.plan import PushPlan, decoder_layer_classes
 
+IMPLS = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for_loop": dict(foreach=False)}
+"""``optimizer_impl`` → ``torch.optim.AdamW``'s keyword."""
+
 
 def _compile_blocks(model: torch.nn.Module) -> int:
     """``torch.compile`` each decoder block's ``forward`` (dynamic shapes: one graph for every sequence length).
@@ -159,9 +162,13 @@ class TrainingEngine:
 
     # -- optimisation -------------------------------------------------------------------
     def configure_optimizer(self, lr: float, betas: tuple[float, float], weight_decay: float, warmup_steps: int,
-                            schedule: str, total_steps: int, min_lr_ratio: float) -> None:
+                            schedule: str, total_steps: int, min_lr_ratio: float, impl: str = "fused") -> None:
+        """AdamW over the trainable parameters (``impl``: ``fused``, ``foreach`` or ``for_loop``, the config's
+        ``optimizer_impl``) under a warm-up-then-constant-or-cosine schedule."""
+        if impl not in IMPLS:
+            raise ValueError(f"optimizer implementation {impl!r}: choose from {', '.join(IMPLS)}")
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+        self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, **IMPLS[impl])
 
         def lr_lambda(step: int) -> float:
             if warmup_steps > 0 and step < warmup_steps:

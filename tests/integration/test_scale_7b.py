@@ -57,6 +57,18 @@ def test_one_gpu_gets_an_engine_of_one_gpu_and_no_sequence_parallel_split():
     assert not any("tensor_parallel_size" in o for o in scale_7b.base_overrides(scale_7b.parse_args(["--gpus", "4"])))
 
 
+def test_runs_are_picked_by_their_name_with_or_without_the_tag():
+    args = scale_7b.parse_args(["--gpus", "1", "--mean", "2048", "--tag", "lora64", "model.lora.rank=64"])
+    every = scale_7b.runs(args)
+    for names in (["mean2k_sp1"], ["mean2k_sp1_lora64"]):
+        todo, unknown = scale_7b.selected(every, names, "lora64")
+        assert [n for n, _ in todo] == ["mean2k_sp1_lora64"] and not unknown
+    assert scale_7b.selected(every, [], "lora64")[0] == every
+    assert scale_7b.selected(every, ["mean8k_sp1"], "lora64") == ([], {"mean8k_sp1"})
+    plain = scale_7b.runs(scale_7b.parse_args(["--gpus", "1"]))
+    assert scale_7b.selected(plain, ["mean8k_sp1_lora64"], "")[1] == {"mean8k_sp1_lora64"}
+
+
 @pytest.mark.parametrize("argv, message", [(["--mean", "20000"], "--mean=20000"), (["--tag", "a/b"], "--tag='a/b'")])
 def test_bad_mean_or_tag_is_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

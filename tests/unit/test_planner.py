@@ -445,3 +445,40 @@ def test_an_engine_share_is_never_offered_below_what_the_engine_runs_in():
     shares = [next(iter(s.values())) for s in _engine_share(_seven(), shape, 139.8 * GIB)]
     assert shares == [k / 20 for k in range(9, 2, -1)]
     assert [next(iter(s.values())) for s in _engine_share(_seven())][-1] == 0.1  # without the shape: no floor
+
+
+def test_the_update_peak_is_its_optimizer_step_when_the_step_holds_more():
+    """The 7B shape fully fine-tuned on one H200 with the offloads that make the passes fit: at the optimizer step the
+    GPU holds the fp32 masters (4 bytes a parameter), AdamW's moments (8), the gradients (4) and, with ``foreach``,
+    a copy of the second moment (4 more): 20 bytes × 7,615,616,512 = 141.8 GiB, past the card, as the run that
+    tried it ran out of memory in ``torch._foreach_sqrt``. ``fused`` has no copy: 16 bytes a parameter at the step,
+    and the update's peak is its backward again."""
+    h200, P = 139.8 * GIB, 7_615_616_512
+    shape = read_shape("builtin:qwen2.5-7b-random")
+    offloads = ("actor.optimizer_offload=true", "ref.offload=true")
+    by_name, verdict = judge(_seven(*offloads, "actor.optimizer_impl=foreach"), shape, 1, h200)
+    update = {p.name: p for p in by_name}["actor update"]
+    assert update.total == pytest.approx(20 * P, rel=1e-9)
+    assert update.terms["actor AdamW step copy (fp32, sharded)"] == 4 * P
+    assert not any(k.startswith("activations") for k in update.terms)
+    assert not verdict.fits and verdict.fix == "set actor.optimizer_impl=fused"
+    by_name, verdict = judge(_seven(*offloads), shape, 1, h200)
+    update = {p.name: p for p in by_name}["actor update"]
+    assert verdict.fits and update.total > 16 * P
+    assert any(k.startswith("activations") for k in update.terms)
+    loop = {p.name: p for p in phases(_seven(*offloads, "actor.optimizer_impl=for_loop"), shape, 1, h200)}
+    assert loop["actor update"].total == update.total  # one tensor's copy (the 152,064 x 3,584 embedding) is less
+
+
+def test_each_optimizer_implementation_adds_its_own_step_copy():
+    """At the step: the gradient shards, and beside them nothing (fused), the second moment again (foreach), or the
+    largest tensor, the tiny model's tied 103 × 64 embedding (for-loop), 4 bytes an element."""
+    from hybrid_rl.planner.estimate import largest_tensor, optimizer_step
+
+    shape = read_shape("builtin:tiny-qwen2")
+    assert largest_tensor(shape, lora=False) == V * H
+    assert optimizer_step("actor", PARAMS / 2, "fused", V * H / 2) == {"actor grads (fp32, sharded)": 2 * PARAMS}
+    assert optimizer_step("actor", PARAMS / 2, "foreach", V * H / 2) == {
+        "actor grads (fp32, sharded)": 2 * PARAMS, "actor AdamW step copy (fp32, sharded)": 2 * PARAMS}
+    assert optimizer_step("critic", PARAMS, "for_loop", V * H) == {
+        "critic grads (fp32, sharded)": 4 * PARAMS, "critic AdamW step copy (one tensor)": 4 * V * H}
