@@ -63,6 +63,10 @@ class TrainerConfig:
     profile_steps: list[int] = harmless(default_factory=list)
     """Steps to run under ``torch.profiler``; each rank writes its top ops by CUDA and CPU time to
     ``<output_dir>/profile/step_<N>_rank<R>.txt`` (e.g. ``trainer.profile_steps=[5]``)."""
+    profile_phases: list[str] = harmless(default_factory=list)
+    """Within ``profile_steps``, only these timed phases (``timing/<phase>``: ``gen``, ``old_log_prob``, ``ref``,
+    ``update``, ...), each to ``step_<N>_rank<R>_<phase>.txt``; empty: the whole step. A long step's profile is mostly
+    generation; ``[update]`` says what bounds the update."""
     peak_tflops: Optional[float] = harmless(None)
     """The device's dense bf16 peak in TFLOP/s for ``perf/mfu_*`` (default: looked up by GPU name in
     ``hybrid_rl.telemetry.perf``; MFU is not logged for devices it does not know)."""
@@ -132,6 +136,9 @@ class TrainerConfig:
                               f"null to look it up by GPU name")
         if any(step < 1 for step in self.profile_steps):
             raise ConfigError(f"trainer.profile_steps={self.profile_steps} must list step numbers >= 1, e.g. [5]")
+        if self.profile_phases and not self.profile_steps:
+            raise ConfigError(f"trainer.profile_phases={self.profile_phases} needs trainer.profile_steps, the steps to "
+                              f"profile them in, e.g. trainer.profile_steps=[2]")
         if self.total_steps < 0 or self.total_epochs < 1:
             raise ConfigError("trainer.total_steps must be >= 0 and trainer.total_epochs >= 1")
 

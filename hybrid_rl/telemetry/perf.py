@@ -26,6 +26,7 @@ Left out: MoE routing, multimodal towers, and devices missing from the table (se
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -254,9 +255,37 @@ def watched_step(cfg, step: int, rank: int, device) -> Iterator[None]:
     if it takes longer than the stall limit."""
     from hybrid_rl.watchdog import StallWatchdog
 
-    stall = cfg.trainer.stall_dump_s
-    out = Path(cfg.trainer.output_dir) / "profile" / f"step_{step}_rank{rank}.txt"
+    stall, t = cfg.trainer.stall_dump_s, cfg.trainer
+    out = Path(t.output_dir) / "profile" / f"step_{step}_rank{rank}.txt"
+    whole = step in t.profile_steps and not t.profile_phases
     with StallWatchdog(stall, label=f"step {step}") if stall > 0 else nullcontext():
-        with profiled(out, f"step {step}, rank {rank}", device.type == "cuda") \
-                if step in cfg.trainer.profile_steps else nullcontext():
-            yield
+        with profiled(out, f"step {step}, rank {rank}", device.type == "cuda") if whole else nullcontext():
+            with profiled_phases(t.profile_phases if step in t.profile_steps else [], out, step, rank, device):
+                yield
+
+
+@contextmanager
+def profiled_phases(names: list[str], out: Path, step: int, rank: int, device) -> Iterator[None]:
+    """Each timed phase in ``names`` under ``profiled`` wherever it runs in the block, into ``<out's stem>_<phase>``
+    (a phase that runs more than once: its last run); a phase that did not run is one warning line."""
+    from hybrid_rl.telemetry import tracking
+
+    ran: set[str] = set()
+
+    def hook(name: str):
+        def enter():
+            ran.add(name)
+            return profiled(out.with_name(f"{out.stem}_{name}.txt"), f"step {step}, rank {rank}, phase {name}",
+                            device.type == "cuda")
+        return enter
+
+    tracking.phase_hooks.update({name: hook(name) for name in names})
+    try:
+        yield
+    finally:
+        for name in names:
+            tracking.phase_hooks.pop(name, None)
+        missing = [n for n in names if n not in ran]
+        if missing and rank == 0:
+            print(f"hybrid_rl: warning: trainer.profile_phases: {', '.join(missing)} did not run in step {step}",
+                  file=sys.stderr, flush=True)

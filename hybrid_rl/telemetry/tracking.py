@@ -16,7 +16,7 @@ import shutil
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterator
 
@@ -27,6 +27,9 @@ from hybrid_rl.telemetry.gc_pauses import gc_clock
 
 _running = threading.local()
 """``_running.timer``: the Timer whose phases are open on this thread (``note_micro_batch_tokens`` credits them)."""
+phase_hooks: dict[str, object] = {}
+"""Phase name → a context-manager factory every timer runs that phase under, on any thread (``perf.watched_step``
+sets it for a step whose phases are profiled)."""
 
 
 def note_micro_batch_tokens(tokens: int) -> None:
@@ -79,8 +82,10 @@ class Timer:
         outer = getattr(_running, "timer", None)
         _running.timer = self
         try:
-            with torch.profiler.record_function(f"phase/{name}"):  # phases show up in trainer.profile_steps tables
-                yield
+            hook = phase_hooks.get(name)
+            with hook() if hook is not None else nullcontext():
+                with torch.profiler.record_function(f"phase/{name}"):  # phases show up in trainer.profile_steps tables
+                    yield
         finally:
             self.times[f"timing/{name}"] = self.times.get(f"timing/{name}", 0.0) + time.perf_counter() - start
             self.gc_seconds[name] = self.gc_seconds.get(name, 0.0) + self.gc_clock.seconds - gc_start

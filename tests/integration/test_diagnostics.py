@@ -31,6 +31,33 @@ def test_profile_table_and_stall_dump(tiny_model_path, tmp_path):
     assert "hybrid_rl: set-up still running after" in proc.stderr and "in _build" in proc.stderr
 
 
+def test_profile_phases_profile_only_the_phases_named(tmp_path, capsys):
+    """``trainer.profile_phases=[update]``: a profiled step writes the update's table alone (its ops, not the other
+    phase's), wherever the timer runs; an unprofiled step writes nothing; a phase that did not run is one warning."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hybrid_rl.telemetry.perf import watched_step
+    from hybrid_rl.telemetry.tracking import Timer
+
+    cfg = SimpleNamespace(trainer=SimpleNamespace(stall_dump_s=0.0, output_dir=str(tmp_path), profile_steps=[2],
+                                                  profile_phases=["update", "values"]))
+    for step in (1, 2):
+        timer = Timer()
+        with watched_step(cfg, step, 0, torch.device("cpu")):
+            with timer("gen"):
+                torch.cumsum(torch.ones(64), 0)
+            with timer("update"):
+                torch.mm(torch.ones(8, 8), torch.ones(8, 8))
+    files = sorted(p.name for p in (tmp_path / "profile").iterdir())
+    assert files == ["step_2_rank0_update.txt"]
+    table = (tmp_path / "profile" / files[0]).read_text()
+    assert table.startswith("step 2, rank 0, phase update") and "aten::mm" in table and "aten::cumsum" not in table
+    err = capsys.readouterr().err
+    assert err.count("trainer.profile_phases: values did not run in step 2") == 1 and "update did not" not in err
+
+
 def test_stall_watchdog_dumps_every_thread_while_the_block_runs_long():
     import io
     import time

@@ -60,6 +60,7 @@ def test_bad_overrides_name_the_key(override, message):
     (["trainer.rollout_ranks=-1"], "trainer.rollout_ranks=-1 must be >= 0"),
     (["trainer.stall_dump_s=-5"], "trainer.stall_dump_s=-5.0 must be >= 0"),
     (["trainer.profile_steps=[0]"], "trainer.profile_steps"),
+    (["trainer.profile_phases=[update]"], r"^trainer.profile_phases=\[.update.\] needs trainer.profile_steps"),
     (["rollout.vllm.kv_cache_dtype=fp8"], "rollout.vllm.kv_cache_dtype is now rollout.vllm.engine_kwargs.kv_cache_dtype"),
     (["rollout.kv_cache_dtype=fp8"], "rollout.kv_cache_dtype is now rollout.vllm.engine_kwargs.kv_cache_dtype"),
     (["rollout.vllm.reuse_stale_kv=true"], "rollout.vllm.reuse_stale_kv was removed: .* delete the key"),
