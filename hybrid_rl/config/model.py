@@ -21,6 +21,10 @@ class LoraConfig:
     """Module names that get adapters."""
     dropout: float = 0.0
     """Dropout on the adapter input."""
+    base_dtype: Literal["float32", "compute"] = harmless("float32")
+    """The frozen base's storage in the actor: ``float32`` (as the trained parameters, verl's way) or ``compute``
+    (``model.dtype``, bf16 on GPUs: half the bytes). The same update either way: every pass casts the base to the
+    compute dtype, and the push sends it in the engine's."""
 
 
 @dataclass

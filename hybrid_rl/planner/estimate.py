@@ -4,8 +4,9 @@ Every term is a closed formula of the model shape (``shape.py``) and the config;
 ``W`` the ranks the trainer shards over, ``T`` the tokens of one micro-batch, ``h``/``I``/``kv`` the hidden, MLP and
 key/value widths, ``L`` the layers, ``V`` the vocabulary, ``c`` the compute dtype's bytes (2 for bf16).
 
-What the trainer keeps (``workers/fsdp_engine.py``): trainable models hold fp32 masters, sharded (``4P/W``), and
-AdamW's two fp32 moments (``8P/W``); their fp32 gradients, sharded (``4P/W``; LoRA: adapters only), live from a
+What the trainer keeps (``workers/fsdp_engine.py``): trainable models hold fp32 masters, sharded (``4P/W``; LoRA with
+``model.lora.base_dtype=compute``: the frozen base in the compute dtype, ``cP/W``, and the adapters' fp32), and
+AdamW's two fp32 moments (``8P/W``; LoRA: the adapters'); their fp32 gradients, sharded (``4P/W``; LoRA: adapters only), live from a
 mini-batch's first backward until its optimizer step frees them, so only in the model's own update phase, whose
 peak is the larger of its last backward and its optimizer step (the gradient shards, the activations gone, and
 AdamW's temporaries: none fused, a copy of the second moment ``4P/W`` foreach, one tensor's for-loop). The frozen
@@ -256,7 +257,11 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float,
     mini_seqs = max(mini_batch_seqs(a, dp, cfg.rollout.n), 1)
     budget = a.max_token_len_per_device if a.use_dynamic_bsz else None
 
-    actor = {"actor params (fp32, sharded)": 4 * P / W, "actor AdamW (2 x fp32, sharded)": 8 * P_train / W}
+    if lora and cfg.model.lora.base_dtype == "compute":  # the frozen base in the compute dtype, the adapters fp32
+        actor = {"actor frozen base (sharded)": c * P / W, "actor params (fp32, sharded)": 4 * P_train / W}
+    else:
+        actor = {"actor params (fp32, sharded)": 4 * P / W}
+    actor["actor AdamW (2 x fp32, sharded)"] = 8 * P_train / W
     ref = {"ref params (sharded)": c * P / W} if cfg.need_ref and not lora else {}
     critic: dict[str, float] = {}
     if cfg.need_critic:
@@ -322,6 +327,7 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float,
         if cfg.engine_sleeps:
             if a.param_offload:
                 gen.pop("actor params (fp32, sharded)")
+                gen.pop("actor frozen base (sharded)", None)
             if a.optimizer_offload:
                 gen.pop("actor AdamW (2 x fp32, sharded)")
         out.append(Phase("generation", gen))

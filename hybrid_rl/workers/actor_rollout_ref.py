@@ -132,7 +132,9 @@ class ActorRolloutRefWorker:
                                         accumulate_unsharded=cfg.actor.accumulate_unsharded,
                                         compile_blocks=cfg.actor.use_torch_compile, group=dist.group,
                                         remove_padding=self.remove_padding, fused_logprob=self.fused_logprob,
-                                        share_prompts=self.share_prompts, sp=self.sp)
+                                        share_prompts=self.share_prompts, sp=self.sp,
+                                        frozen_dtype=self.dtype if mcfg.lora.rank > 0 and
+                                        mcfg.lora.base_dtype == "compute" else None)
             a = cfg.actor
             self.actor.configure_optimizer(a.lr, (a.betas[0], a.betas[1]), a.weight_decay, a.lr_warmup_steps, a.lr_scheduler,
                                            lr_schedule_steps(a, cfg.data.train_batch_size, total_training_steps),

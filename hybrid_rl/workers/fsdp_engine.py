@@ -65,7 +65,7 @@ class TrainingEngine:
     def __init__(self, model: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype, trainable: bool,
                  gradient_checkpointing: bool = False, accumulate_unsharded: bool = False, compile_blocks: bool = False,
                  group=None, remove_padding: bool = False, fused_logprob: bool = False, share_prompts: bool = False,
-                 sp: SequenceParallel | None = None):
+                 sp: SequenceParallel | None = None, frozen_dtype: torch.dtype | None = None):
         self.device = device
         self.sp = sp or SequenceParallel()
         """Ulysses sequence parallelism: each packed row is cut in slices over ``sp.group`` (``workers/ulysses.py``)."""
@@ -102,12 +102,20 @@ class TrainingEngine:
                 p.requires_grad_(False)
         # Keep fp32 masters for training; the compute dtype is applied by FSDP's
         # mixed-precision policy (or autocast without FSDP).
-        dtype = torch.float32 if trainable else compute_dtype
+        dtype: torch.dtype | None = torch.float32 if trainable else compute_dtype
+        if trainable and frozen_dtype is not None and self.fsdp:
+            # LoRA's frozen base: FSDP2 casts every parameter to the compute dtype for each pass (its mixed-precision
+            # policy), so a frozen one kept in that dtype computes the same in fewer bytes
+            model.to(dtype=dtype)
+            for p in model.parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(frozen_dtype)
+            dtype = None  # each parameter in its own dtype from here
         # Sharded over several ranks, the weights are the group's first rank's, loaded into the shards after
         # sharding (``workers/materialize.py``); what the other ranks passed in (an empty model on meta) is not read.
         from_first_rank = self.fsdp and shared_over_ranks(group)
         if from_first_rank:
-            weights = take_weights(model.to(dtype=dtype), group)
+            weights = take_weights(model.to(dtype=dtype) if dtype is not None else model, group)
         else:
             model.to(device=device, dtype=dtype)
         if remove_padding:

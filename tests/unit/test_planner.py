@@ -482,3 +482,22 @@ def test_each_optimizer_implementation_adds_its_own_step_copy():
         "actor grads (fp32, sharded)": 2 * PARAMS, "actor AdamW step copy (fp32, sharded)": 2 * PARAMS}
     assert optimizer_step("critic", PARAMS, "for_loop", V * H) == {
         "critic grads (fp32, sharded)": 4 * PARAMS, "critic AdamW step copy (one tensor)": 4 * V * H}
+
+
+def test_a_lora_base_in_the_compute_dtype_is_planned_at_its_bytes_and_offered_first():
+    """7B LoRA (rank 64) without recomputation at 16,896-token micro-batches on one H200: the fp32 base (4 bytes a
+    parameter) leaves no room for the activations; in bf16 (2 bytes) it fits, and the verdict says so first."""
+    h200, P = 139.8 * GIB, 7_615_616_512
+    shape = read_shape("builtin:qwen2.5-7b-random")
+    lora = ("model.lora.rank=64", "model.enable_gradient_checkpointing=false")
+    by_name, verdict = judge(_seven(*lora), shape, 1, h200)
+    assert not verdict.fits and verdict.fix == "set model.lora.base_dtype=compute"
+    fp32_update = {p.name: p for p in by_name}["actor update"]
+    by_name, verdict = judge(_seven(*lora, "model.lora.base_dtype=compute"), shape, 1, h200)
+    update = {p.name: p for p in by_name}["actor update"]
+    assert verdict.fits
+    assert update.terms["actor frozen base (sharded)"] == 2 * P
+    # rank × (in + out) per adapted linear, 28 layers: q, o 3584+3584; k, v 3584+512; gate, up, down 3584+18944
+    adapters = 64 * 28 * (2 * 7168 + 2 * 4096 + 3 * 22528)
+    assert update.terms["actor params (fp32, sharded)"] == 4 * adapters
+    assert fp32_update.total - update.total == pytest.approx(4 * P - 2 * P - 4 * adapters)
