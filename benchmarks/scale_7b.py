@@ -9,6 +9,7 @@ the memory planner's prediction for the same config.
     python benchmarks/scale_7b.py --gpus 1 --runs mean2k_sp1 --mean 2048 --tag lora64 --out D model.lora.rank=64
                                                                   # one GPU, LoRA: added to D's JSON as mean2k_sp1_lora64
     python benchmarks/scale_7b.py --cpu-smoke                     # plumbing only: tiny model, 2 CPU ranks, ~2 minutes
+    python benchmarks/scale_7b.py --summarize D/scale_7b_H200x1.json   # no run: its runs' figures read again from D
 
 Runs ``recipes/gsm8k_grpo_7b.yaml`` (``python -m hybrid_rl train`` under torchrun, through ``modes.run_mode``) with
 ``builtin:qwen2.5-7b-random`` (Qwen2.5-7B's shape with random weights: no download; built once per host before the
@@ -29,7 +30,8 @@ with its own settings and commit, so that the runs of several commands make one 
 
 Per run, over the measured steps (after ``--warmup``): step time and its phases, generated tokens/s, the update's
 MFU (``perf/mfu_update``: the FLOPs it ran ÷ time ÷ the GPUs' dense bf16 peak; ``_equiv`` counts every sample's
-prompt whole), and per phase the measured peak (``perf/phase_memory_allocated_gb/<phase>``, the largest over steps
+prompt whole) and the log-prob pass's, the switch (``timing/switch``: engine wake, push, sleep, onload), every measured
+step's metrics (``per_step``), and per phase the measured peak (``perf/phase_memory_allocated_gb/<phase>``, the largest over steps
 and ranks; the engine's pool, ``perf/engine_pool_gb``, taken off the training phases, which run with it asleep) beside
 the planner's figure for that phase on this GPU (``hybrid_rl.planner``: generation, old log-prob, reference, update;
 the push is not a timed phase of its own), and its figure at the largest micro-batch the phase computed
@@ -157,11 +159,41 @@ def one_run(name: str, overrides: list[str], args, out_dir: Path, gpu_gib: float
     keep = ("step_s", "trainer_step_s", "phases_s", "gen_tokens_per_s", "trained_tokens_per_s", "engine_gen_tokens_per_s",
             "response_length_mean", "steps_measured", "wall_s", "gpu_busy_fraction")
     return {"mode": name, "overrides": overrides, **settings(args), **{k: res[k] for k in keep if k in res},
-            "mfu_update": got["mfu_update"], "mfu_update_equiv": got["mfu_update_equiv"], "memory": memory,
+            "mfu_update": got["mfu_update"], "mfu_update_equiv": got["mfu_update_equiv"], **step_figures(res),
+            "memory": memory,
             "engine_pool": {"measured_gib": got["engine_pool_gb"], "predicted_gib": plan["engine_share_gib"]},
             "peak_outside_engine": {"measured_gib": got["peak_outside_engine_gib"],
                                     "predicted_gib": max((plan["phases_gib"].get(PLANNED[p], 0.0) for p in TRAINING))},
             "planner": plan}
+
+
+def step_figures(res: dict) -> dict:
+    """From ``modes.summarize``'s figures: the log-prob pass's MFU, the switch (engine wake, push, sleep, onload: the
+    step's ``timing/switch``) and every measured step's logged metrics."""
+    rows = res.get("per_step", [])
+    switch = [r["timing/switch"] for r in rows if "timing/switch" in r]
+    return {"mfu_log_prob": res.get("mfu_log_prob"), "switch_s": statistics.fmean(switch) if switch else None,
+            "per_step": rows}
+
+
+def summarize_again(path: Path) -> list[dict]:
+    """``--summarize``: each run that ``path`` holds, its figures read again from its directory beside ``path``
+    (``run_<name>/metrics.jsonl``: the same measured steps, by the warm-up and count it recorded), its settings,
+    commit and the planner's figures as recorded. A run whose directory is missing is kept as it is."""
+    doc = json.loads(path.read_text())
+    for run in doc["runs"]:
+        run_dir = path.parent / f"run_{run['mode']}"
+        if "error" in run or not (run_dir / "metrics.jsonl").exists():
+            continue
+        ns = argparse.Namespace(prompts=run["prompts"], n=doc["n"], warmup=run["warmup"],
+                                stop_after=run["warmup"] + run["measured_steps"])
+        res = modes.summarize(run["mode"], run["overrides"], run_dir, ns, run.get("wall_s"), run.get("gpu_busy_fraction"))
+        if abs(res["step_s"] - run["step_s"]) > 1e-6 * run["step_s"]:
+            raise SystemExit(f"error: {run_dir}: its measured steps give {res['step_s']:.3f} s a step, the JSON says "
+                             f"{run['step_s']:.3f}: not the directory of that run")
+        run.update(step_figures(res))
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return doc["runs"]
 
 
 def result_stem(device: str, model: str, default_model: str) -> str:
@@ -261,6 +293,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default=None, help=f"default {GPU['model']}")
     ap.add_argument("--out", default=None, help="run directory (default runs/scale_7b/<UTC time>/)")
     ap.add_argument("--cpu-smoke", action="store_true", help="the plumbing on CPU: tiny model, 2 gloo ranks")
+    ap.add_argument("--summarize", metavar="JSON", default=None,
+                    help="start no run: read again the figures of the runs JSON holds from their directories beside "
+                         "it, and write JSON and its plot")
     ap.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = ap.parse_intermixed_args(argv)
     base = CPU_SMOKE if args.cpu_smoke else GPU
@@ -287,6 +322,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.summarize:
+        path = Path(args.summarize)
+        try:
+            every_run = summarize_again(path)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"error: --summarize {path}: {e}", file=sys.stderr)
+            return 2
+        doc = json.loads(path.read_text())
+        plot(every_run, f"{doc['model']} on {doc['device']}, {doc['n']} samples per prompt", path.with_suffix(".png"))
+        print(table(every_run))
+        print(f"wrote {path} and .png")
+        return 0
     out = run_dir("scale_7b", args.out)
     import torch
 

@@ -69,6 +69,38 @@ def test_runs_are_picked_by_their_name_with_or_without_the_tag():
     assert scale_7b.selected(plain, ["mean8k_sp1_lora64"], "")[1] == {"mean8k_sp1_lora64"}
 
 
+def _step(step_s: float, switch: float, mfu_lp: float) -> dict:
+    return {"timing/step": step_s, "timing/gen": step_s / 2, "timing/switch": switch, "perf/mfu_log_prob": mfu_lp,
+            "perf/tokens_per_s": 100.0, "rollout/response_length_mean": 10.0}
+
+
+def test_summarize_reads_the_runs_again_from_their_directories(tmp_path, capsys):
+    """``--summarize``: the measured steps (after the recorded warm-up) of each run's ``metrics.jsonl``, every one of
+    them in ``per_step``, the switch and log-prob MFU averaged over them; the recorded settings stay; a directory
+    whose steps do not give the recorded step time is refused in one line."""
+    rows = [_step(9.0, 5.0, 0.1), _step(4.0, 0.2, 0.4), _step(6.0, 0.4, 0.5), {"val/score": 1.0}]
+    (tmp_path / "run_a").mkdir()
+    (tmp_path / "run_a" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = {"mode": "a", "overrides": ["x=1"], "commit": "abc", "prompts": 4, "warmup": 1, "measured_steps": 2,
+           "step_s": 5.0, "wall_s": 30.0, "gpu_busy_fraction": 0.5, "planner": {"p": 1}}
+    failed = {"mode": "b", "overrides": [], "error": "exit 1"}
+    path = tmp_path / "scale_7b_H200x1.json"
+    path.write_text(json.dumps({"model": "m", "device": "H200x1", "n": 8, "runs": [run, failed]}))
+    scale_7b.summarize_again(path)
+    got = json.loads(path.read_text())["runs"]
+    assert got[1] == failed
+    a = got[0]
+    assert a["switch_s"] == pytest.approx((0.2 + 0.4) / 2) and a["mfu_log_prob"] == pytest.approx((0.4 + 0.5) / 2)
+    assert [r["timing/step"] for r in a["per_step"]] == [4.0, 6.0]
+    assert a["commit"] == "abc" and a["planner"] == {"p": 1} and a["step_s"] == 5.0
+    run["step_s"] = 7.0
+    path.write_text(json.dumps({"model": "m", "device": "H200x1", "n": 8, "runs": [run]}))
+    with pytest.raises(SystemExit, match="give 5.000 s a step, the JSON says 7.000"):
+        scale_7b.summarize_again(path)
+    assert scale_7b.main(["--summarize", str(tmp_path / "missing.json")]) == 2
+    assert "error: --summarize" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [(["--mean", "20000"], "--mean=20000"), (["--tag", "a/b"], "--tag='a/b'")])
 def test_bad_mean_or_tag_is_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
