@@ -6,12 +6,12 @@ key/value widths, ``L`` the layers, ``V`` the vocabulary, ``c`` the compute dtyp
 
 What the trainer keeps (``workers/fsdp_engine.py``): trainable models hold fp32 masters, sharded (``4P/W``; LoRA with
 ``model.lora.base_dtype=compute``: the frozen base in the compute dtype, ``cP/W``, and the adapters' fp32), and
-AdamW's two fp32 moments (``8P/W``; LoRA: the adapters'); their fp32 gradients, sharded (``4P/W``; LoRA: adapters only), live from a
-mini-batch's first backward until its optimizer step frees them, so only in the model's own update phase, whose
-peak is the larger of its last backward and its optimizer step (the gradient shards, the activations gone, and
-AdamW's temporaries: none fused, a copy of the second moment ``4P/W`` foreach, one tensor's for-loop). The frozen
-reference is sharded in the compute dtype (``cP/W``; LoRA reuses the actor). A pass gathers two blocks at a time
-(the current one and the prefetched next) and the root (embeddings) in the compute dtype; with
+AdamW's two fp32 moments (``8P/W``; LoRA: the adapters'); their fp32 gradients, sharded (``4P/W``; LoRA: adapters
+only), live from a mini-batch's first backward until its optimizer step frees them, so only in the model's own update
+phase, whose peak is the larger of its last backward and its optimizer step (the gradient shards, the activations
+gone, and AdamW's temporaries: none fused, a copy of the second moment ``4P/W`` foreach, one tensor's for-loop).
+The frozen reference is sharded in the compute dtype (``cP/W``; LoRA reuses the actor). A pass gathers two blocks
+at a time (the current one and the prefetched next) and the root (embeddings) in the compute dtype; with
 ``actor.accumulate_unsharded`` the whole model stays gathered (``cP``) and the update accumulates full fp32
 gradients (``4P``), reduce-scattered into their shards block by block only in the mini-batch's last backward, as
 that backward frees the activations: the shards (``4P/W``) are not held beside the activations, and the update's
@@ -89,8 +89,8 @@ class Phase:
 
 
 def largest_tensor(shape: ModelShape, lora: bool) -> int:
-    """Elements of the largest trainable tensor: the embedding (or LM head), else an MLP matrix; under LoRA an
-    adapter's factor, at most ``rank × max(h, I)``, which the embedding bounds."""
+    """Elements of the largest trainable tensor: the embedding (an LM head is no larger); under LoRA a bound on an
+    adapter's factor (``rank × max(h, I)``): ``h × I``."""
     return shape.vocab * shape.hidden if not lora else shape.intermediate * shape.hidden
 
 

@@ -255,7 +255,8 @@ def watched_step(cfg, step: int, rank: int, device) -> Iterator[None]:
     if it takes longer than the stall limit."""
     from hybrid_rl.watchdog import StallWatchdog
 
-    stall, t = cfg.trainer.stall_dump_s, cfg.trainer
+    t = cfg.trainer
+    stall = t.stall_dump_s
     out = Path(t.output_dir) / "profile" / f"step_{step}_rank{rank}.txt"
     whole = step in t.profile_steps and not t.profile_phases
     with StallWatchdog(stall, label=f"step {step}") if stall > 0 else nullcontext():
