@@ -81,14 +81,20 @@ class Timer:
         self._open.append([name, 0])
         outer = getattr(_running, "timer", None)
         _running.timer = self
+        end = gc_end = None
         try:
             hook = phase_hooks.get(name)
             with hook() if hook is not None else nullcontext():
-                with torch.profiler.record_function(f"phase/{name}"):  # phases show up in trainer.profile_steps tables
-                    yield
+                try:
+                    with torch.profiler.record_function(f"phase/{name}"):  # phases show up in trainer.profile_steps
+                        yield                                                # tables
+                finally:  # the phase ends here: a hook's own exit (a profile's table written) is not its time
+                    end, gc_end = time.perf_counter(), self.gc_clock.seconds
         finally:
-            self.times[f"timing/{name}"] = self.times.get(f"timing/{name}", 0.0) + time.perf_counter() - start
-            self.gc_seconds[name] = self.gc_seconds.get(name, 0.0) + self.gc_clock.seconds - gc_start
+            end = time.perf_counter() if end is None else end
+            gc_end = self.gc_clock.seconds if gc_end is None else gc_end
+            self.times[f"timing/{name}"] = self.times.get(f"timing/{name}", 0.0) + end - start
+            self.gc_seconds[name] = self.gc_seconds.get(name, 0.0) + gc_end - gc_start
             self._fold()
             _, peak = self._open.pop()
             self.peaks[name] = max(self.peaks.get(name, 0), peak)

@@ -58,6 +58,28 @@ def test_profile_phases_profile_only_the_phases_named(tmp_path, capsys):
     assert err.count("trainer.profile_phases: values did not run in step 2") == 1 and "update did not" not in err
 
 
+def test_a_phase_time_leaves_out_its_hook_exit(monkeypatch):
+    """A profiled phase's time is the phase's work: writing its profile table (the hook's exit) is not counted."""
+    import time
+    from contextlib import contextmanager
+
+    from hybrid_rl.telemetry import tracking
+
+    @contextmanager
+    def slow_exit():
+        yield
+        time.sleep(0.5)  # a table written after the phase
+
+    monkeypatch.setitem(tracking.phase_hooks, "update", slow_exit)
+    timer = tracking.Timer()
+    t0 = time.perf_counter()
+    with timer("update"):
+        time.sleep(0.05)
+    outside = time.perf_counter() - t0
+    took = timer.pop()["timing/update"]
+    assert outside >= 0.55 and 0.05 <= took < 0.3
+
+
 def test_stall_watchdog_dumps_every_thread_while_the_block_runs_long():
     import io
     import time
