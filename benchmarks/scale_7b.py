@@ -10,6 +10,8 @@ the memory planner's prediction for the same config.
                                                                   # one GPU, LoRA: added to D's JSON as mean2k_sp1_lora64
     python benchmarks/scale_7b.py --cpu-smoke                     # plumbing only: tiny model, 2 CPU ranks, ~2 minutes
     python benchmarks/scale_7b.py --summarize D/scale_7b_H200x1.json   # no run: its runs' figures read again from D
+    python benchmarks/scale_7b.py --summarize D/scale_7b_H200x1.json --merge E/scale_7b_H200x1.json
+                                                                  # and E's runs that D's JSON lacks added to it
 
 Runs ``recipes/gsm8k_grpo_7b.yaml`` (``python -m hybrid_rl train`` under torchrun, through ``modes.run_mode``) with
 ``builtin:qwen2.5-7b-random`` (Qwen2.5-7B's shape with random weights: no download; built once per host before the
@@ -196,6 +198,20 @@ def summarize_again(path: Path) -> list[dict]:
     return doc["runs"]
 
 
+def merge_into(path: Path, other: Path) -> None:
+    """``--merge``: the runs of ``other`` that ``path`` does not hold by name, added to ``path`` (each run keeps its
+    own settings and commit; ``path``'s own runs, and its commit, stay). ValueError when the two are not results of
+    this script for the same model and device."""
+    doc, add = json.loads(path.read_text()), json.loads(other.read_text())
+    for key in ("bench", "model", "device"):
+        if doc.get(key) != add.get(key):
+            raise ValueError(f"{other} has {key} {add.get(key)!r}, {path} {doc.get(key)!r}: only runs of the same "
+                             f"model on the same device make one result")
+    have = {r["mode"] for r in doc["runs"]}
+    doc["runs"] += [r for r in add["runs"] if r["mode"] not in have]
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+
+
 def result_stem(device: str, model: str, default_model: str) -> str:
     """``scale_7b_<device>``; another model's runs go to a file of their own, ``scale_7b_<device>_<model name>``."""
     return f"scale_7b_{device}" if model == default_model else f"scale_7b_{device}_{model.split(':')[-1].split('/')[-1]}"
@@ -296,8 +312,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--summarize", metavar="JSON", default=None,
                     help="start no run: read again the figures of the runs JSON holds from their directories beside "
                          "it, and write JSON and its plot")
+    ap.add_argument("--merge", metavar="OTHER", action="append", default=[],
+                    help="with --summarize: first add the runs of OTHER (a JSON of this script, the same model and "
+                         "device) that JSON does not hold by name; JSON's own runs are kept (repeatable)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = ap.parse_intermixed_args(argv)
+    if args.merge and not args.summarize:
+        ap.error("--merge adds runs to the JSON that --summarize names; give --summarize JSON")
     base = CPU_SMOKE if args.cpu_smoke else GPU
     for key in ("model", "prompts", "warmup", "measure", "run_timeout"):
         if getattr(args, key) is None:
@@ -325,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.summarize:
         path = Path(args.summarize)
         try:
+            for other in args.merge:
+                merge_into(path, Path(other))
             every_run = summarize_again(path)
         except (OSError, ValueError, KeyError) as e:
             print(f"error: --summarize {path}: {e}", file=sys.stderr)

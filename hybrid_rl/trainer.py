@@ -269,7 +269,7 @@ class Trainer:
             with timer("update_critic"):
                 update_stats.update(critic.update_critic(batch))
         if self._actor_updates():
-            with timer("update"):
+            with w.optimizer_trip(timer), timer("update"):
                 stats, batch = w.update_policy(batch, old_plan)
                 update_stats.update(stats)
         return dict(batch=own_rows(batch, members[w.sp.rank]), reward_stats=reward_stats, update_stats=update_stats,

@@ -12,10 +12,10 @@ partial-rollout pool (a round in flight finishes first: nothing partial is saved
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from hybrid_rl.batch import Batch
 from hybrid_rl.checkpoint.integrity import find_resumable, verify_checkpoint
@@ -130,7 +130,7 @@ class Checkpointer:
                  "pending_batch": pending.state_dict() if pending is not None else None,
                  "kl_ctrl": self.kl_ctrl.state_dict()}
         model, optimizer, scheduler, group = self._actor_parts()
-        with self._critic_resident():
+        with self._resident():
             save_checkpoint(self.root, step, model, optimizer, scheduler, extra, self.cfg.trainer.keep_last, group,
                             config=self.cfg.to_dict(), parts=self._extra_parts())
 
@@ -138,7 +138,7 @@ class Checkpointer:
         """Load checkpoint ``path`` into the parts; returns the step to continue after and the loop's counters. A
         checkpoint found corrupt while loading gives way to the previous complete one under ``trainer.resume=auto``."""
         try:
-            with self._critic_resident():
+            with self._resident():
                 extra = load_checkpoint(path, *self._actor_parts(), parts=self._extra_parts())
         except CorruptCheckpointError as e:  # damage the size checks missed; under resume=auto, the previous one
             older = None
@@ -194,6 +194,11 @@ class Checkpointer:
         """Trained modules checkpointed beside the actor: the critic (model, optimizer, scheduler), when there is one."""
         return {"critic": self.critic.checkpoint_part()} if self.critic is not None else {}
 
-    def _critic_resident(self):
-        """The critic on its device while a checkpoint reads or writes it (it may be offloaded between phases)."""
-        return self.critic.resident() if self.critic is not None else nullcontext()
+    @contextmanager
+    def _resident(self) -> Iterator[None]:
+        """The critic, and the actor's optimizer state, on their device while a checkpoint reads or writes them (either
+        may be offloaded between phases: ``critic.*_offload``, ``actor.optimizer_offload``)."""
+        a = self.worker.actor
+        with self.critic.resident() if self.critic is not None else nullcontext():
+            with a.optimizer_on_device(self.cfg.actor.optimizer_offload) if a is not None else nullcontext():
+                yield

@@ -52,7 +52,9 @@ class UpdateConfig:
     param_offload: bool = harmless(False)
     """Move this role's parameters (and gradients) to CPU between its phases (e.g. while the engine generates)."""
     optimizer_offload: bool = harmless(False)
-    """Move this role's AdamW state to CPU between its updates (e.g. while the engine generates)."""
+    """Keep this role's AdamW state on CPU except while it is needed: the actor's for its update alone (generation,
+    the push and the log-prob passes run without it; ``timing/optimizer_onload`` / ``_offload`` time the moves), the
+    critic's from its value pass to the end of its update."""
     optimizer_impl: Literal["fused", "foreach", "for_loop"] = harmless("fused")
     """``torch.optim.AdamW``'s kernels: ``fused`` updates every tensor in a few kernels without temporaries (as HF
     Trainer's and torchtitan's default); ``foreach`` holds a copy of the second-moment state (4 bytes per trainable

@@ -270,10 +270,13 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float,
     engine = engine_bytes(cfg, shape, gpu_bytes, max(d.train_batch_size * cfg.rollout.n // W, 1))  # each its own
     awake = {"engine (awake)": engine} if lay.engine_awake_in_training else {}
 
-    def kept(*, ref_on: bool = False, critic_on: bool = False) -> dict[str, float]:
+    def kept(*, ref_on: bool = False, critic_on: bool = False, optimizer_on: bool = False) -> dict[str, float]:
         """What stays on the GPU between passes, given the offload settings (gradients are held only in an
-        update phase: the optimizer step frees them)."""
+        update phase: the optimizer step frees them; ``actor.optimizer_offload`` brings the actor's optimizer
+        state to the GPU for its update only)."""
         out = dict(actor)
+        if a.optimizer_offload and not optimizer_on:
+            out.pop("actor AdamW (2 x fp32, sharded)")
         if ref and (ref_on or not cfg.ref.offload):
             out.update(ref)
         if critic:
@@ -328,8 +331,6 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float,
             if a.param_offload:
                 gen.pop("actor params (fp32, sharded)")
                 gen.pop("actor frozen base (sharded)", None)
-            if a.optimizer_offload:
-                gen.pop("actor AdamW (2 x fp32, sharded)")
         out.append(Phase("generation", gen))
     # -- the no-grad passes
     if a.old_log_prob != "engine":
@@ -347,11 +348,11 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float,
     # gradient shards beside the activations only when each micro-batch reduce-scatters (module docstring)
     shards = {} if a.accumulate_unsharded else {"actor grads (fp32, sharded)": 4 * P_train / W}
     backward = {
-        **kept(), **shards, **awake, **gathered(P, P_train, grad=True),
+        **kept(optimizer_on=True), **shards, **awake, **gathered(P, P_train, grad=True),
         f"activations ({tokens_label(t)}{', recomputed' if recompute else ''})":
             grad_activations(shape, slice_of(t, sp), c, cfg.model.use_liger, recompute, ratio, sp),
         "logits": logits_bytes(shape, slice_of(response_rows(cfg, t), sp), lay.fused, grad=True, packed=lay.packed)}
-    step = {**kept(), **awake, **optimizer_step("actor", P_train / W, a.optimizer_impl,
+    step = {**kept(optimizer_on=True), **awake, **optimizer_step("actor", P_train / W, a.optimizer_impl,
                                                  largest_tensor(shape, lora) / W)}
     out.append(Phase("actor update", max(backward, step, key=lambda terms: sum(terms.values()))))
     # -- the critic's passes

@@ -20,7 +20,8 @@ engine's bookkeeping). A level-2 sleep drops the recordings, and so does any
 sign that the engine re-allocated its weights (see ``hybrid_rl.weights.replay``).
 Then the actor's parameters (+ gradients) and/or optimizer state go to CPU if
 ``param_offload``/``optimizer_offload`` ask for it, and the engine's KV cache
-wakes. On exit the engine goes to sleep and the actor comes back. The push is
+wakes. On exit the engine goes to sleep and the actor's parameters come back; its optimizer state stays on CPU
+until the update brings it to the GPU (``TrainingEngine.optimizer_on_device``). The push is
 skipped when the version is unchanged (e.g. validation right after a
 rollout). The engine owns its version: a push opens with
 ``engine.begin_weight_update()`` (no known version until it completes) and
@@ -53,7 +54,7 @@ class WeightSource(Protocol):
 
     def offload(self, params: bool = True, optimizer: bool = True) -> None: ...
 
-    def onload(self) -> None: ...
+    def onload(self, params: bool = True, optimizer: bool = True) -> None: ...
 
 
 class ShardingManager:
@@ -162,8 +163,8 @@ class ShardingManager:
                 self.engine.sleep(level=self.sleep_level)
                 self._after_sleep()
         finally:
-            if self.param_offload or self.optimizer_offload:
-                self.source.onload()
+            if self.param_offload:  # the optimizer state stays offloaded until the update needs it
+                self.source.onload(params=True, optimizer=False)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # the onload's copies belong to the switch, not to the next phase
             self.last_switch_s += time.perf_counter() - start

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 import torch
@@ -335,6 +335,7 @@ class ActorRolloutRefWorker:
             batch = batch.union(tensors=dict(old_log_probs=lps, old_entropy=ents))
         self.actor.packed_tokens = [0, 0]
         self.actor.model.train()
+        self.actor.onload(params=False, optimizer=True)  # offloaded state (actor.optimizer_offload): see optimizer_trip
         with self._counted("update", self.actor):
             for epoch in range(a.ppo_epochs):
                 order = first_order if epoch == 0 and first_order is not None else self.draw_update_order(len(batch))
@@ -348,6 +349,22 @@ class ActorRolloutRefWorker:
         if self.actor.share_prompts and of:  # the tokens the update computed per token of the batch (token-weighted
             stats.add("perf/update_token_share", ran / of, of)  # over ranks); perf/mfu_update counts the FLOPs run
         return stats.pairs(), batch
+
+    @contextmanager
+    def optimizer_trip(self, timer) -> Iterator[None]:
+        """``actor.optimizer_offload``: the optimizer state comes to the GPU for the block (the update) and goes back
+        after it, each leg a timed phase of its own (``optimizer_onload``, ``optimizer_offload``), so that the
+        update's time, and its MFU, is its compute; the other phases run without the state. Otherwise nothing."""
+        if self.actor is None or not self.cfg.actor.optimizer_offload:
+            yield
+            return
+        with timer("optimizer_onload"):
+            self.actor.onload(params=False, optimizer=True)
+        try:
+            yield
+        finally:
+            with timer("optimizer_offload"):
+                self.actor.offload(params=False, optimizer=True)
 
     def update_actor(self, batch: Batch) -> dict[str, tuple[float, float]]:
         """``update_policy`` on a batch that already holds π_old; returns the (sum, count) metric pairs."""

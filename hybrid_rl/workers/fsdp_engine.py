@@ -25,7 +25,7 @@ colocated engine wants).
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Iterator
 
 import torch
@@ -407,12 +407,12 @@ class TrainingEngine:
         return bool(self._offloaded_opt_state)
 
     @torch.no_grad()
-    def onload(self) -> None:
-        """Undo ``offload``: everything that was moved comes back to ``device``."""
-        if self.params_offloaded:
+    def onload(self, params: bool = True, optimizer: bool = True) -> None:
+        """Undo ``offload``: what was moved (of the parameters and/or the optimizer state) comes back to ``device``."""
+        if params and self.params_offloaded:
             self.model._apply(lambda t: self._move(t, self.device))
             self.params_offloaded = False
-        if self._offloaded_opt_state and self.optimizer is not None:
+        if optimizer and self._offloaded_opt_state and self.optimizer is not None:
             for p, state in self.optimizer.state.items():
                 for key, value in state.items():
                     home = self._offloaded_opt_state.get((id(p), key))
@@ -421,6 +421,17 @@ class TrainingEngine:
             self._offloaded_opt_state.clear()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def optimizer_on_device(self, offload_after: bool = True) -> Iterator[None]:
+        """The optimizer state on ``device`` for the block (an update's steps); back on ``offload_device`` after it
+        when ``offload_after`` (``optimizer_offload``: the state is on the GPU only while the update runs)."""
+        self.onload(params=False, optimizer=True)
+        try:
+            yield
+        finally:
+            if offload_after:
+                self.offload(params=False, optimizer=True)
 
 
 # --------------------------------------------------------------------------- reference

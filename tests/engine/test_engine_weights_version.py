@@ -63,7 +63,7 @@ class Source:
     def offload(self, params=True, optimizer=True):
         pass
 
-    def onload(self):
+    def onload(self, params=True, optimizer=True):
         pass
 
 

@@ -723,7 +723,7 @@ def test_sharding_manager_cycle_with_vllm_engine():
         def offload(self, params=True, optimizer=True):
             pass
 
-        def onload(self):
+        def onload(self, params=True, optimizer=True):
             pass
 
     version = [0]

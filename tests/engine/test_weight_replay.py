@@ -151,7 +151,7 @@ class ListSource:
     def offload(self, params=True, optimizer=True):
         pass
 
-    def onload(self):
+    def onload(self, params=True, optimizer=True):
         pass
 
 

@@ -101,6 +101,27 @@ def test_summarize_reads_the_runs_again_from_their_directories(tmp_path, capsys)
     assert "error: --summarize" in capsys.readouterr().err
 
 
+def test_merge_adds_the_runs_a_result_lacks_and_keeps_its_own(tmp_path, capsys):
+    """``--merge``: another result's runs of other names join the JSON (their settings and commits as recorded), a run
+    of a name the JSON holds stays the JSON's own, and a result of another model is refused in one line."""
+    def doc(model, runs):
+        return {"bench": "scale_7b", "model": model, "device": "H200x1", "commit": "new", "n": 8, "runs": runs}
+
+    mine = {"mode": "full", "overrides": ["f=1"], "commit": "new", "error": "kept"}
+    theirs = [{"mode": "full", "overrides": [], "commit": "old", "error": "older"},
+              {"mode": "lora", "overrides": ["r=64"], "commit": "old", "error": "x"}]
+    path, other = tmp_path / "a" / "scale_7b_H200x1.json", tmp_path / "b.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(doc("m", [mine])))
+    other.write_text(json.dumps(doc("m", theirs)))
+    assert scale_7b.main(["--summarize", str(path), "--merge", str(other)]) == 0
+    got = json.loads(path.read_text())
+    assert got["runs"] == [mine, theirs[1]] and got["commit"] == "new"
+    other.write_text(json.dumps(doc("m2", theirs)))
+    assert scale_7b.main(["--summarize", str(path), "--merge", str(other)]) == 2
+    assert "has model 'm2'" in capsys.readouterr().err and json.loads(path.read_text()) == got
+
+
 @pytest.mark.parametrize("argv, message", [(["--mean", "20000"], "--mean=20000"), (["--tag", "a/b"], "--tag='a/b'")])
 def test_bad_mean_or_tag_is_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

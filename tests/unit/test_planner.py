@@ -501,3 +501,18 @@ def test_a_lora_base_in_the_compute_dtype_is_planned_at_its_bytes_and_offered_fi
     adapters = 64 * 28 * (2 * 7168 + 2 * 4096 + 3 * 22528)
     assert update.terms["actor params (fp32, sharded)"] == 4 * adapters
     assert fp32_update.total - update.total == pytest.approx(4 * P - 2 * P - 4 * adapters)
+
+
+def test_an_offloaded_optimizer_state_is_counted_in_the_update_only():
+    """``actor.optimizer_offload``: AdamW's two fp32 moments (8 bytes a parameter over the ranks) are on the GPU for
+    the actor's update alone, so every other phase plans exactly that much less than without the offload, and the
+    update the same."""
+    kw = ("algorithm.adv_estimator=grpo", "actor.use_kl_loss=true")
+    plain = {p.name: p for p in phases(_cfg(*kw, world=2), read_shape("builtin:tiny-qwen2"), 2, 80 * GIB)}
+    off = {p.name: p for p in phases(_cfg(*kw, "actor.optimizer_offload=true", world=2),
+                                     read_shape("builtin:tiny-qwen2"), 2, 80 * GIB)}
+    assert plain.keys() == off.keys() and {"weight push", "generation", "old log-prob", "ref log-prob"} <= off.keys()
+    for name in plain:
+        less = 0 if name == "actor update" else 8 * PARAMS / 2
+        assert plain[name].total - off[name].total == pytest.approx(less), name
+    assert off["actor update"].terms["actor AdamW (2 x fp32, sharded)"] == 8 * PARAMS / 2
