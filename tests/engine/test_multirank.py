@@ -227,7 +227,7 @@ def test_lora_engine_sees_merged_weights_and_static_weights_go_once(runs):
 # --------------------------------------------------------------------------- offload
 def test_offload_round_trip_keeps_state(runs):
     for res in runs["ranks"]:
-        assert res["offloaded_inside"] and res["onloaded_after"]
+        assert res["offloaded_inside"] and res["params_back_optimizer_away_after"]
         assert res["offload_grads_after_update"] == []  # the round trip below is of parameters without gradients
         assert res["offload_param_mismatches"] == [] and res["offload_optim_mismatches"] == []
         assert res["offload_storage_moved"] >= 20  # the copies really happened

@@ -325,16 +325,17 @@ def run_offload(d: DistInfo, res: dict) -> None:
         res["offload_devices_inside"] = sorted({str(local(p).device) for p in named.values()}
                                                | {str(local(v).device) for st in w.actor.optimizer.state.values()
                                                   for k, v in st.items() if k != "step"})
-    res["onloaded_after"] = not w.actor.params_offloaded and not w.actor.optimizer_offloaded
+    # the parameters come back with the switch; the optimizer state stays offloaded until the update brings it
+    res["params_back_optimizer_away_after"] = not w.actor.params_offloaded and w.actor.optimizer_offloaded
     res["offload_param_mismatches"] = [n for n, (v, g) in snap.items()
                                        if not torch.equal(local(named[n]), v)
                                        or (g is not None) != (named[n].grad is not None)
                                        or (g is not None and not torch.equal(local(named[n].grad), g))]
     res["offload_optim_mismatches"] = [f"{n}.{k}" for n, st in opt.items() for k, v in st.items()
-                                       if not torch.equal(local(w.actor.optimizer.state[named[n]][k]), v)]
+                                       if not torch.equal(local(w.actor.optimizer.state[named[n]][k]).to(v.device), v)]
     res["offload_storage_moved"] = sum(local(p).data_ptr() != ptr_before[n] for n, p in named.items() if local(p).numel())
     res["offload_ref_log_probs"] = w.compute_ref_log_prob(batch)["ref_log_prob"]  # onload → forward → offload
-    w.update_actor(local_share(batch2, d))  # FSDP state still sound after the round trips
+    w.update_actor(local_share(batch2, d))  # FSDP state still sound after the round trips (the update onloads)
     res["offload_params"] = {n: local(p).clone() for n, p in w.actor.model.named_parameters()}
 
 
