@@ -175,8 +175,6 @@ def measure_mode(args, dist, mode: str) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(device)
     before_build = cuda_allocated(device)
     worker = ActorRolloutRefWorker(cfg, dist, total_training_steps=1)
-    if device.type == "cpu":
-        worker.actor.offload_copy = True  # on CPU make offload/onload real copies (as tests/engine/multirank/checks.py does)
     prompts = random_prompts(worker, args.prompts, args.prompt_length, seed=dist.rank)
     one_update(worker, prompts, seed=dist.rank)
     release(device)

@@ -36,6 +36,7 @@ from hybrid_rl.batch import Batch, row_index
 from hybrid_rl.micro_batching import HOST_META, micro_batches
 from hybrid_rl.telemetry.perf import Work
 from hybrid_rl.workers.materialize import load_from_first_rank, shared_over_ranks, take_weights
+from hybrid_rl.workers.offload import HostMirror
 from hybrid_rl.workers.packed import (Packed, logprob_head, pack, pack_shared, split_head_output, unpack,
                                       use_varlen_attention)
 from hybrid_rl.workers.ulysses import SequenceParallel, ShardedRow, shard
@@ -136,12 +137,8 @@ class TrainingEngine:
         self._logits_to_keep = True
         self.push_gather_bytes = 256 * 2**20
         """Consecutive module groups are gathered in one collective up to this many bytes (engine dtype)."""
-        self.offload_device = torch.device("cpu")
-        self.offload_copy = False
-        """Copy on offload/onload even when the devices are equal (tests exercise the round trip on CPU)."""
-        self.params_offloaded = False
-        self._offloaded_opt_state: dict[tuple[int, str], torch.device] = {}
-        """(id(param), state key) → the device it came from, for every optimizer tensor that was moved."""
+        self._host = {"params": HostMirror(device), "optimizer": HostMirror(device)}
+        """Where ``offload`` puts the parameters (+ gradients) and the optimizer state (``workers/offload.py``)."""
 
     def _shard(self, model: torch.nn.Module) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -376,55 +373,43 @@ class TrainingEngine:
                                                     self.push_gather_bytes)
 
     # -- offload ------------------------------------------------------------------------
-    def _move(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
-        # Asynchronous only towards the GPU. A non-blocking copy to the CPU lands in pinned memory from torch's
-        # caching host allocator, which rounds every block up to a power of two and keeps it: up to twice the
-        # offloaded bytes held in host memory. A blocking copy into pageable memory takes the bytes offloaded.
-        return t.to(device, non_blocking=device.type != "cpu", copy=self.offload_copy)
-
     @torch.no_grad()
     def offload(self, params: bool = True, optimizer: bool = True) -> None:
-        """Move the sharded parameters (+ any gradients, None after ``optimizer_step``) and/or the optimizer
-        state to ``offload_device``."""
-        if params and not self.params_offloaded:
-            # nn.Module._apply swaps DTensor parameters in place (the optimizer's
-            # references stay valid) and FSDP2's _apply re-registers the new shards.
-            self.model._apply(lambda t: self._move(t, self.offload_device))
-            self.params_offloaded = True
-        if optimizer and self.optimizer is not None and not self._offloaded_opt_state:
-            for p, state in self.optimizer.state.items():
-                for key, value in state.items():
-                    # Adam's scalar `step` already lives on CPU (non-capturable): leave it.
-                    if isinstance(value, torch.Tensor) and (value.device != self.offload_device or self.offload_copy):
-                        self._offloaded_opt_state[(id(p), key)] = value.device
-                        state[key] = self._move(value, self.offload_device)
+        """The sharded parameters (+ any gradients, None after ``optimizer_step``) and/or the optimizer state to host
+        memory, in place (``HostMirror``: the tensors stay, their device storage is freed)."""
+        if params:
+            for p in self.model.parameters():
+                s = p.untyped_storage() if not hasattr(p, "_local_tensor") else None
+                if s is not None and s.nbytes() and not s.resizable():  # memory-mapped from the checkpoint file
+                    p.data = p.data.clone()  # (an unsharded model on CPU): a copy of its own, which it can give up
+            self._host["params"].offload(t for p in self.model.parameters() for t in (p, p.grad))
+        if optimizer and self.optimizer is not None:
+            self._host["optimizer"].offload(v for state in self.optimizer.state.values() for v in state.values()
+                                            if isinstance(v, torch.Tensor) and v.device == self.device)
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # hand the freed blocks to the engine's allocator
 
     @property
+    def params_offloaded(self) -> bool:
+        return self._host["params"].offloaded
+
+    @property
     def optimizer_offloaded(self) -> bool:
-        return bool(self._offloaded_opt_state)
+        return self._host["optimizer"].offloaded
 
     @torch.no_grad()
     def onload(self, params: bool = True, optimizer: bool = True) -> None:
-        """Undo ``offload``: what was moved (of the parameters and/or the optimizer state) comes back to ``device``."""
-        if params and self.params_offloaded:
-            self.model._apply(lambda t: self._move(t, self.device))
-            self.params_offloaded = False
-        if optimizer and self._offloaded_opt_state and self.optimizer is not None:
-            for p, state in self.optimizer.state.items():
-                for key, value in state.items():
-                    home = self._offloaded_opt_state.get((id(p), key))
-                    if home is not None:
-                        state[key] = self._move(value, home)
-            self._offloaded_opt_state.clear()
+        """Undo ``offload``: what was offloaded (of the parameters and/or the optimizer state) is back on ``device``."""
+        if params:
+            self._host["params"].onload()
+        if optimizer:
+            self._host["optimizer"].onload()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     @contextmanager
     def optimizer_on_device(self, offload_after: bool = True) -> Iterator[None]:
-        """The optimizer state on ``device`` for the block (an update's steps); back on ``offload_device`` after it
+        """The optimizer state on ``device`` for the block (an update's steps); back in host memory after it
         when ``offload_after`` (``optimizer_offload``: the state is on the GPU only while the update runs)."""
         self.onload(params=False, optimizer=True)
         try:

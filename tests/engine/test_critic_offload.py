@@ -1,8 +1,8 @@
 """``critic.param_offload`` / ``critic.optimizer_offload``: the critic makes one round trip a step, onto its device for
 the value pass and off it after the update, and computes what a critic that never leaves its device computes.
 
-On CPU the offload target is the training device itself; ``offload_copy`` makes every move a real copy, so the state
-is copied as it would be to and from a GPU."""
+The offload is a real round trip on CPU too: the state's bytes go to a host buffer and its storage is freed, then
+back."""
 
 from __future__ import annotations
 
@@ -37,7 +37,6 @@ def _critic(offload: bool) -> CriticWorker:
     flag = str(offload).lower()
     critic = CriticWorker(make_cfg(*CRITIC, f"critic.param_offload={flag}", f"critic.optimizer_offload={flag}"),
                           cpu_dist())
-    critic.engine.offload_copy = True
     return critic
 
 

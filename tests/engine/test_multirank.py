@@ -230,7 +230,8 @@ def test_offload_round_trip_keeps_state(runs):
         assert res["offloaded_inside"] and res["params_back_optimizer_away_after"]
         assert res["offload_grads_after_update"] == []  # the round trip below is of parameters without gradients
         assert res["offload_param_mismatches"] == [] and res["offload_optim_mismatches"] == []
-        assert res["offload_storage_moved"] >= 20  # the copies really happened
+        # the bytes really left the device (every storage freed) and a host buffer holds at least as many
+        assert res["offload_device_bytes_inside"] == 0 < res["offload_device_bytes_before"] <= res["offload_host_bytes"]
         # after the round trip the next update is exactly the one without offload
         for name, want in res["twin_params"].items():
             assert torch.equal(res["offload_params"][name], want), name
@@ -307,7 +308,7 @@ def test_gpu_two_rank_push_lora_offload(tiny_model_path, tmp_path):
         _assert_bf16_push_reference_and_lora(res)
         assert res["offload_grads_after_update"] == []
         assert res["offload_param_mismatches"] == [] and res["offload_optim_mismatches"] == []
-        assert res["offload_devices_inside"] == ["cpu"] and res["offload_mem_inside"] < res["offload_mem_before"]
+        assert res["offload_device_bytes_inside"] == 0 and res["offload_mem_inside"] < res["offload_mem_before"]
 
 
 def test_update_step_benchmark_cpu_smoke(tmp_path):

@@ -92,28 +92,3 @@ def test_without_gpu_asks_for_cpu_smoke(om, capsys):
     with pytest.raises(SystemExit):
         om.parse_args([])
     assert "--cpu-smoke" in capsys.readouterr().err
-
-
-class _Recorded:
-    """Stands in for a tensor: records how it was moved."""
-
-    def __init__(self):
-        self.calls = []
-
-    def to(self, device, **kw):
-        self.calls.append((torch.device(device).type, kw))
-        return self
-
-
-def test_offload_copies_to_the_cpu_block_and_back_asynchronously():
-    """A non-blocking copy to the CPU would land in pinned memory that torch's host allocator rounds up to a power of
-    two (and keeps): offloading blocks into pageable memory instead; loading back to the GPU stays asynchronous."""
-    from types import SimpleNamespace
-
-    from hybrid_rl.workers.fsdp_engine import TrainingEngine
-
-    t = _Recorded()
-    fake = SimpleNamespace(offload_copy=False)
-    TrainingEngine._move(fake, t, torch.device("cpu"))
-    TrainingEngine._move(fake, t, torch.device("cuda", 0))
-    assert t.calls == [("cpu", {"non_blocking": False, "copy": False}), ("cuda", {"non_blocking": True, "copy": False})]

@@ -43,7 +43,6 @@ def test_implementations_agree_over_steps_and_through_an_offload():
     """Three steps each; the fused engine's state goes to the offload device and back between steps (its ``step``
     counter is a tensor beside the parameters, moved with the moments)."""
     fused, loop = _engine("fused"), _engine("for_loop")
-    fused.offload_copy = True  # a real copy even from CPU to CPU, as on a GPU
     for _ in range(3):
         for eng in (fused, loop):
             _grads(eng)

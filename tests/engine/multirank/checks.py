@@ -309,31 +309,35 @@ def run_compile(d: DistInfo, res: dict) -> None:
 def run_offload(d: DistInfo, res: dict) -> None:
     cfg = load_config(None, BASE + ["actor.param_offload=true", "actor.optimizer_offload=true", "ref.offload=true"])
     w = ActorRolloutRefWorker(cfg.validate(d.world_size), d)
-    w.actor.offload_copy = w.ref.engine.offload_copy = DEVICE == "cpu"  # on CPU, make offload/onload real copies
     batch, batch2 = make_batch(w, seed=0), make_batch(w, seed=1)
     w.update_actor(local_share(batch, d))
     named = dict(w.actor.model.named_parameters())
     res["offload_grads_after_update"] = [n for n, p in named.items() if p.grad is not None]  # the step frees them
     snap = {n: (local(p).clone(), local(p.grad).clone() if p.grad is not None else None) for n, p in named.items()}
     opt = {n: {k: local(v).clone() for k, v in w.actor.optimizer.state[p].items()} for n, p in named.items()}
-    ptr_before = {n: local(p).data_ptr() for n, p in named.items()}
+    def device_bytes() -> int:  # the actor's parameters, gradients and optimizer state on its device, each storage once
+        tensors = [t for p in named.values() for t in (p, p.grad) if t is not None]
+        tensors += [v for st in w.actor.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        return sum({(s.data_ptr(), s.device): s.nbytes() for s in (local(t).untyped_storage() for t in tensors)
+                    if s.device == w.device}.values())
+
+    res["offload_device_bytes_before"] = device_bytes()
     cuda_mem = (lambda: torch.cuda.memory_allocated(w.device)) if DEVICE == "cuda" else (lambda: 0)
     res["offload_mem_before"] = cuda_mem()
     with w.rollout_mode():
         res["offloaded_inside"] = w.actor.params_offloaded and w.actor.optimizer_offloaded
         res["offload_mem_inside"] = cuda_mem()
-        res["offload_devices_inside"] = sorted({str(local(p).device) for p in named.values()}
-                                               | {str(local(v).device) for st in w.actor.optimizer.state.values()
-                                                  for k, v in st.items() if k != "step"})
+        res["offload_device_bytes_inside"] = device_bytes()  # every storage freed in place
+        res["offload_host_bytes"] = sum(m.host_bytes for m in w.actor._host.values())
     # the parameters come back with the switch; the optimizer state stays offloaded until the update brings it
     res["params_back_optimizer_away_after"] = not w.actor.params_offloaded and w.actor.optimizer_offloaded
+    w.actor.onload(params=False, optimizer=True)  # as the update does, to read the state below
     res["offload_param_mismatches"] = [n for n, (v, g) in snap.items()
                                        if not torch.equal(local(named[n]), v)
                                        or (g is not None) != (named[n].grad is not None)
                                        or (g is not None and not torch.equal(local(named[n].grad), g))]
     res["offload_optim_mismatches"] = [f"{n}.{k}" for n, st in opt.items() for k, v in st.items()
                                        if not torch.equal(local(w.actor.optimizer.state[named[n]][k]).to(v.device), v)]
-    res["offload_storage_moved"] = sum(local(p).data_ptr() != ptr_before[n] for n, p in named.items() if local(p).numel())
     res["offload_ref_log_probs"] = w.compute_ref_log_prob(batch)["ref_log_prob"]  # onload → forward → offload
     w.update_actor(local_share(batch2, d))  # FSDP state still sound after the round trips (the update onloads)
     res["offload_params"] = {n: local(p).clone() for n, p in w.actor.model.named_parameters()}
