@@ -1,0 +1,79 @@
+"""Offload in place on a CUDA device (``hybrid_rl/workers/offload.py``): the device memory is freed, the host buffer
+is page-locked, every byte comes back, and an actor that offloads its parameters and optimizer state between updates
+trains bit for bit as one that does not. One GPU, no vLLM; skips without CUDA.
+
+    pytest -m gpu tests/gpu/test_offload_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid_rl.workers.offload import HostMirror, local
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+
+def test_a_round_trip_frees_the_device_memory_into_a_pinned_buffer_and_restores_it():
+    dev = torch.device("cuda", 0)
+    g = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(4096, 1024, device=dev, generator=g)  # 16 MiB
+    b = torch.randn(1000, device=dev, generator=g, dtype=torch.bfloat16)
+    want = [a.clone(), b.clone()]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(dev)
+    m = HostMirror(dev)
+    m.offload([a, a[10:20], b])
+    assert m.pinned and m.buffer.is_pinned()
+    assert before - torch.cuda.memory_allocated(dev) >= a.numel() * 4  # a's 16 MiB given back
+    m.onload()
+    torch.cuda.synchronize()
+    assert torch.equal(a, want[0]) and torch.equal(b, want[1])
+    ptr = m.buffer.data_ptr()
+    m.offload([a, b])  # the same storages: the same buffer
+    assert m.buffer.data_ptr() == ptr
+    m.onload()
+    torch.cuda.synchronize()
+    assert torch.equal(a, want[0])
+    m.release()
+
+
+def test_an_actor_offloaded_between_updates_trains_as_one_that_is_not(tiny_model_path):
+    """FSDP2 over a world of one on cuda:0, the transformers engine: three steps with the actor's parameters,
+    optimizer state and reference offloaded (each where the trainer offloads it) give the same log-probs and weights,
+    bit for bit, as three without."""
+    from helpers import chat_prompts, cuda_world_of_one, make_cfg, score_batch
+    from hybrid_rl.telemetry.tracking import Timer
+    from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
+
+    dist = cuda_world_of_one()
+
+    def worker(offload: bool):
+        torch.manual_seed(0)
+        flag = str(offload).lower()
+        cfg = make_cfg("trainer.device=cuda", "rollout.name=hf", "actor.use_kl_loss=true", f"ref.offload={flag}",
+                       f"actor.param_offload={flag}", f"actor.optimizer_offload={flag}")
+        return ActorRolloutRefWorker(cfg, dist, total_training_steps=10)
+
+    plain, off = worker(False), worker(True)
+    for step in range(3):
+        batches = []
+        for w in (plain, off):
+            with w.rollout_mode():
+                if w is off:  # inside the switch: the actor's state off the device (no optimizer state before step 1)
+                    assert w.actor.params_offloaded and w.actor.optimizer_offloaded == (step > 0)
+                out = w.generate(chat_prompts(w))
+            batches.append(w.compute_ref_log_prob(score_batch(w, out, seed=step)))
+        assert torch.equal(batches[0]["responses"], batches[1]["responses"])
+        assert torch.equal(batches[0]["old_log_probs"], batches[1]["old_log_probs"])
+        assert torch.equal(batches[0]["ref_log_prob"], batches[1]["ref_log_prob"])
+        for w, b in zip((plain, off), batches):
+            with w.optimizer_trip(Timer()):
+                w.update_actor(b)
+        assert off.actor.optimizer_offloaded and off.ref.engine.params_offloaded
+    a, b = (dict(w.actor.model.named_parameters()) for w in (plain, off))
+    assert a.keys() == b.keys() and all(torch.equal(local(a[n]), local(b[n])) for n in a)
