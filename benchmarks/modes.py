@@ -61,7 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import git_commit, gpu_short_name, kill_tree, process_tree, run_dir, signal_pid  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ["gen", "wait_gen", "sync_weights", "reward", "old_log_prob", "ref", "adv", "update"]
+PHASES = ["gen", "wait_gen", "sync_weights", "reward", "old_log_prob", "ref", "adv", "optimizer_onload", "update",
+          "optimizer_offload"]
 
 
 def device_name(gpus: int) -> str:
