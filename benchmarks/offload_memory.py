@@ -63,6 +63,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_common import git_commit, run_dir  # noqa: E402
 
 from modes import device_name  # noqa: E402
+from hybrid_rl.workers.offload import local  # noqa: E402
 
 from hybrid_rl.phases.advantage import compute_advantage  # noqa: E402
 from hybrid_rl.phases.reward import sparse_scores  # noqa: E402
@@ -78,9 +79,8 @@ GiB = 2**30
 
 
 # --------------------------------------------------------------------------- measuring
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2 parameters, gradients and AdamW state are DTensors), else the tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
+_local = local
+"""A DTensor's local shard (FSDP2 parameters, gradients and AdamW state are DTensors), else the tensor."""
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None], device: torch.device) -> int:

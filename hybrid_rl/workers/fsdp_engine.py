@@ -36,7 +36,7 @@ from hybrid_rl.batch import Batch, row_index
 from hybrid_rl.micro_batching import HOST_META, micro_batches
 from hybrid_rl.telemetry.perf import Work
 from hybrid_rl.workers.materialize import load_from_first_rank, shared_over_ranks, take_weights
-from hybrid_rl.workers.offload import HostMirror
+from hybrid_rl.workers.offload import HostMirror, local
 from hybrid_rl.workers.packed import (Packed, logprob_head, pack, pack_shared, split_head_output, unpack,
                                       use_varlen_attention)
 from hybrid_rl.workers.ulysses import SequenceParallel, ShardedRow, shard
@@ -379,7 +379,7 @@ class TrainingEngine:
         memory, in place (``HostMirror``: the tensors stay, their device storage is freed)."""
         if params:
             for p in self.model.parameters():
-                s = p.untyped_storage() if not hasattr(p, "_local_tensor") else None
+                s = p.untyped_storage() if local(p) is p else None  # (FSDP2's shards are its own allocations)
                 if s is not None and s.nbytes() and not s.resizable():  # memory-mapped from the checkpoint file
                     p.data = p.data.clone()  # (an unsharded model on CPU): a copy of its own, which it can give up
             self._host["params"].offload(t for p in self.model.parameters() for t in (p, p.grad))
