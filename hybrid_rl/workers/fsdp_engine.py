@@ -192,9 +192,11 @@ class TrainingEngine:
             self.model.set_requires_gradient_sync(last)
             self.model.set_reshard_after_backward(last)
 
-    def reshard(self) -> None:
-        """Free the gathered parameters a no-grad pass left behind (``accumulate_unsharded``; a no-op otherwise)."""
-        if self.fsdp and self.accumulate_unsharded:
+    def reshard(self, always: bool = False) -> None:
+        """Free the gathered parameters a no-grad pass left behind: with ``accumulate_unsharded`` every block's, and
+        with ``always`` also the root's (FSDP2 keeps the root's gathered after a forward, for a backward that a
+        no-grad pass never runs: its embedding, final norm and LM head)."""
+        if self.fsdp and (always or self.accumulate_unsharded):
             from torch.distributed.fsdp import FSDPModule
 
             for m in self.model.modules():
@@ -378,6 +380,7 @@ class TrainingEngine:
         """The sharded parameters (+ any gradients, None after ``optimizer_step``) and/or the optimizer state to host
         memory, in place (``HostMirror``: the tensors stay, their device storage is freed)."""
         if params:
+            self.reshard(always=True)  # the sharded parameters are the ones to offload, and the only ones kept
             for p in self.model.parameters():
                 s = p.untyped_storage() if local(p) is p else None  # (FSDP2's shards are its own allocations)
                 if s is not None and s.nbytes() and not s.resizable():  # memory-mapped from the checkpoint file

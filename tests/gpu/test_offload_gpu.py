@@ -42,6 +42,15 @@ def test_a_round_trip_frees_the_device_memory_into_a_pinned_buffer_and_restores_
     m.release()
 
 
+def _shard_bytes_on(engine, device) -> int:
+    """The bytes of FSDP2's own sharded parameters of ``engine`` on ``device`` (whatever the module holds now)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return sum(s.nbytes() for m in engine.model.modules() if isinstance(m, FSDPModule)
+               for g in m._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params
+               for s in [local(fp.sharded_param).untyped_storage()] if s.device == device)
+
+
 def test_an_actor_offloaded_between_updates_trains_as_one_that_is_not(tiny_model_path):
     """FSDP2 over a world of one on cuda:0, the transformers engine: three steps on one rollout, each through the
     switch (parameters and optimizer state offloaded), the reference pass (the reference offloaded) and the update
@@ -76,6 +85,7 @@ def test_an_actor_offloaded_between_updates_trains_as_one_that_is_not(tiny_model
             with w.optimizer_trip(Timer()):
                 w.update_actor(b)
         assert off.actor.optimizer_offloaded and off.ref.engine.params_offloaded
+        assert _shard_bytes_on(off.ref.engine, dist.device) == 0  # after its pass: the root's shards too
     a, b = (dict(w.actor.model.named_parameters()) for w in (plain, off))
     assert a.keys() == b.keys()
     for n in a:
