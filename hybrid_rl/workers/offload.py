@@ -10,19 +10,21 @@ tensor must not be read until it is back: the engine onloads before every pass.
 
 The host buffer is allocated once, at the first offload, with the bytes of that set of storages (a later offload of
 storages of other sizes allocates it again) and kept: every later round trip copies into the same memory, with no
-allocation and no page faults. From a CUDA device it is page-locked in place (``cudaHostRegister``: the exact bytes,
+allocation and no page faults. From a CUDA device it is page-locked in place (``cudaHostRegister`` over whole pages,
 where torch's pinned allocator would round each block up to a power of two), so both copies are asynchronous DMA;
 where registering fails the buffer stays pageable (the copies are then synchronous) and a warning says so once.
 """
 
 from __future__ import annotations
 
+import mmap
 import sys
 
 import torch
 
 ALIGN = 512
 """Each storage's bytes start at a multiple of this in the host buffer."""
+PAGE = mmap.PAGESIZE
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -36,7 +38,7 @@ def bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 def _register(buffer: torch.Tensor) -> bool:
-    """Page-lock ``buffer`` in place for CUDA copies; False where that fails."""
+    """Page-lock ``buffer`` (page-aligned, whole pages) in place for CUDA copies; False where that fails."""
     rc = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
     return int(rc) == 0
 
@@ -49,6 +51,8 @@ class HostMirror:
     def __init__(self, device: torch.device):
         self.device = device
         self.buffer: torch.Tensor | None = None
+        self._locked: torch.Tensor | None = None
+        """The page-locked whole pages that hold ``buffer`` (CUDA)."""
         self.pinned = False
         self.sizes: list[int] = []
         self.away: list[tuple[torch.UntypedStorage, int, int]] = []
@@ -109,21 +113,28 @@ class HostMirror:
 
     def _allocate(self, total: int) -> None:
         self.release()
-        self.buffer = torch.empty(total, dtype=torch.uint8)
         self.pinned = False
-        if self.device.type == "cuda" and total:
-            self.pinned = _register(self.buffer)
-            if not self.pinned and not HostMirror.warned:
-                HostMirror.warned = True
-                print(f"hybrid_rl: warning: offload: page-locking {total / 2**30:.1f} GiB of host memory failed; "
-                      f"offloading through pageable memory (slower copies)", file=sys.stderr, flush=True)
+        if self.device.type != "cuda" or not total:
+            self.buffer = torch.empty(total, dtype=torch.uint8)
+            return
+        # whole pages from a page boundary: what page-locking works in, on every driver
+        pages = -(-total // PAGE) * PAGE
+        raw = torch.empty(pages + PAGE, dtype=torch.uint8)
+        start = -raw.data_ptr() % PAGE
+        self._locked = raw[start:start + pages]
+        self.buffer = self._locked[:total]
+        self.pinned = _register(self._locked)
+        if not self.pinned and not HostMirror.warned:
+            HostMirror.warned = True
+            print(f"hybrid_rl: warning: offload: page-locking {total / 2**30:.1f} GiB of host memory failed; "
+                  f"offloading through pageable memory (slower copies)", file=sys.stderr, flush=True)
 
     def release(self) -> None:
         """Give the host buffer up (unregistering it first); only while nothing is away."""
         assert not self.away, "release() with storages still offloaded"
         if self.buffer is not None and self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
-        self.buffer, self.pinned, self.sizes = None, False, []
+            torch.cuda.cudart().cudaHostUnregister(self._locked.data_ptr())
+        self.buffer, self._locked, self.pinned, self.sizes = None, None, False, []
 
     def __del__(self) -> None:
         try:

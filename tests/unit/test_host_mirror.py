@@ -49,3 +49,21 @@ def test_the_buffer_is_kept_for_the_same_storages_and_made_again_for_others():
     assert m.host_bytes == 3 * ALIGN + 24
     m.onload()
     assert torch.equal(c, _tensors()[2])
+
+
+def test_a_cuda_buffer_is_page_locked_over_whole_pages_from_a_page_boundary(monkeypatch):
+    """What is registered for a CUDA device (the registration itself is stubbed: no CUDA here; the GPU test runs it):
+    a page-aligned range of whole pages that holds the buffer."""
+    from hybrid_rl.workers import offload
+
+    seen = []
+    monkeypatch.setattr(offload, "_register", lambda t: seen.append((t.data_ptr(), t.numel())) or True)
+    m = HostMirror(torch.device("cuda", 0))
+    for total in (1, offload.PAGE, 3 * offload.PAGE + 17):
+        m._allocate(total)
+        (ptr, n), = seen[-1:]
+        assert m.pinned and m.buffer.numel() == total
+        assert ptr % offload.PAGE == 0 and n % offload.PAGE == 0  # whole pages from a boundary
+        assert ptr <= m.buffer.data_ptr() and m.buffer.data_ptr() + total <= ptr + n < ptr + total + offload.PAGE
+        m.pinned = False  # (release would unregister through CUDA)
+    assert len(seen) == 3
