@@ -63,12 +63,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_common import git_commit, run_dir  # noqa: E402
 
 from modes import device_name  # noqa: E402
-from hybrid_rl.workers.offload import local  # noqa: E402
 
 from hybrid_rl.phases.advantage import compute_advantage  # noqa: E402
 from hybrid_rl.phases.reward import sparse_scores  # noqa: E402
 from hybrid_rl.batch import Batch  # noqa: E402
 from hybrid_rl.config import load_config  # noqa: E402
+from hybrid_rl.workers.offload import local  # noqa: E402
 
 TARGET = 0.10  # with offload on, training holds <= 10% of what it holds without
 # "on" runs first: buffers the process creates on first use and keeps (cuBLAS workspaces, ~66 MiB on an
@@ -79,17 +79,13 @@ GiB = 2**30
 
 
 # --------------------------------------------------------------------------- measuring
-_local = local
-"""A DTensor's local shard (FSDP2 parameters, gradients and AdamW state are DTensors), else the tensor."""
-
-
 def storage_bytes(tensors: Iterable[torch.Tensor | None], device: torch.device) -> int:
     """Bytes of the unique storages behind ``tensors`` that live on ``device`` (views and ties counted once)."""
     seen: dict[int, int] = {}
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             continue
-        t = _local(t)
+        t = local(t)  # FSDP2 parameters, gradients and AdamW state are DTensors
         if t.device != device or t.numel() == 0:
             continue
         storage = t.untyped_storage()
