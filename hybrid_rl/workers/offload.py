@@ -117,11 +117,9 @@ class HostMirror:
         if self.device.type != "cuda" or not total:
             self.buffer = torch.empty(total, dtype=torch.uint8)
             return
-        # whole pages from a page boundary: what page-locking works in, on every driver
-        pages = -(-total // PAGE) * PAGE
-        raw = torch.empty(pages + PAGE, dtype=torch.uint8)
-        start = -raw.data_ptr() % PAGE
-        self._locked = raw[start:start + pages]
+        # whole pages from a page boundary (an anonymous mapping): what page-locking works in on every driver, and the
+        # storage itself starts there, so torch sees the tensor as pinned (``is_pinned`` asks about the storage)
+        self._locked = torch.frombuffer(mmap.mmap(-1, -(-total // PAGE) * PAGE), dtype=torch.uint8)
         self.buffer = self._locked[:total]
         self.pinned = _register(self._locked)
         if not self.pinned and not HostMirror.warned:
