@@ -448,3 +448,19 @@ def old_split_groups(n_rollout: int):
     bcast = [n_rollout, *rollout]
     groups += [dist.new_group(bcast, backend=backend), dist.new_group(bcast, backend="gloo")]
     return SplitLayout(rank, n_rollout, world, *groups)
+
+
+def fsdp_params(model: torch.nn.Module) -> list:
+    """FSDP2's own per-parameter records (``FSDPParam``: ``sharded_param`` whatever the module holds now) of every
+    FSDP module in ``model``; torch keeps them in one group per module (``_fsdp_param_group``) or, newer, a list."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            state = m._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+            out += [fp for g in groups for fp in g.fsdp_params]
+    return out

@@ -18,19 +18,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""
 import json, sys, torch, torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
 from hybrid_rl.models import load_causal_lm
 from hybrid_rl.workers.fsdp_engine import FrozenReference, TrainingEngine
 from hybrid_rl.workers.offload import local
+from helpers import fsdp_params
 
 def engine():
     return TrainingEngine(load_causal_lm(sys.argv[1], torch.float32), torch.device("cpu"), torch.float32,
                           trainable=False)
 
 def sharded_bytes(e):  # FSDP2's own sharded parameters, whatever the module holds at the moment
-    return sum(local(fp.sharded_param).untyped_storage().nbytes() for m in e.model.modules()
-               if isinstance(m, FSDPModule) for g in m._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params)
+    return sum(local(fp.sharded_param).untyped_storage().nbytes() for fp in fsdp_params(e.model))
 
 ids = torch.tensor([[3, 9, 4, 7, 1, 5]])
 torch.manual_seed(0)
@@ -58,7 +57,7 @@ print(json.dumps(out))
 
 
 def test_a_no_grad_pass_then_offload_frees_every_shard_into_the_same_buffer(tiny_model_path, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-c", SCRIPT, tiny_model_path, str(tmp_path / "store")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -44,10 +44,9 @@ def test_a_round_trip_frees_the_device_memory_into_a_pinned_buffer_and_restores_
 
 def _shard_bytes_on(engine, device) -> int:
     """The bytes of FSDP2's own sharded parameters of ``engine`` on ``device`` (whatever the module holds now)."""
-    from torch.distributed.fsdp import FSDPModule
+    from helpers import fsdp_params
 
-    return sum(s.nbytes() for m in engine.model.modules() if isinstance(m, FSDPModule)
-               for g in m._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params
+    return sum(s.nbytes() for fp in fsdp_params(engine.model)
                for s in [local(fp.sharded_param).untyped_storage()] if s.device == device)
 
 
