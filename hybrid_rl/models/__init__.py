@@ -446,8 +446,14 @@ def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool = Fals
 
 
 def apply_lora(model, rank: int, alpha: int, target_modules: list[str], dropout: float):
-    """Wrap ``model`` with peft LoRA adapters; only adapter weights stay trainable."""
+    """Wrap ``model`` with peft LoRA adapters; only adapter weights stay trainable. The adapted linears compute
+    through one autograd function each (``models/lora_fused.py``: the scaling at the rank's width, the sums inside
+    the matrix products)."""
     from peft import LoraConfig, get_peft_model
 
+    from hybrid_rl.models.lora_fused import fuse_lora_linears
+
     cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules), lora_dropout=dropout, bias="none", task_type="CAUSAL_LM")
-    return get_peft_model(model, cfg)
+    model = get_peft_model(model, cfg)
+    fuse_lora_linears(model)
+    return model
