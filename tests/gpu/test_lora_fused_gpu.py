@@ -29,7 +29,7 @@ def test_fused_lora_agrees_with_peft_under_fsdp2(tiny_model_path, monkeypatch):
     w, _, lp_fused, g_fused = gpu_actor_pass(*LORA, batch=batch)
     assert calls, "the fused function never ran"
     assert g_fused and all("lora_" in n for n in g_fused)
-    # peft starts lora_B at zero: lora_A's gradients are zero on both paths, lora_B's carry the comparison
+    # peft starts lora_B at zero: lora_A's gradients are zero on both paths, lora_B's are the ones compared
     assert all(float(g.abs().max()) == 0.0 for n, g in {**g_peft, **g_fused}.items() if "lora_A" in n)
     only_b = lambda g: {n: t for n, t in g.items() if "lora_B" in n}  # noqa: E731
     assert_bf16_parity(batch, lp_peft, lp_fused, only_b(g_peft), only_b(g_fused))
