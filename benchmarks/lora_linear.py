@@ -50,9 +50,7 @@ def adapted(n_in: int, n_out: int, bias: bool, rank: int, alpha: int, dtype, dev
         for name, p in holder.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.02)
-    holder = holder.to(device=device, dtype=dtype)
-    for name, p in holder.named_parameters():
-        p.requires_grad_("lora_" in name)
+    holder = holder.to(device=device, dtype=dtype)  # peft leaves only the adapters trainable
     if fused:
         assert fuse_lora_linears(holder) == 1
     return holder.proj

@@ -55,7 +55,8 @@ def _plain(layer, x: torch.Tensor) -> bool:
     if layer.disable_adapters or layer.merged or len(layer.active_adapters) != 1:
         return False
     name = layer.active_adapters[0]
-    if name not in layer.lora_A or name in getattr(layer, "lora_variant", {}) or getattr(layer, "use_dora", {}).get(name, False):
+    variant = name in getattr(layer, "lora_variant", {}) or getattr(layer, "use_dora", {}).get(name, False)
+    if name not in layer.lora_A or variant:
         return False
     drop = layer.lora_dropout[name]
     if layer.training and not isinstance(drop, torch.nn.Identity) and drop.p > 0:
