@@ -5,20 +5,21 @@ for a 7.6B model. Here the model is built on the meta device (shapes and names, 
 straight in the checkpoint's dtype with transformers' own initialisation of a Qwen2 model (linear and embedding
 weights normal(0, ``initializer_range``), the embedding's padding row and every bias zero, RMSNorm weights one), and
 the tensors are written in safetensors shards of at most ``SHARD_BYTES`` with the usual
-``model.safetensors.index.json``: host memory peaks at one shard. The result loads with ``from_pretrained`` and vLLM
-like any sharded hub checkpoint. Draws are seeded (a ``torch.Generator`` on the CPU), so a seed gives the same
+``model.safetensors.index.json``: host memory peaks at two shards (one written while the next is drawn). The
+result loads with ``from_pretrained`` and vLLM like any sharded hub checkpoint. Draws are seeded (a ``torch.Generator`` on the CPU), so a seed gives the same
 weights on every host.
 """
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 SHARD_BYTES = 4 * 2**30
-"""Largest shard: what the writer holds in host memory at once (plus one tensor being drawn)."""
+"""Largest shard: the writer holds two in host memory at once (one on its way to disk, the next being drawn)."""
 
 
 def init_tensor(kind: str, shape: torch.Size, dtype: torch.dtype, std: float, gen: torch.Generator,
@@ -88,13 +89,20 @@ def write_random_qwen2(out: Path, config, seed: int, dtype: torch.dtype = torch.
     itemsize = torch.empty((), dtype=dtype).element_size()
     groups = shards(plan, itemsize, shard_bytes)
     weight_map, total = {}, 0
-    for i, group in enumerate(groups, 1):
-        fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        tensors = {name: init_tensor(kind, shape, dtype, std, gen, pad) for name, kind, shape, pad in group}
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
-        total += sum(t.numel() * itemsize for t in tensors.values())
-        weight_map.update({name: fname for name in tensors})
-        del tensors
+    # one writer thread: shard i goes to disk while shard i+1 is drawn (both release the GIL), in the draws' order
+    with ThreadPoolExecutor(max_workers=1) as writer:
+        pending = None
+        for i, group in enumerate(groups, 1):
+            fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+            tensors = {name: init_tensor(kind, shape, dtype, std, gen, pad) for name, kind, shape, pad in group}
+            if pending is not None:
+                pending.result()  # at most two shards in memory: the one written and the one just drawn
+            pending = writer.submit(save_file, tensors, str(out / fname), metadata={"format": "pt"})
+            total += sum(t.numel() * itemsize for t in tensors.values())
+            weight_map.update({name: fname for name in tensors})
+            del tensors
+        if pending is not None:
+            pending.result()
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     config.architectures = [type(model).__name__]

@@ -109,3 +109,24 @@ def test_streamed_checkpoint_loads_like_save_pretrained(tmp_path, tied):
     write_random_qwen2(again, config(), seed=0, shard_bytes=40_000)
     same = AutoModelForCausalLM.from_pretrained(again, dtype=torch.bfloat16)
     assert torch.equal(same.model.layers[1].mlp.up_proj.weight, model.model.layers[1].mlp.up_proj.weight)  # seeded
+
+
+def test_the_shards_hold_one_generator_s_draws_in_the_model_s_order(tmp_path):
+    """Shards are written while the next is drawn: the weights are still the seed's stream taken tensor by tensor
+    in the model's parameter order (drawn here with torch alone), whatever shard each lands in."""
+    from safetensors.torch import load_file
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(bos_token_id=None, eos_token_id=2, pad_token_id=None, **SMALL)
+    write_random_qwen2(tmp_path, config, seed=3, shard_bytes=40_000)
+    got = {}
+    for f in sorted(tmp_path.glob("model-*.safetensors")):
+        got.update(load_file(f))
+    gen = torch.Generator().manual_seed(3)
+    drawn = 0
+    for name, p in _meta_model(SMALL).named_parameters():
+        if name.endswith("weight") and "norm" not in name:
+            want = torch.empty(p.shape, dtype=torch.bfloat16).normal_(0.0, config.initializer_range, generator=gen)
+            assert torch.equal(got[name], want), name
+            drawn += 1
+    assert drawn == len([n for n in got if n.endswith("weight") and "norm" not in n]) > 5
