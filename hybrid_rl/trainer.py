@@ -36,6 +36,7 @@ from hybrid_rl.phases.advantage import AdvantagePhase
 from hybrid_rl.phases.group_rows import gather_group_rows, own_rows
 from hybrid_rl.phases.old_log_prob import old_log_probs, plan_old_log_prob
 from hybrid_rl.phases.reward import RewardPhase
+from hybrid_rl.rewards.model import RewardModel
 from hybrid_rl.rewards import RewardScorer
 from hybrid_rl.runlock import take_run_lock
 from hybrid_rl.telemetry.gc_pauses import StepCollection
@@ -79,7 +80,9 @@ class Trainer:
         val_set = load_val_set(cfg, tokenizer)  # None where no validation runs
         self.reward_fn = RewardScorer.from_config(cfg.reward, cfg.data.task)  # user functions score in worker processes
         self.task = TASKS.get(cfg.data.task)  # its answer-shape counts are logged beside the reward (None: unknown)
-        self.reward = RewardPhase(cfg, tokenizer, self.reward_fn, self.task, self.dist)
+        # a reward model (reward.model.path) on every rank that scores: loaded now, so a bad path fails before training
+        self.reward_model = RewardModel(cfg.reward.model, dist.device) if cfg.reward.model.path else None
+        self.reward = RewardPhase(cfg, tokenizer, self.reward_fn, self.task, self.dist, self.reward_model)
         t = cfg.trainer
         self.total_steps = t.total_steps or t.total_epochs * self.prompts.sampler.steps_per_epoch
         self.engine_twin = meet_at_engines(cfg, pl, dist, tokenizer)  # split + vLLM: before any model is built
@@ -96,7 +99,8 @@ class Trainer:
         self.source = make_source(cfg, pl, self.worker, self.prompts, self.global_dist, tokenizer.pad_token_id,
                                   steps_left=lambda: self.total_steps - self.current_step)
         self.validator = None if val_set is None else Validator(cfg, val_set, tokenizer, self.worker, self.reward_fn,
-                                                                  self.task, self.dist, lambda: self.current_step)
+                                                                  self.task, self.dist, lambda: self.current_step,
+                                                                  self.reward_model)
         self.model_flops = ModelFlops.of(self.worker.actor.model) if self.worker.actor is not None else None
         self.peak_flops = peak_flops(self.dist.device, cfg.trainer.peak_tflops)
         self.checkpointer = Checkpointer(cfg, pl, self.worker, self.critic, self.source, self.prompts.sampler,

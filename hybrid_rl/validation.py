@@ -19,6 +19,7 @@ import torch
 
 from hybrid_rl.config import Config
 from hybrid_rl.data import PromptDataset, collate_prompts, load_rows
+from hybrid_rl.data.feed import keeps_messages
 from hybrid_rl.data.tasks import Task
 from hybrid_rl.distributed import DistInfo, reduce_weighted_means
 from hybrid_rl.envs.metrics import add_pairs, env_metrics, zero_pairs
@@ -26,6 +27,7 @@ from hybrid_rl.envs.multiturn import env_prompt
 from hybrid_rl.telemetry.metrics import outcome_sums
 from hybrid_rl.phases.reward import compute_scores, sample_records
 from hybrid_rl.rewards import RewardScorer
+from hybrid_rl.rewards.model import RewardModel
 
 if TYPE_CHECKING:
     from hybrid_rl.modes.sources import RolloutSource
@@ -51,16 +53,18 @@ def load_val_set(cfg: Config, tokenizer) -> PromptDataset | None:
     system, chat_kwargs = env_prompt(cfg)  # an environment's tools reach the prompt (env.describe_tools)
     return PromptDataset(rows, d.task, tokenizer, d.max_prompt_length, d.truncation, system,
                          source=f"data.val_path={d.val_path!r}", template_kwargs=chat_kwargs,
-                         keep_messages=cfg.env.name is not None)
+                         keep_messages=keeps_messages(cfg))
 
 
 class Validator:
     """One run's validation set and how it is scored; ``step()`` names the step a validation belongs to."""
 
     def __init__(self, cfg: Config, val_set: PromptDataset, tokenizer, worker: ActorRolloutRefWorker,
-                 reward_fn: RewardScorer, task: Task | None, dist: DistInfo, step: Callable[[], int]):
+                 reward_fn: RewardScorer, task: Task | None, dist: DistInfo, step: Callable[[], int],
+                 reward_model: RewardModel | None = None):
         self.cfg, self.val_set, self.tokenizer, self.worker = cfg, val_set, tokenizer, worker
         self.reward_fn, self.task, self.dist, self.step = reward_fn, task, dist, step
+        self.reward_model = reward_model
 
     @torch.no_grad()
     def __call__(self, source: RolloutSource) -> dict[str, float]:
@@ -78,6 +82,7 @@ class Validator:
         # the same keys on every rank (one all-reduce), also on a rank with no validation prompts
         names = list(VAL_OUTCOMES)
         names += list(self.task.answer_stats([])) if self.task is not None else []
+        names += ["model_mean", "model_truncated"] if self.reward_model is not None else []
         sums = {f"val/{k}": 0.0 for k in names}
         count = 0.0
         # a validation set of several sources (arith's families) also reports each one's accuracy
@@ -89,7 +94,7 @@ class Validator:
             prompts = collate_prompts([self.val_set[i] for i in idx[s:s + chunk]], self.tokenizer.pad_token_id)
             out = self.worker.generate(prompts, validate=True)
             out, stats = compute_scores(out, self.tokenizer, self.reward_fn, self.cfg.reward.on_error, self.task,
-                                        prefix="val")
+                                        prefix="val", reward_model=self.reward_model)
             stats.pop("val/errors")
             outcome = outcome_sums(out.tensors["scores"], out.tensors["response_mask"], self.cfg.data.max_response_length,
                                    out.tensors.get("env_stop"))

@@ -17,7 +17,7 @@ Left out on purpose: Hydra-style interpolation and config composition (one flat 
 """
 
 from hybrid_rl.config.actor import ActorConfig, CriticConfig, RefConfig
-from hybrid_rl.config.algorithm import (AlgorithmConfig, FilterGroupsConfig, KLControlConfig, RewardConfig,
+from hybrid_rl.config.algorithm import (AlgorithmConfig, FilterGroupsConfig, KLControlConfig, RewardConfig, RewardModelConfig,
                                         RolloutCorrectionConfig)
 from hybrid_rl.config.env import EnvConfig
 from hybrid_rl.config.errors import ConfigError
@@ -36,7 +36,7 @@ from hybrid_rl.rollout.vllm_options import VLLMOptions
 __all__ = [
     "ActorConfig", "AlgorithmConfig", "Config", "ConfigError", "CriticConfig", "DataConfig", "EnvConfig", "FilterGroupsConfig",
     "KLControlConfig", "LoraConfig", "ModelConfig", "MOVED_KEYS", "RECIPES_DIR", "RESUME_HARMLESS", "RESUME_IGNORED",
-    "RefConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "TrainerConfig", "UpdateConfig", "VLLMOptions",
+    "RefConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig", "RolloutCorrectionConfig", "TrainerConfig", "UpdateConfig", "VLLMOptions",
     "all_keys", "data_parallel_size", "import_plugins", "load_config", "lr_schedule_steps", "mini_batch_seqs",
     "parse_forced_lengths", "partial_pool_steps", "resume_config_diff", "save_config",
 ]

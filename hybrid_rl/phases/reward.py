@@ -8,8 +8,8 @@ trajectory the reward function reads the last model turn, the score sits on its 
 environment's own rewards are added), counts failures
 when ``reward.on_error=zero``, and reports (sum, count) ``reward/*`` stats under the ``timing/reward`` timer. Running
 the functions (in this process, or in worker processes with ``reward.timeout_s`` for user functions) is
-``RewardScorer``'s (``hybrid_rl.rewards``); validation scores through ``compute_scores`` too. Left out: model-based
-rewards (a reward is a function of the text and the ground truth).
+``RewardScorer``'s (``hybrid_rl.rewards``); a reward model's score (``reward.model``, ``rewards/model.py``) adds to
+the function's. Validation scores through ``compute_scores`` too.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from hybrid_rl.data.tasks import Task
 from hybrid_rl.distributed import DistInfo, all_reduce_max, all_reduce_sum
 from hybrid_rl.micro_batching import pad_widths
 from hybrid_rl.rewards import RewardScorer, score_responses
+from hybrid_rl.rewards.model import RewardModel, batch_messages
 from hybrid_rl.rewards.overlong import overlong_penalty
 from hybrid_rl.telemetry.tracking import Timer
 
@@ -70,10 +71,7 @@ def sample_records(batch: Batch, tokenizer) -> list[dict]:
     tokens (at ``data.max_response_length``: cut, not finished), ground truth and score (multi-turn: the
     response is the last turn, ``trajectory`` the whole conversation after the prompt)."""
     texts = decode_responses(batch, tokenizer)
-    ids, mask = batch.tensors["input_ids"].cpu(), batch.tensors["attention_mask"].cpu().bool()
-    width = batch.tensors["responses"].shape[1]
-    prompts = tokenizer.batch_decode([r[:-width][m[:-width]].tolist() for r, m in zip(ids, mask)],
-                                     skip_special_tokens=True)
+    prompts = prompt_texts(batch, tokenizer)
     nt = batch.non_tensors
     lengths = response_extent(batch.tensors["response_mask"]).tolist()
     records = [{"index": int(i), "prompt": p, "response": t, "response_length": int(n), "ground_truth": str(g),
@@ -86,11 +84,31 @@ def sample_records(batch: Batch, tokenizer) -> list[dict]:
     return records
 
 
+def prompt_texts(batch: Batch, tokenizer) -> list[str]:
+    """Each row's prompt as text, special tokens left out."""
+    ids, mask = batch.tensors["input_ids"].cpu(), batch.tensors["attention_mask"].cpu().bool()
+    width = batch.tensors["responses"].shape[1]
+    return tokenizer.batch_decode([r[:-width][m[:-width]].tolist() for r, m in zip(ids, mask)],
+                                  skip_special_tokens=True)
+
+
+def model_scores(batch: Batch, tokenizer, texts: list[str], reward_model: RewardModel,
+                 prefix: str) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
+    """The reward model's scores [B] of ``texts`` (the responses), each in its prompt's conversation, and their
+    stats: ``<prefix>/model_mean`` (before ``reward.model.weight``), ``<prefix>/model_truncated``."""
+    nt = batch.non_tensors
+    messages = batch_messages(nt, [] if "messages" in nt else prompt_texts(batch, tokenizer))
+    scores, cut = reward_model.score(messages, texts)
+    n = float(len(texts))
+    return scores, {f"{prefix}/model_mean": (float(scores.sum()), n), f"{prefix}/model_truncated": (float(cut), n)}
+
+
 def compute_scores(batch: Batch, tokenizer, fn: RewardScorer | Callable[[str, str], float],
-                   on_error: str, task: Task | None = None,
-                   prefix: str = "reward") -> tuple[Batch, dict[str, tuple[float, float]]]:
-    """``fn``: the run's ``RewardScorer``, or a bare reward function (scored in this process). The stats are
-    ``(sum, count)`` pairs: the failed samples, and the ``task``'s answer shape counts as ``<prefix>/<name>``."""
+                   on_error: str, task: Task | None = None, prefix: str = "reward",
+                   reward_model: RewardModel | None = None) -> tuple[Batch, dict[str, tuple[float, float]]]:
+    """``fn``: the run's ``RewardScorer``, or a bare reward function (scored in this process); ``reward_model``: its
+    score times ``reward.model.weight`` added. The stats are ``(sum, count)`` pairs: the failed samples, the reward
+    model's (``model_scores``) and the ``task``'s answer shape counts as ``<prefix>/<name>``."""
     texts = decode_responses(batch, tokenizer)
     truths = list(batch.non_tensors["ground_truth"])
     if isinstance(fn, RewardScorer):
@@ -98,10 +116,14 @@ def compute_scores(batch: Batch, tokenizer, fn: RewardScorer | Callable[[str, st
     else:
         scores, num_errors = score_responses(fn, texts, truths, on_error)
     score_t = torch.tensor(scores, dtype=torch.float32)
+    stats = {f"{prefix}/errors": (float(num_errors), 1.0)}
+    if reward_model is not None:
+        rm, rm_stats = model_scores(batch, tokenizer, texts, reward_model, prefix)
+        score_t = score_t + reward_model.cfg.weight * rm
+        stats.update(rm_stats)
     if "env_reward" in batch.tensors:  # a multi-turn environment's own rewards add to the reward function's
         score_t = score_t + batch.tensors["env_reward"].float().cpu()
     token_scores = sparse_scores(score_t, batch.tensors["response_mask"])
-    stats = {f"{prefix}/errors": (float(num_errors), 1.0)}
     if task is not None:
         stats.update({f"{prefix}/{k}": (v, float(len(texts))) for k, v in task.answer_stats(texts).items()})
     return batch.union(tensors=dict(token_level_scores=token_scores, scores=score_t.to(token_scores.device))), stats
@@ -192,8 +214,11 @@ class RewardPhase:
     """Scores a step's batch; ``tokenizer`` decodes the responses, ``reward_fn`` scores them, ``task`` (None: an
     unknown one) counts their answer shapes, ``dist`` is the training ranks' world (group filtering meets there)."""
 
-    def __init__(self, cfg: Config, tokenizer, reward_fn: RewardScorer, task: Task | None, dist: DistInfo):
+    def __init__(self, cfg: Config, tokenizer, reward_fn: RewardScorer, task: Task | None, dist: DistInfo,
+                 reward_model: RewardModel | None = None):
         self.cfg, self.tokenizer, self.reward_fn, self.task, self.dist = cfg, tokenizer, reward_fn, task, dist
+        self.reward_model = reward_model
+        """``reward.model.path``'s model (None: no reward model)."""
 
     def __call__(self, batch: Batch, timer: Timer, next_batch: NextBatch) -> tuple[Batch, dict]:
         """The scored batch (only informative groups under ``algorithm.filter_groups``, refilled through
@@ -207,7 +232,8 @@ class RewardPhase:
     def score(self, batch: Batch) -> tuple[Batch, dict]:
         """Scores on the last response tokens, the overlong penalty; (sum, count) stats."""
         cfg = self.cfg
-        batch, reward_stats = compute_scores(batch, self.tokenizer, self.reward_fn, cfg.reward.on_error, self.task)
+        batch, reward_stats = compute_scores(batch, self.tokenizer, self.reward_fn, cfg.reward.on_error, self.task,
+                                             reward_model=self.reward_model)
         if cfg.reward.overlong_buffer_len > 0:
             batch, penalty_stats = shape_overlong(batch, cfg.data.max_response_length, cfg.reward.overlong_buffer_len,
                                                   cfg.reward.overlong_penalty_factor)

@@ -40,7 +40,8 @@ group of ``s`` ranks one share of the batch (``W / s`` shares) and each rank ``1
 and the reference's passes: their activations and LM-head rows are those of ``T / s`` tokens, except that attention
 holds every position of its ``1/s`` of the heads, key/value heads repeated up to ``s`` (the ``4kv`` term becomes
 ``4 · head_dim · max(kv_heads, s)``); a packing critic (``critic.use_remove_padding``) cuts its rows the same way,
-one that pads runs the group's rows whole. The engine takes
+one that pads runs the group's rows whole. A reward model (``reward.model``) is a phase of its own: the state kept between passes, its weights whole (each
+scoring rank holds a copy) and one micro-batch's no-grad temporaries at its ``max_length``. The engine takes
 ``rollout.vllm.gpu_memory_utilization × GPU memory`` (weights and KV cache); a sleeping engine (sync mode) holds
 nothing, and the push wakes its weights alone: ``P × 2 / rollout.vllm.tensor_parallel_size``. Not modelled: the
 caching allocator's fragmentation (reserved above allocated: ``trainer.expandable_segments``), NCCL's buffers and the
@@ -241,6 +242,26 @@ def critic_params(shape: ModelShape) -> int:
     return shape.params - head + shape.hidden + 1
 
 
+def reward_model_terms(cfg: "Config") -> dict[str, float]:
+    """What scoring with ``reward.model`` adds on a rank: its whole weights (a copy per rank; the backbone and a
+    scalar head) and one micro-batch's no-grad temporaries at ``max_length``; nothing without a reward model or
+    where its shape cannot be read here."""
+    from hybrid_rl.planner.shape import ShapeError, read_shape
+
+    r = cfg.reward.model
+    if r.path is None:
+        return {}
+    try:
+        rm = read_shape(r.path)
+    except ShapeError:
+        return {}
+    wb = 4 if r.dtype == "float32" else 2
+    tokens = r.micro_batch_size * r.max_length
+    params = rm.params - (0 if rm.tied else rm.vocab * rm.hidden) + rm.hidden  # the LM head's place: a bias-free score
+    return {"reward model weights": params * wb,
+            f"reward model activations ({tokens} tokens)": tokens * no_grad_bytes_per_token(rm) * wb / 2}
+
+
 def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float,
            micro_at: dict[str, int] | None = None) -> list[Phase]:
     """The phases of one step on the busiest GPU, each with its terms. ``micro_at`` (phase name → tokens) puts a
@@ -355,6 +376,10 @@ def phases(cfg: "Config", shape: ModelShape, gpus: int, gpu_bytes: float,
     step = {**kept(optimizer_on=True), **awake, **optimizer_step("actor", P_train / W, a.optimizer_impl,
                                                  largest_tensor(shape, lora) / W)}
     out.append(Phase("actor update", max(backward, step, key=lambda terms: sum(terms.values()))))
+    # -- the reward model's pass (its weights on the GPU only while it scores)
+    rm = reward_model_terms(cfg)
+    if rm:
+        out.append(Phase("reward model", {**kept(), **awake, **rm}))
     # -- the critic's passes
     if critic:
         cr, Pc = cfg.critic, critic_params(shape)

@@ -107,9 +107,9 @@ def from_hf_config(cfg: dict) -> ModelShape:
 
 
 def builtin_shape(name: str) -> ModelShape:
-    from hybrid_rl.models import BUILTIN_NAMES, BUILTIN_PREFIX, RANDOM_ARCHS, TINY_CONFIG, TINY_MODEL
+    from hybrid_rl.models import BUILTIN_NAMES, BUILTIN_PREFIX, RANDOM_ARCHS, TINY_CONFIG, TINY_MODEL, TINY_RM
 
-    if name == TINY_MODEL:
+    if name in (TINY_MODEL, TINY_RM):  # the reward model: the same network, a score head for the LM head
         return from_hf_config(dict(TINY_CONFIG, vocab_size=_tiny_vocab()))
     if name in RANDOM_ARCHS:
         return from_hf_config(RANDOM_ARCHS[name])
