@@ -3,7 +3,7 @@
 The conversation is the prompt's messages (the dataset's, before the policy's chat template) with the response as
 the assistant's turn, written with the reward model's own chat template and tokenizer: a reward model and the policy
 rarely share a tokenizer, so the response goes over as text (TRL's and OpenRLHF's way; verl's with a different
-tokenizer). The score is the classifier's one output (``AutoModelForSequenceClassification``, ``num_labels=1``), read
+tokenizer). Of a multi-turn trajectory the response is its last model turn, the text the reward function reads too. The score is the classifier's one output (``AutoModelForSequenceClassification``, ``num_labels=1``), read
 where transformers reads it: at the last token that is not padding. Conversations are scored in micro-batches of
 ``reward.model.micro_batch_size``, sorted by length and padded on the right; a conversation longer than
 ``reward.model.max_length`` keeps its last tokens (the response's end).

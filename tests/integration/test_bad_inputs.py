@@ -84,6 +84,12 @@ CASES = [
      ["reward.function='{no_args}': score() cannot be called as score(response, ground_truth)",
       "def score(response, ground_truth)"]),
     ("reward function that does not exist", ["train", RECIPE, "reward.function=no_such_module:score"], ["reward.function"]),
+    ("reward model that is a causal LM", ["train", RECIPE, "reward.model.path=builtin:tiny-qwen2"],
+     ["reward.model.path='builtin:tiny-qwen2' is a Qwen2ForCausalLM, not a reward model", "builtin:tiny-qwen2-rm"]),
+    ("reward model path that does not exist", ["train", RECIPE, "reward.model.path=./no/such/rm"],
+     ["reward.model.path: './no/such/rm' does not exist"]),
+    ("chat prompts with nothing to score them", ["train", RECIPE, "data.task=chat", "data.train_path={no_field}",
+                                                  "data.val_path=null"], ["data.task=chat", "reward.model.path"]),
     ("vLLM requested but not installed", ["train", RECIPE, "rollout.name=vllm"], ["pip install", "rollout.name=hf"]),
     # `make train RECIPE=gsm8k_grpo` on a CPU-only machine: GPUs, and the hub model (rollout.name=hf would only reach
     # the hub's error), and the way to try the product on CPU
