@@ -113,7 +113,8 @@ class Trainer:
         self.current_step = self.start_step  # the step being run (``step`` counts); critic.freeze_actor_steps reads it
         if self.is_logger:
             trim_metrics(Path(t.output_dir) / "metrics.jsonl", self.start_step)
-        self.tracker = Tracker(t.output_dir, t.logger, self.total_steps, enabled=self.is_logger, initial_step=self.start_step)
+        self.tracker = Tracker(t.output_dir, t.logger, self.total_steps, enabled=self.is_logger, initial_step=self.start_step,
+                               project=t.project_name, name=t.experiment_name, config=cfg.to_dict())
         if self.is_logger and self.start_step < self.total_steps:  # "nothing to do" leaves the run's config as it was
             save_config(cfg, Path(t.output_dir) / "config.yaml")
 

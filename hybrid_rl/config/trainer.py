@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -24,8 +25,14 @@ class TrainerConfig:
     """Validate every N steps and after the last (0 = never, except ``val_before_train``)."""
     val_before_train: bool = harmless(False)
     """Validate once before the first step."""
-    logger: list[Literal["console", "tensorboard", "jsonl"]] = harmless(default_factory=lambda: ["console", "tensorboard", "jsonl"])
-    """Metric sinks."""
+    logger: list[Literal["console", "tensorboard", "jsonl", "wandb"]] = harmless(default_factory=lambda: ["console", "tensorboard", "jsonl"])
+    """Metric sinks: the progress bar, ``tensorboard/``, ``metrics.jsonl``, and Weights & Biases (``wandb``: the
+    ``wandb`` package, ``pip install 'hybrid_rl[wandb]'``; ``WANDB_MODE=offline`` keeps it on disk)."""
+    project_name: str = not_compared("hybrid_rl")
+    """The Weights & Biases project of a run logging to ``wandb``."""
+    experiment_name: Optional[str] = not_compared(None)
+    """The Weights & Biases run name (null: the name of ``output_dir``). A resumed run continues the same W&B run
+    (its id is kept in ``output_dir/wandb_run_id``)."""
     device: Literal["auto", "cpu", "cuda"] = harmless("auto")
     """``auto`` uses CUDA when present."""
     mode: Literal["sync", "overlap"] = "sync"
@@ -113,6 +120,9 @@ class TrainerConfig:
         return partial_pool_steps(self.partial_rollout_ahead)
 
     def validate(self) -> None:
+        if "wandb" in self.logger and importlib.util.find_spec("wandb") is None:
+            raise ConfigError("trainer.logger includes wandb, but the wandb package is not installed: pip install "
+                              "'hybrid_rl[wandb]' (or wandb), or drop wandb from trainer.logger")
         if self.save_freq < -1 or self.keep_last < 0 or self.max_skipped_updates < 1:
             raise ConfigError("trainer.save_freq must be >= -1 (-1 = never), trainer.keep_last >= 0, "
                               "trainer.max_skipped_updates >= 1")

@@ -1,10 +1,13 @@
-"""Metric sinks: a tqdm progress bar, tensorboard scalars and ``metrics.jsonl``; plus phase timers.
+"""Metric sinks: a tqdm progress bar, tensorboard scalars, ``metrics.jsonl`` and Weights & Biases; phase timers.
 
 Only rank 0 writes; other ranks get a tracker whose methods do nothing, so the
 driver never branches on rank. Metric names are grouped as ``rollout/*``,
-``actor/*``, ``reward/*``, ``timing/*``, ``perf/*``, ``val/*``. Left out:
-wandb/mlflow (tensorboard files are readable by both). ``run_summary`` is the
-block printed when ``fit`` ends: what ran, how it ended, where the results are.
+``actor/*``, ``reward/*``, ``timing/*``, ``perf/*``, ``val/*``. The W&B run
+(``trainer.logger`` with ``wandb``) gets the resolved config and every step's
+finite metrics at the step's number; its id is kept in ``output_dir/wandb_run_id``
+so that a resumed run goes on logging into the same W&B run. Left out: mlflow
+(its tensorboard import reads ``tensorboard/``). ``run_summary`` is the block
+printed when ``fit`` ends: what ran, how it ended, where the results are.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import shutil
 import sys
 import threading
 import time
+import uuid
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterator
@@ -125,13 +129,41 @@ class Timer:
                 if name != "step"}
 
 
+WANDB_ID_FILE = "wandb_run_id"
+"""In ``output_dir``: the id of the W&B run this output directory logs to."""
+
+
+def start_wandb(out: Path, project: str, name: str | None, config: dict | None):
+    """The W&B run of ``out``: a new one (its id written to ``out/wandb_run_id``), or the one that file names,
+    resumed; files under ``out/wandb/``."""
+    import wandb
+
+    from hybrid_rl.config import ConfigError
+
+    id_file = out / WANDB_ID_FILE
+    run_id = id_file.read_text().strip() if id_file.exists() else None
+    if not run_id:
+        run_id = uuid.uuid4().hex[:8]  # W&B's own ids are 8 characters of [a-z0-9]
+        id_file.write_text(run_id + "\n")
+    try:
+        return wandb.init(project=project, name=name or out.resolve().name, id=run_id, resume="allow", dir=str(out),
+                          config=config)
+    except Exception as e:  # noqa: BLE001  (wandb raises its own errors: no API key, no network, a bad project)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(f"trainer.logger=wandb: starting the W&B run failed ({first}); log in (wandb login or "
+                          f"WANDB_API_KEY), log offline with WANDB_MODE=offline, or drop wandb from trainer.logger") from e
+
+
 class Tracker:
-    def __init__(self, output_dir: str, loggers: list[str], total_steps: int, enabled: bool, initial_step: int = 0):
+    def __init__(self, output_dir: str, loggers: list[str], total_steps: int, enabled: bool, initial_step: int = 0,
+                 project: str = "hybrid_rl", name: str | None = None, config: dict | None = None):
+        """``project``, ``name``, ``config``: the W&B run's, where ``loggers`` holds ``wandb``."""
         self.enabled = enabled
         self.out = Path(output_dir)
         self.bar = None
         self.tb = None
         self.jsonl = None
+        self.wandb = None
         if not enabled:
             return
         self.out.mkdir(parents=True, exist_ok=True)
@@ -145,6 +177,8 @@ class Tracker:
             self.tb = SummaryWriter(log_dir=str(self.out / "tensorboard"))
         if "jsonl" in loggers:
             self.jsonl = open(self.out / "metrics.jsonl", "a", buffering=1)  # the trainer trims it on (re)start
+        if "wandb" in loggers:
+            self.wandb = start_wandb(self.out, project, name, config)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:
@@ -155,6 +189,9 @@ class Tracker:
                     self.tb.add_scalar(k, v, step)
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)},
+                           step=step)
         if self.bar is not None and "reward/mean" in metrics:
             post = {"reward": f"{metrics['reward/mean']:.3f}"}
             if "perf/tokens_per_s" in metrics:
@@ -184,6 +221,9 @@ class Tracker:
         if self.jsonl is not None:
             self.jsonl.close()
             self.jsonl = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
 
 
 def export_command() -> str:
@@ -228,6 +268,8 @@ def run_summary(output_dir: str, loggers: list[str], steps_run: int, final_step:
         lines.append(f"  metrics:    {out / 'metrics.jsonl'}")
     if "tensorboard" in loggers:
         lines.append(f"  tensorboard: tensorboard --logdir {out / 'tensorboard'}")
+    if "wandb" in loggers:
+        lines.append(f"  wandb:      {out / 'wandb'} (offline runs: wandb sync {out / 'wandb'}/offline-run-*)")
     if checkpoint is not None:
         lines.append(f"  export:     {export_command()} export {out} {out / 'hf'}   (a Hugging Face model directory)")
     return "\n".join(lines)
