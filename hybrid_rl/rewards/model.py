@@ -92,7 +92,7 @@ class RewardModel:
 
     def _park(self) -> None:
         if self.mirror is not None:
-            self.mirror.offload(list(self.model.parameters()))
+            self.mirror.offload(list(self.model.parameters()), unchanged=True)  # frozen: no copy back after the first
 
     def encode(self, messages: Sequence[list[dict[str, str]]], responses: Sequence[str]) -> tuple[list[list[int]], int]:
         """Each conversation's token ids (cut to the last ``max_length``), and how many were cut."""

@@ -54,6 +54,8 @@ class HostMirror:
         self._locked: torch.Tensor | None = None
         """The page-locked whole pages that hold ``buffer`` (CUDA)."""
         self.pinned = False
+        self.filled = False
+        """Whether the buffer holds the bytes of a completed offload (of the storages of ``sizes``)."""
         self.sizes: list[int] = []
         self.away: list[tuple[torch.UntypedStorage, int, int]] = []
         """(storage, offset in the buffer, bytes) of every storage now offloaded."""
@@ -66,9 +68,11 @@ class HostMirror:
     def host_bytes(self) -> int:
         return self.buffer.numel() if self.buffer is not None else 0
 
-    def offload(self, tensors) -> None:
+    def offload(self, tensors, unchanged: bool = False) -> None:
         """The storages behind ``tensors`` (None and empty ones skipped, each storage once) into the host buffer, then
-        freed on the device. Nothing happens while a previous offload is still away."""
+        freed on the device. Nothing happens while a previous offload is still away. ``unchanged``: the caller vouches
+        that the bytes are those of the last round trip (frozen weights), so where the buffer already holds these
+        storages they are freed without copying them out again."""
         if self.away:
             return
         storages, seen = [], set()
@@ -91,12 +95,14 @@ class HostMirror:
         for n in sizes[:-1]:
             offsets.append(offsets[-1] + -(-n // ALIGN) * ALIGN)
         total = offsets[-1] + sizes[-1]
+        held = unchanged and self.filled and sizes == self.sizes and self.buffer is not None
         if sizes != self.sizes or self.buffer is None:
             self._allocate(total)
             self.sizes = sizes
         async_copy = self.pinned
-        for s, off, n in zip(storages, offsets, sizes):
+        for s, off, n in zip(storages, offsets, sizes) if not held else ():
             self.buffer[off:off + n].copy_(bytes_view(s), non_blocking=async_copy)
+        self.filled = True
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the bytes are on the host before the device memory is given up
         for s in storages:
@@ -113,7 +119,7 @@ class HostMirror:
 
     def _allocate(self, total: int) -> None:
         self.release()
-        self.pinned = False
+        self.pinned = self.filled = False
         if self.device.type != "cuda" or not total:
             self.buffer = torch.empty(total, dtype=torch.uint8)
             return

@@ -67,3 +67,20 @@ def test_a_cuda_buffer_is_page_locked_over_whole_pages_from_a_page_boundary(monk
         assert ptr <= m.buffer.data_ptr() and m.buffer.data_ptr() + total <= ptr + n < ptr + total + offload.PAGE
         m.pinned = False  # (release would unregister through CUDA)
     assert len(seen) == 3
+
+
+def test_unchanged_storages_are_freed_without_copying_them_out_again():
+    a, b, _ = _tensors()
+    want = a.clone()
+    m = HostMirror(torch.device("cpu"))
+    m.offload([a, b], unchanged=True)  # the first time the bytes are copied whatever the caller says
+    m.onload()
+    assert torch.equal(a, want)
+    a.mul_(2)  # a change the caller does not vouch for is lost: the buffer keeps the last round trip's bytes
+    m.offload([a, b], unchanged=True)
+    m.onload()
+    assert torch.equal(a, want)
+    a.mul_(2)
+    m.offload([a, b])  # without the promise the bytes are copied
+    m.onload()
+    assert torch.equal(a, want * 2)
