@@ -89,6 +89,8 @@ class RewardModel:
         self.model.to(device)
         self.mirror = HostMirror(device) if cfg.offload and device.type == "cuda" else None
         self._park()
+        if self.mirror is not None:  # built before the engine: what it held goes back to the driver, not to torch's cache
+            torch.cuda.empty_cache()
 
     def _park(self) -> None:
         if self.mirror is not None:
