@@ -1,11 +1,12 @@
-"""Validation: greedy pass@1 on the validation prompts with the current weights.
+"""Validation: greedy pass@1 on the validation prompts with the current weights (or ``rollout.val_n`` samples per
+prompt at ``rollout.val_temperature``: mean@n and best@n).
 
 ``load_val_set`` reads ``data.val_path`` (only where a validation will run); calling a ``Validator`` with the
 step's rollout source hands the engine the current weights and has every rank that generates score its share of the
 prompts, reduced over them: ``val/reward_mean`` and its clipped part, the response lengths and clip ratio, the task's
 answer-shape counts, each source's accuracy where the set has several (arith's families), and ``timing/validate``.
-``trainer.validation_data_dir`` also writes each sample per rank and step. Left out: sampling at temperature, pass@k
-and validation on a schedule of its own (the loop decides when, ``trainer.test_freq``).
+``trainer.validation_data_dir`` also writes each sample per rank and step. Left out: majority voting (maj@n needs
+each task's answer extraction) and validation on a schedule of its own (the loop decides when, ``trainer.test_freq``).
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class Validator:
 
     @torch.no_grad()
     def __call__(self, source: RolloutSource) -> dict[str, float]:
-        """Greedy pass@1 with the current weights, through ``source`` (every rank takes its share)."""
+        """Greedy pass@1 (or mean@n and best@n) with the current weights, through ``source`` (every rank takes its
+        share)."""
         start = time.perf_counter()
         out = dict(source.validate(self.on_engine, self.dist))
         out["timing/validate"] = time.perf_counter() - start  # outside timing/step, inside the next timing/iteration
@@ -90,6 +92,8 @@ class Validator:
         by_source = {f"val/reward_mean/{src}": [0.0, 0.0] for src in sources}
         records: list[dict] | None = [] if self.cfg.trainer.validation_data_dir else None
         tool_use = zero_pairs("val/env") if self.cfg.env.name is not None else {}  # multi-turn: val/env/*
+        n = self.cfg.rollout.val_n  # samples per prompt, consecutive rows
+        best = [0.0, 0.0]  # (sum of each prompt's best score, prompts): val/reward_best_of_n
         for s in range(0, len(idx), chunk):
             prompts = collate_prompts([self.val_set[i] for i in idx[s:s + chunk]], self.tokenizer.pad_token_id)
             out = self.worker.generate(prompts, validate=True)
@@ -102,6 +106,9 @@ class Validator:
             for k, (v, _) in stats.items():
                 sums[k] += v
             count += len(out)
+            per_prompt = out.tensors["scores"].float().cpu().view(-1, n)  # [prompts, n]
+            best[0] += float(per_prompt.max(dim=1).values.sum())
+            best[1] += per_prompt.shape[0]
             if by_source:
                 for src, score in zip(out.non_tensors["data_source"], out.tensors["scores"].tolist()):
                     by_source[f"val/reward_mean/{src}"][0] += score
@@ -113,7 +120,9 @@ class Validator:
         if records is not None:
             self._write_records(records, rank)
         stats = {k: (v, count) for k, v in sums.items()}
-        stats.update({k: (v, n) for k, (v, n) in by_source.items()})
+        stats.update({k: (v, c) for k, (v, c) in by_source.items()})
+        if n > 1:
+            stats["val/reward_best_of_n"] = (best[0], best[1])
         stats.update(tool_use)
         return reduce_weighted_means(stats, self.dist.device, self.dist.group)
 

@@ -29,6 +29,9 @@ class RolloutConfig:
     """Top-k sampling (0 = off)."""
     val_temperature: float = harmless(0.0)
     """Temperature for validation (0 = greedy pass@1)."""
+    val_n: int = harmless(1)
+    """Samples per validation prompt: ``val/reward_mean`` is then their mean (mean@n) and ``val/reward_best_of_n``
+    the mean over prompts of each one's best score (best@n); more than 1 needs ``val_temperature`` > 0."""
     max_num_seqs: int = harmless(256)
     """Sequences generated at once by the engine (the hf engine chunks by this)."""
     weight_sync_bucket_mb: int = harmless(512)
@@ -61,7 +64,11 @@ class RolloutConfig:
     """The vLLM engine's own options (``hybrid_rl/rollout/vllm_options.py``)."""
 
     def validate(self) -> None:
-        require_positive(self, "rollout", ["n", "max_num_seqs", "weight_sync_bucket_mb"])
+        require_positive(self, "rollout", ["n", "val_n", "max_num_seqs", "weight_sync_bucket_mb"])
+        if self.val_n > 1 and self.val_temperature == 0:
+            raise ConfigError(f"rollout.val_n={self.val_n} samples per validation prompt at rollout.val_temperature=0 "
+                              f"would all be the same greedy response; set rollout.val_temperature > 0 (e.g. 0.6) or "
+                              f"rollout.val_n=1")
         if self.forced_lengths is not None:
             parse_forced_lengths(self.forced_lengths)
         if not 0 < self.top_p <= 1:

@@ -198,7 +198,7 @@ class ActorRolloutRefWorker:
         r = self.cfg.rollout
         turns = self.cfg.env.name is not None  # a conversation's segments carry their log-probs
         if validate:
-            return SamplingParams(n=1, temperature=r.val_temperature, top_p=1.0 if r.val_temperature == 0 else r.top_p,
+            return SamplingParams(n=r.val_n, temperature=r.val_temperature, top_p=1.0 if r.val_temperature == 0 else r.top_p,
                                   top_k=0, max_tokens=self.cfg.data.max_response_length, logprobs=turns)
         return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_tokens=self.cfg.data.max_response_length, logprobs=self.cfg.engine_logprobs)

@@ -2,6 +2,7 @@
 
 - The reward of a run is ``reward.model.weight`` × the model's score (``reward.function=none``), in training and in
   validation, from a file of ``chat`` prompts too, in sync and overlap mode.
+- ``rollout.val_n``: validation's mean@n and best@n, recomputed from the samples the run wrote.
 - Learning (``learning``): the tiny policy learns what the tiny reward model prefers: its mean score over the last
   steps is above the best score of any response the untrained policy sampled in its first step, and the greedy
   validation score rises.
@@ -50,6 +51,26 @@ def test_the_reward_is_the_weighted_model_score(tmp_path, mode):
         assert r["reward/model_truncated"] == 0.0 and r["reward/model_mean"] != 0.0
     for r in val:
         assert r["val/reward_mean"] == pytest.approx(0.5 * r["val/model_mean"], abs=1e-6)
+
+
+def test_validation_with_n_samples_reports_mean_and_best_of_n(tmp_path):
+    """``rollout.val_n=4`` at temperature 1: ``val/reward_mean`` and ``val/reward_best_of_n`` are the mean of every
+    sample's score and the mean of each prompt's best, as recomputed from the samples the run wrote."""
+    out = tmp_path / "val_n"
+    run_checked(_train(out, "trainer.total_steps=1", "trainer.test_freq=1", "rollout.val_n=4",
+                       "rollout.val_temperature=1.0", "data.max_val_samples=20", "trainer.validation_data_dir=val"),
+                timeout=300)
+    vals = [r for r in _rows(out) if "val/reward_mean" in r]
+    assert len(vals) == 2
+    for row, step in zip(vals, (0, 1)):
+        samples = [json.loads(line) for line in (out / "val" / f"step_{step:08d}_rank0.jsonl").read_text().splitlines()]
+        by_prompt: dict[int, list[float]] = {}
+        for s in samples:
+            by_prompt.setdefault(s["index"], []).append(s["score"])
+        assert len(samples) == 80 and sorted(len(v) for v in by_prompt.values()) == [4] * 20
+        assert row["val/reward_mean"] == pytest.approx(sum(s["score"] for s in samples) / 80, abs=1e-5)
+        assert row["val/reward_best_of_n"] == pytest.approx(sum(max(v) for v in by_prompt.values()) / 20, abs=1e-5)
+        assert row["val/reward_best_of_n"] > row["val/reward_mean"]
 
 
 @pytest.mark.slow

@@ -108,3 +108,9 @@ def test_validation_data_dir_writes_every_sample_per_step(tmp_path):
     assert cut == pytest.approx(out["val/clipped_reward_mean"])
     # the prompt as the chat template wrote it ("user\n4\nassistant\n"), and the successor task's truth for its digit
     assert all(r["ground_truth"] == str((int(r["prompt"].split("\n")[1]) + 1) % 10) for r in rows)
+
+
+def test_several_validation_samples_need_a_temperature():
+    with pytest.raises(ConfigError, match="rollout.val_temperature"):
+        load_config(str(RECIPE), ["rollout.val_n=4"]).validate(1)
+    load_config(str(RECIPE), ["rollout.val_n=4", "rollout.val_temperature=0.6"]).validate(1)
