@@ -29,40 +29,42 @@ from hybrid_rl.workers.offload import HostMirror
 KEY = "reward.model.path"
 
 
+def _from_pretrained(load, path: str, key: str, want: str):
+    """``load(local path)`` of ``path`` (a built-in is built first) after the checks that name ``key``; ``want`` is
+    ``"model"`` or ``"tokenizer"``."""
+    path = resolve_model_path(path)
+    check_local_path(path, key)
+    check_model_dir(path, key, want, TINY_RM)
+    try:
+        return load(path)
+    except OSError as e:
+        raise ModelLoadError(f"{key}: cannot load a {want} from {path!r} ({str(e).splitlines()[0]})") from e
+
+
 def load_reward_model(cfg: RewardModelConfig, dtype: torch.dtype):
     """(model in eval mode on the CPU, tokenizer) for ``cfg``; ``ModelLoadError`` naming the key otherwise."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-    path = resolve_model_path(cfg.path)
-    check_local_path(path, KEY)
-    check_model_dir(path, KEY, "model", TINY_RM)
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-    except OSError as e:
-        raise ModelLoadError(f"{KEY}: cannot load a model from {path!r} ({str(e).splitlines()[0]})") from e
+    remote = cfg.trust_remote_code
+    config = _from_pretrained(lambda p: AutoConfig.from_pretrained(p, trust_remote_code=remote), cfg.path, KEY, "model")
     kinds = [a for a in getattr(config, "architectures", None) or [] if not a.endswith("ForSequenceClassification")]
     if kinds:
         raise ModelLoadError(f"{KEY}={cfg.path!r} is a {kinds[0]}, not a reward model; point it at a "
                              f"sequence-classification checkpoint of one output (e.g. a *ForSequenceClassification "
-                             f"reward model, or builtin:tiny-qwen2-rm to try it)")
+                             f"reward model, or builtin:{TINY_RM} to try it)")
     if getattr(config, "num_labels", None) != 1:
         raise ModelLoadError(f"{KEY}={cfg.path!r} has {getattr(config, 'num_labels', None)} outputs "
                              f"(config.num_labels); a reward model gives one score: use a sequence-classification "
                              f"checkpoint with num_labels=1")
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype,
-                                                                   trust_remote_code=cfg.trust_remote_code)
+        model = AutoModelForSequenceClassification.from_pretrained(resolve_model_path(cfg.path), dtype=dtype,
+                                                                   trust_remote_code=remote)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{KEY}={cfg.path!r}: cannot load it as a sequence classifier "
                              f"({str(e).splitlines()[0]}); use an AutoModelForSequenceClassification checkpoint") from e
     tok_key = "reward.model.tokenizer_path" if cfg.tokenizer_path else KEY
-    tok_path = resolve_model_path(cfg.tokenizer_path) if cfg.tokenizer_path else path
-    check_local_path(tok_path, tok_key)
-    check_model_dir(tok_path, tok_key, "tokenizer", TINY_RM)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(tok_path, trust_remote_code=cfg.trust_remote_code)
-    except OSError as e:
-        raise ModelLoadError(f"{tok_key}: cannot load a tokenizer from {tok_path!r} ({str(e).splitlines()[0]})") from e
+    tokenizer = _from_pretrained(lambda p: AutoTokenizer.from_pretrained(p, trust_remote_code=remote),
+                                 cfg.tokenizer_path or cfg.path, tok_key, "tokenizer")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if model.config.pad_token_id is None:  # where transformers finds each row's last token
