@@ -230,6 +230,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           "with --gpu-memory-gb G")
     all_phases, verdict = judge(cfg, read_shape(cfg.model.path), gpus, gib * GIB)
     print(table(all_phases, verdict, f"{args.recipe}: {cfg.model.path} on {gpus} x {name} ({gib:.1f} GiB)"))
+    if cfg.reward.model.path and not any(p.name == "reward model" for p in all_phases):
+        print(f"not counted: the reward model {cfg.reward.model.path!r}, whose config.json is not here (download it "
+              f"first to plan with it)")
     return 0 if verdict.fits else 1
 
 

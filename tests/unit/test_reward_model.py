@@ -147,3 +147,15 @@ def test_the_planner_has_a_reward_model_phase():
     assert terms["reward model activations (400 tokens)"] > 0
     assert "reward model" not in {p.name for p in phases(load_config(str(ROOT / "recipes" / "cpu_successor.yaml")),
                                                          read_shape(cfg.model.path), 1, 80 * 2**30)}
+
+
+def test_plan_says_when_a_reward_model_is_not_counted(capsys, tmp_path):
+    from hybrid_rl.__main__ import main
+
+    recipe = str(ROOT / "recipes" / "cpu_reward_model.yaml")
+    assert main(["plan", recipe, "--gpus", "1", "--gpu", "H100"]) == 0
+    out = capsys.readouterr().out
+    assert "\nreward model " in out and "not counted" not in out  # the phase's row
+    assert main(["plan", recipe, f"reward.model.path={tmp_path / 'elsewhere'}", "--gpus", "1", "--gpu", "H100"]) == 0
+    out = capsys.readouterr().out
+    assert "\nreward model " not in out and "not counted: the reward model" in out
