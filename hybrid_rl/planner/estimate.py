@@ -40,8 +40,9 @@ group of ``s`` ranks one share of the batch (``W / s`` shares) and each rank ``1
 and the reference's passes: their activations and LM-head rows are those of ``T / s`` tokens, except that attention
 holds every position of its ``1/s`` of the heads, key/value heads repeated up to ``s`` (the ``4kv`` term becomes
 ``4 · head_dim · max(kv_heads, s)``); a packing critic (``critic.use_remove_padding``) cuts its rows the same way,
-one that pads runs the group's rows whole. A reward model (``reward.model``) is a phase of its own: the state kept between passes, its weights whole (each
-scoring rank holds a copy) and one micro-batch's no-grad temporaries at its ``max_length``. The engine takes
+one that pads runs the group's rows whole. A reward model (``reward.model``) is a phase of its own: the state kept
+between passes, its weights whole (each scoring rank holds a copy) and one micro-batch's no-grad temporaries at its
+``max_length``. The engine takes
 ``rollout.vllm.gpu_memory_utilization × GPU memory`` (weights and KV cache); a sleeping engine (sync mode) holds
 nothing, and the push wakes its weights alone: ``P × 2 / rollout.vllm.tensor_parallel_size``. Not modelled: the
 caching allocator's fragmentation (reserved above allocated: ``trainer.expandable_segments``), NCCL's buffers and the

@@ -9,8 +9,8 @@ function plus one ``register_reward("name")``), and ``module:function`` (or
 calls past ``reward.timeout_s`` are turned into a one-line error naming the sample, or into counted zeros when
 ``reward.on_error=zero``, and where a long call is reported while it runs. The built-ins (microseconds per sample)
 are scored in this process unless ``reward.num_workers`` asks for workers: a pool round trip would cost more than
-the scoring. Left out: model-based rewards, batched reward calls, and extra per-sample metadata beyond the
-ground truth (verl's ``extra_info``).
+the scoring. A reward model's score is ``rewards/model.py``'s, added beside this. Left out: batched reward calls,
+and extra per-sample metadata beyond the ground truth (verl's ``extra_info``).
 """
 
 from __future__ import annotations
