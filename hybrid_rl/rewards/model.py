@@ -24,6 +24,7 @@ import torch
 
 from hybrid_rl.config import RewardModelConfig
 from hybrid_rl.models import TINY_RM, ModelLoadError, check_local_path, check_model_dir, resolve_dtype, resolve_model_path
+from hybrid_rl.rollout.base import pad_rows
 from hybrid_rl.workers.offload import HostMirror
 
 KEY = "reward.model.path"
@@ -125,12 +126,9 @@ class RewardModel:
             mb = self.cfg.micro_batch_size
             for s in range(0, len(order), mb):
                 rows = order[s:s + mb]
-                width = max(len(ids[i]) for i in rows)
-                x = torch.full((len(rows), width), pad, dtype=torch.long)
-                mask = torch.zeros((len(rows), width), dtype=torch.long)
-                for j, i in enumerate(rows):
-                    x[j, :len(ids[i])] = torch.tensor(ids[i])
-                    mask[j, :len(ids[i])] = 1
+                x, _ = pad_rows([ids[i] for i in rows], None, pad)  # [b, W], right-padded
+                lengths = torch.tensor([len(ids[i]) for i in rows])
+                mask = (torch.arange(x.shape[1])[None, :] < lengths[:, None]).long()
                 logits = self.model(input_ids=x.to(self.device), attention_mask=mask.to(self.device)).logits
                 scores[rows] = logits[:, 0].float().cpu()
         finally:
