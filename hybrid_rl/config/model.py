@@ -56,10 +56,12 @@ class DataConfig:
     """A local .jsonl/.parquet file, a ``datasets`` hub name (e.g. ``openai/gsm8k``), or ``synthetic:<task>``."""
     val_path: Optional[str] = harmless(None)
     """Validation prompts, same forms as ``train_path``; none skips validation."""
-    task: Literal["gsm8k", "successor", "arith", "lookup", "mul3", "chat"] = "successor"
+    task: Literal["gsm8k", "successor", "arith", "lookup", "mul3", "math", "chat"] = "successor"
     """How rows become chat prompts and ground truths (``arith``: arithmetic with a held-out test set; ``lookup``:
-    a digit only a tool reveals; ``mul3``: three-digit products with a held-out test set; ``chat``: prompts alone,
-    ``messages`` or ``prompt`` per row, for a reward model)."""
+    a digit only a tool reveals; ``mul3``: three-digit products with a held-out test set; ``math``: ``problem`` and
+    ``answer`` (or a ``solution`` with a ``\\boxed{}`` answer), LaTeX answers; ``chat``: prompts alone, ``messages``
+    or ``prompt`` per row, for a reward model). ``gsm8k``, ``math`` and ``chat`` also read verl's parquet rows
+    (``prompt``, ``reward_model.ground_truth``, ``data_source``, ``extra_info``) as they are."""
     hub_config: Optional[str] = None
     """``datasets`` config name for hub datasets (``main`` for openai/gsm8k)."""
     train_split: str = "train"

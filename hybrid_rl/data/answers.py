@@ -14,6 +14,9 @@ thousands separators ``1,234`` allowed; a trailing period is punctuation), and o
 is no answer). ``strict`` accepts only a response that is the number and nothing else (surrounding whitespace and
 one trailing period allowed): the form the prompt asks for. Left out: spelled-out numbers ("eighty-two"),
 fractions and units.
+
+Competition math, ``last_boxed``: the LaTeX inside the response's last ``\\boxed{}``, compared with the ground truth
+by ``hybrid_rl.rewards.math``.
 """
 
 from __future__ import annotations
@@ -72,7 +75,9 @@ def _clean(number: str) -> str:
     return "-" + digits if negative else digits
 
 
-def _last_boxed(text: str) -> Optional[str]:
+def last_boxed(text: str) -> Optional[str]:
+    """The LaTeX inside the last ``\\boxed{...}`` (or ``\\fbox{...}``) of ``text``, braces balanced, stripped;
+    None when there is none or it is not closed (a response cut off inside the box)."""
     starts = [m.end() for m in _BOXED_RE.finditer(text)]
     if not starts:
         return None
@@ -82,8 +87,14 @@ def _last_boxed(text: str) -> Optional[str]:
         depth += {"{": 1, "}": -1}.get(text[i], 0)
         i += 1
     if depth:
-        return None  # unbalanced: the response was cut off inside the box
-    content = text[start:i - 1]
+        return None
+    return text[start:i - 1].strip()
+
+
+def _last_boxed(text: str) -> Optional[str]:
+    content = last_boxed(text)
+    if content is None:
+        return None
     for pattern, repl in _LATEX_NOISE:
         content = pattern.sub(repl, content)
     content = content.replace("\u2212", "-").strip()

@@ -24,8 +24,8 @@ TRUNCATION_MODES = ("error", "filter", "left", "right")
 
 
 class PromptDataset:
-    """Tokenized prompts of one split; ``__getitem__`` gives ``input_ids``, ``ground_truth``, ``data_source``, ``index``
-    (with ``keep_messages``, for multi-turn rollouts, also ``messages`` and the task's ``env_info`` as JSON text).
+    """Tokenized prompts of one split; ``__getitem__`` gives ``input_ids``, ``ground_truth``, ``data_source``, ``index``,
+    ``extra_info`` (the row's, as JSON text, for reward functions that take it) (with ``keep_messages``, for multi-turn rollouts, also ``messages`` and the task's ``env_info`` as JSON text).
     ``template_kwargs`` go to the chat template (an environment's ``tools=``).
 
     ``index`` is the row's position in ``rows`` (stable across filtering), so
@@ -55,7 +55,7 @@ class PromptDataset:
         self._items: list[dict[str, Any]] = []
         for i, row in enumerate(rows):
             try:
-                formatted = spec.format_row(row, i + 1)
+                formatted = spec.format(row, i + 1)
             except DataError as e:
                 raise DataError(f"{source}: {e}") from None
             messages = list(formatted["messages"])
@@ -73,7 +73,8 @@ class PromptDataset:
                 ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
                 self.num_truncated += 1
             item = {"input_ids": ids, "ground_truth": str(formatted["ground_truth"]),
-                    "data_source": str(formatted["data_source"]), "index": i}
+                    "data_source": str(formatted["data_source"]), "index": i,
+                    "extra_info": json.dumps(formatted.get("extra_info", {}), default=str)}
             if keep_messages:  # for environments: the conversation as text, and what the task keeps for them
                 item["messages"] = json.dumps(messages)
                 item["env_info"] = json.dumps(formatted.get("env_info", {}))
@@ -125,6 +126,7 @@ def collate_prompts(items: list[dict[str, Any]], pad_token_id: int) -> Batch:
     non_tensors = {
         "ground_truth": _object_array([it["ground_truth"] for it in items]),
         "data_source": _object_array([it["data_source"] for it in items]),
+        "extra_info": _object_array([it.get("extra_info", "{}") for it in items]),
         "index": np.asarray([it["index"] for it in items], dtype=np.int64),
     }
     if "messages" in items[0]:  # multi-turn rollouts (PromptDataset(keep_messages=True)): JSON text per row

@@ -7,19 +7,23 @@ reward function that fits it by default, and for multi-turn rollouts what an
 environment may read of the row beside the prompt (``env_info``: the ``lookup``
 task's hidden character). Synthetic tasks also generate their own rows, so a CPU smoke
 run needs no data file at all. This module also defines ``DataError`` because it is
-the lowest layer of ``hybrid_rl.data``; the other modules import it from here. Left
-out: multi-turn prompts, images, and per-row reward-model style metadata beyond
-``env_info`` (``extra_info`` in verl).
+the lowest layer of ``hybrid_rl.data``; the other modules import it from here.
+
+The ``gsm8k``, ``math`` and ``chat`` tasks also read rows as verl's data preparation writes them (``prompt``: the
+messages, ``reward_model.ground_truth``, ``data_source``, ``extra_info``), as they are: the prompt is not changed,
+each row keeps its own ``data_source`` (validation reports each), and its ``extra_info`` goes to a reward function
+that takes it (and to a multi-turn environment). Left out: images.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
 
 from . import mul3
-from .answers import extract_answer, extract_integer
+from .answers import extract_answer, extract_integer, last_boxed
 from .arith import ArithConfig, held_out_rows, training_rows
 
 
@@ -37,6 +41,14 @@ class Task:
     name: str = ""
     default_reward: str = ""
     synthetic: bool = False
+    reads_verl_rows: bool = False
+    """Whether a row in verl's layout (``is_verl_row``) is taken as it is (``verl_row``)."""
+
+    def format(self, row: dict[str, Any], row_id: int) -> dict[str, Any]:
+        """``format_row``'s result for a row of this task's own layout, or ``verl_row``'s for a verl row."""
+        if self.reads_verl_rows and is_verl_row(row):
+            return verl_row(row, row_id, self.name)
+        return self.format_row(row, row_id)
 
     def format_row(self, row: dict[str, Any], row_id: int) -> dict[str, Any]:
         """``{"messages": [...], "ground_truth": str, "data_source": name}`` for one row, optionally with
@@ -77,6 +89,7 @@ class Gsm8kTask(Task):
 
     name = "gsm8k"
     default_reward = "gsm8k"
+    reads_verl_rows = True
 
     def answer_stats(self, responses: list[str]) -> dict[str, float]:
         """``format_strict``: responses with the ``#### <number>`` line the prompt asks for; ``answer_found``: responses
@@ -250,6 +263,43 @@ class Mul3Task(Task):
         return mul3.held_out_rows()
 
 
+# verl's MATH instruction, so scores are comparable with verl's examples.
+MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+
+
+class MathTask(Task):
+    """Competition math with LaTeX answers (MATH, MATH-500, AIME, DAPO-Math): ``problem`` (or ``question``) → the
+    problem and verl's instruction to put the final answer in ``\\boxed{}``; ground truth: ``answer``, or the last
+    ``\\boxed{}`` of ``solution`` (Hendrycks MATH). A row's ``data_source`` field, where it has one, names its
+    source (validation reports each). The reward (``rewards/math.py``) compares answers mathematically."""
+
+    name = "math"
+    default_reward = "math"
+    reads_verl_rows = True
+
+    def answer_stats(self, responses: list[str]) -> dict[str, float]:
+        """``boxed_found``: responses with a closed ``\\boxed{}`` (the form the prompt asks for)."""
+        return {"boxed_found": float(sum(last_boxed(r) is not None for r in responses))}
+
+    def format_row(self, row: dict[str, Any], row_id: int) -> dict[str, Any]:
+        problem = self._field(row, "problem" if "problem" in row or "question" not in row else "question", row_id)
+        if not isinstance(problem, str) or not problem.strip():
+            raise DataError(f"row {row_id}: math 'problem' must be a non-empty text, got {_short(repr(problem))!r}; "
+                            f"fix the data")
+        if row.get("answer") is not None:
+            truth = str(row["answer"]).strip()
+        else:
+            solution = self._field(row, "solution" if "solution" in row else "answer", row_id)
+            truth = last_boxed(str(solution))
+            if truth is None:
+                raise DataError(f"row {row_id}: math 'solution' has no \\boxed{{}} answer ({_short(str(solution))!r}) "
+                                f"and the row has no 'answer'; add the final answer as 'answer'")
+        if not truth:
+            raise DataError(f"row {row_id}: math 'answer' is empty; fix the data")
+        return {"messages": [{"role": "user", "content": f"{problem} {MATH_INSTRUCTION}"}], "ground_truth": truth,
+                "data_source": _source(row, self.name), **_extra(row, row_id)}
+
+
 class ChatTask(Task):
     """Prompts alone, for a reward model (``reward.model.path``) or a reward function that needs no answer: a row's
     ``messages`` (a list of ``{"role", "content"}``, the conversation so far) or ``prompt`` (a text, one user turn; or
@@ -258,6 +308,7 @@ class ChatTask(Task):
 
     name = "chat"
     default_reward = "none"
+    reads_verl_rows = True
 
     def format_row(self, row: dict[str, Any], row_id: int) -> dict[str, Any]:
         if not isinstance(row, dict):
@@ -273,11 +324,51 @@ class ChatTask(Task):
                             f"{{'role': ..., 'content': <text>}} messages, got {_short(repr(raw))!r}; fix the data")
         truth = row.get("ground_truth")
         return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages],
-                "ground_truth": "" if truth is None else str(truth), "data_source": self.name}
+                "ground_truth": "" if truth is None else str(truth), "data_source": _source(row, self.name),
+                **_extra(row, row_id)}
+
+
+def is_verl_row(row: Any) -> bool:
+    """A row as verl's data preparation writes it: ``prompt`` a list of messages and ``reward_model`` a mapping."""
+    return isinstance(row, dict) and isinstance(row.get("prompt"), list) and isinstance(row.get("reward_model"), dict)
+
+
+def verl_row(row: dict[str, Any], row_id: int, task: str) -> dict[str, Any]:
+    """A verl row as it is: its messages, ``reward_model.ground_truth`` (text; a list or mapping as JSON), its
+    ``data_source`` (else the task's name) and ``extra_info``."""
+    messages = row["prompt"]
+    if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                               and isinstance(m.get("content"), str) for m in messages):
+        raise DataError(f"row {row_id}: 'prompt' must be a non-empty list of {{'role': ..., 'content': <text>}} "
+                        f"messages, got {_short(repr(messages))!r}; fix the data")
+    truth = row["reward_model"].get("ground_truth")
+    if truth is None:
+        raise DataError(f"row {row_id}: 'reward_model' has no 'ground_truth' (its keys: "
+                        f"{sorted(row['reward_model'])}); fix the data")
+    text = truth if isinstance(truth, str) else json.dumps(truth, default=str)
+    return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages], "ground_truth": text,
+            "data_source": _source(row, task), **_extra(row, row_id)}
+
+
+def _source(row: dict[str, Any], default: str) -> str:
+    source = row.get("data_source")
+    return source if isinstance(source, str) and source else default
+
+
+def _extra(row: dict[str, Any], row_id: int) -> dict[str, Any]:
+    """``{"extra_info": ...}`` for a row with an ``extra_info`` mapping (also what a multi-turn environment reads as
+    its ``env_info``), else nothing."""
+    extra = row.get("extra_info")
+    if extra is None:
+        return {}
+    if not isinstance(extra, dict):
+        raise DataError(f"row {row_id}: 'extra_info' must be a mapping of fields, got {type(extra).__name__}; "
+                        f"fix the data")
+    return {"extra_info": extra, "env_info": extra}
 
 
 TASKS: dict[str, Task] = {t.name: t for t in (Gsm8kTask(), SuccessorTask(), ArithTask(), LookupTask(), Mul3Task(),
-                                              ChatTask())}
+                                              MathTask(), ChatTask())}
 
 
 def get_task(name: str) -> Task:

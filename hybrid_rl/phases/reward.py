@@ -103,6 +103,15 @@ def model_scores(batch: Batch, tokenizer, texts: list[str], reward_model: Reward
     return scores, {f"{prefix}/model_mean": (float(scores.sum()), n), f"{prefix}/model_truncated": (float(cut), n)}
 
 
+def sample_infos(batch: Batch) -> list[tuple[str, str]]:
+    """Each sample's ``(data_source, extra_info JSON)``, what a reward function that names them is passed."""
+    nt = batch.non_tensors
+    n = len(nt["ground_truth"])
+    sources = nt["data_source"] if "data_source" in nt else [""] * n
+    extras = nt["extra_info"] if "extra_info" in nt else ["{}"] * n
+    return [(str(s), str(e)) for s, e in zip(sources, extras)]
+
+
 def compute_scores(batch: Batch, tokenizer, fn: RewardScorer | Callable[[str, str], float],
                    on_error: str, task: Task | None = None, prefix: str = "reward",
                    reward_model: RewardModel | None = None) -> tuple[Batch, dict[str, tuple[float, float]]]:
@@ -111,10 +120,11 @@ def compute_scores(batch: Batch, tokenizer, fn: RewardScorer | Callable[[str, st
     model's (``model_scores``) and the ``task``'s answer shape counts as ``<prefix>/<name>``."""
     texts = decode_responses(batch, tokenizer)
     truths = list(batch.non_tensors["ground_truth"])
+    infos = sample_infos(batch)
     if isinstance(fn, RewardScorer):
-        scores, num_errors = fn.score(texts, truths, on_error)
+        scores, num_errors = fn.score(texts, truths, on_error, infos)
     else:
-        scores, num_errors = score_responses(fn, texts, truths, on_error)
+        scores, num_errors = score_responses(fn, texts, truths, on_error, infos=infos)
     score_t = torch.tensor(scores, dtype=torch.float32)
     stats = {f"{prefix}/errors": (float(num_errors), 1.0)}
     if reward_model is not None:

@@ -1,7 +1,7 @@
 """Worker processes for user reward functions: a slow one runs in parallel, a hung call is abandoned.
 
 ``RewardPool`` keeps ``reward.num_workers`` processes for the run. The parent sends each idle worker a chunk of
-(index, response, ground truth) and the worker sends back one result per call as it finishes, so the parent
+(index, response, ground truth, sample info) and the worker sends back one result per call as it finishes, so the parent
 knows when each call started and which sample a worker is on. A call running past ``reward.timeout_s`` is
 abandoned: its worker is killed (SIGKILL; workers hold no state), the sample fails, the rest of that worker's
 chunk goes back in the queue, and a fresh worker takes its place. Results are placed by index, so scores and
@@ -121,10 +121,12 @@ class RewardPool:
         self._start()
 
     def score(self, responses: list[str], truths: list[str], timeout_s: float, on_failure: Callable[[PoolFailure], None],
-              on_stall: Callable[[int, float, int, int], None], stall_s: float) -> list[float]:
+              on_stall: Callable[[int, float, int, int], None], stall_s: float,
+              infos: list[tuple] | None = None) -> list[float]:
         """Scores by index. A failed sample (exception, non-number, timeout, dead worker) goes to ``on_failure``,
         which raises (the pool is then stopped) or returns (the sample scores 0). ``on_stall(index, seconds, done,
-        total)`` is called every ``stall_s`` seconds that one call keeps running."""
+        total)`` is called every ``stall_s`` seconds that one call keeps running. ``infos``: each sample's
+        ``(data_source, extra_info JSON)`` (``call.call_reward``)."""
         n = len(responses)
         scores = [0.0] * n
         if n == 0:
@@ -140,7 +142,8 @@ class RewardPool:
                 for w in self._workers:
                     if w.ready and not w.items and pending:
                         ids = [pending.popleft() for _ in range(min(chunk, len(pending)))]
-                        w.conn.send([(i, responses[i], truths[i]) for i in ids])
+                        w.conn.send([(i, responses[i], truths[i], infos[i] if infos is not None else None)
+                                     for i in ids])
                         w.items.extend(ids)
                         w.started, w.warned = now, 0
                 wake = [now + 1.0]

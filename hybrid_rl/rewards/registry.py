@@ -1,6 +1,7 @@
 """Resolve ``reward.function`` to a callable and score a batch of responses with it.
 
-A reward function is any ``fn(response: str, ground_truth: str) -> float``.
+A reward function is any ``fn(response: str, ground_truth: str) -> float`` (or verl's ``compute_score(data_source,
+solution_str, ground_truth, extra_info)``).
 ``get_reward_fn`` maps ``auto`` to the task's own reward, a built-in name to
 the function registered under it in ``BUILTIN_REWARDS`` (a new built-in is one
 function plus one ``register_reward("name")``), and ``module:function`` (or
@@ -9,8 +10,9 @@ function plus one ``register_reward("name")``), and ``module:function`` (or
 calls past ``reward.timeout_s`` are turned into a one-line error naming the sample, or into counted zeros when
 ``reward.on_error=zero``, and where a long call is reported while it runs. The built-ins (microseconds per sample)
 are scored in this process unless ``reward.num_workers`` asks for workers: a pool round trip would cost more than
-the scoring. A reward model's score is ``rewards/model.py``'s, added beside this. Left out: batched reward calls,
-and extra per-sample metadata beyond the ground truth (verl's ``extra_info``).
+the scoring (except ``POOLED_BUILTINS``: ``math``, milliseconds of SymPy per sample). A sample's ``data_source`` and
+``extra_info`` reach a function that names them, and a verl reward function runs unchanged (``call.py``). A reward
+model's score is ``rewards/model.py``'s, added beside this. Left out: batched reward calls.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from ..data.tasks import TASKS
 from ..pyfile import exec_file_module
 from ..registry import Registry
 from . import arith, gsm8k, successor
-from .call import score_one
+from . import math as math_reward
+from .call import SampleInfo, call_style, score_one
 from .pool import PoolFailure, RewardPool, WorkerInitError, worker_count
 
 RewardFn = Callable[[str, str], float]
@@ -55,6 +58,13 @@ register_reward("gsm8k", gsm8k.compute_score)
 register_reward("successor", successor.compute_score)
 register_reward("arith", arith.compute_score)
 register_reward("arith_strict", arith.compute_score_strict)
+register_reward("math", math_reward.compute_score)
+
+POOLED_BUILTINS = frozenset({"math"})
+"""Built-ins slow enough (milliseconds per sample: SymPy) to run in reward worker processes under
+``reward.num_workers=-1``, where a call can be abandoned at ``reward.timeout_s``."""
+NEEDS = {"math": ("math_verify", "math-verify", "math")}
+"""Built-ins that need an optional package: (module, PyPI name, this package's extra)."""
 
 
 def no_reward(response: str, ground_truth: str) -> float:
@@ -68,12 +78,14 @@ register_reward("none", no_reward)
 
 def get_reward_fn(name: str, task: str) -> RewardFn:
     """The reward callable for ``reward.function=name`` under ``data.task=task``."""
+    requested = name
     if name == "auto":
         if task not in TASKS:
             raise RewardError(f"reward.function=auto uses the task's own reward, but data.task={task!r} is not a known task; "
                               f"use one of {sorted(TASKS)} or set reward.function")
         name = TASKS[task].default_reward
     if name in BUILTIN_REWARDS:
+        _check_needs(name, requested, task)
         fn = BUILTIN_REWARDS[name]
         check_signature(fn, name)
         return fn
@@ -92,20 +104,50 @@ def get_reward_fn(name: str, task: str) -> RewardFn:
     return fn
 
 
+def resolve_name(name: str, task: str) -> str:
+    """``reward.function`` with ``auto`` replaced by the task's own reward's name."""
+    if name == "auto" and task in TASKS:
+        return TASKS[task].default_reward
+    return name
+
+
+def _check_needs(name: str, requested: str, task: str) -> None:
+    if name not in NEEDS:
+        return
+    import importlib.util
+
+    module, dist, extra = NEEDS[name]
+    if importlib.util.find_spec(module) is None:
+        raise RewardError(f"{reward_label(requested, task)} needs the {dist} package, which is not "
+                          f"installed; install it with pip install -e '.[{extra}]' (or pip install {dist})")
+
+
 def check_signature(fn: Any, name: str) -> None:
-    """``fn`` can be called the way every sample is scored, ``fn(response, ground_truth)`` (``call.score_one``);
-    RewardError naming ``reward.function=name`` otherwise. A callable whose signature cannot be read passes."""
+    """``fn`` can be called the way every sample is scored (``call.call_reward``): ``fn(response, ground_truth)``
+    (with ``data_source``/``extra_info`` by keyword where it names them), or verl's keywords for a function with a
+    ``solution_str`` parameter; RewardError naming ``reward.function=name`` otherwise. A callable whose signature
+    cannot be read passes."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # some C callables have none
         return
+    style, names = call_style(fn)
+    attr = name.rpartition(":")[2] or name
     try:
-        sig.bind("response", "ground_truth")
+        if style == "verl":
+            sig.bind(**{n: n for n in names})
+        else:
+            sig.bind("response", "ground_truth", **{n: n for n in names})
     except TypeError as e:
-        attr = name.rpartition(":")[2] or name
+        if style == "verl":
+            raise RewardError(f"reward.function={name!r}: {attr}{sig} takes solution_str, so it is called as verl "
+                              f"calls a reward function, by keyword with those of data_source, solution_str, "
+                              f"ground_truth and extra_info it names, and that fails ({e}); give every other "
+                              f"parameter a default") from None
         raise RewardError(f"reward.function={name!r}: {attr}{sig} cannot be called as {attr}(response, ground_truth) "
                           f"({e}), which is how every sample is scored; define it as def {attr}(response, "
-                          f"ground_truth) -> float (any further parameters need defaults)") from None
+                          f"ground_truth) -> float (any further parameters need defaults; data_source and extra_info "
+                          f"are passed by keyword to a function that names them)") from None
 
 
 def _import(module_name: str, name: str) -> Any:
@@ -136,16 +178,18 @@ STALL_S = 10.0
 
 
 def score_responses(fn: RewardFn, responses: list[str], ground_truths: list[str],
-                    on_error: str = "raise", who: str | None = None) -> tuple[list[float], int]:
+                    on_error: str = "raise", who: str | None = None,
+                    infos: list[SampleInfo] | None = None) -> tuple[list[float], int]:
     """Scores for every (response, ground truth) pair and the number of failed samples scored 0, in this process.
-    ``who`` names the function in messages (``RewardScorer.who``; default: its module and name).
+    ``who`` names the function in messages (``RewardScorer.who``; default: its module and name); ``infos``: each
+    sample's ``(data_source, extra_info JSON)`` for a function that takes them (``call.call_reward``).
 
     A failure is an exception from ``fn``, a return value that is not a number
     (a mapping with a ``"score"`` key, as verl reward functions may return, is
     accepted), or a NaN/inf score. A call still running after ``STALL_S`` is
     reported on stderr; it cannot be abandoned here (``RewardScorer`` with workers can).
     """
-    _check_args(on_error, responses, ground_truths)
+    _check_args(on_error, responses, ground_truths, infos)
     who = who or describe_fn(fn)
     scores: list[float] = []
     num_failed = 0
@@ -154,7 +198,7 @@ def score_responses(fn: RewardFn, responses: list[str], ground_truths: list[str]
         for i, (response, truth) in enumerate(zip(responses, ground_truths)):
             current[:] = [i, time.monotonic()]
             try:
-                score = score_one(fn, response, truth)
+                score = score_one(fn, response, truth, infos[i] if infos is not None else None)
             except Exception as e:
                 if on_error == "raise":
                     raise RewardError(_failed_message(who, i, f"{type(e).__name__}: {_first_line(e)}", response, truth)) from e
@@ -164,11 +208,14 @@ def score_responses(fn: RewardFn, responses: list[str], ground_truths: list[str]
     return scores, num_failed
 
 
-def _check_args(on_error: str, responses: list[str], ground_truths: list[str]) -> None:
+def _check_args(on_error: str, responses: list[str], ground_truths: list[str],
+                infos: list[SampleInfo] | None = None) -> None:
     if on_error not in ("raise", "zero"):
         raise RewardError(f"reward.on_error={on_error!r} must be 'raise' or 'zero'")
     if len(responses) != len(ground_truths):
         raise ValueError(f"score_responses got {len(responses)} responses but {len(ground_truths)} ground truths")
+    if infos is not None and len(infos) != len(responses):
+        raise ValueError(f"score_responses got {len(responses)} responses but {len(infos)} sample infos")
 
 
 def _failed_message(who: str, i: int, what: str, response: str, truth: str) -> str:
@@ -242,7 +289,8 @@ class RewardScorer:
         """How messages name the function: the key and the value the user wrote (``reward.function='f.py:score'``)."""
         self.on_error, self.timeout_s = on_error, timeout_s
         builtin = function == "auto" or function in BUILTIN_REWARDS
-        workers = worker_count(num_workers) if not (num_workers == -1 and builtin) else 0
+        in_process = builtin and resolve_name(function, task) not in POOLED_BUILTINS
+        workers = worker_count(num_workers) if not (num_workers == -1 and in_process) else 0
         self.pool: RewardPool | None = None
         self._lock = threading.Lock()  # one batch at a time through the pool
         if workers > 0:
@@ -267,12 +315,14 @@ class RewardScorer:
                               f"module level, or set reward.num_workers=0 to score in this process") from e
         return ("object", self.fn)
 
-    def score(self, responses: list[str], ground_truths: list[str], on_error: str | None = None) -> tuple[list[float], int]:
-        """Scores for every pair and the number of failed samples scored 0 (``reward.on_error=zero``)."""
+    def score(self, responses: list[str], ground_truths: list[str], on_error: str | None = None,
+              infos: list[SampleInfo] | None = None) -> tuple[list[float], int]:
+        """Scores for every pair and the number of failed samples scored 0 (``reward.on_error=zero``); ``infos``:
+        each sample's ``(data_source, extra_info JSON)``."""
         on_error = on_error or self.on_error
         if self.pool is None:
-            return score_responses(self.fn, responses, ground_truths, on_error, self.who)
-        _check_args(on_error, responses, ground_truths)
+            return score_responses(self.fn, responses, ground_truths, on_error, self.who, infos)
+        _check_args(on_error, responses, ground_truths, infos)
         failed = [0]
 
         def on_failure(f: PoolFailure) -> None:
@@ -289,7 +339,7 @@ class RewardScorer:
 
         with self._lock:
             try:
-                scores = self.pool.score(responses, ground_truths, self.timeout_s, on_failure, on_stall, STALL_S)
+                scores = self.pool.score(responses, ground_truths, self.timeout_s, on_failure, on_stall, STALL_S, infos)
             except WorkerInitError as e:
                 raise RewardError(f"{self.who} could not be loaded in a reward worker process "
                                   f"({e}); make it importable from a fresh Python (module level, on PYTHONPATH), or set "

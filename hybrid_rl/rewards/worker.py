@@ -39,8 +39,8 @@ def worker_main(conn, ref: FnRef) -> None:
             return
         if chunk is None:
             return
-        for idx, response, truth in chunk:
+        for idx, response, truth, info in chunk:
             try:
-                conn.send((idx, True, score_one(fn, response, truth)))
+                conn.send((idx, True, score_one(fn, response, truth, info)))
             except Exception as e:
                 conn.send((idx, False, describe_error(e)))

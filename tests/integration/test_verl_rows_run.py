@@ -1,0 +1,70 @@
+"""A run on data prepared for verl, scored by a reward function written for verl, end to end on CPU.
+
+The data file is a parquet of verl rows (``prompt`` messages, ``reward_model.ground_truth``, ``data_source``,
+``extra_info``) from two sources; the reward function is verl's ``compute_score(data_source, solution_str,
+ground_truth, extra_info)``, unchanged. It pays 1 for a row whose ``extra_info.index`` is even (every ``src_a``
+row) and 0 otherwise (every ``src_b`` row), whatever the response, so the validation figures per source are known
+in advance (1 and 0), and the sources' share of each training step's samples fixes ``reward/mean``. Every call it
+receives is written to a log, which must show each row's own ``data_source`` and ``extra_info``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT, run_checked
+
+REWARD = '''
+import json, os
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    with open(os.environ["VERL_REWARD_LOG"], "a") as f:
+        f.write(json.dumps({"data_source": data_source, "ground_truth": ground_truth, "extra_info": extra_info}) + "\\n")
+    return {"score": 1.0 if extra_info["index"] % 2 == 0 else 0.0, "acc": 0.0}
+'''
+
+
+def test_a_verl_dataset_and_reward_function_run_unchanged(tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"data_source": "src_a" if i % 2 == 0 else "src_b",
+             "prompt": [{"role": "user", "content": str(i % 10)}],
+             "ability": "digits", "reward_model": {"style": "rule", "ground_truth": str((i + 1) % 10)},
+             "extra_info": {"split": "train", "index": i}} for i in range(12)]
+    data = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    reward = tmp_path / "verl_reward.py"
+    reward.write_text(REWARD)
+    log = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("VERL_REWARD_LOG", str(log))
+    out = tmp_path / "run"
+    run_checked([sys.executable, "-m", "hybrid_rl", "train", str(ROOT / "recipes" / "cpu_successor.yaml"),
+                 f"trainer.output_dir={out}", "trainer.logger=[jsonl]", "trainer.save_freq=-1",
+                 "trainer.total_steps=2", "trainer.test_freq=2", "data.task=math", f"data.train_path={data}",
+                 f"data.val_path={data}", "data.train_batch_size=6", "rollout.n=2", "actor.ppo_mini_batch_size=6",
+                 "actor.ppo_micro_batch_size_per_device=12",
+                 f"reward.function={reward}:compute_score"], timeout=300)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    val = [m for m in metrics if "val/reward_mean" in m]
+    assert len(val) == 2
+    for m in val:  # 6 rows of each source: 1 and 0 by the function's rule, and their mean
+        assert m["val/reward_mean/src_a"] == 1.0 and m["val/reward_mean/src_b"] == 0.0
+        assert m["val/reward_mean"] == pytest.approx(0.5)
+    by_index = {r["extra_info"]["index"]: r for r in rows}
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(calls) == 2 * 12 + 2 * 6 * 2  # two validations of 12 rows, two steps of 6 prompts x 2 samples
+    for c in calls:
+        row = by_index[c["extra_info"]["index"]]
+        assert c == {"data_source": row["data_source"], "ground_truth": row["reward_model"]["ground_truth"],
+                     "extra_info": row["extra_info"]}
+    train = [m for m in metrics if "reward/mean" in m]
+    assert len(train) == 2
+    # the calls in order: validation before training, step 1, step 2, validation at step 2
+    for m, step_calls in zip(train, (calls[12:24], calls[24:36])):
+        share_a = sum(c["data_source"] == "src_a" for c in step_calls) / len(step_calls)
+        assert m["reward/mean"] == pytest.approx(share_a)
