@@ -217,11 +217,12 @@ def _check_data_path(path: str, key: str) -> None:
 
 # --------------------------------------------------------------------------- reward
 def check_reward(cfg: Config) -> None:
-    """``reward.function`` resolves (its module or file imports, the function exists) and can be called as
-    ``fn(response, ground_truth)``: caught here rather than at the first reward, after the model has loaded."""
-    from hybrid_rl.rewards import get_reward_fn
+    """``reward.function`` and each of ``reward.extra_functions`` resolve (module or file imports, the function
+    exists) and can be called as samples are scored: caught here rather than at the first reward, after the model
+    has loaded."""
+    from hybrid_rl.rewards.weighted import check_functions
 
-    get_reward_fn(cfg.reward.function, cfg.data.task)
+    check_functions(cfg.reward, cfg.data.task)
 
 
 # --------------------------------------------------------------------------- outputs

@@ -36,7 +36,7 @@ from hybrid_rl.phases.advantage import AdvantagePhase
 from hybrid_rl.phases.group_rows import gather_group_rows, own_rows
 from hybrid_rl.phases.old_log_prob import old_log_probs, plan_old_log_prob
 from hybrid_rl.phases.reward import RewardPhase
-from hybrid_rl.rewards import RewardScorer
+from hybrid_rl.rewards.weighted import WeightedRewards
 from hybrid_rl.rewards.model import RewardModel
 from hybrid_rl.runlock import take_run_lock
 from hybrid_rl.telemetry.gc_pauses import StepCollection
@@ -78,7 +78,7 @@ class Trainer:
         if cfg.env.name is not None:  # a template that cannot append observations fails here, in one line
             check_template(cfg, tokenizer, self.prompts.dataset[0]["messages"])
         val_set = load_val_set(cfg, tokenizer)  # None where no validation runs
-        self.reward_fn = RewardScorer.from_config(cfg.reward, cfg.data.task)  # user functions score in worker processes
+        self.reward_fn = WeightedRewards.from_config(cfg.reward, cfg.data.task)  # user functions score in worker processes
         self.task = TASKS.get(cfg.data.task)  # its answer-shape counts are logged beside the reward (None: unknown)
         # a reward model (reward.model.path), a copy per rank: loaded now, so that a bad path fails before any training
         self.reward_model = RewardModel(cfg.reward.model, dist.device) if cfg.reward.model.path else None

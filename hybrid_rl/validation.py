@@ -28,6 +28,7 @@ from hybrid_rl.envs.multiturn import env_prompt
 from hybrid_rl.telemetry.metrics import outcome_sums
 from hybrid_rl.phases.reward import compute_scores, sample_records
 from hybrid_rl.rewards import RewardScorer
+from hybrid_rl.rewards.weighted import WeightedRewards, function_labels
 from hybrid_rl.rewards.model import RewardModel
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ class Validator:
     """One run's validation set and how it is scored; ``step()`` names the step a validation belongs to."""
 
     def __init__(self, cfg: Config, val_set: PromptDataset, tokenizer, worker: ActorRolloutRefWorker,
-                 reward_fn: RewardScorer, task: Task | None, dist: DistInfo, step: Callable[[], int],
+                 reward_fn: WeightedRewards | RewardScorer, task: Task | None, dist: DistInfo, step: Callable[[], int],
                  reward_model: RewardModel | None = None):
         self.cfg, self.val_set, self.tokenizer, self.worker = cfg, val_set, tokenizer, worker
         self.reward_fn, self.task, self.dist, self.step = reward_fn, task, dist, step
@@ -85,6 +86,7 @@ class Validator:
         names = list(VAL_OUTCOMES)
         names += list(self.task.answer_stats([])) if self.task is not None else []
         names += ["model_mean", "model_truncated"] if self.reward_model is not None else []
+        names += [f"function/{label}" for label in function_labels(self.reward_fn)]
         sums = {f"val/{k}": 0.0 for k in names}
         count = 0.0
         # a validation set of several sources (arith's families) also reports each one's accuracy

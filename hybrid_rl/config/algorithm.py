@@ -168,7 +168,14 @@ class RewardModelConfig:
 @dataclass
 class RewardConfig:
     function: str = "auto"
-    """``auto`` (the task's own), a built-in name (``gsm8k``, ``successor``), or ``module:function``."""
+    """``auto`` (the task's own), a built-in name (``gsm8k``, ``math``, ``successor``, ``none``), or
+    ``module:function`` / ``path/to/file.py:function``."""
+    extra_functions: list[str] = field(default_factory=list)
+    """More reward functions (the same forms as ``function``), each scoring every sample; the reward is
+    ``function``'s score plus each one's times its ``extra_weights`` entry (e.g. a format reward beside the answer's).
+    Each function's mean is logged as ``reward/function/<name>``."""
+    extra_weights: list[float] = field(default_factory=list)
+    """One weight per ``extra_functions`` entry (empty: 1 each)."""
     on_error: Literal["raise", "zero"] = harmless("raise")
     """A raising reward function (or one past ``timeout_s``) stops the run (``raise``) or scores 0 and is counted
     (``zero``, metric ``reward/errors``)."""
@@ -176,8 +183,9 @@ class RewardConfig:
     """Seconds one reward call may run before it is abandoned and fails as ``on_error`` says (0 = no limit). Needs
     worker processes: with ``num_workers=0`` a long call is only reported."""
     num_workers: int = harmless(-1)
-    """Processes that score a batch: -1 = auto (min(8, CPUs per rank) for a ``module:function``, none for the
-    built-ins, which take microseconds), 0 = the training process, N = N processes. Scores are the same either way."""
+    """Processes that score a batch: -1 = auto (min(8, CPUs per rank) for a ``module:function`` and the ``math``
+    built-in, none for the other built-ins, which take microseconds), 0 = the training process, N = N processes.
+    Scores are the same either way."""
     overlong_buffer_len: int = 0
     """DAPO's soft overlong punishment on the training reward (verl ``overlong_buffer.len``): a response within this
     many tokens of ``data.max_response_length`` loses reward linearly, up to ``overlong_penalty_factor`` at the cap
@@ -190,6 +198,10 @@ class RewardConfig:
 
     def validate(self) -> None:
         self.model.validate()
+        if self.extra_weights and len(self.extra_weights) != len(self.extra_functions):
+            raise ConfigError(f"reward.extra_weights has {len(self.extra_weights)} entries for "
+                              f"{len(self.extra_functions)} reward.extra_functions; give one weight per function "
+                              f"(or none: 1 each)")
         if self.overlong_penalty_factor < 0:
             raise ConfigError(f"reward.overlong_penalty_factor={self.overlong_penalty_factor} must be >= 0 "
                               f"(the reward a response cut at the cap loses)")

@@ -28,6 +28,7 @@ from hybrid_rl.micro_batching import pad_widths
 from hybrid_rl.rewards import RewardScorer, score_responses
 from hybrid_rl.rewards.model import RewardModel, batch_messages
 from hybrid_rl.rewards.overlong import overlong_penalty
+from hybrid_rl.rewards.weighted import WeightedRewards
 from hybrid_rl.telemetry.tracking import Timer
 
 
@@ -112,21 +113,27 @@ def sample_infos(batch: Batch) -> list[tuple[str, str]]:
     return [(str(s), str(e)) for s, e in zip(sources, extras)]
 
 
-def compute_scores(batch: Batch, tokenizer, fn: RewardScorer | Callable[[str, str], float],
+def compute_scores(batch: Batch, tokenizer, fn: WeightedRewards | RewardScorer | Callable[[str, str], float],
                    on_error: str, task: Task | None = None, prefix: str = "reward",
                    reward_model: RewardModel | None = None) -> tuple[Batch, dict[str, tuple[float, float]]]:
-    """``fn``: the run's ``RewardScorer``, or a bare reward function (scored in this process); ``reward_model``: its
+    """``fn``: the run's reward functions (``WeightedRewards``: with several, each one's mean is a stat), one
+    ``RewardScorer``, or a bare reward function (scored in this process); ``reward_model``: its
     score times ``reward.model.weight`` added. The stats are ``(sum, count)`` pairs: the failed samples, the reward
     model's (``model_scores``) and the ``task``'s answer shape counts as ``<prefix>/<name>``."""
     texts = decode_responses(batch, tokenizer)
     truths = list(batch.non_tensors["ground_truth"])
     infos = sample_infos(batch)
-    if isinstance(fn, RewardScorer):
+    each: dict[str, list[float]] = {}
+    if isinstance(fn, WeightedRewards):
+        scores, num_errors, each = fn.score(texts, truths, on_error, infos)
+    elif isinstance(fn, RewardScorer):
         scores, num_errors = fn.score(texts, truths, on_error, infos)
     else:
         scores, num_errors = score_responses(fn, texts, truths, on_error, infos=infos)
     score_t = torch.tensor(scores, dtype=torch.float32)
     stats = {f"{prefix}/errors": (float(num_errors), 1.0)}
+    if len(each) > 1:  # several reward functions: each one's mean before its weight
+        stats.update({f"{prefix}/function/{name}": (float(sum(v)), float(len(v))) for name, v in each.items()})
     if reward_model is not None:
         rm, rm_stats = model_scores(batch, tokenizer, texts, reward_model, prefix)
         score_t = score_t + reward_model.cfg.weight * rm
@@ -224,7 +231,7 @@ class RewardPhase:
     """Scores a step's batch; ``tokenizer`` decodes the responses, ``reward_fn`` scores them, ``task`` (None: an
     unknown one) counts their answer shapes, ``dist`` is the training ranks' world (group filtering meets there)."""
 
-    def __init__(self, cfg: Config, tokenizer, reward_fn: RewardScorer, task: Task | None, dist: DistInfo,
+    def __init__(self, cfg: Config, tokenizer, reward_fn: WeightedRewards | RewardScorer, task: Task | None, dist: DistInfo,
                  reward_model: RewardModel | None = None):
         self.cfg, self.tokenizer, self.reward_fn, self.task, self.dist = cfg, tokenizer, reward_fn, task, dist
         self.reward_model = reward_model

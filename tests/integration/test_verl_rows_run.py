@@ -68,3 +68,32 @@ def test_a_verl_dataset_and_reward_function_run_unchanged(tmp_path, monkeypatch)
     for m, step_calls in zip(train, (calls[12:24], calls[24:36])):
         share_a = sum(c["data_source"] == "src_a" for c in step_calls) / len(step_calls)
         assert m["reward/mean"] == pytest.approx(share_a)
+
+
+def test_several_reward_functions_add_by_their_weights_and_are_logged_each(tmp_path):
+    """``reward.extra_functions`` beside the task's reward: ``reward/mean`` is the successor reward's mean plus 0.5
+    × the extra function's (a reward for a response that starts with an even digit), in training and validation, and each
+    function's own mean is logged under its name."""
+    extra = tmp_path / "shape.py"
+    extra.write_text("def even_digit(response, ground_truth):\n"
+                     "    return 1.0 if response[:1] in ('0', '2', '4', '6', '8') else 0.0\n")
+    out = tmp_path / "run"
+    run_checked([sys.executable, "-m", "hybrid_rl", "train", str(ROOT / "recipes" / "cpu_successor.yaml"),
+                 f"trainer.output_dir={out}", "trainer.logger=[jsonl]", "trainer.save_freq=-1",
+                 "trainer.total_steps=2", "trainer.test_freq=2", f"reward.extra_functions=[{extra}:even_digit]",
+                 "reward.extra_weights=[0.5]", "trainer.validation_data_dir=val"], timeout=300)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [m for m in metrics if "reward/mean" in m]
+    val = [m for m in metrics if "val/reward_mean" in m]
+    assert len(train) == 2 and len(val) == 2
+    for m in train:
+        assert m["reward/mean"] == pytest.approx(m["reward/function/successor"] + 0.5 * m["reward/function/even_digit"],
+                                                 abs=1e-6)
+        assert 0 < m["reward/function/even_digit"] < 1
+    for m, step in zip(val, (0, 2)):  # each function recomputed from the samples validation wrote
+        samples = [json.loads(line) for line in (out / "val" / f"step_{step:08d}_rank0.jsonl").read_text().splitlines()]
+        succ = [float(s["response"].strip() == s["ground_truth"]) for s in samples]
+        even = [float(s["response"][:1] in ("0", "2", "4", "6", "8")) for s in samples]
+        assert m["val/function/successor"] == pytest.approx(sum(succ) / len(samples), abs=1e-6)
+        assert m["val/function/even_digit"] == pytest.approx(sum(even) / len(samples), abs=1e-6)
+        assert m["val/reward_mean"] == pytest.approx((sum(succ) + 0.5 * sum(even)) / len(samples), abs=1e-6)
