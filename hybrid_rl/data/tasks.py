@@ -288,6 +288,9 @@ class MathTask(Task):
                             f"fix the data")
         if row.get("answer") is not None:
             truth = str(row["answer"]).strip()
+            if "\n####" in truth:
+                raise DataError(f"row {row_id}: math 'answer' is a GSM8K solution ending in '#### <number>' "
+                                f"({_short(truth)!r}); set data.task=gsm8k for GSM8K's rows")
         else:
             solution = self._field(row, "solution" if "solution" in row else "answer", row_id)
             truth = last_boxed(str(solution))

@@ -93,6 +93,7 @@ def test_math_rows_in_the_layouts_of_math_datasets():
     ({"problem": "Q?"}, "has no 'answer' field"),
     ({"problem": "", "answer": "1"}, "must be a non-empty text"),
     ({"problem": "Q?", "answer": "1", "extra_info": [1]}, "'extra_info' must be a mapping"),
+    ({"question": "Q?", "answer": "2 + 2 = 4\n#### 4"}, "set data.task=gsm8k for GSM8K's rows"),
 ])
 def test_bad_math_rows_are_one_line_errors(row, words):
     with pytest.raises(DataError) as ei:
