@@ -55,9 +55,3 @@ def _equivalent(truth: str, answer: str) -> bool:
     pred = parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout)
     return bool(pred) and bool(verify(gold, pred, timeout_seconds=timeout))
 
-
-def available() -> bool:
-    """Whether math-verify can be imported (``pip install -e '.[math]'``)."""
-    import importlib.util
-
-    return importlib.util.find_spec("math_verify") is not None
