@@ -191,9 +191,12 @@ def check_sequence_length(cfg: Config) -> None:
 # --------------------------------------------------------------------------- data
 def check_data(cfg: Config) -> None:
     d = cfg.data
-    _check_data_path(d.train_path, "data.train_path")
-    if d.val_path and validation_on(cfg):
-        _check_data_path(d.val_path, "data.val_path")
+    keys = ["train_path"] + (["val_path"] if d.val_path and validation_on(cfg) else [])
+    for key in keys:
+        value = getattr(d, key)
+        paths = value if isinstance(value, list) else [value]
+        for i, path in enumerate(paths):
+            _check_data_path(path, f"data.{key}" if len(paths) == 1 else f"data.{key}[{i}]")
 
 
 def _check_data_path(path: str, key: str) -> None:

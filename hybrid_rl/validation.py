@@ -19,12 +19,11 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from hybrid_rl.config import Config
-from hybrid_rl.data import PromptDataset, collate_prompts, load_rows
-from hybrid_rl.data.feed import keeps_messages
+from hybrid_rl.data import PromptDataset, collate_prompts
+from hybrid_rl.data.feed import read_prompts
 from hybrid_rl.data.tasks import Task
 from hybrid_rl.distributed import DistInfo, reduce_weighted_means
 from hybrid_rl.envs.metrics import add_pairs, env_metrics, zero_pairs
-from hybrid_rl.envs.multiturn import env_prompt
 from hybrid_rl.telemetry.metrics import outcome_sums
 from hybrid_rl.phases.reward import compute_scores, sample_records
 from hybrid_rl.rewards import RewardScorer
@@ -47,15 +46,8 @@ def load_val_set(cfg: Config, tokenizer) -> PromptDataset | None:
     d, t = cfg.data, cfg.trainer
     if not d.val_path or not (t.test_freq > 0 or t.val_before_train):
         return None
-    options = getattr(d, d.task, None)  # a synthetic task's own section (data.arith)
-    rows = load_rows(d.val_path, d.val_split, d.hub_config, d.task, max(d.num_synthetic // 4, 1), t.seed + 1,
-                     key="data.val_path", options=options, held_out=True)
-    if d.max_val_samples:
-        rows = rows[: d.max_val_samples]
-    system, chat_kwargs = env_prompt(cfg)  # an environment's tools reach the prompt (env.describe_tools)
-    return PromptDataset(rows, d.task, tokenizer, d.max_prompt_length, d.truncation, system,
-                         source=f"data.val_path={d.val_path!r}", template_kwargs=chat_kwargs,
-                         keep_messages=keeps_messages(cfg))
+    return read_prompts(cfg, tokenizer, "val_path", d.val_split, max(d.num_synthetic // 4, 1), t.seed + 1,
+                        held_out=True, cap=d.max_val_samples)
 
 
 class Validator:

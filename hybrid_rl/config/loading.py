@@ -163,6 +163,9 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
+        lists = [a for a in inner if typing.get_origin(a) is list]
+        if isinstance(value, list) and lists:  # ``str | list[str]``: a list where the value is one
+            return _coerce(lists[0], value, key)
         return _coerce(inner[0], value, key)
     if origin is Literal:
         if value not in args:

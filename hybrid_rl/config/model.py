@@ -52,10 +52,13 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_path: str = "synthetic:successor"
-    """A local .jsonl/.parquet file, a ``datasets`` hub name (e.g. ``openai/gsm8k``), or ``synthetic:<task>``."""
-    val_path: Optional[str] = harmless(None)
-    """Validation prompts, same forms as ``train_path``; none skips validation."""
+    train_path: str | list[str] = "synthetic:successor"
+    """A local .jsonl/.parquet file, a ``datasets`` hub name (e.g. ``openai/gsm8k``), or ``synthetic:<task>``; or a
+    list of files and hub names, whose rows are read in order (a row without a ``data_source`` field takes its
+    file's name, so validation reports each file)."""
+    val_path: Optional[str | list[str]] = harmless(None)
+    """Validation prompts, same forms as ``train_path`` (a list: several test sets, each reported as
+    ``val/reward_mean/<name>``); none skips validation."""
     task: Literal["gsm8k", "successor", "arith", "lookup", "mul3", "math", "chat"] = "successor"
     """How rows become chat prompts and ground truths (``arith``: arithmetic with a held-out test set; ``lookup``:
     a digit only a tool reveals; ``mul3``: three-digit products with a held-out test set; ``math``: ``problem`` and
@@ -69,7 +72,7 @@ class DataConfig:
     val_split: str = harmless("test")
     """Split name for hub datasets."""
     max_val_samples: int = harmless(256)
-    """Cap on validation prompts (0 = all)."""
+    """Cap on validation prompts (0 = all), the first ones of each ``val_path`` entry."""
     val_batch_size: Optional[int] = harmless(None)
     """Validation prompts per generate call on each rank (default: ``data.train_batch_size``). A large value lets
     vLLM schedule the whole validation set at once (the engine still caps concurrency at ``rollout.max_num_seqs``)."""
@@ -97,7 +100,13 @@ class DataConfig:
         if self.val_batch_size is not None and self.val_batch_size < 1:
             raise ConfigError(f"data.val_batch_size={self.val_batch_size} must be a positive number of prompts (or null "
                               "for data.train_batch_size)")
-        if self.train_path.startswith("synthetic:") and self.train_path.split(":", 1)[1] != self.task:
+        for key in ("train_path", "val_path"):
+            value = getattr(self, key)
+            if isinstance(value, list) and (not value or any(p.startswith("synthetic:") for p in value)):
+                raise ConfigError(f"data.{key}={value}: a list takes one or more files or hub datasets "
+                                  f"(synthetic:<task> stands alone); give files, or one path")
+        if (isinstance(self.train_path, str) and self.train_path.startswith("synthetic:")
+                and self.train_path.split(":", 1)[1] != self.task):
             raise ConfigError(f"data.train_path={self.train_path} is a synthetic task but data.task={self.task}; set "
                               f"data.task to the synthetic task's name")
         try:

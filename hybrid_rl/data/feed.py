@@ -1,9 +1,9 @@
 """``PromptFeed``: this rank's training prompts, one batch per call, each prompt with its group id.
 
-It reads ``data.train_path`` into a ``PromptDataset`` and draws this rank's share of every batch from a resumable
-``PromptSampler`` (which the checkpoint saves). A prompt's ``uid`` (epoch and dataset index) is unique across ranks
-and steps, so that grouping the n samples of a prompt can never mix two prompts. Left out: the validation prompts
-(``hybrid_rl.validation``) and any ordering but the sampler's.
+It reads ``data.train_path`` (one path or a list: ``read_prompts``, which validation uses too) into a
+``PromptDataset`` and draws this rank's share of every batch from a resumable ``PromptSampler`` (which the
+checkpoint saves). A prompt's ``uid`` (epoch and dataset index) is unique across ranks and steps, so that grouping
+the n samples of a prompt can never mix two prompts. Left out: any ordering but the sampler's.
 """
 
 from __future__ import annotations
@@ -19,6 +19,41 @@ from hybrid_rl.data.sources import load_rows
 from hybrid_rl.envs.multiturn import env_prompt
 
 
+def read_prompts(cfg: Any, tokenizer, key: str, split: str, num_synthetic: int, seed: int, held_out: bool = False,
+                 cap: int = 0) -> PromptDataset:
+    """The prompts of ``data.<key>`` (``train_path`` or ``val_path``): one path, or a list of files and hub
+    datasets read in order, each entry's rows formatted on their own (messages name ``data.<key>[i]``) and, where a
+    row has no ``data_source``, named after its entry (``source_name``), so validation reports each. ``cap``: the
+    first rows of each entry (0 = all)."""
+    d = cfg.data
+    value = getattr(d, key)
+    paths = value if isinstance(value, list) else [value]
+    options = getattr(d, d.task, None)  # a synthetic task's own section (data.arith)
+    system, chat_kwargs = env_prompt(cfg)  # an environment's tools reach the prompt (env.describe_tools)
+    parts = []
+    for i, path in enumerate(paths):
+        name = f"data.{key}" if len(paths) == 1 else f"data.{key}[{i}]"
+        rows = load_rows(path, split, d.hub_config, d.task, num_synthetic, seed, key=name, options=options,
+                         held_out=held_out)
+        if cap:
+            rows = rows[:cap]
+        if len(paths) > 1:
+            rows = [{"data_source": source_name(path), **r} if isinstance(r, dict) else r for r in rows]
+        parts.append(PromptDataset(rows, d.task, tokenizer, d.max_prompt_length, d.truncation, system,
+                                   source=f"{name}={path!r}", template_kwargs=chat_kwargs,
+                                   keep_messages=keeps_messages(cfg)))
+    return parts[0] if len(parts) == 1 else PromptDataset.concat(parts)
+
+
+def source_name(path: str) -> str:
+    """A data file's or hub dataset's short name: ``test/math500.jsonl`` → ``math500``, ``HuggingFaceH4/MATH-500``
+    → ``MATH-500``."""
+    from pathlib import PurePath
+
+    p = PurePath(path.rstrip("/"))
+    return p.stem if p.suffix.lower() in (".jsonl", ".parquet", ".json") else p.name
+
+
 def keeps_messages(cfg: Any) -> bool:
     """Whether each prompt keeps its conversation (``messages``) beside its tokens: for an environment's multi-turn
     rollout, and for a reward model, which writes the conversation with its own chat template."""
@@ -30,13 +65,7 @@ class PromptFeed:
 
     def __init__(self, cfg: Any, tokenizer, rank: int, world: int):
         d = cfg.data
-        options = getattr(d, d.task, None)  # a synthetic task's own section (data.arith)
-        rows = load_rows(d.train_path, d.train_split, d.hub_config, d.task, d.num_synthetic, cfg.trainer.seed,
-                         key="data.train_path", options=options)
-        system, chat_kwargs = env_prompt(cfg)  # an environment's tools reach the prompt (env.describe_tools)
-        self.dataset = PromptDataset(rows, d.task, tokenizer, d.max_prompt_length, d.truncation, system,
-                                     source=f"data.train_path={d.train_path!r}", template_kwargs=chat_kwargs,
-                                     keep_messages=keeps_messages(cfg))
+        self.dataset = read_prompts(cfg, tokenizer, "train_path", d.train_split, d.num_synthetic, cfg.trainer.seed)
         self.sampler = PromptSampler(len(self.dataset), d.train_batch_size, rank, world, cfg.trainer.seed, d.shuffle)
         self.pad_token_id = tokenizer.pad_token_id
 

@@ -52,6 +52,7 @@ class PromptDataset:
         self.truncation = truncation
         self.num_filtered = 0
         self.num_truncated = 0
+        self.num_rows = len(rows)
         self._items: list[dict[str, Any]] = []
         for i, row in enumerate(rows):
             try:
@@ -82,6 +83,20 @@ class PromptDataset:
         if not self._items:
             raise DataError(f"data.max_prompt_length={max_prompt_length}: all {len(rows)} prompts of {source} are longer "
                             f"and were filtered; raise data.max_prompt_length or set data.truncation=left")
+
+    @classmethod
+    def concat(cls, parts: list["PromptDataset"]) -> "PromptDataset":
+        """The prompts of ``parts`` in order, one dataset; ``index`` counts on from one part's rows to the next."""
+        out = cls.__new__(cls)
+        out.task, out.max_prompt_length, out.truncation = parts[0].task, parts[0].max_prompt_length, parts[0].truncation
+        out.num_filtered = sum(p.num_filtered for p in parts)
+        out.num_truncated = sum(p.num_truncated for p in parts)
+        out._items, offset = [], 0
+        for p in parts:
+            out._items += [{**item, "index": item["index"] + offset} for item in p._items]
+            offset += p.num_rows
+        out.num_rows = offset
+        return out
 
     @property
     def sources(self) -> list[str]:

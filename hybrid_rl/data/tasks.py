@@ -118,7 +118,7 @@ class Gsm8kTask(Task):
         return {
             "messages": [{"role": "user", "content": question + "\n" + GSM8K_INSTRUCTION}],
             "ground_truth": truth,
-            "data_source": self.name,
+            "data_source": _source(row, self.name),
         }
 
 

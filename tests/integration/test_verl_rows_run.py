@@ -97,3 +97,29 @@ def test_several_reward_functions_add_by_their_weights_and_are_logged_each(tmp_p
         assert m["val/function/successor"] == pytest.approx(sum(succ) / len(samples), abs=1e-6)
         assert m["val/function/even_digit"] == pytest.approx(sum(even) / len(samples), abs=1e-6)
         assert m["val/reward_mean"] == pytest.approx((sum(succ) + 0.5 * sum(even)) / len(samples), abs=1e-6)
+
+
+def test_several_validation_files_are_reported_each_by_name(tmp_path):
+    """``data.val_path`` (and ``train_path``) as a list of two files: each row's ``data_source`` is its file's name,
+    which the reward function reads (1 for ``first``, 0 for ``second``), so the per-file validation figures are known
+    (1 and 0) and their mean is weighted by the files' sizes (6 and 4 prompts)."""
+    first = tmp_path / "first.jsonl"
+    first.write_text("".join(json.dumps({"prompt": str(d)}) + "\n" for d in range(6)))
+    second = tmp_path / "second.jsonl"
+    second.write_text("".join(json.dumps({"prompt": str(d)}) + "\n" for d in range(4)))
+    reward = tmp_path / "by_source.py"
+    reward.write_text("def score(response, ground_truth, data_source=None):\n"
+                      "    return 1.0 if data_source == 'first' else 0.0\n")
+    out = tmp_path / "run"
+    run_checked([sys.executable, "-m", "hybrid_rl", "train", str(ROOT / "recipes" / "cpu_successor.yaml"),
+                 f"trainer.output_dir={out}", "trainer.logger=[jsonl]", "trainer.save_freq=-1",
+                 "trainer.total_steps=1", "trainer.test_freq=1", "data.task=chat", f"data.train_path=[{first},{second}]",
+                 f"data.val_path=[{first},{second}]", "data.train_batch_size=5", "rollout.n=2",
+                 "actor.ppo_mini_batch_size=5", "actor.ppo_micro_batch_size_per_device=10",
+                 f"reward.function={reward}:score", "reward.num_workers=0"], timeout=300)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    val = [m for m in metrics if "val/reward_mean" in m]
+    assert len(val) == 2
+    for m in val:
+        assert m["val/reward_mean/first"] == 1.0 and m["val/reward_mean/second"] == 0.0
+        assert m["val/reward_mean"] == pytest.approx(6 / 10)
