@@ -45,7 +45,7 @@ class PreflightError(ValueError):
 
 def validation_on(cfg: Config) -> bool:
     """Whether the run validates at all (only then does ``data.val_path`` matter)."""
-    return cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train
+    return cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train or cfg.trainer.val_only
 
 
 def preflight(cfg: Config, nproc: int = 1) -> None:

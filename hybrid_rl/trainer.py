@@ -155,6 +155,8 @@ class Trainer:
         self.tracker.write(f"hybrid_rl: {self.total_steps} steps, mode {self.cfg.trainer.mode}, "
                            f"placement {self.placement.describe()}, "
                            f"{self.global_dist.world_size} rank(s), device {self.dist.device}; {self.prompts.stats()}")
+        if self.cfg.trainer.val_only:  # validate the weights as they are, then stop
+            return self._validate_only(started)
         if self.start_step >= self.total_steps:
             self.tracker.write(f"nothing to do: the checkpoint is at step {self.start_step} of {self.total_steps}; "
                                "raise trainer.total_steps (or total_epochs) to train further")
@@ -172,6 +174,18 @@ class Trainer:
         self.tracker.close()
         self.tracker.write(self._summary(history, time.perf_counter() - started))
         return history
+
+    def _validate_only(self, started: float) -> list[dict[str, float]]:
+        """``trainer.val_only``: one validation of the current weights, logged at the current step; no step runs."""
+        metrics = self.validate()
+        self._log(metrics, step=self.start_step)
+        self.source.close()
+        self.tracker.close()
+        if self.is_logger:
+            self.tracker.write(f"validated step {self.start_step} in {time.perf_counter() - started:.0f} s "
+                               f"(trainer.val_only): val/reward_mean {metrics.get('val/reward_mean', float('nan')):.4f}; "
+                               f"metrics in {self.cfg.trainer.output_dir}; nothing trained")
+        return [{"step": self.start_step, **metrics}]
 
     def _steps(self, history: list[dict[str, float]], collector: StepCollection) -> None:
         """Steps ``start_step + 1 .. total_steps``, each logged into ``history``, validated and saved when due."""

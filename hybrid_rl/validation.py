@@ -42,9 +42,9 @@ at the length cap earned, a lucky last number rather than an answer)."""
 
 def load_val_set(cfg: Config, tokenizer) -> PromptDataset | None:
     """The validation prompts, or None where no validation runs (no ``data.val_path``, or neither
-    ``trainer.test_freq`` nor ``trainer.val_before_train``): the set is read only when used."""
+    ``trainer.test_freq``, ``trainer.val_before_train`` nor ``trainer.val_only``): the set is read only when used."""
     d, t = cfg.data, cfg.trainer
-    if not d.val_path or not (t.test_freq > 0 or t.val_before_train):
+    if not d.val_path or not (t.test_freq > 0 or t.val_before_train or t.val_only):
         return None
     return read_prompts(cfg, tokenizer, "val_path", d.val_split, max(d.num_synthetic // 4, 1), t.seed + 1,
                         held_out=True, cap=d.max_val_samples)

@@ -177,3 +177,10 @@ def check_reward_source(cfg: "Config") -> None:
         raise ConfigError(f"data.task=chat has no answers and reward.function={r.function} scores nothing (the chat "
                           f"task's own is 'none'), so every reward would be 0; set reward.model.path to a reward model "
                           f"(a sequence classifier) or reward.function to a function of the response")
+
+
+def check_val_only(cfg: "Config") -> None:
+    """``trainer.val_only`` validates, so it needs validation prompts."""
+    if cfg.trainer.val_only and not cfg.data.val_path:
+        raise ConfigError("trainer.val_only=true validates and stops, but data.val_path is null; set data.val_path "
+                          "to the prompts to validate on")

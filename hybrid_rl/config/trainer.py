@@ -25,6 +25,9 @@ class TrainerConfig:
     """Validate every N steps and after the last (0 = never, except ``val_before_train``)."""
     val_before_train: bool = harmless(False)
     """Validate once before the first step."""
+    val_only: bool = harmless(False)
+    """Validate the current weights once and stop, training nothing and writing no checkpoint: the model's, or the
+    checkpoint a resume finds (``trainer.resume=auto``), logged at its step (``metrics.jsonl``, the loggers)."""
     logger: list[Literal["console", "tensorboard", "jsonl", "wandb"]] = harmless(default_factory=lambda: ["console", "tensorboard", "jsonl"])
     """Metric sinks: the progress bar, ``tensorboard/``, ``metrics.jsonl``, and Weights & Biases (``wandb``: the
     ``wandb`` package, ``pip install 'hybrid_rl[wandb]'``; ``WANDB_MODE=offline`` keeps it on disk)."""

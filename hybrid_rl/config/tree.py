@@ -118,6 +118,7 @@ class Config:
             section.validate()
         checks.check_overlong(self)
         checks.check_reward_source(self)
+        checks.check_val_only(self)
         checks.check_groups(self)
         checks.check_prompt_shares(self, train_world)
         checks.check_sequence_parallel(self, train_world)

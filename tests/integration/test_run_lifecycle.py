@@ -204,3 +204,23 @@ def test_a_stop_signal_puts_the_due_validation_off_to_the_resumed_run(tmp_path, 
     val = {r["step"]: r["val/reward_mean"] for r in rows if "val/reward_mean" in r}
     want = {r["step"]: r["val/reward_mean"] for r in ref if "val/reward_mean" in r}
     assert val == want and sorted(val) == [2, 4]
+
+
+def test_val_only_validates_the_checkpoint_and_trains_nothing(tmp_path):
+    """``trainer.val_only=true``: on a fresh directory it validates the model at step 0; on a trained run's directory
+    the checkpoint a resume finds, at its step, with the figure the run itself logged at that step (greedy decoding
+    of the same weights), and it writes no checkpoint."""
+    fresh = _train(tmp_path / "fresh", "trainer.val_only=true", "trainer.total_steps=3")
+    assert len(fresh) == 1 and fresh[0]["step"] == 0 and "val/reward_mean" in fresh[0] and "reward/mean" not in fresh[0]
+    assert not list((tmp_path / "fresh" / "checkpoints").glob("step_*"))
+    run = tmp_path / "run"
+    trained = _train(run, "trainer.total_steps=3", "trainer.test_freq=3", "trainer.save_freq=3")
+    at_3 = [r for r in trained if r["step"] == 3][0]["val/reward_mean"]
+    rows = _train(run, "trainer.total_steps=3", "trainer.test_freq=3", "trainer.save_freq=3", "trainer.val_only=true")
+    assert rows[-1]["step"] == 3 and rows[-1]["val/reward_mean"] == at_3 and "reward/mean" not in rows[-1]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000003"]
+    from hybrid_rl.config import ConfigError
+
+    with pytest.raises(ConfigError) as ei:
+        _cfg(tmp_path / "none", "trainer.val_only=true", "data.val_path=null")
+    assert str(ei.value).startswith("trainer.val_only=true validates and stops, but data.val_path is null")
