@@ -33,6 +33,7 @@ from hybrid_rl.models import load_tokenizer
 from hybrid_rl.modes.placement import make_placement, meet_at_engines
 from hybrid_rl.modes.sources import make_source
 from hybrid_rl.phases.advantage import AdvantagePhase
+from hybrid_rl.phases.balance import balance_rows
 from hybrid_rl.phases.group_rows import gather_group_rows, own_rows
 from hybrid_rl.phases.old_log_prob import old_log_probs, plan_old_log_prob
 from hybrid_rl.phases.reward import RewardPhase
@@ -284,6 +285,11 @@ class Trainer:
         with timer("adv"):
             batch, adv_metrics = self.advantage(batch, members, w.sp.rank)
         update_stats: dict = {"actor/old_log_prob_skipped": (old_plan.skipped, 1.0)}  # the share of the pass not run
+        if cfg.trainer.balance_batch and w.sp.size == 1:  # even tokens per rank in every mini-batch of the updates
+            with timer("balance"):
+                batch, balance_stats = balance_rows(batch, w.dist, self.tokenizer.pad_token_id,
+                                                    mini_batch_seqs(cfg.actor, w.dist.world_size, cfg.rollout.n))
+            update_stats.update({k: (v, 1.0) for k, v in balance_stats.items()})
         if critic is not None:
             with timer("update_critic"):
                 update_stats.update(critic.update_critic(batch))

@@ -25,6 +25,10 @@ class TrainerConfig:
     """Validate every N steps and after the last (0 = never, except ``val_before_train``)."""
     val_before_train: bool = harmless(False)
     """Validate once before the first step."""
+    balance_batch: bool = harmless(True)
+    """Before the updates, exchange whole groups between the data-parallel ranks so that every mini-batch holds a
+    similar number of tokens on each (``phases/balance.py``); the update is the same up to the order of float sums.
+    ``perf/dp_token_imbalance`` says how even it is."""
     val_only: bool = harmless(False)
     """Validate the current weights once and stop, training nothing and writing no checkpoint: the model's, or the
     checkpoint a resume finds (``trainer.resume=auto``), logged at its step (``metrics.jsonl``, the loggers)."""
