@@ -32,7 +32,8 @@ from hybrid_rl.models import ModelLoadError, apply_lora, load_causal_lm, load_to
 
 def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, model_path: str,
               lora: tuple[int, int, list[str], float] | None = None, merge_lora: bool = True,
-              trust_remote_code: bool = False, dtype: torch.dtype | None = None) -> Path:
+              trust_remote_code: bool = False, dtype: torch.dtype | None = None, tokenizer_path: str | None = None,
+              chat_template: str | None = None) -> Path:
     """Write a Hugging Face model directory (safetensors + tokenizer) from a checkpoint, in this process alone.
 
     The model is rebuilt from ``model_path`` (plus LoRA ``(rank, alpha,
@@ -42,7 +43,8 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, model_p
     are merged (default; ``from_pretrained(out_dir)`` loads a plain model) or,
     with ``merge_lora=False``, only the adapters are saved (peft's
     ``adapter_model.safetensors`` + ``adapter_config.json``). ``dtype`` None
-    keeps the base model's dtype (its ``config.json``); training masters are fp32.
+    keeps the base model's dtype (its ``config.json``); training masters are fp32. The tokenizer is the run's
+    (``tokenizer_path``, else ``model_path``) with its ``chat_template`` (``model.chat_template``) when given.
     ``out_dir`` must not exist or be empty.
     """
     from torch.distributed.checkpoint import CheckpointException, FileSystemReader
@@ -83,7 +85,7 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, model_p
     # A merged/plain model writes config.json + model.safetensors; a PeftModel
     # (merge_lora=False) writes adapter_model.safetensors + adapter_config.json only.
     model.save_pretrained(tmp, safe_serialization=True)
-    load_tokenizer(model_path, trust_remote_code).save_pretrained(tmp)
+    load_tokenizer(tokenizer_path or model_path, trust_remote_code, chat_template=chat_template).save_pretrained(tmp)
     if out.exists():
         out.rmdir()  # empty, checked above
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -132,7 +134,8 @@ def main(checkpoint: str, out_dir: str, adapters_only: bool = False, dtype: str 
                 raise CheckpointError(f"dtype {dtype!r} must be float32, bfloat16 or float16 (or omitted for the base model's dtype)")
             torch_dtype = getattr(torch, dtype)
         out = export_hf(ckpt, Path(out_dir), cfg.model.path, lora=lora, merge_lora=not adapters_only,
-                        trust_remote_code=cfg.model.trust_remote_code, dtype=torch_dtype)
+                        trust_remote_code=cfg.model.trust_remote_code, dtype=torch_dtype,
+                        tokenizer_path=cfg.model.tokenizer_path, chat_template=cfg.model.chat_template)
     except (CheckpointError, ConfigError, ModelLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -142,6 +142,22 @@ def check_model(cfg: Config) -> None:
         _check_model_path(m.tokenizer_path, "model.tokenizer_path", "tokenizer_config.json")
     tokenizer_key = "model.tokenizer_path" if m.tokenizer_path else "model.path"
     check_model_dir(m.tokenizer_path or m.path, tokenizer_key, "tokenizer")
+    if m.chat_template is not None:
+        check_chat_template(m.chat_template)
+
+
+def check_chat_template(value: str) -> None:
+    """``model.chat_template`` is readable and parses as Jinja (the ranks render it with the tokenizer)."""
+    import jinja2
+
+    from hybrid_rl.models import ModelLoadError, read_chat_template
+
+    text = read_chat_template(value)
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ModelLoadError(f"model.chat_template: not a valid Jinja template ({e.message}, line {e.lineno}); "
+                             f"fix the template") from None
 
 
 def _check_model_path(path: str, key: str, marker: str) -> None:

@@ -29,7 +29,7 @@ from hybrid_rl.data import TASKS, PromptFeed
 from hybrid_rl.distributed import DistInfo, reduce_max, reduce_weighted_means
 from hybrid_rl.envs.multiturn import check_template
 from hybrid_rl.interrupt import GracefulStop, RunInterrupted
-from hybrid_rl.models import load_tokenizer
+from hybrid_rl.models import model_tokenizer
 from hybrid_rl.modes.placement import make_placement, meet_at_engines
 from hybrid_rl.modes.sources import make_source
 from hybrid_rl.phases.advantage import AdvantagePhase
@@ -72,8 +72,7 @@ class Trainer:
         self.is_logger = self.placement.is_logger
         self.tracker_notes: list[str] = []
         resume_from = resume_target(cfg, self.tracker_notes)  # before anything costly: a mismatched resume fails now
-        self.tokenizer = tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code,
-                                                    "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
+        self.tokenizer = tokenizer = model_tokenizer(cfg.model)
         pl = self.placement
         self.prompts = PromptFeed(cfg, tokenizer, pl.sampler_rank, pl.sampler_world)  # this rank's training prompts
         if cfg.env.name is not None:  # a template that cannot append observations fails here, in one line

@@ -33,6 +33,11 @@ class ModelConfig:
     """Hub id, local directory, or ``builtin:tiny-qwen2`` (built locally, no download)."""
     tokenizer_path: Optional[str] = None
     """Tokenizer location when it differs from ``path``."""
+    chat_template: Optional[str] = None
+    """A chat template replacing the tokenizer's: Jinja text, or the path of a file holding it (``.jinja``,
+    ``.j2``, ``.txt``). For a base model without one, or a prompt format of your own, e.g. R1-Zero's
+    ``"A conversation between User and Assistant. User: {{ messages[-1]['content'] }} Assistant: <think>"``.
+    Prompts, multi-turn observations and the exported tokenizer use it."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Training/inference dtype; ``auto`` is bf16 on GPU and fp32 on CPU."""
     enable_gradient_checkpointing: bool = harmless(False)

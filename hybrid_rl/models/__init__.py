@@ -414,8 +414,44 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model.path"):
-    """``key`` is the config key the path came from (``model.tokenizer_path`` when set), for error messages."""
+def model_tokenizer(mcfg: Any):
+    """The run's tokenizer from its ``model`` section: ``tokenizer_path`` or ``path``, with ``chat_template``."""
+    return load_tokenizer(mcfg.tokenizer_path or mcfg.path, mcfg.trust_remote_code,
+                          "model.tokenizer_path" if mcfg.tokenizer_path else "model.path", mcfg.chat_template)
+
+
+def read_chat_template(value: str) -> str:
+    """``model.chat_template``'s text: the file's when ``value`` names one (by its suffix or as an existing path),
+    else ``value`` itself."""
+    from pathlib import Path
+
+    looks_like_file = "{" not in value and (value.endswith((".jinja", ".j2", ".txt")) or Path(value).expanduser().is_file())
+    if not looks_like_file:
+        return value
+    path = Path(value).expanduser()
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ModelLoadError(f"model.chat_template={value!r}: cannot read the file ({e.strerror or e}); point it at a "
+                             f"Jinja template file or give the template's text") from None
+
+
+def _check_template(tok: Any, source: str) -> None:
+    """The template renders a one-turn conversation with the generation prompt; a one-line error otherwise."""
+    try:
+        out = tok.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # jinja2's syntax and runtime errors, transformers' own
+        raise ModelLoadError(f"{source}: the chat template does not render a user turn ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}); fix the template") from None
+    if "x" not in out:
+        raise ModelLoadError(f"{source}: the chat template leaves out the user's message (a one-turn conversation "
+                             f"rendered as {out[:60]!r}); write the messages' content into it")
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model.path",
+                   chat_template: str | None = None):
+    """``key`` is the config key the path came from (``model.tokenizer_path`` when set), for error messages;
+    ``chat_template`` (``model.chat_template``) replaces the tokenizer's."""
     from transformers import AutoTokenizer
 
     path = resolve_model_path(path)
@@ -428,9 +464,17 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    if chat_template is not None:
+        tok.chat_template = read_chat_template(chat_template)
+        _check_template(tok, f"model.chat_template={_short_text(chat_template)!r}")
     if tok.chat_template is None:
-        raise ModelLoadError(f"model.path: the tokenizer at {path!r} has no chat template; use an instruct/chat model or set data.apply_chat_template=false")
+        raise ModelLoadError(f"{key}: the tokenizer at {path!r} has no chat template; set model.chat_template to one "
+                             f"(Jinja text or a file), or use an instruct/chat model")
     return tok
+
+
+def _short_text(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool = False, attn_implementation: str | None = None,

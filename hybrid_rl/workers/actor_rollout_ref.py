@@ -34,7 +34,7 @@ from hybrid_rl.micro_batching import micro_batches
 from hybrid_rl.distributed import DistInfo, all_reduce_sum
 from hybrid_rl.liger import apply_liger
 from hybrid_rl.telemetry.metrics import cut_at_cap
-from hybrid_rl.models import apply_lora, load_causal_lm, load_tokenizer, resolve_dtype
+from hybrid_rl.models import apply_lora, load_causal_lm, model_tokenizer, resolve_dtype
 from hybrid_rl.telemetry.perf import Work
 from hybrid_rl.rollout import rollout_engine_class
 from hybrid_rl.rollout.base import RolloutEngine, SamplingParams
@@ -112,9 +112,7 @@ class ActorRolloutRefWorker:
         self.sp = make_groups(sp, dist.group) if sp > 1 else data_parallel(dist.rank, dist.world_size)
         """This rank's sequence-parallel group and data-parallel share (``workers/ulysses.py``)."""
         # the driver loads the tokenizer once (for its datasets) and passes it in
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
-            mcfg.tokenizer_path or mcfg.path, mcfg.trust_remote_code,
-            "model.tokenizer_path" if mcfg.tokenizer_path else "model.path")
+        self.tokenizer = tokenizer if tokenizer is not None else model_tokenizer(mcfg)
 
         self.actor: TrainingEngine | None = None
         if self.is_actor:
