@@ -64,12 +64,13 @@ class DataConfig:
     val_path: Optional[str | list[str]] = harmless(None)
     """Validation prompts, same forms as ``train_path`` (a list: several test sets, each reported as
     ``val/reward_mean/<name>``); none skips validation."""
-    task: Literal["gsm8k", "successor", "arith", "lookup", "mul3", "math", "chat"] = "successor"
+    task: Literal["gsm8k", "successor", "arith", "lookup", "mul3", "math", "code", "chat"] = "successor"
     """How rows become chat prompts and ground truths (``arith``: arithmetic with a held-out test set; ``lookup``:
     a digit only a tool reveals; ``mul3``: three-digit products with a held-out test set; ``math``: ``problem`` and
-    ``answer`` (or a ``solution`` with a ``\\boxed{}`` answer), LaTeX answers; ``chat``: prompts alone, ``messages``
-    or ``prompt`` per row, for a reward model). ``gsm8k``, ``math`` and ``chat`` also read verl's parquet rows
-    (``prompt``, ``reward_model.ground_truth``, ``data_source``, ``extra_info``) as they are."""
+    ``answer`` (or a ``solution`` with a ``\\boxed{}`` answer), LaTeX answers; ``code``: a problem and its tests,
+    assertions or input/output cases, run in a sandbox; ``chat``: prompts alone, ``messages`` or ``prompt`` per row,
+    for a reward model). ``gsm8k``, ``math``, ``code`` and ``chat`` also read verl's parquet rows (``prompt``,
+    ``reward_model.ground_truth``, ``data_source``, ``extra_info``) as they are."""
     hub_config: Optional[str] = None
     """``datasets`` config name for hub datasets (``main`` for openai/gsm8k)."""
     train_split: str = "train"

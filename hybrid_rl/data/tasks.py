@@ -9,7 +9,7 @@ task's hidden character). Synthetic tasks also generate their own rows, so a CPU
 run needs no data file at all. This module also defines ``DataError`` because it is
 the lowest layer of ``hybrid_rl.data``; the other modules import it from here.
 
-The ``gsm8k``, ``math`` and ``chat`` tasks also read rows as verl's data preparation writes them (``prompt``: the
+The ``gsm8k``, ``math``, ``code`` and ``chat`` tasks also read rows as verl's data preparation writes them (``prompt``: the
 messages, ``reward_model.ground_truth``, ``data_source``, ``extra_info``), as they are: the prompt is not changed,
 each row keeps its own ``data_source`` (validation reports each), and its ``extra_info`` goes to a reward function
 that takes it (and to a multi-turn environment). Left out: images.
@@ -303,6 +303,57 @@ class MathTask(Task):
                 "data_source": _source(row, self.name), **_extra(row, row_id)}
 
 
+CODE_INSTRUCTION = "Write the solution in Python, in one ```python code block."
+
+
+class CodeTask(Task):
+    """Programming problems checked by running tests (``rewards/code.py``): the problem text (``prompt``,
+    ``question``, ``problem`` or MBPP's ``text``) and its tests, either Python assertions (MBPP's ``test_list``, or
+    ``tests`` as a list of texts; the first is shown in the prompt, which names the function to write) or
+    standard input/output cases (APPS' and TACO's ``input_output``, ``{"inputs": [...], "outputs": [...]}`` or its
+    JSON text, or ``tests`` as a list of ``{"input", "output"}``). The ground truth is the tests as JSON."""
+
+    name = "code"
+    default_reward = "code"
+    reads_verl_rows = True
+
+    def answer_stats(self, responses: list[str]) -> dict[str, float]:
+        """``code_found``: responses with a fenced code block (what the prompt asks for)."""
+        from ..rewards.code import extract_code
+
+        return {"code_found": float(sum(extract_code(r) is not None for r in responses))}
+
+    def format_row(self, row: dict[str, Any], row_id: int) -> dict[str, Any]:
+        if not isinstance(row, dict):
+            raise DataError(f"row {row_id}: expected a mapping of fields, got {type(row).__name__}; fix the data file")
+        key = next((k for k in ("prompt", "question", "problem", "text") if isinstance(row.get(k), str)), None)
+        if key is None:
+            raise DataError(f"row {row_id} has no problem text ('prompt', 'question', 'problem' or 'text'; its fields: "
+                            f"{sorted(row)}); fix the data or set data.task to the task that matches it")
+        tests, shown = _code_tests(row, row_id)
+        text = row[key].strip()
+        if shown:
+            text += f"\n\nYour code should pass this test:\n{shown}"
+        else:
+            text += "\n\nRead the input from standard input and write the answer to standard output."
+        return {"messages": [{"role": "user", "content": f"{text}\n\n{CODE_INSTRUCTION}"}],
+                "ground_truth": json.dumps(tests), "data_source": _source(row, self.name), **_extra(row, row_id)}
+
+
+def _code_tests(row: dict[str, Any], row_id: int) -> tuple[dict[str, Any], str | None]:
+    """A code row's tests as the ``code`` reward reads them, and the assertion to show in the prompt (None for
+    input/output cases)."""
+    from ..rewards.code import normalize_tests
+
+    raw = row.get("test_list", row.get("tests", row.get("input_output")))
+    tests = normalize_tests(raw)
+    if tests is None:
+        raise DataError(f"row {row_id}: no tests the code task can run: 'test_list' or 'tests' (Python assertions, or "
+                        f"{{'input', 'output'}} cases) or 'input_output' ({{'inputs': [...], 'outputs': [...]}}, one "
+                        f"output per input), got {_short(repr(raw))!r}; fix the data")
+    return tests, tests["asserts"][0] if "asserts" in tests else None
+
+
 class ChatTask(Task):
     """Prompts alone, for a reward model (``reward.model.path``) or a reward function that needs no answer: a row's
     ``messages`` (a list of ``{"role", "content"}``, the conversation so far) or ``prompt`` (a text, one user turn; or
@@ -371,7 +422,7 @@ def _extra(row: dict[str, Any], row_id: int) -> dict[str, Any]:
 
 
 TASKS: dict[str, Task] = {t.name: t for t in (Gsm8kTask(), SuccessorTask(), ArithTask(), LookupTask(), Mul3Task(),
-                                              MathTask(), ChatTask())}
+                                              MathTask(), CodeTask(), ChatTask())}
 
 
 def get_task(name: str) -> Task:

@@ -10,7 +10,8 @@ function plus one ``register_reward("name")``), and ``module:function`` (or
 calls past ``reward.timeout_s`` are turned into a one-line error naming the sample, or into counted zeros when
 ``reward.on_error=zero``, and where a long call is reported while it runs. The built-ins (microseconds per sample)
 are scored in this process unless ``reward.num_workers`` asks for workers: a pool round trip would cost more than
-the scoring (except ``POOLED_BUILTINS``: ``math``, milliseconds of SymPy per sample). A sample's ``data_source`` and
+the scoring (except ``POOLED_BUILTINS``: ``math``, milliseconds of SymPy per sample, and ``code``, a sandboxed
+interpreter per sample). A sample's ``data_source`` and
 ``extra_info`` reach a function that names them, and a verl reward function runs unchanged (``call.py``). A reward
 model's score is ``rewards/model.py``'s, added beside this. Left out: batched reward calls.
 """
@@ -29,7 +30,7 @@ from typing import Any, Callable
 from ..data.tasks import TASKS
 from ..pyfile import exec_file_module
 from ..registry import Registry
-from . import arith, gsm8k, successor
+from . import arith, code, gsm8k, successor
 from . import math as math_reward
 from .call import SampleInfo, call_style, score_one
 from .pool import PoolFailure, RewardPool, WorkerInitError, worker_count
@@ -59,10 +60,12 @@ register_reward("successor", successor.compute_score)
 register_reward("arith", arith.compute_score)
 register_reward("arith_strict", arith.compute_score_strict)
 register_reward("math", math_reward.compute_score)
+register_reward("code", code.compute_score)
+register_reward("code_fraction", code.compute_score_fraction)
 
-POOLED_BUILTINS = frozenset({"math"})
-"""Built-ins slow enough (milliseconds per sample: SymPy) to run in reward worker processes under
-``reward.num_workers=-1``, where a call can be abandoned at ``reward.timeout_s``."""
+POOLED_BUILTINS = frozenset({"math", "code", "code_fraction"})
+"""Built-ins slow enough (milliseconds of SymPy, or a sandboxed interpreter, per sample) to run in reward worker
+processes under ``reward.num_workers=-1``, where a call can be abandoned at ``reward.timeout_s``."""
 NEEDS = {"math": ("math_verify", "math-verify", "math")}
 """Built-ins that need an optional package: (module, PyPI name, this package's extra)."""
 

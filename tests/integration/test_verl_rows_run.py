@@ -123,3 +123,21 @@ def test_several_validation_files_are_reported_each_by_name(tmp_path):
     for m in val:
         assert m["val/reward_mean/first"] == 1.0 and m["val/reward_mean/second"] == 0.0
         assert m["val/reward_mean"] == pytest.approx(6 / 10)
+
+
+def test_a_code_task_run_scores_through_the_sandbox(tmp_path):
+    """``data.task=code`` from MBPP-style rows: the ground truth reaches the ``code`` reward in its worker processes
+    and the run logs its answer shape. The tiny model writes no code block in 4 tokens, so every score is 0."""
+    rows = tmp_path / "mbpp.jsonl"
+    rows.write_text("".join(json.dumps({"text": f"Return {d}.", "test_list": [f"assert f() == {d}"]}) + "\n"
+                            for d in range(8)))
+    out = tmp_path / "run"
+    run_checked([sys.executable, "-m", "hybrid_rl", "train", str(ROOT / "recipes" / "cpu_successor.yaml"),
+                 f"trainer.output_dir={out}", "trainer.logger=[jsonl]", "trainer.save_freq=-1", "trainer.total_steps=1",
+                 "trainer.test_freq=1", "data.task=code", f"data.train_path={rows}", f"data.val_path={rows}",
+                 "data.max_prompt_length=256", "data.train_batch_size=8", "rollout.n=2", "actor.ppo_mini_batch_size=8",
+                 "actor.ppo_micro_batch_size_per_device=16"], timeout=300)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [m for m in metrics if "reward/mean" in m]
+    assert len(train) == 1 and train[0]["reward/mean"] == 0.0 and train[0]["reward/code_found"] == 0.0
+    assert [m["val/reward_mean"] for m in metrics if "val/reward_mean" in m] == [0.0, 0.0]
