@@ -351,6 +351,10 @@ def _code_tests(row: dict[str, Any], row_id: int) -> tuple[dict[str, Any], str |
         raise DataError(f"row {row_id}: no tests the code task can run: 'test_list' or 'tests' (Python assertions, or "
                         f"{{'input', 'output'}} cases) or 'input_output' ({{'inputs': [...], 'outputs': [...]}}, one "
                         f"output per input), got {_short(repr(raw))!r}; fix the data")
+    setup = row.get("test_setup_code")
+    if "asserts" in tests and isinstance(setup, str) and setup.strip():  # MBPP: imports the tests need
+        tests = {"asserts": [f"{setup}\n{a}" for a in tests["asserts"]]}
+        return tests, tests["asserts"][0].split("\n")[-1]
     return tests, tests["asserts"][0] if "asserts" in tests else None
 
 

@@ -75,6 +75,8 @@ def test_the_code_reward_runs_in_worker_processes():
     ({"question": "Sum.", "input_output": json.dumps({"inputs": ["1 2\n"], "outputs": ["3\n"]})}, "cases", None),  # APPS
     ({"problem": "Sum.", "tests": [{"input": "1 2", "output": "3"}]}, "cases", None),
     ({"prompt": "Write f.", "tests": "assert f() == 1"}, "asserts", "assert f() == 1"),
+    ({"text": "Write g.", "test_list": ["assert g() == math.pi"], "test_setup_code": "import math"}, "asserts",
+     "assert g() == math.pi"),                                                       # MBPP's setup code
 ])
 def test_code_rows_in_the_layouts_of_code_datasets(row, kind, shown):
     out = TASKS["code"].format(row, 1)
@@ -94,3 +96,10 @@ def test_bad_code_rows_are_one_line_errors(row, words):
     with pytest.raises(DataError) as ei:
         TASKS["code"].format(row, 4)
     assert str(ei.value).startswith("row 4") and words in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_mbpp_setup_code_runs_before_each_test():
+    row = {"text": "Write g.", "test_list": ["assert g() == math.pi"], "test_setup_code": "import math"}
+    truth = TASKS["code"].format(row, 1)["ground_truth"]
+    assert compute_score(_block("import math\ndef g():\n    return math.pi"), truth) == 1.0
+    assert compute_score(_block("def g():\n    return 3.14"), truth) == 0.0
