@@ -10,8 +10,8 @@ is the one without balancing up to the order of floating-point sums; the advanta
 rank's own rows. Metrics: ``perf/dp_token_imbalance`` and ``perf/dp_token_imbalance_before`` (the largest rank's
 tokens over the mean, summed over the mini-batches; 1 is even), ``timing/balance``.
 
-The exchange gathers every rank's rows on every rank (``all_gather_object`` on the host), simple but more traffic
-than each rank's share needs. Left out: balancing before the log-prob passes (the advantages and their per-rank
+Each group travels once, from the rank that generated it to the rank that trains it: one ``all_to_all`` per tensor
+on the ranks' device (NCCL on GPUs), and the per-row texts (uids, ground truths) gathered on the host. Left out: balancing before the log-prob passes (the advantages and their per-rank
 statistics would then change), and sequence-parallel groups (their members already share rows).
 """
 
@@ -107,12 +107,59 @@ def balance_rows(batch: Batch, dist_info: DistInfo, pad_token_id: int, rows_per_
              "perf/dp_token_imbalance": imbalance(loads, plan, chunk)}
     widths = torch.tensor([t["prompts"].shape[1], t["responses"].shape[1]], device=t["responses"].device)
     all_reduce_max(widths, dist_info.group)
-    padded = pad_widths(batch, int(widths[0]), int(widths[1]), pad_token_id).to("cpu")
-    parts: list = [None] * dist_info.world_size
-    dist.all_gather_object(parts, padded.state_dict(), group=dist_info.group)
-    sources = [Batch.from_state_dict(p) for p in parts]
-    mine = plan[dist_info.rank]
-    rows = Batch.concat([sources[r].index(np.arange(g * size, (g + 1) * size)) for r, g in mine])
-    out = Batch(rows.to(t["responses"].device).tensors, rows.non_tensors, dict(batch.meta))
+    padded = pad_widths(batch, int(widths[0]), int(widths[1]), pad_token_id)
+    out = _exchange(padded, plan, size, dist_info)
     assert len(out) == n_groups * size
-    return out, stats
+    return Batch(out.tensors, out.non_tensors, dict(batch.meta)), stats
+
+
+def _exchange(batch: Batch, plan: list[list[tuple[int, int]]], size: int, dist_info: DistInfo) -> Batch:
+    """This rank's rows under ``plan``, each group sent once from its rank to the rank that trains it: one
+    ``all_to_all`` per tensor (on the group's device) and one gather of the per-row texts (uids, ground truths)."""
+    world, me = dist_info.world_size, dist_info.rank
+    send = [[g for r, g in plan[dst] if r == me] for dst in range(world)]  # in the order dst trains them
+    recv = [[g for r, g in plan[me] if r == src] for src in range(world)]
+    send_rows = np.array([row for groups in send for g in groups for row in range(g * size, (g + 1) * size)],
+                         dtype=np.int64)
+    in_splits = [len(groups) * size for groups in send]
+    out_splits = [len(groups) * size for groups in recv]
+    # the received rows come by source rank; put them in the plan's order
+    first = np.cumsum([0] + out_splits[:-1])
+    slot = {(src, g): first[src] + k * size for src in range(world) for k, g in enumerate(recv[src])}
+    order = np.array([slot[(r, g)] + i for r, g in plan[me] for i in range(size)], dtype=np.int64)
+    tensors = {}
+    idx = torch.as_tensor(send_rows)
+    for key, t in batch.tensors.items():
+        flat = t.to(dist_info.device)
+        as_bytes = flat.dtype == torch.bool
+        flat = flat.to(torch.uint8) if as_bytes else flat
+        sent = flat.index_select(0, idx.to(flat.device)).contiguous()
+        got = flat.new_empty((sum(out_splits), *flat.shape[1:]))
+        dist.all_to_all_single(got, sent, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                               group=dist_info.group)
+        got = got.index_select(0, torch.as_tensor(order, device=got.device))
+        tensors[key] = (got.bool() if as_bytes else got).to(t.device)
+    # per-row texts and ids (uids, ground truths, ...), small beside the tensors: each rank's rows for each
+    # destination, gathered everywhere; a destination's rows from a source come in the order it trains them
+    outgoing = []
+    start = 0
+    for dst in range(world):
+        rows = send_rows[start:start + in_splits[dst]]
+        start += in_splits[dst]
+        outgoing.append({k: [v[row] for row in rows] for k, v in batch.non_tensors.items()})
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, outgoing, group=dist_info.group)
+    non_tensors = {}
+    for key, values in batch.non_tensors.items():
+        received = [v for src in range(world) for v in gathered[src][me][key]]
+        non_tensors[key] = _like(values, [received[i] for i in order])
+    return Batch(tensors, non_tensors, dict(batch.meta))
+
+
+def _like(values, items: list):
+    """``items`` in the container kind of ``values`` (a numpy array of the same dtype, or a list)."""
+    if isinstance(values, np.ndarray):
+        out = np.empty(len(items), dtype=values.dtype)
+        out[:] = items
+        return out
+    return list(items)
