@@ -1,4 +1,5 @@
-"""Policy-gradient losses: PPO's clipped surrogate, AReaL's decoupled PPO and GSPO's sequence-ratio clip.
+"""Policy-gradient losses: PPO's clipped surrogate, AReaL's decoupled PPO, GSPO's sequence-ratio clip and CISPO's
+clipped importance weights.
 
 Both return ``(loss, metrics)`` where ``loss`` is a scalar to *minimise*
 (the negated surrogate objective) and ``metrics`` holds detached 0-dim
@@ -21,8 +22,8 @@ correction, ``rollout_correction.py``). A new loss is one function plus one
 ``register_policy_loss(...)``.
 
 Left out: entropy bonus and KL loss (separate terms the caller adds, see
-``core.entropy_from_logits`` and ``kl.kl_loss``), value loss, CISPO
-and other variants, and anything distributed.
+``core.entropy_from_logits`` and ``kl.kl_loss``), value loss, other
+variants, and anything distributed.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from hybrid_rl.registry import Registry
 from .core import Number, check_same_shape, select_masked, agg_loss, masked_mean, masked_sum
 from .rollout_correction import Correction, make_correction, token_truncate
 
-__all__ = ["POLICY_LOSSES", "PolicyLossInfo", "decoupled_ppo_loss", "gspo_loss", "ppo_clip_loss", "register_policy_loss"]
+__all__ = ["POLICY_LOSSES", "PolicyLossInfo", "cispo_loss", "decoupled_ppo_loss", "gspo_loss", "ppo_clip_loss",
+           "register_policy_loss"]
 
 Metrics = dict[str, Tensor]
 PolicyLoss = Callable[..., tuple[Tensor, Metrics]]
@@ -296,6 +298,59 @@ def gspo_loss(
         clipfrac = (seq_clipped & real).sum().to(log_prob.dtype) / real.sum().clamp(min=1).to(log_prob.dtype)
         metrics = {
             "pg_clipfrac": clipfrac,
+            "pg_clipfrac_lower": torch.zeros((), dtype=log_prob.dtype, device=log_prob.device),
+            "ppo_kl": masked_mean(-log_ratio, response_mask),
+        }
+    loss = agg_loss(pg_losses, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                    norm_length=norm_length)
+    return loss, metrics
+
+
+# ---------------------------------------------------------------------------
+# CISPO (MiniMax-M1): clipped importance-sampling weights, every token keeps its gradient
+# ---------------------------------------------------------------------------
+
+
+@register_policy_loss("cispo", inputs=lambda t, cfg: {"old_log_prob": t["old_log_probs"]})
+def cispo_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 4.0,
+    clip_ratio_c: Optional[float] = None,
+    loss_agg_mode: str = "token-mean",
+    num_tokens: Optional[Number] = None,
+    num_seqs: Optional[Number] = None,
+    norm_length: Optional[int] = None,
+) -> tuple[Tensor, Metrics]:
+    """Clipped IS-weight Policy Optimization (MiniMax-M1, 2025), as TRL ships it.
+
+    All inputs [B, R]. loss_t = -sg[min(r_t, 1 + high)] A_t log_prob_t, with r_t = exp(log_prob - old_log_prob):
+    REINFORCE weighted by the importance ratio clipped from above and detached. Unlike PPO's clip, which drops the
+    gradient of a token outside the trust region, every token keeps its gradient, -min(r, 1 + high) A; only its
+    weight is bounded. The ratio is not clipped from below (the paper leaves that bound off), so
+    ``clip_ratio_low`` is unused; ``clip_ratio_high`` is the weight's bound above 1 (ScaleRL uses 4, this
+    default; the trainer passes ``actor.clip_ratio_high``, PPO's 0.2 unless set). ``clip_ratio_c`` must be None.
+
+    Metrics: pg_clipfrac (tokens whose weight was capped), pg_clipfrac_lower (0), ppo_kl (masked mean of
+    old_log_prob - log_prob).
+    """
+    if clip_ratio_c is not None:
+        raise ValueError(f"cispo has no dual clip: clip_ratio_c must be None, got {clip_ratio_c}")
+    if clip_ratio_high < 0:
+        raise ValueError(f"clip_ratio_high must be >= 0, got {clip_ratio_high}")
+    check_same_shape(
+        log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages, response_mask=response_mask
+    )
+    log_ratio = torch.clamp(log_prob - old_log_prob, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio).detach()
+    weight = torch.clamp(ratio, max=1.0 + clip_ratio_high)
+    pg_losses = -advantages * weight * log_prob
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_mean((ratio > 1.0 + clip_ratio_high).to(log_prob.dtype), response_mask),
             "pg_clipfrac_lower": torch.zeros((), dtype=log_prob.dtype, device=log_prob.device),
             "ppo_kl": masked_mean(-log_ratio, response_mask),
         }

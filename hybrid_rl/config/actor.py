@@ -57,10 +57,12 @@ class ActorConfig(UpdateConfig):
     copy of the parameters and full fp32 gradients per GPU during a pass: right for small models and many
     micro-batches, wrong where sharding is what makes the model fit."""
     policy_loss: str = "auto"
-    """The actor's loss, a name in ``hybrid_rl.algorithms.POLICY_LOSSES`` (``ppo``, ``decoupled_ppo``, ``gspo``, or
-    one a plug-in registers); ``auto`` = ``decoupled_ppo`` when the rollout correction is on, else ``ppo``. ``gspo``
-    clips one length-normalised ratio per sequence: set ``actor.clip_ratio_low=3e-4 actor.clip_ratio_high=4e-4
-    actor.loss_agg_mode=seq-mean-token-mean`` (the paper's)."""
+    """The actor's loss, a name in ``hybrid_rl.algorithms.POLICY_LOSSES`` (``ppo``, ``decoupled_ppo``, ``gspo``,
+    ``cispo``, or one a plug-in registers); ``auto`` = ``decoupled_ppo`` when the rollout correction is on, else
+    ``ppo``. ``gspo`` clips one length-normalised ratio per sequence: set ``actor.clip_ratio_low=3e-4
+    actor.clip_ratio_high=4e-4 actor.loss_agg_mode=seq-mean-token-mean`` (the paper's). ``cispo`` weights each
+    token's log-prob gradient by its importance ratio capped at ``1 + actor.clip_ratio_high`` (set it to 4, as
+    ScaleRL) and detached: no token loses its gradient."""
     clip_ratio_low: float = 0.2
     """PPO clip ε below 1."""
     clip_ratio_high: float = 0.2

@@ -111,10 +111,10 @@ def check_engines(cfg: "Config", world: int) -> None:
 
 
 def check_policy_loss(cfg: "Config") -> None:
-    """GSPO clips one ratio per sequence: no dual clip."""
-    if cfg.policy_loss == "gspo" and cfg.actor.clip_ratio_c is not None:
-        raise ConfigError(f"actor.clip_ratio_c={cfg.actor.clip_ratio_c}: actor.policy_loss=gspo has no dual clip; set "
-                          f"actor.clip_ratio_c=null")
+    """GSPO clips one ratio per sequence and CISPO caps a weight: neither has a dual clip."""
+    if cfg.policy_loss in ("gspo", "cispo") and cfg.actor.clip_ratio_c is not None:
+        raise ConfigError(f"actor.clip_ratio_c={cfg.actor.clip_ratio_c}: actor.policy_loss={cfg.policy_loss} has no "
+                          f"dual clip; set actor.clip_ratio_c=null")
 
 
 def check_filter_groups(cfg: "Config") -> None:

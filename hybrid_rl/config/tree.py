@@ -57,7 +57,7 @@ class Config:
         if self.rollout.logprobs == "always":
             return True
         return (self.trainer.mode == "overlap" or self.use_rollout_correction or self.actor.old_log_prob == "engine"
-                or self.policy_loss not in ("ppo", "gspo") or self.env.name is not None)
+                or self.policy_loss not in ("ppo", "gspo", "cispo") or self.env.name is not None)
 
     @property
     def engine_sleeps(self) -> bool:
