@@ -1,12 +1,12 @@
 """Validation: greedy pass@1 on the validation prompts with the current weights (or ``rollout.val_n`` samples per
-prompt at ``rollout.val_temperature``: mean@n and best@n).
+prompt at ``rollout.val_temperature``: mean@n, best@n and, for tasks whose answers can be read, maj@n).
 
 ``load_val_set`` reads ``data.val_path`` (only where a validation will run); calling a ``Validator`` with the
 step's rollout source hands the engine the current weights and has every rank that generates score its share of the
 prompts, reduced over them: ``val/reward_mean`` and its clipped part, the response lengths and clip ratio, the task's
 answer-shape counts, each source's accuracy where the set has several (arith's families), and ``timing/validate``.
-``trainer.validation_data_dir`` also writes each sample per rank and step. Left out: majority voting (maj@n needs
-each task's answer extraction) and validation on a schedule of its own (the loop decides when, ``trainer.test_freq``).
+``trainer.validation_data_dir`` also writes each sample per rank and step. Left out: validation on a schedule of its
+own (the loop decides when, ``trainer.test_freq``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from hybrid_rl.data.tasks import Task
 from hybrid_rl.distributed import DistInfo, reduce_weighted_means
 from hybrid_rl.envs.metrics import add_pairs, env_metrics, zero_pairs
 from hybrid_rl.telemetry.metrics import outcome_sums
-from hybrid_rl.phases.reward import compute_scores, sample_records
+from hybrid_rl.phases.reward import compute_scores, decode_responses, sample_records
 from hybrid_rl.rewards import RewardScorer
 from hybrid_rl.rewards.weighted import WeightedRewards, function_labels
 from hybrid_rl.rewards.model import RewardModel
@@ -48,6 +48,24 @@ def load_val_set(cfg: Config, tokenizer) -> PromptDataset | None:
         return None
     return read_prompts(cfg, tokenizer, "val_path", d.val_split, max(d.num_synthetic // 4, 1), t.seed + 1,
                         held_out=True, cap=d.max_val_samples)
+
+
+def majority_scores(keys: list[str | None], scores: list[float], n: int) -> list[float]:
+    """Per prompt (``n`` consecutive samples): the score of the answer most of its samples give (``keys``: each
+    sample's final answer, None for none; a tie goes to the answer given first), 0 when no sample answered."""
+    out = []
+    for p in range(0, len(keys), n):
+        counts: dict[str, int] = {}
+        for k in keys[p:p + n]:
+            if k is not None:
+                counts[k] = counts.get(k, 0) + 1
+        if not counts:
+            out.append(0.0)
+            continue
+        top = max(counts.values())
+        winner = next(k for k in keys[p:p + n] if k is not None and counts[k] == top)
+        out.append(scores[p + keys[p:p + n].index(winner)])
+    return out
 
 
 class Validator:
@@ -88,6 +106,8 @@ class Validator:
         tool_use = zero_pairs("val/env") if self.cfg.env.name is not None else {}  # multi-turn: val/env/*
         n = self.cfg.rollout.val_n  # samples per prompt, consecutive rows
         best = [0.0, 0.0]  # (sum of each prompt's best score, prompts): val/reward_best_of_n
+        votes = n > 1 and self.task is not None and self.task.votes
+        majority = [0.0, 0.0]  # (sum of each prompt's majority answer's score, prompts): val/reward_maj_of_n
         for s in range(0, len(idx), chunk):
             prompts = collate_prompts([self.val_set[i] for i in idx[s:s + chunk]], self.tokenizer.pad_token_id)
             out = self.worker.generate(prompts, validate=True)
@@ -103,6 +123,10 @@ class Validator:
             per_prompt = out.tensors["scores"].float().cpu().view(-1, n)  # [prompts, n]
             best[0] += float(per_prompt.max(dim=1).values.sum())
             best[1] += per_prompt.shape[0]
+            if votes:
+                keys = [self.task.vote_key(t) for t in decode_responses(out, self.tokenizer)]
+                majority[0] += sum(majority_scores(keys, per_prompt.flatten().tolist(), n))
+                majority[1] += per_prompt.shape[0]
             if by_source:
                 for src, score in zip(out.non_tensors["data_source"], out.tensors["scores"].tolist()):
                     by_source[f"val/reward_mean/{src}"][0] += score
@@ -117,6 +141,8 @@ class Validator:
         stats.update({k: (v, c) for k, (v, c) in by_source.items()})
         if n > 1:
             stats["val/reward_best_of_n"] = (best[0], best[1])
+        if votes:
+            stats["val/reward_maj_of_n"] = (majority[0], majority[1])
         stats.update(tool_use)
         return reduce_weighted_means(stats, self.dist.device, self.dist.group)
 

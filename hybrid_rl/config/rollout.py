@@ -30,8 +30,10 @@ class RolloutConfig:
     val_temperature: float = harmless(0.0)
     """Temperature for validation (0 = greedy pass@1)."""
     val_n: int = harmless(1)
-    """Samples per validation prompt: ``val/reward_mean`` is then their mean (mean@n) and ``val/reward_best_of_n``
-    the mean over prompts of each one's best score (best@n); more than 1 needs ``val_temperature`` > 0."""
+    """Samples per validation prompt: ``val/reward_mean`` is then their mean (mean@n), ``val/reward_best_of_n``
+    the mean over prompts of each one's best score (best@n) and, where the task reads final answers (gsm8k, math,
+    arith), ``val/reward_maj_of_n`` the score of each prompt's most frequent answer (maj@n); more than 1 needs
+    ``val_temperature`` > 0."""
     max_num_seqs: int = harmless(256)
     """Sequences generated at once by the engine (the hf engine chunks by this)."""
     weight_sync_bucket_mb: int = harmless(512)

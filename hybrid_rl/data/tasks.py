@@ -62,6 +62,14 @@ class Task:
         on the responses (an empty list included): every rank all-reduces the same ones."""
         return {}
 
+    votes: bool = False
+    """Whether ``vote_key`` reads final answers (validation's majority vote, ``val/reward_maj_of_n``)."""
+
+    def vote_key(self, response: str) -> str | None:
+        """The response's final answer as the majority vote compares it (a normalised text), or None when it has
+        none; only for tasks that ``votes``."""
+        return None
+
     def generate(self, num: int, seed: int, options: Any = None) -> list[dict[str, Any]]:
         """Deterministic synthetic rows; only synthetic tasks have them. ``options``: the task's own config section
         (``data.<task>``), for the tasks that have one."""
@@ -90,6 +98,16 @@ class Gsm8kTask(Task):
     name = "gsm8k"
     default_reward = "gsm8k"
     reads_verl_rows = True
+    votes = True
+
+    def vote_key(self, response: str) -> str | None:
+        answer = extract_answer(response, "flexible")
+        if answer is None:
+            return None
+        try:
+            return repr(float(answer))  # 18, 18.0 and 18.00 are one answer
+        except ValueError:
+            return answer
 
     def answer_stats(self, responses: list[str]) -> dict[str, float]:
         """``format_strict``: responses with the ``#### <number>`` line the prompt asks for; ``answer_found``: responses
@@ -135,6 +153,10 @@ class SuccessorTask(Task):
     name = "successor"
     default_reward = "successor"
     synthetic = True
+    votes = True
+
+    def vote_key(self, response: str) -> str | None:
+        return response.strip() or None
 
     def format_row(self, row: dict[str, Any], row_id: int) -> dict[str, Any]:
         raw = self._field(row, "digit", row_id)
@@ -170,6 +192,11 @@ class ArithTask(Task):
     name = "arith"
     default_reward = "arith"
     synthetic = True
+    votes = True
+
+    def vote_key(self, response: str) -> str | None:
+        answer = extract_integer(response)
+        return None if answer is None else str(answer)
 
     def answer_stats(self, responses: list[str]) -> dict[str, float]:
         """``format_exact``: responses that are the number and nothing else (what the prompt asks for);
@@ -241,6 +268,8 @@ class Mul3Task(Task):
     synthetic = True
 
     answer_stats = ArithTask.answer_stats
+    votes = True
+    vote_key = ArithTask.vote_key
 
     def format_row(self, row: dict[str, Any], row_id: int) -> dict[str, Any]:
         question = self._field(row, "question", row_id)
@@ -276,6 +305,15 @@ class MathTask(Task):
     name = "math"
     default_reward = "math"
     reads_verl_rows = True
+    votes = True
+
+    def vote_key(self, response: str) -> str | None:
+        """The last ``\\boxed{}`` under the math reward's light normalisation (``\\frac12`` and ``0.5`` stay two
+        answers: the vote compares texts)."""
+        from ..rewards.math import normalize
+
+        answer = last_boxed(response)
+        return None if answer is None else normalize(answer)
 
     def answer_stats(self, responses: list[str]) -> dict[str, float]:
         """``boxed_found``: responses with a closed ``\\boxed{}`` (the form the prompt asks for)."""

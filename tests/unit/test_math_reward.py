@@ -164,3 +164,29 @@ def test_a_verl_function_with_another_required_parameter_is_refused_in_one_line(
         get_reward_fn(f"{path}:compute_score", "math")
     msg = str(ei.value)
     assert "takes solution_str, so it is called as verl calls a reward function" in msg and "\n" not in msg
+
+
+# --------------------------------------------------------------------------- majority vote (val/reward_maj_of_n)
+def test_majority_scores_take_the_most_frequent_answer_per_prompt():
+    from hybrid_rl.validation import majority_scores
+
+    keys = ["7", "3", "7", None,      # 7 twice: its score (the first 7's)
+            "1", "2", "2", "1",       # a tie: the answer given first, 1
+            None, None, None, None,   # no answer: 0
+            "5", None, None, None]    # one answer among no answers
+    scores = [1.0, 0.0, 1.0, 0.0,  0.0, 1.0, 1.0, 0.0,  1.0, 1.0, 1.0, 1.0,  0.5, 0.0, 0.0, 0.0]
+    assert majority_scores(keys, scores, 4) == [1.0, 0.0, 0.0, 0.5]
+
+
+@pytest.mark.parametrize("task, response, key", [
+    ("math", r"so \boxed{\dfrac{1}{2}}.", r"\frac{1}{2}"),
+    ("math", "no box", None),
+    ("gsm8k", "... #### 18.00", repr(18.0)),
+    ("gsm8k", "The answer is 18", repr(18.0)),
+    ("arith", "It is 1,234.", "1234"),
+    ("successor", " 7 ", "7"),
+    ("chat", "anything", None),
+])
+def test_vote_keys(task, response, key):
+    assert TASKS[task].vote_key(response) == key
+    assert TASKS[task].votes == (task != "chat")

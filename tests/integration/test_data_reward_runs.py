@@ -1,11 +1,12 @@
-"""A run on data prepared for verl, scored by a reward function written for verl, end to end on CPU.
+"""Data and rewards through the trainer, end to end on CPU: verl's data and reward functions unchanged, several
+reward functions by weight, several validation files, the code task through the sandbox, and maj@n.
 
-The data file is a parquet of verl rows (``prompt`` messages, ``reward_model.ground_truth``, ``data_source``,
-``extra_info``) from two sources; the reward function is verl's ``compute_score(data_source, solution_str,
-ground_truth, extra_info)``, unchanged. It pays 1 for a row whose ``extra_info.index`` is even (every ``src_a``
-row) and 0 otherwise (every ``src_b`` row), whatever the response, so the validation figures per source are known
-in advance (1 and 0), and the sources' share of each training step's samples fixes ``reward/mean``. Every call it
-receives is written to a log, which must show each row's own ``data_source`` and ``extra_info``.
+The first test's data file is a parquet of verl rows (``prompt`` messages, ``reward_model.ground_truth``,
+``data_source``, ``extra_info``) from two sources; the reward function is verl's ``compute_score(data_source,
+solution_str, ground_truth, extra_info)``, unchanged. It pays 1 for a row whose ``extra_info.index`` is even (every
+``src_a`` row) and 0 otherwise (every ``src_b`` row), whatever the response, so the validation figures per source
+are known in advance (1 and 0), and the sources' share of each training step's samples fixes ``reward/mean``. Every
+call it receives is written to a log, which must show each row's own ``data_source`` and ``extra_info``.
 """
 
 from __future__ import annotations
@@ -141,3 +142,41 @@ def test_a_code_task_run_scores_through_the_sandbox(tmp_path):
     train = [m for m in metrics if "reward/mean" in m]
     assert len(train) == 1 and train[0]["reward/mean"] == 0.0 and train[0]["reward/code_found"] == 0.0
     assert [m["val/reward_mean"] for m in metrics if "val/reward_mean" in m] == [0.0, 0.0]
+
+
+def test_majority_vote_of_n_samples_is_recomputed_from_the_written_samples(tmp_path):
+    """``rollout.val_n=4`` at temperature 1 on the successor task (one-token answers, a reward for a low digit):
+    ``val/reward_maj_of_n`` is, per prompt, the score of the answer most of its 4 samples give (a tie to the answer
+    given first; no answer scores 0), recomputed here from the samples validation wrote."""
+    from collections import Counter
+
+    reward = tmp_path / "low_digit.py"  # pays often enough at the start for the figures to say something
+    reward.write_text("def score(response, ground_truth):\n    return float(response[:1] in '01234')\n")
+    out = tmp_path / "run"
+    run_checked([sys.executable, "-m", "hybrid_rl", "train", str(ROOT / "recipes" / "cpu_successor.yaml"),
+                 f"trainer.output_dir={out}", "trainer.logger=[jsonl]", "trainer.save_freq=-1", "trainer.total_steps=15",
+                 "trainer.test_freq=15", "rollout.val_n=4", "rollout.val_temperature=1.0", "data.max_val_samples=20",
+                 "trainer.validation_data_dir=val", f"reward.function={reward}:score", "reward.num_workers=0",
+                 "data.max_response_length=1"],  # one-token answers: a prompt's samples often agree
+                timeout=300)
+    vals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "val/reward_mean" in line]
+    assert len(vals) == 2
+    for row, step in zip(vals, (0, 15)):
+        samples = [json.loads(line) for line in (out / "val" / f"step_{step:08d}_rank0.jsonl").read_text().splitlines()]
+        by_prompt: dict[int, list[dict]] = {}
+        for s in samples:
+            by_prompt.setdefault(s["index"], []).append(s)
+        maj, votes = [], 0
+        for group in by_prompt.values():
+            answers = [s["response"].strip() for s in group if s["response"].strip()]
+            if not answers:
+                maj.append(0.0)
+                continue
+            counts = Counter(answers)
+            top = max(counts.values())
+            votes += top > 1
+            winner = next(a for a in answers if counts[a] == top)
+            maj.append(next(s["score"] for s in group if s["response"].strip() == winner))
+        assert row["val/reward_maj_of_n"] == pytest.approx(sum(maj) / len(maj), abs=1e-6)
+        assert 0 < row["val/reward_mean"] < 1
+    assert votes >= 1  # some prompt's samples agree: a real vote, not only the first sample's score
