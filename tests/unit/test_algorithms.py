@@ -578,7 +578,10 @@ def test_decoupled_weights_are_detached():
 
 
 def test_policy_losses_registry():
-    assert POLICY_LOSSES == {"ppo": ppo_clip_loss, "decoupled_ppo": decoupled_ppo_loss, "gspo": gspo_loss}
+    from hybrid_rl.algorithms.policy_loss import cispo_loss
+
+    assert POLICY_LOSSES == {"ppo": ppo_clip_loss, "decoupled_ppo": decoupled_ppo_loss, "gspo": gspo_loss,
+                             "cispo": cispo_loss}
 
 
 # ---------------------------------------------------------------------------
