@@ -40,7 +40,7 @@ test-slow: $(VPY)
 	$(VPY) -m pytest -q -n $(TEST_WORKERS) -m "slow and not gpu and not learning" $(PYTEST_ARGS)
 
 # the CPU learning curves: the default recipe (sync, 250 steps, with validation), overlap mode, GAE in sync and
-# overlap mode, partial rollouts colocated and split at ahead 3; each run stops once its reward has reached the bar
+# overlap mode, partial rollouts colocated and split at ahead 3, CISPO; each run stops once its reward has reached the bar
 test-learning: $(VPY)
 	$(VPY) -m pytest -q -n $(TEST_WORKERS) -m "learning and not gpu" $(PYTEST_ARGS)
 

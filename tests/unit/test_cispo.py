@@ -72,3 +72,4 @@ def test_the_worker_trains_with_cispo_and_refuses_a_dual_clip():
     assert seen == [4.0] and "actor/pg_loss" in metrics
     with pytest.raises(ConfigError, match=r"actor.policy_loss=cispo has no dual clip"):
         make_cfg("actor.policy_loss=cispo", "actor.clip_ratio_c=3.0")
+
