@@ -1,4 +1,4 @@
-"""Rule-based rewards: built-in scorers (``gsm8k``, ``successor``, ``arith``, ``math``), resolution of
+"""Rule-based rewards: built-in scorers (``gsm8k``, ``successor``, ``arith``, ``math``, ``code``, ``think_format``), resolution of
 ``reward.function`` and batch scoring with ``reward.on_error`` handling (``registry``), in worker processes with
 a per-call ``reward.timeout_s`` for user functions and ``math`` (``pool``, each worker running ``worker``); one
 call's score or error as one line, in hybrid_rl's or verl's signature (``call``); ``reward.extra_functions`` beside

@@ -30,7 +30,7 @@ from typing import Any, Callable
 from ..data.tasks import TASKS
 from ..pyfile import exec_file_module
 from ..registry import Registry
-from . import arith, code, gsm8k, successor
+from . import arith, code, gsm8k, successor, think
 from . import math as math_reward
 from .call import SampleInfo, call_style, score_one
 from .pool import PoolFailure, RewardPool, WorkerInitError, worker_count
@@ -62,6 +62,7 @@ register_reward("arith_strict", arith.compute_score_strict)
 register_reward("math", math_reward.compute_score)
 register_reward("code", code.compute_score)
 register_reward("code_fraction", code.compute_score_fraction)
+register_reward("think_format", think.compute_score)
 
 POOLED_BUILTINS = frozenset({"math", "code", "code_fraction"})
 """Built-ins slow enough (milliseconds of SymPy, or a sandboxed interpreter, per sample) to run in reward worker

@@ -79,3 +79,19 @@ def test_a_failing_extra_function_is_named_by_its_key_when_it_fails(tmp_path):
     assert str(ei.value).startswith(f"reward.extra_functions[0]='{path}:bad' failed on sample 0 (KeyError")
     total, failed, _ = rewards.score([r"\boxed{1}"], ["1"], on_error="zero")
     assert total == [1.0] and failed == 1
+
+
+@pytest.mark.parametrize("response, score", [
+    ("<think>2 + 2 is 4</think> The answer is 4.", 1.0),
+    ("2 + 2 is 4</think>\n4", 1.0),                       # the template opened the block
+    ("<think>2 + 2 is 4</think>", 0.0),                   # no answer after it
+    ("<think></think> 4", 0.0),                           # no reasoning
+    ("The answer is 4.", 0.0),                            # no block
+    ("<think>a</think> b </think> c", 0.0),               # two closing tags
+    ("<think>a <think> b</think> c", 0.0),                # a nested block
+    ("x <think>a</think> c", 0.0),                        # text before the block
+])
+def test_think_format(response, score):
+    from hybrid_rl.rewards import get_reward_fn
+
+    assert get_reward_fn("think_format", "math")(response, "") == score
