@@ -242,6 +242,10 @@ def check_reward(cfg: Config) -> None:
     from hybrid_rl.rewards.weighted import check_functions
 
     check_functions(cfg.reward, cfg.data.task)
+    if cfg.reward.remote.url is not None:
+        from hybrid_rl.rewards.remote import RemoteReward
+
+        RemoteReward(cfg.reward.remote)  # the URL's form; the server is reached at the first reward
 
 
 # --------------------------------------------------------------------------- outputs

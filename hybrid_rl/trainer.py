@@ -39,6 +39,7 @@ from hybrid_rl.phases.old_log_prob import old_log_probs, plan_old_log_prob
 from hybrid_rl.phases.reward import RewardPhase
 from hybrid_rl.rewards.weighted import WeightedRewards
 from hybrid_rl.rewards.model import RewardModel
+from hybrid_rl.rewards.remote import RemoteReward
 from hybrid_rl.runlock import take_run_lock
 from hybrid_rl.telemetry.gc_pauses import StepCollection
 from hybrid_rl.telemetry.metrics import finish_step_metrics, step_metrics, step_times
@@ -82,7 +83,9 @@ class Trainer:
         self.task = TASKS.get(cfg.data.task)  # its answer-shape counts are logged beside the reward (None: unknown)
         # a reward model (reward.model.path), a copy per rank: loaded now, so that a bad path fails before any training
         self.reward_model = RewardModel(cfg.reward.model, dist.device) if cfg.reward.model.path else None
-        self.reward = RewardPhase(cfg, tokenizer, self.reward_fn, self.task, self.dist, self.reward_model)
+        self.remote_reward = RemoteReward(cfg.reward.remote) if cfg.reward.remote.url else None
+        self.reward = RewardPhase(cfg, tokenizer, self.reward_fn, self.task, self.dist, self.reward_model,
+                                  self.remote_reward)
         t = cfg.trainer
         self.total_steps = t.total_steps or t.total_epochs * self.prompts.sampler.steps_per_epoch
         self.engine_twin = meet_at_engines(cfg, pl, dist, tokenizer)  # split + vLLM: before any model is built
@@ -100,7 +103,7 @@ class Trainer:
                                   steps_left=lambda: self.total_steps - self.current_step)
         self.validator = None if val_set is None else Validator(cfg, val_set, tokenizer, self.worker, self.reward_fn,
                                                                   self.task, self.dist, lambda: self.current_step,
-                                                                  self.reward_model)
+                                                                  self.reward_model, self.remote_reward)
         self.model_flops = ModelFlops.of(self.worker.actor.model) if self.worker.actor is not None else None
         self.peak_flops = peak_flops(self.dist.device, cfg.trainer.peak_tflops)
         self.checkpointer = Checkpointer(cfg, pl, self.worker, self.critic, self.source, self.prompts.sampler,

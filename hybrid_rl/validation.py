@@ -29,6 +29,7 @@ from hybrid_rl.phases.reward import compute_scores, decode_responses, sample_rec
 from hybrid_rl.rewards import RewardScorer
 from hybrid_rl.rewards.weighted import WeightedRewards, function_labels
 from hybrid_rl.rewards.model import RewardModel
+from hybrid_rl.rewards.remote import RemoteReward
 
 if TYPE_CHECKING:
     from hybrid_rl.modes.sources import RolloutSource
@@ -73,10 +74,11 @@ class Validator:
 
     def __init__(self, cfg: Config, val_set: PromptDataset, tokenizer, worker: ActorRolloutRefWorker,
                  reward_fn: WeightedRewards | RewardScorer, task: Task | None, dist: DistInfo, step: Callable[[], int],
-                 reward_model: RewardModel | None = None):
+                 reward_model: RewardModel | None = None, remote: RemoteReward | None = None):
         self.cfg, self.val_set, self.tokenizer, self.worker = cfg, val_set, tokenizer, worker
         self.reward_fn, self.task, self.dist, self.step = reward_fn, task, dist, step
         self.reward_model = reward_model
+        self.remote = remote
 
     @torch.no_grad()
     def __call__(self, source: RolloutSource) -> dict[str, float]:
@@ -96,6 +98,7 @@ class Validator:
         names = list(VAL_OUTCOMES)
         names += list(self.task.answer_stats([])) if self.task is not None else []
         names += ["model_mean", "model_truncated"] if self.reward_model is not None else []
+        names += ["remote_mean"] if self.remote is not None else []
         names += [f"function/{label}" for label in function_labels(self.reward_fn)]
         sums = {f"val/{k}": 0.0 for k in names}
         count = 0.0
@@ -112,7 +115,7 @@ class Validator:
             prompts = collate_prompts([self.val_set[i] for i in idx[s:s + chunk]], self.tokenizer.pad_token_id)
             out = self.worker.generate(prompts, validate=True)
             out, stats = compute_scores(out, self.tokenizer, self.reward_fn, self.cfg.reward.on_error, self.task,
-                                        prefix="val", reward_model=self.reward_model)
+                                        prefix="val", reward_model=self.reward_model, remote=self.remote)
             stats.pop("val/errors")
             outcome = outcome_sums(out.tensors["scores"], out.tensors["response_mask"], self.cfg.data.max_response_length,
                                    out.tensors.get("env_stop"))

@@ -166,6 +166,31 @@ class RewardModelConfig:
 
 
 @dataclass
+class RemoteRewardConfig:
+    url: Optional[str] = None
+    """A reward server's endpoint (OpenRLHF's remote reward model protocol, ``rewards/remote.py``): each batch
+    posted as ``{"query", "prompts", "responses", "labels"}``, answered with ``{"rewards": [...]}``; its score times
+    ``weight`` adds to ``reward.function``'s. null: none."""
+    weight: float = 1.0
+    """The factor on the server's reward (``reward/remote_mean`` logs it before the factor)."""
+    batch_size: int = harmless(64)
+    """Samples per request."""
+    max_concurrency: int = harmless(4)
+    """Requests in flight at once from each rank."""
+    timeout_s: float = harmless(60.0)
+    """Seconds one request may take before it fails (and is tried again, ``retries`` times)."""
+    retries: int = harmless(2)
+    """Further tries of a failed request, after 0.5, 1, 2 ... s."""
+
+    def validate(self) -> None:
+        if self.url is None:
+            return
+        if self.batch_size < 1 or self.max_concurrency < 1 or self.retries < 0 or not self.timeout_s > 0:
+            raise ConfigError("reward.remote: batch_size and max_concurrency must be >= 1, retries >= 0 and "
+                              "timeout_s > 0")
+
+
+@dataclass
 class RewardConfig:
     function: str = "auto"
     """``auto`` (the task's own), a built-in name (``gsm8k``, ``math``, ``successor``, ``none``), or
@@ -194,10 +219,13 @@ class RewardConfig:
     """The reward a response cut at the length cap loses (with ``overlong_buffer_len`` > 0)."""
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """A reward model (sequence classification) whose score adds to the function's."""
+    remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
+    """A reward server over HTTP whose score adds to the function's."""
 
 
     def validate(self) -> None:
         self.model.validate()
+        self.remote.validate()
         if self.extra_weights and len(self.extra_weights) != len(self.extra_functions):
             raise ConfigError(f"reward.extra_weights has {len(self.extra_weights)} entries for "
                               f"{len(self.extra_functions)} reward.extra_functions; give one weight per function "

@@ -173,7 +173,7 @@ def check_reward_source(cfg: "Config") -> None:
     """A ``chat`` task has no answers to score: its reward comes from a reward model, an environment or a function."""
     r = cfg.reward
     if (cfg.data.task == "chat" and r.function in ("auto", "none") and r.model.path is None and cfg.env.name is None
-            and not r.extra_functions):
+            and not r.extra_functions and r.remote.url is None):
         raise ConfigError(f"data.task=chat has no answers and reward.function={r.function} scores nothing (the chat "
                           f"task's own is 'none'), so every reward would be 0; set reward.model.path to a reward model "
                           f"(a sequence classifier) or reward.function to a function of the response")

@@ -8,8 +8,8 @@ trajectory the reward function reads the last model turn, the score sits on its 
 environment's own rewards are added), counts failures
 when ``reward.on_error=zero``, and reports (sum, count) ``reward/*`` stats under the ``timing/reward`` timer. Running
 the functions (in this process, or in worker processes with ``reward.timeout_s`` for user functions) is
-``RewardScorer``'s (``hybrid_rl.rewards``); a reward model's score (``reward.model``, ``rewards/model.py``) adds to
-the function's. Validation scores through ``compute_scores`` too.
+``RewardScorer``'s (``hybrid_rl.rewards``); a reward model's score (``reward.model``, ``rewards/model.py``) and a
+reward server's (``reward.remote``, ``rewards/remote.py``) add to the function's. Validation scores through ``compute_scores`` too.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from hybrid_rl.micro_batching import pad_widths
 from hybrid_rl.rewards import RewardScorer, score_responses
 from hybrid_rl.rewards.model import RewardModel, batch_messages
 from hybrid_rl.rewards.overlong import overlong_penalty
+from hybrid_rl.rewards.remote import RemoteReward
 from hybrid_rl.rewards.weighted import WeightedRewards
 from hybrid_rl.telemetry.tracking import Timer
 
@@ -85,12 +86,12 @@ def sample_records(batch: Batch, tokenizer) -> list[dict]:
     return records
 
 
-def prompt_texts(batch: Batch, tokenizer) -> list[str]:
-    """Each row's prompt as text, special tokens left out."""
+def prompt_texts(batch: Batch, tokenizer, special: bool = False) -> list[str]:
+    """Each row's prompt as text, special tokens left out (``special``: kept, as the chat template wrote them)."""
     ids, mask = batch.tensors["input_ids"].cpu(), batch.tensors["attention_mask"].cpu().bool()
     width = batch.tensors["responses"].shape[1]
     return tokenizer.batch_decode([r[:-width][m[:-width]].tolist() for r, m in zip(ids, mask)],
-                                  skip_special_tokens=True)
+                                  skip_special_tokens=not special)
 
 
 def model_scores(batch: Batch, tokenizer, texts: list[str], reward_model: RewardModel,
@@ -113,9 +114,21 @@ def sample_infos(batch: Batch) -> list[tuple[str, str]]:
     return [(str(s), str(e)) for s, e in zip(sources, extras)]
 
 
+def remote_scores(batch: Batch, tokenizer, texts: list[str], remote: RemoteReward, on_error: str,
+                  prefix: str) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
+    """The reward server's scores [B] of ``texts`` after their prompts (as the chat template wrote them), and their
+    stats: ``<prefix>/remote_mean`` (before ``reward.remote.weight``) and the samples a failed request scored 0."""
+    prompts = prompt_texts(batch, tokenizer, special=True)
+    scores, failed = remote.score(prompts, texts, [str(g) for g in batch.non_tensors["ground_truth"]], on_error)
+    n = float(len(texts))
+    return torch.tensor(scores, dtype=torch.float32), {f"{prefix}/remote_mean": (float(sum(scores)), n),
+                                                       f"{prefix}/errors": (float(failed), 1.0)}
+
+
 def compute_scores(batch: Batch, tokenizer, fn: WeightedRewards | RewardScorer | Callable[[str, str], float],
                    on_error: str, task: Task | None = None, prefix: str = "reward",
-                   reward_model: RewardModel | None = None) -> tuple[Batch, dict[str, tuple[float, float]]]:
+                   reward_model: RewardModel | None = None,
+                   remote: RemoteReward | None = None) -> tuple[Batch, dict[str, tuple[float, float]]]:
     """``fn``: the run's reward functions (``WeightedRewards``: with several, each one's mean is a stat), one
     ``RewardScorer``, or a bare reward function (scored in this process); ``reward_model``: its
     score times ``reward.model.weight`` added. The stats are ``(sum, count)`` pairs: the failed samples, the reward
@@ -138,6 +151,11 @@ def compute_scores(batch: Batch, tokenizer, fn: WeightedRewards | RewardScorer |
         rm, rm_stats = model_scores(batch, tokenizer, texts, reward_model, prefix)
         score_t = score_t + reward_model.cfg.weight * rm
         stats.update(rm_stats)
+    if remote is not None:
+        server, server_stats = remote_scores(batch, tokenizer, texts, remote, on_error, prefix)
+        score_t = score_t + remote.cfg.weight * server
+        stats[f"{prefix}/errors"] = (stats[f"{prefix}/errors"][0] + server_stats.pop(f"{prefix}/errors")[0], 1.0)
+        stats.update(server_stats)
     if "env_reward" in batch.tensors:  # a multi-turn environment's own rewards add to the reward function's
         score_t = score_t + batch.tensors["env_reward"].float().cpu()
     token_scores = sparse_scores(score_t, batch.tensors["response_mask"])
@@ -232,10 +250,12 @@ class RewardPhase:
     unknown one) counts their answer shapes, ``dist`` is the training ranks' world (group filtering meets there)."""
 
     def __init__(self, cfg: Config, tokenizer, reward_fn: WeightedRewards | RewardScorer, task: Task | None, dist: DistInfo,
-                 reward_model: RewardModel | None = None):
+                 reward_model: RewardModel | None = None, remote: RemoteReward | None = None):
         self.cfg, self.tokenizer, self.reward_fn, self.task, self.dist = cfg, tokenizer, reward_fn, task, dist
         self.reward_model = reward_model
         """``reward.model.path``'s model (None: no reward model)."""
+        self.remote = remote
+        """``reward.remote.url``'s client (None: no reward server)."""
 
     def __call__(self, batch: Batch, timer: Timer, next_batch: NextBatch) -> tuple[Batch, dict]:
         """The scored batch (only informative groups under ``algorithm.filter_groups``, refilled through
@@ -250,7 +270,7 @@ class RewardPhase:
         """Scores on the last response tokens, the overlong penalty; (sum, count) stats."""
         cfg = self.cfg
         batch, reward_stats = compute_scores(batch, self.tokenizer, self.reward_fn, cfg.reward.on_error, self.task,
-                                             reward_model=self.reward_model)
+                                             reward_model=self.reward_model, remote=self.remote)
         if cfg.reward.overlong_buffer_len > 0:
             batch, penalty_stats = shape_overlong(batch, cfg.data.max_response_length, cfg.reward.overlong_buffer_len,
                                                   cfg.reward.overlong_penalty_factor)

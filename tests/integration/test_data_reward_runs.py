@@ -180,3 +180,36 @@ def test_majority_vote_of_n_samples_is_recomputed_from_the_written_samples(tmp_p
         assert row["val/reward_maj_of_n"] == pytest.approx(sum(maj) / len(maj), abs=1e-6)
         assert 0 < row["val/reward_mean"] < 1
     assert votes >= 1  # some prompt's samples agree: a real vote, not only the first sample's score
+
+
+def test_a_reward_server_scores_a_run(tmp_path):
+    """``reward.remote.url`` (OpenRLHF's protocol) from a local server paying each response's length in characters:
+    ``reward/remote_mean`` is the mean length of the step's responses as the server saw them, ``reward/mean`` 0.5 ×
+    that (``reward.function=none``), every query is the prompt as the chat template wrote it followed by the
+    response, and each step posts its 8 × 4 samples."""
+    sys.path.insert(0, str(ROOT / "tests" / "unit"))
+    try:
+        from test_remote_reward import _Server
+    finally:
+        sys.path.pop(0)
+    server = _Server()
+    try:
+        out = tmp_path / "run"
+        run_checked([sys.executable, "-m", "hybrid_rl", "train", str(ROOT / "recipes" / "cpu_successor.yaml"),
+                     f"trainer.output_dir={out}", "trainer.logger=[jsonl]", "trainer.save_freq=-1",
+                     "trainer.total_steps=2", "trainer.test_freq=0", "trainer.val_before_train=false",
+                     "reward.function=none", f"reward.remote.url={server.url}", "reward.remote.weight=0.5",
+                     "reward.remote.batch_size=5", "data.train_batch_size=8", "rollout.n=4",
+                     "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_device=32"], timeout=300)
+    finally:
+        server.close()
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert len(metrics) == 2
+    for m in metrics:
+        assert m["reward/mean"] == pytest.approx(0.5 * m["reward/remote_mean"], abs=1e-6)
+    queries = [(q, p, r) for req in server.requests for q, p, r in zip(req["query"], req["prompts"], req["responses"])]
+    assert len(queries) == 2 * 8 * 4
+    for q, p, r in queries:
+        assert q == p + r and "<|im_start|>" in p  # the template's own tokens, as OpenRLHF sends them
+    step1 = [len(r) for _, _, r in queries[:32]]  # the first step's requests all end before the second's begin
+    assert metrics[0]["reward/remote_mean"] == pytest.approx(sum(step1) / 32, abs=1e-6)
