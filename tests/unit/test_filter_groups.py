@@ -128,7 +128,7 @@ def test_trainer_step_trains_only_informative_groups(tmp_path, monkeypatch):
 
     calls, trained, generated = [], [], []
 
-    def scripted(batch, tokenizer, fn, on_error, task=None, prefix="reward", reward_model=None):
+    def scripted(batch, tokenizer, fn, on_error, task=None, prefix="reward", reward_model=None, remote=None):
         scores = torch.tensor(SCRIPT[len(calls)], dtype=torch.float32).flatten()
         calls.append(batch.non_tensors["uid"].tolist())
         return (batch.union(tensors=dict(token_level_scores=sparse_scores(scores, batch.tensors["response_mask"]),
