@@ -34,11 +34,11 @@ def test_loss_and_gradient_are_the_capped_weight_times_the_advantage():
     for b in range(3):
         for t in range(5):
             if mask[b, t]:
-                r = float(torch.exp(log_prob[b, t] - old[b, t]))
+                r = float(torch.exp(log_prob[b, t].detach() - old[b, t]))
                 w = min(r, 1 + high)
                 capped += r > 1 + high
                 want_grad[b, t] = -w * adv[b, t] / n
-                want_loss += -w * float(adv[b, t]) * float(log_prob[b, t]) / float(n)
+                want_loss += -w * float(adv[b, t]) * float(log_prob[b, t].detach()) / float(n)
     assert float(loss) == pytest.approx(want_loss, rel=1e-5)
     assert torch.allclose(log_prob.grad, want_grad, atol=1e-6)
     assert float(metrics["pg_clipfrac"]) == pytest.approx(capped / float(n))
