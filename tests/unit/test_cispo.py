@@ -39,7 +39,7 @@ def test_loss_and_gradient_are_the_capped_weight_times_the_advantage():
                 capped += r > 1 + high
                 want_grad[b, t] = -w * adv[b, t] / n
                 want_loss += -w * float(adv[b, t]) * float(log_prob[b, t].detach()) / float(n)
-    assert float(loss) == pytest.approx(want_loss, rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(want_loss, rel=1e-5)
     assert torch.allclose(log_prob.grad, want_grad, atol=1e-6)
     assert float(metrics["pg_clipfrac"]) == pytest.approx(capped / float(n))
 
