@@ -84,10 +84,6 @@ class WeightedRewards:
             raise
         return cls(parts)
 
-    @property
-    def who(self) -> str:
-        return self.parts[0][2].who
-
     def score(self, responses: list[str], ground_truths: list[str], on_error: str | None = None,
               infos: list[SampleInfo] | None = None) -> tuple[list[float], int, dict[str, list[float]]]:
         """The weighted sum per sample, the failed calls scored 0 (all functions), and each function's own scores
