@@ -287,7 +287,7 @@ class Trainer:
         with timer("adv"):
             batch, adv_metrics = self.advantage(batch, members, w.sp.rank)
         update_stats: dict = {"actor/old_log_prob_skipped": (old_plan.skipped, 1.0)}  # the share of the pass not run
-        if cfg.trainer.balance_batch and w.sp.size == 1:  # even tokens per rank in every mini-batch of the updates
+        if cfg.trainer.balance_batch and w.sp.size == 1 and w.dist.world_size > 1:  # even tokens per rank per mini-batch
             with timer("balance"):
                 batch, balance_stats = balance_rows(batch, w.dist, self.tokenizer.pad_token_id,
                                                     mini_batch_seqs(cfg.actor, w.dist.world_size, cfg.rollout.n))
