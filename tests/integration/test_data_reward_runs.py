@@ -29,6 +29,12 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
+def _train(out: Path, *overrides: str) -> list[str]:
+    """``python -m hybrid_rl train`` of the default recipe into ``out``, metrics to ``metrics.jsonl`` only."""
+    return [sys.executable, "-m", "hybrid_rl", "train", str(ROOT / "recipes" / "cpu_successor.yaml"),
+            f"trainer.output_dir={out}", "trainer.logger=[jsonl]", *overrides]
+
+
 def test_a_verl_dataset_and_reward_function_run_unchanged(tmp_path, monkeypatch):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -44,12 +50,11 @@ def test_a_verl_dataset_and_reward_function_run_unchanged(tmp_path, monkeypatch)
     log = tmp_path / "calls.jsonl"
     monkeypatch.setenv("VERL_REWARD_LOG", str(log))
     out = tmp_path / "run"
-    run_checked([sys.executable, "-m", "hybrid_rl", "train", str(ROOT / "recipes" / "cpu_successor.yaml"),
-                 f"trainer.output_dir={out}", "trainer.logger=[jsonl]", "trainer.save_freq=-1",
+    run_checked(_train(out, "trainer.save_freq=-1",
                  "trainer.total_steps=2", "trainer.test_freq=2", "data.task=math", f"data.train_path={data}",
                  f"data.val_path={data}", "data.train_batch_size=6", "rollout.n=2", "actor.ppo_mini_batch_size=6",
                  "actor.ppo_micro_batch_size_per_device=12",
-                 f"reward.function={reward}:compute_score"], timeout=300)
+                 f"reward.function={reward}:compute_score"), timeout=300)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     val = [m for m in metrics if "val/reward_mean" in m]
     assert len(val) == 2
@@ -79,10 +84,9 @@ def test_several_reward_functions_add_by_their_weights_and_are_logged_each(tmp_p
     extra.write_text("def even_digit(response, ground_truth):\n"
                      "    return 1.0 if response[:1] in ('0', '2', '4', '6', '8') else 0.0\n")
     out = tmp_path / "run"
-    run_checked([sys.executable, "-m", "hybrid_rl", "train", str(ROOT / "recipes" / "cpu_successor.yaml"),
-                 f"trainer.output_dir={out}", "trainer.logger=[jsonl]", "trainer.save_freq=-1",
+    run_checked(_train(out, "trainer.save_freq=-1",
                  "trainer.total_steps=2", "trainer.test_freq=2", f"reward.extra_functions=[{extra}:even_digit]",
-                 "reward.extra_weights=[0.5]", "trainer.validation_data_dir=val"], timeout=300)
+                 "reward.extra_weights=[0.5]", "trainer.validation_data_dir=val"), timeout=300)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [m for m in metrics if "reward/mean" in m]
     val = [m for m in metrics if "val/reward_mean" in m]
@@ -112,12 +116,11 @@ def test_several_validation_files_are_reported_each_by_name(tmp_path):
     reward.write_text("def score(response, ground_truth, data_source=None):\n"
                       "    return 1.0 if data_source == 'first' else 0.0\n")
     out = tmp_path / "run"
-    run_checked([sys.executable, "-m", "hybrid_rl", "train", str(ROOT / "recipes" / "cpu_successor.yaml"),
-                 f"trainer.output_dir={out}", "trainer.logger=[jsonl]", "trainer.save_freq=-1",
+    run_checked(_train(out, "trainer.save_freq=-1",
                  "trainer.total_steps=1", "trainer.test_freq=1", "data.task=chat", f"data.train_path=[{first},{second}]",
                  f"data.val_path=[{first},{second}]", "data.train_batch_size=5", "rollout.n=2",
                  "actor.ppo_mini_batch_size=5", "actor.ppo_micro_batch_size_per_device=10",
-                 f"reward.function={reward}:score", "reward.num_workers=0"], timeout=300)
+                 f"reward.function={reward}:score", "reward.num_workers=0"), timeout=300)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     val = [m for m in metrics if "val/reward_mean" in m]
     assert len(val) == 2
@@ -133,11 +136,10 @@ def test_a_code_task_run_scores_through_the_sandbox(tmp_path):
     rows.write_text("".join(json.dumps({"text": f"Return {d}.", "test_list": [f"assert f() == {d}"]}) + "\n"
                             for d in range(8)))
     out = tmp_path / "run"
-    run_checked([sys.executable, "-m", "hybrid_rl", "train", str(ROOT / "recipes" / "cpu_successor.yaml"),
-                 f"trainer.output_dir={out}", "trainer.logger=[jsonl]", "trainer.save_freq=-1", "trainer.total_steps=1",
+    run_checked(_train(out, "trainer.save_freq=-1", "trainer.total_steps=1",
                  "trainer.test_freq=1", "data.task=code", f"data.train_path={rows}", f"data.val_path={rows}",
                  "data.max_prompt_length=256", "data.train_batch_size=8", "rollout.n=2", "actor.ppo_mini_batch_size=8",
-                 "actor.ppo_micro_batch_size_per_device=16"], timeout=300)
+                 "actor.ppo_micro_batch_size_per_device=16"), timeout=300)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [m for m in metrics if "reward/mean" in m]
     assert len(train) == 1 and train[0]["reward/mean"] == 0.0 and train[0]["reward/code_found"] == 0.0
@@ -153,11 +155,10 @@ def test_majority_vote_of_n_samples_is_recomputed_from_the_written_samples(tmp_p
     reward = tmp_path / "low_digit.py"  # pays often enough at the start for the figures to say something
     reward.write_text("def score(response, ground_truth):\n    return float(response[:1] in '01234')\n")
     out = tmp_path / "run"
-    run_checked([sys.executable, "-m", "hybrid_rl", "train", str(ROOT / "recipes" / "cpu_successor.yaml"),
-                 f"trainer.output_dir={out}", "trainer.logger=[jsonl]", "trainer.save_freq=-1", "trainer.total_steps=15",
+    run_checked(_train(out, "trainer.save_freq=-1", "trainer.total_steps=15",
                  "trainer.test_freq=15", "rollout.val_n=4", "rollout.val_temperature=1.0", "data.max_val_samples=20",
                  "trainer.validation_data_dir=val", f"reward.function={reward}:score", "reward.num_workers=0",
-                 "data.max_response_length=1"],  # one-token answers: a prompt's samples often agree
+                 "data.max_response_length=1"),  # one-token answers: a prompt's samples often agree
                 timeout=300)
     vals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "val/reward_mean" in line]
     assert len(vals) == 2
@@ -195,12 +196,11 @@ def test_a_reward_server_scores_a_run(tmp_path):
     server = _Server()
     try:
         out = tmp_path / "run"
-        run_checked([sys.executable, "-m", "hybrid_rl", "train", str(ROOT / "recipes" / "cpu_successor.yaml"),
-                     f"trainer.output_dir={out}", "trainer.logger=[jsonl]", "trainer.save_freq=-1",
+        run_checked(_train(out, "trainer.save_freq=-1",
                      "trainer.total_steps=2", "trainer.test_freq=0", "trainer.val_before_train=false",
                      "reward.function=none", f"reward.remote.url={server.url}", "reward.remote.weight=0.5",
                      "reward.remote.batch_size=5", "data.train_batch_size=8", "rollout.n=4",
-                     "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_device=32"], timeout=300)
+                     "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_device=32"), timeout=300)
     finally:
         server.close()
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
