@@ -80,3 +80,70 @@ def run_parallel(calls: Sequence[Callable[[], T]], workers: int, deadline: float
     over.set()
     with lock:  # what finished by now counts; the rest is abandoned to its threads
         return [r if r is not None else Outcome(timed_out=True) for r in results]
+
+
+class CallPool:
+    """Calls submitted one at a time, run on up to ``workers`` daemon threads (started as calls need them), their
+    outcomes collected as they end: the asynchronous agent loop's environment steps. ``close`` abandons what has not
+    ended: calls not started are never started, running ones finish on their threads unheard."""
+
+    def __init__(self, workers: int, name: str = "env"):
+        self.workers, self.name = max(1, workers), name
+        self._todo: queue.SimpleQueue[tuple[Any, Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[Any, Outcome]] = queue.SimpleQueue()
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0
+        self.pending = 0
+        """Calls submitted whose outcome has not been collected."""
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            item = self._todo.get()
+            with self._lock:
+                self._idle -= 1
+            if item is None or self._closed.is_set():
+                return
+            key, fn = item
+            try:
+                out = Outcome(value=fn())
+            except BaseException as e:  # as call_with_timeout: a tool's SystemExit must not end the worker
+                out = Outcome(error=e)
+            if not self._closed.is_set():
+                self._done.put((key, out))
+
+    def submit(self, key: Any, fn: Callable[[], Any]) -> None:
+        self.pending += 1
+        with self._lock:
+            # a thread more while every started one is busy with an earlier call (queued calls count as busy)
+            start = self._threads < self.workers and self._idle < self._todo.qsize() + 1
+            if start:
+                self._threads += 1
+        self._todo.put((key, fn))
+        if start:
+            threading.Thread(target=self._work, name=f"hybrid_rl-{self.name}-{self._threads}", daemon=True).start()
+
+    def collect(self, timeout: float | None = 0.0) -> list[tuple[Any, Outcome]]:
+        """The outcomes that ended since the last call: waits up to ``timeout`` seconds for the first (0: does not
+        wait, None: waits for as long as it takes) when calls are pending, then takes whatever else is there."""
+        out: list[tuple[Any, Outcome]] = []
+        if self.pending and (timeout is None or timeout > 0):
+            try:
+                out.append(self._done.get(timeout=timeout))
+            except queue.Empty:
+                return []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                break
+        self.pending -= len(out)
+        return out
+
+    def close(self) -> None:
+        self._closed.set()
+        for _ in range(self._threads):
+            self._todo.put(None)

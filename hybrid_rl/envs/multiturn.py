@@ -1,17 +1,20 @@
-"""The multi-turn rollout loop: every unfinished trajectory's next turn in one engine call, then the environments.
+"""The multi-turn rollout loop: each trajectory's turns on the engine, each answer from its environment.
 
 ``MultiTurnRollout.generate`` replaces the engine's ``generate`` when ``env.name`` is set (``worker.generate`` calls
 it, so sync and overlap mode, split placement and validation all go through it). Each prompt gets ``rollout.n``
-trajectories, each with a fresh environment (``env.name``) started from its data row. A turn is one call of the
-engine's ``generate_interruptible`` with a ``Continuation(prompt, tokens so far)`` per unfinished trajectory,
-stopping at EOS or the end of a tool call (``SamplingParams.stop``/``stop_token_ids``); the sampled ids and their
-log-probs are appended as sampled. The environments then answer the turns (in up to ``env.workers`` threads, each
-bounded by what is left of ``env.max_rollout_s``), and each observation is appended as the chat template's own
-tokens, encoded once (``render.TurnRenderer``), with ``response_mask`` 0 and log-prob 0. A trajectory ends when its
-environment is done (the turn was the answer), at ``env.max_turns``, when its tokens fill ``data.max_response_length``
-(the turn that fills it is still answered, for its reward; an observation that leaves no room for another turn ends
-it too), when its environment fails, or when the rollout's time is up (an engine interrupt ends the turns in flight
-where they are).
+trajectories, each with a fresh environment (``env.name``) started from its data row. A turn is one
+``Continuation(prompt, tokens so far)`` on the engine, stopping at EOS or the end of a tool call
+(``SamplingParams.stop``/``stop_token_ids``); the sampled ids and their log-probs are appended as sampled. The
+environment then answers the turn (on up to ``env.workers`` threads, bounded by what is left of
+``env.max_rollout_s``), and its observation is appended as the chat template's own tokens, encoded once
+(``render.TurnRenderer``), with ``response_mask`` 0 and log-prob 0. ``env.scheduler`` decides how turns meet the
+engine: ``turns`` sends every unfinished trajectory's turn k in one ``generate_interruptible`` call once every
+environment has answered turn k − 1; ``async`` (on vLLM by default) adds each trajectory's next turn to the
+engine's running stream (``RolloutEngine.turn_stream``) as soon as its own environment answered, so a slow tool or
+a long turn holds only its own trajectory. A trajectory ends when its environment is done (the turn was the
+answer), at ``env.max_turns``, when its tokens fill ``data.max_response_length`` (the turn that fills it is still
+answered, for its reward; an observation that leaves no room for another turn ends it too), when its environment
+fails, or when the rollout's time is up (an engine interrupt ends the turns in flight where they are).
 
 ``assemble_trajectories`` lays the trajectories out as ``assemble_rollout`` does a single turn: ``responses`` is
 everything after the prompt, ``attention_mask`` covers it all, ``response_mask`` only the sampled tokens, plus
@@ -36,7 +39,7 @@ import torch
 
 from hybrid_rl.batch import Batch
 from hybrid_rl.envs.base import ENVS, ERROR_KINDS, STOPS, Env, EnvRow
-from hybrid_rl.envs.deadline import run_parallel
+from hybrid_rl.envs.deadline import CallPool, run_parallel
 from hybrid_rl.envs.render import TurnRenderer
 from hybrid_rl.rollout.base import Continuation, SamplingParams
 
@@ -176,24 +179,10 @@ class MultiTurnRollout:
             timer.daemon = True
             timer.start()
         try:
-            for turn in range(1, opts.max_turns + 1):
-                active = [t for t in trajs if not t.done]
-                if not active or interrupt.is_set():
-                    for t in active:
-                        t.stop = "timeout"
-                    break
-                segments = engine.generate_interruptible([self._request(t) for t in active], turn_params, interrupt)
-                for t, seg in zip(active, segments):
-                    t.add_turn(seg.tokens, seg.logprobs)
-                    if not seg.finished:  # the rollout's time ran out during this turn
-                        t.stop = "timeout"
-                # a turn that filled the budget is still answered (its reward, its calls counted), as a single-turn
-                # response cut at the cap is still scored; no observation can follow it (``_answer``)
-                stepping = [t for t in active if not t.done]
-                outcomes = run_parallel([lambda t=t: t.env.step(self.renderer.turn_text(t.last_turn))
-                                         for t in stepping], opts.workers, deadline)
-                for t, out in zip(stepping, outcomes):
-                    self._answer(t, out, last=turn == opts.max_turns)
+            if self._asynchronous(engine):
+                self._run_async(engine, trajs, turn_params, deadline, interrupt)
+            else:
+                self._run_turns(engine, trajs, turn_params, deadline, interrupt)
         finally:
             if timer is not None:
                 timer.cancel()
@@ -206,6 +195,79 @@ class MultiTurnRollout:
         device = getattr(engine, "device", prompts.tensors["input_ids"].device)
         return assemble_trajectories(prompts.to(device), trajs, params.n, self.tokenizer.pad_token_id,
                                      -1 if version is None else version)
+
+    def _asynchronous(self, engine: Any) -> bool:
+        mode = self.options.scheduler
+        return mode == "async" or mode == "auto" and bool(getattr(engine, "streams_requests", False))
+
+    def _run_turns(self, engine: Any, trajs: list[Trajectory], params: SamplingParams, deadline: float | None,
+                   interrupt: threading.Event) -> None:
+        """``env.scheduler=turns``: turn k of every unfinished trajectory in one engine call, then their
+        environments, then turn k + 1."""
+        opts = self.options
+        for turn in range(1, opts.max_turns + 1):
+            active = [t for t in trajs if not t.done]
+            if not active or interrupt.is_set():
+                for t in active:
+                    t.stop = "timeout"
+                return
+            segments = engine.generate_interruptible([self._request(t) for t in active], params, interrupt)
+            for t, seg in zip(active, segments):
+                self._take_turn(t, seg)
+            # a turn that filled the budget is still answered (its reward, its calls counted), as a single-turn
+            # response cut at the cap is still scored; no observation can follow it (``_answer``)
+            stepping = [t for t in active if not t.done]
+            outcomes = run_parallel([lambda t=t: t.env.step(self.renderer.turn_text(t.last_turn))
+                                     for t in stepping], opts.workers, deadline)
+            for t, out in zip(stepping, outcomes):
+                self._answer(t, out, last=turn == opts.max_turns)
+
+    def _run_async(self, engine: Any, trajs: list[Trajectory], params: SamplingParams, deadline: float | None,
+                   interrupt: threading.Event) -> None:
+        """``env.scheduler=async``: each trajectory's turn goes to the engine's stream as soon as its environment
+        answered the previous one, and each finished turn to the environments at once; the engine steps while any
+        turn runs, and otherwise the loop waits for the next answer. At the interrupt the running turns end where
+        they are and the environments still working are abandoned, as the turn loop's are."""
+        opts = self.options
+        pool = CallPool(opts.workers)
+        running: dict[int, Trajectory] = {}
+        try:
+            with engine.turn_stream(params, interrupt) as stream:
+                for t in trajs:
+                    if not t.done:
+                        running[stream.add(self._request(t))] = t
+                while running or pool.pending:
+                    if interrupt.is_set():
+                        break
+                    if running:
+                        finished = stream.step()
+                        answers = pool.collect(0.0)
+                    else:  # every trajectory is with its environment: wait for the first answer
+                        finished = []
+                        answers = pool.collect(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                    for key, seg in finished:
+                        t = running.pop(key)
+                        self._take_turn(t, seg)
+                        if not t.done:
+                            pool.submit(t, lambda t=t: t.env.step(self.renderer.turn_text(t.last_turn)))
+                    for t, out in answers:
+                        self._answer(t, out, last=t.turns >= opts.max_turns)
+                        if not t.done:
+                            running[stream.add(self._request(t))] = t
+                for key, seg in stream.abort():  # the interrupt: what the running turns sampled so far
+                    self._take_turn(running.pop(key), seg)
+        finally:
+            pool.close()
+        for t in trajs:  # still with an environment at the interrupt
+            if not t.done:
+                t.errors["env_timeout"] += 1
+                t.stop = "timeout"
+
+    @staticmethod
+    def _take_turn(t: Trajectory, seg: Any) -> None:
+        t.add_turn(seg.tokens, seg.logprobs)
+        if not seg.finished:  # the rollout's time ran out during this turn
+            t.stop = "timeout"
 
     def _request(self, t: Trajectory) -> Continuation:
         left = self.budget - len(t.tokens)

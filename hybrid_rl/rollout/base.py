@@ -13,7 +13,8 @@ trainer-facing tensors (``input_ids``, ``attention_mask``, ``position_ids``,
 (a prompt plus the response tokens it already has, and how many more it may
 take), stoppable through a ``threading.Event``; it returns raw ``Segment``s
 (new tokens, their log-probs, finished or not) and leaves the stitching to the
-caller. An engine that lacks it says so naming that key.
+caller. An engine that lacks it says so naming that key. ``turn_stream`` builds on it for the asynchronous agent
+loop (``stream.py``): continuations added while others generate.
 """
 
 from __future__ import annotations
@@ -223,6 +224,26 @@ class RolloutEngine(abc.ABC):
         unfinished ones holding the tokens sampled so far. ``on_finish`` hears of each request as it finishes."""
         raise NotImplementedError(f"rollout.name engine {type(self).__name__} cannot interrupt generation, which "
                                   f"trainer.partial_rollouts=true needs; set trainer.partial_rollouts=false")
+
+    streams_requests: bool = False
+    """Whether ``turn_stream`` adds each continuation to the running engine (vLLM), not only batches of them."""
+
+    @contextmanager
+    def turn_stream(self, params: SamplingParams, interrupt: Interrupt | None = None) -> Iterator[Any]:
+        """A ``stream.TurnStream`` for one rollout's continuations under ``params`` (as ``generate_interruptible``'s);
+        on exit the continuations still running are aborted and ``last_generate_stats`` holds the stream's
+        figures. This default batches: each ``step`` generates what was added since the last one."""
+        import time
+
+        from hybrid_rl.rollout.stream import TurnStream
+
+        stream = TurnStream(self, params, interrupt)
+        start = time.perf_counter()
+        try:
+            yield stream
+        finally:
+            stream.abort()
+            self.last_generate_stats = stream.stats(time.perf_counter() - start)
 
     @abc.abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

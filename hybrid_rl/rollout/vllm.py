@@ -70,7 +70,8 @@ import io
 import os
 import socket
 import time
-from typing import Any, Callable, Iterable, Optional, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -624,6 +625,27 @@ class VLLMRolloutEngine(RolloutEngine):
                                     "num_sequences": float(len(segments)),
                                     "cached_tokens": float(cached)}
         return segments
+
+    streams_requests = True
+
+    @contextmanager
+    def turn_stream(self, params: SamplingParams, interrupt: Interrupt | None = None) -> Iterator[Any]:
+        """A ``vllm_stream.VLLMTurnStream`` on the running engine, all its steps inside the generation stream."""
+        from hybrid_rl.rollout.vllm_stream import VLLMTurnStream
+
+        self._check_ready()
+        if self.tp_group is not None:
+            raise NotImplementedError("env.scheduler=async with rollout.vllm.tensor_parallel_size > 1: the ranks of one "
+                                      "vLLM engine would have to add the same requests at the same step; use "
+                                      "rollout.vllm.tensor_parallel_size=1")
+        stream = VLLMTurnStream(self, params, interrupt)
+        start = time.perf_counter()
+        with self.gen_stream.active(), torch.no_grad():
+            try:
+                yield stream
+            finally:
+                stream.abort()
+                self.last_generate_stats = stream.stats(time.perf_counter() - start)
 
     def _add_continuations(self, engine: Any, requests: Sequence[Continuation], params: SamplingParams) -> list[str]:
         """One n=1 request per continuation, ids unique to this call (``LLM.generate`` numbers its own)."""

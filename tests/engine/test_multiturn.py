@@ -25,7 +25,7 @@ from hybrid_rl.envs.tool_env import ToolEnv
 from hybrid_rl.envs.multiturn import MultiTurnRollout, check_template, env_prompt
 from hybrid_rl.envs.render import TemplateError
 from hybrid_rl.models import load_causal_lm, load_tokenizer
-from hybrid_rl.rollout.base import SamplingParams
+from hybrid_rl.rollout.base import RolloutEngine, SamplingParams
 from hybrid_rl.rollout.hf import HFRolloutEngine
 from hybrid_rl.workers.actor_rollout_ref import ActorRolloutRefWorker
 
@@ -60,6 +60,9 @@ class Recording:
     def generate_interruptible(self, requests, params, interrupt=None, on_finish=None):
         self.sent.append([list(r.prompt) + list(r.tokens) for r in requests])
         return self.engine.generate_interruptible(requests, params, interrupt, on_finish)
+
+    def turn_stream(self, params, interrupt=None):  # the batched stream every engine has, over the recording
+        return RolloutEngine.turn_stream(self, params, interrupt)
 
 
 # a Qwen2.5-Instruct-style template: tools in the system message, tool results grouped into one user message
@@ -185,6 +188,26 @@ def test_every_turn_sends_a_prefix_of_the_final_trajectory(tiny_model_path, temp
     _, kwargs = env_prompt(cfg)
     assert ("tools" in kwargs) == bool(template)
     _check_rendering(tok, batch, kwargs)
+
+
+def test_the_async_scheduler_sends_each_turn_once_as_a_prefix_of_its_trajectory(tiny_model_path):
+    """``env.scheduler=async`` on the transformers engine (its batched stream: each step generates the turns
+    queued since the last): every turn of every trajectory is sent exactly once, as the exact prefix of its final
+    trajectory, and the trajectory is the template's rendering of its conversation."""
+    cfg, tok, engine, batch, _ = _run(tiny_model_path, None, ["env.scheduler=async"])
+    t = batch.tensors
+    full = _trajectories(batch)
+    plen = t["prompts"].shape[1]
+    expected = []
+    for i in range(len(batch)):
+        prompt_len = int(t["attention_mask"][i, :plen].sum())
+        for k in range(1, int(t["env_turns"][i]) + 1):
+            start = int((t["turn_ids"][i] == k).nonzero()[0])
+            expected.append(full[i][:prompt_len + start])
+    sent = [ctx for call in engine.sent for ctx in call]
+    assert sorted(sent) == sorted(expected)
+    assert max(t["env_turns"].tolist()) == TURNS
+    _check_rendering(tok, batch, env_prompt(cfg)[1])
 
 
 @pytest.mark.slow

@@ -11,7 +11,8 @@ every turn, so every turn goes through the template's glue:
    the template's rendering of the whole conversation;
 2. the engine's log-probs of the sampled tokens match the trainer's recomputation over the whole trajectory
    (bf16), observation positions holding 0;
-3. a stop string spanning several tokens ends a continuation at the token that completes it, as the greedy run
+3. the same under ``env.scheduler=async`` (each turn added to the running engine as its environment answers);
+4. a stop string spanning several tokens ends a continuation at the token that completes it, as the greedy run
    without the stop string shows (vLLM matches it on detokenized text, keeps it, and keeps the ids as sampled).
 """
 
@@ -107,6 +108,16 @@ def test_vllm_turns_continue_the_trajectory_exactly(worker):
         for ctx, i in zip(sent, active):
             assert ctx == full[i][:len(ctx)], f"turn {k} of sample {i}"
             assert len(ctx) == int(t["attention_mask"][i, :plen].sum()) + int((t["turn_ids"][i] == k).nonzero()[0])
+    _check_rendering_and_log_probs(w, batch)
+
+
+def _check_rendering_and_log_probs(w, batch) -> None:
+    """Each trajectory decodes to the template's rendering of its conversation, and the trainer's log-probs over it
+    match the engine's on the sampled tokens."""
+    tok = w.tokenizer
+    t = {k: v.cpu() for k, v in batch.tensors.items()}
+    full = [t["input_ids"][i][t["attention_mask"][i].bool()].tolist() for i in range(len(batch))]
+    turns = t["env_turns"].long().tolist()
     for i in range(len(batch)):
         messages = json.loads(batch.non_tensors["messages"][i])
         resp = t["responses"][i]
@@ -124,6 +135,24 @@ def test_vllm_turns_continue_the_trajectory_exactly(worker):
     diff = (scored.tensors["old_log_probs"] - scored.tensors["rollout_log_probs"]).abs()[mask]
     assert float(diff.mean()) < TOL
     assert torch.all(scored.tensors["rollout_log_probs"][~mask] == 0)
+
+
+def test_vllm_async_turns_continue_the_trajectory_exactly(worker):
+    """``env.scheduler=async``: each turn joins vLLM's running engine as its environment answers; the trajectories
+    are laid out, rendered and scored as under the turn scheduler."""
+    w = worker
+    w.cfg.env.scheduler = "async"
+    try:
+        assert w.multi_turn._asynchronous(w.rollout)
+        params = w.sampling_params()
+        with w.rollout_mode():
+            batch = w.multi_turn.generate(w.rollout, _prompts(w), params, w.rollout.weights_version)
+    finally:
+        w.cfg.env.scheduler = "auto"
+    batch = batch.union(temperature=params.logprob_temperature)
+    assert int(batch.tensors["env_turns"].max()) == TURNS
+    assert w.rollout.last_generate_stats["num_sequences"] == float(batch.tensors["env_turns"].sum())
+    _check_rendering_and_log_probs(w, batch)
 
 
 def test_vllm_stops_at_a_stop_string_spanning_tokens(worker):

@@ -2,7 +2,8 @@
 
 - Learning (``learning``): the tiny random-init model takes the reward from ≤ 0.3 to ≥ 0.8 by learning to call the
   ``lookup`` tool, in sync and overlap mode; the same recipe without the tool stays at 0 (only the tool reveals the
-  answer). Each run is stopped once it has learned.
+  answer). Each run is stopped once it has learned. Also with ``env.scheduler=async`` (on the transformers
+  engine: each step of its stream generates the turns whose environments have answered).
 - Every mode: split placement with one rollout and one trainer rank is the colocated one-rank run, step for step,
   in sync and overlap mode.
 - Checkpoints: SIGKILL mid-run in overlap mode (the batch generated ahead is a multi-turn batch) and a resume end
@@ -48,11 +49,12 @@ def _stable(rows: list[dict]) -> list[dict]:
 # --------------------------------------------------------------------------- learning
 @pytest.mark.slow
 @pytest.mark.learning
-@pytest.mark.parametrize("mode", ["sync", "overlap"])
-def test_the_lookup_recipe_learns_to_call_the_tool(tmp_path, mode):
-    out = tmp_path / mode
+@pytest.mark.parametrize("mode, scheduler", [("sync", "auto"), ("overlap", "auto"), ("sync", "async")])
+def test_the_lookup_recipe_learns_to_call_the_tool(tmp_path, mode, scheduler):
+    out = tmp_path / f"{mode}_{scheduler}"
     rows = train_until_learned(_train(f"trainer.output_dir={out}", "trainer.logger=[jsonl]", f"trainer.mode={mode}",
-                                      "trainer.test_freq=20", "trainer.save_freq=-1"), out, val_bar=0.8)
+                                      f"env.scheduler={scheduler}", "trainer.test_freq=20", "trainer.save_freq=-1"),
+                               out, val_bar=0.8)
     train = [r for r in rows if "reward/mean" in r]
     rewards = [r["reward/mean"] for r in train]
     val = [r["val/reward_mean"] for r in rows if "val/reward_mean" in r]
