@@ -6,8 +6,9 @@ for ``--steps`` steps four ways, one after the other on the same GPU, same seed 
 - ``turns`` / ``async``: the recipe's calculator, which answers at once: what is left to gain is the turns that
   finish early waiting for the longest turn of their round;
 - ``turns_latency`` / ``async_latency``: every call also takes a simulated remote latency (``agent_latency.py``:
-  lognormal, mean ``--latency`` seconds, σ 1; the same draws slot by slot in both runs), with ``env.workers`` threads
-  enough for every trajectory to wait on its own call, as a search or sandbox service's client would.
+  lognormal, mean ``--latency`` seconds, σ 1; the same draws slot by slot in both runs), with ``env.workers``
+  (``--workers``) threads enough for every trajectory to wait on its own call, as a search or sandbox service's
+  client would.
 
 Per run: the median over steps past the first ``SKIP`` of ``timing/gen`` (the rollout: every trajectory's turns
 and tool calls), ``timing/step`` and ``timing/iteration``, the mean turns, tool calls and training reward, and every
@@ -56,12 +57,15 @@ STEP_KEYS = ["timing/gen", "timing/step", "timing/iteration", "env/turns_mean", 
              "rollout/response_length_mean"]
 
 
-def train(name: str, recipe: str, steps: int, out: Path, overrides: list[str], latency: float, timeout: float,
-          cpu: bool) -> dict:
+def train(name: str, recipe: str, steps: int, out: Path, overrides: list[str], latency: float, workers: int,
+          timeout: float, cpu: bool) -> dict:
     run_dir = out / name
     run_dir.mkdir(parents=True, exist_ok=True)
+    # the latency runs: a thread per waiting call (the others keep the recipe's env.workers)
+    threads = [f"env.workers={workers}"] if name.endswith("_latency") else []
     cmd = [sys.executable, "-m", "hybrid_rl", "train", *([] if cpu else ["--nproc", "1"]), recipe,
-           f"trainer.output_dir={run_dir}", f"trainer.total_steps={steps}", *COMMON, *RUNS[name], *overrides]
+           f"trainer.output_dir={run_dir}", f"trainer.total_steps={steps}", *COMMON, *RUNS[name], *threads,
+           *overrides]
     env = dict(os.environ, HYBRID_RL_TOOL_LATENCY_MEAN_S=str(latency))
     start = time.time()
     with open(run_dir / "train.log", "w") as log:
@@ -156,7 +160,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20, help="training steps per run")
     ap.add_argument("--latency", type=float, default=0.5, help="mean simulated latency of a tool call (seconds)")
-    ap.add_argument("--workers", type=int, default=512, help="env.workers: threads for the environments' steps")
+    ap.add_argument("--workers", type=int, default=512,
+                    help="env.workers of the latency runs: threads for the environments' steps")
     ap.add_argument("--out", default="runs/bench_agent_loop", help="run directory (one folder per run)")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
     ap.add_argument("--run-timeout", type=float, default=900.0, help="seconds per run")
@@ -172,7 +177,6 @@ def main() -> int:
     cpu = args.cpu_smoke
     recipe = CPU_RECIPE if cpu else GPU_RECIPE
     steps, latency = (3, 0.05) if cpu else (args.steps, args.latency)
-    overrides = [f"env.workers={args.workers}", *overrides]
     if cpu:
         overrides = ["data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=8",
                      "actor.ppo_micro_batch_size_per_device=32", *overrides]
@@ -181,12 +185,13 @@ def main() -> int:
     meta_path = out / "runs.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     for name in chosen:
-        meta[name] = train(name, recipe, steps, out, overrides, latency, args.run_timeout, cpu)
+        meta[name] = train(name, recipe, steps, out, overrides, latency, args.workers, args.run_timeout, cpu)
         meta_path.write_text(json.dumps(meta, indent=1))
     device = device_name()
     result = {"benchmark": "agent_loop", "recipe": recipe, "device": device, "commit": git_commit(),
               "cpu_smoke": cpu,
               "settings": {"steps": steps, "latency_mean_s": latency, "latency_sigma": 1.0, "skip_steps": SKIP,
+                           "latency_runs_env_workers": args.workers,
                            "overrides": overrides, "common": COMMON, "runs": RUNS},
               "runs": {}}
     for name in RUNS:
