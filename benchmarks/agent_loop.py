@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_common import ROOT, git_commit, gpu_short_name, kill_tree, read_rows  # noqa: E402
+from benchmarks.bench_common import ROOT, git_commit, kill_tree, read_rows, torch_device_tag  # noqa: E402
 
 GPU_RECIPE = "recipes/calc_grpo_smollm2.yaml"
 CPU_RECIPE = "recipes/cpu_lookup_tool.yaml"
@@ -145,17 +145,6 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def device_name() -> str:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return f"{gpu_short_name(torch.cuda.get_device_name(0))}x1"
-    except Exception:
-        pass
-    return "cpux1"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20, help="training steps per run")
@@ -187,7 +176,7 @@ def main() -> int:
     for name in chosen:
         meta[name] = train(name, recipe, steps, out, overrides, latency, args.workers, args.run_timeout, cpu)
         meta_path.write_text(json.dumps(meta, indent=1))
-    device = device_name()
+    device = torch_device_tag()
     result = {"benchmark": "agent_loop", "recipe": recipe, "device": device, "commit": git_commit(),
               "cpu_smoke": cpu,
               "settings": {"steps": steps, "latency_mean_s": latency, "latency_sigma": 1.0, "skip_steps": SKIP,

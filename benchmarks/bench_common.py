@@ -71,6 +71,19 @@ def git_commit(root: Path = ROOT) -> str:
         return "unknown"
 
 
+def torch_device_tag(gpus: int = 1, cpu: str | None = None) -> str:
+    """``H200x4``: the short name of the first CUDA device torch sees × ``gpus``; without CUDA (or torch), ``cpu``
+    (default ``cpux<gpus>``)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{gpu_short_name(torch.cuda.get_device_name(0))}x{gpus}"
+    except Exception:
+        pass
+    return cpu if cpu is not None else f"cpux{gpus}"
+
+
 def gpu_short_name(name: str) -> str:
     """``NVIDIA H100 80GB HBM3`` → ``H100``: the part of a GPU's name the result files are tagged with."""
     m = re.search(r"(GH200|H100|H200|H20|A100|A10G|L40S|L4|B200|MI300X)", name)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import git_commit, gpu_short_name  # noqa: E402
+from bench_common import git_commit, torch_device_tag  # noqa: E402
 
 VARIANTS = {
     "current": [],
@@ -45,12 +45,6 @@ VARIANTS = {
 }
 BASE = ["trainer.device=auto", "rollout.name=vllm"]
 PHASES = ("gen", "switch", "sync_weights", "reward", "old_log_prob", "ref", "adv", "update", "other")
-
-
-def device_name() -> str:
-    import torch
-
-    return f"{gpu_short_name(torch.cuda.get_device_name(0))}x1" if torch.cuda.is_available() else "CPU"
 
 
 def run_variant(name: str, args, out: Path) -> dict:
@@ -117,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out or ROOT / "runs" / "bench" / time.strftime("default_recipe_%Y%m%dT%H%M%SZ", time.gmtime()))
     out.mkdir(parents=True, exist_ok=True)
-    device = device_name()
+    device = torch_device_tag(cpu="CPU")
     results = []
     for name in names:
         res = run_variant(name, args, out)

@@ -63,7 +63,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_common import ROOT, git_commit, gpu_short_name, kill_tree, read_rows, run_dir  # noqa: E402
+from benchmarks.bench_common import ROOT, git_commit, kill_tree, read_rows, run_dir, torch_device_tag  # noqa: E402
 
 RECIPE = "recipes/arith_grpo_smollm2.yaml"
 OVERLAP = ["trainer.mode=overlap", "trainer.max_staleness=1"]
@@ -308,17 +308,6 @@ def run_concurrently(modes: list[str], args: argparse.Namespace, out: Path, over
         return {mode: f.result() for mode, f in futures.items()}
 
 
-def device_name(gpus: int) -> str:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return f"{gpu_short_name(torch.cuda.get_device_name(0))}x{gpus}"
-    except Exception:
-        pass
-    return f"cpux{gpus}"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", type=int, default=1, help="ranks per run (split_partial needs at least 2)")
@@ -368,7 +357,7 @@ def main() -> int:
             for mode in modes:
                 meta[mode] = run_mode(mode, args.gpus, args.steps, out, overrides, args.mode_timeout)
                 meta_path.write_text(json.dumps(meta, indent=1))
-    device = args.device or meta.get("_device") or device_name(args.gpus)
+    device = args.device or meta.get("_device") or torch_device_tag(args.gpus)
     if not args.collect:
         meta["_device"] = device
         meta_path.write_text(json.dumps(meta, indent=1))

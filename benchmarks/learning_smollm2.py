@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_common import git_commit, run_dir  # noqa: E402
+from benchmarks.bench_common import git_commit, run_dir, torch_device_tag  # noqa: E402
 
 CURVES = ["reward/mean", "rollout/response_length_mean", "rollout/response_clip_ratio", "rollout/logprob_diff",
           "rollout/logprob_diff_max", "timing/step", "timing/gen", "timing/update", "reward/format_strict",
@@ -211,13 +211,10 @@ def default_device() -> str:
     try:
         import torch
 
-        if torch.cuda.is_available():
-            from benchmarks.bench_common import gpu_short_name
-
-            return f"{gpu_short_name(torch.cuda.get_device_name(0))}x{torch.cuda.device_count()}"
+        gpus = torch.cuda.device_count()
     except ImportError:
-        pass
-    return "cpux1"
+        gpus = 1
+    return torch_device_tag(gpus, cpu="cpux1")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_common import ROOT, git_commit, gpu_short_name, kill_tree, read_rows  # noqa: E402
+from benchmarks.bench_common import ROOT, git_commit, kill_tree, read_rows, torch_device_tag  # noqa: E402
 
 GPU_RECIPE = "recipes/calc_grpo_smollm2.yaml"
 CPU_RECIPE = "recipes/cpu_lookup_tool.yaml"
@@ -210,17 +210,6 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def device_name() -> str:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return f"{gpu_short_name(torch.cuda.get_device_name(0))}x1"
-    except Exception:
-        pass
-    return "cpux1"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200, help="training steps of the tool and no-tool runs")
@@ -269,9 +258,9 @@ def main() -> int:
                                           [*overrides, f"rollout.forced_lengths=fixed:{length}"], args.run_timeout,
                                           cpu)
             meta["_forced_length"] = length
-        meta["_device"] = args.device or device_name()
+        meta["_device"] = args.device or torch_device_tag()
         meta_path.write_text(json.dumps(meta, indent=1))
-    device = args.device or meta.get("_device") or device_name()
+    device = args.device or meta.get("_device") or torch_device_tag()
     n_test = 1000 if not cpu else 8
     result = {"benchmark": "multiturn", "model": "builtin:tiny-qwen2-lookup" if cpu else "builtin:smollm2-135m-instruct",
               "recipe": recipe, "task": "lookup" if cpu else "mul3", "device": device,
