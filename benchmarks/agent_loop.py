@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_common import ROOT, git_commit, kill_tree, read_rows, torch_device_tag  # noqa: E402
+from benchmarks.bench_common import ROOT, git_commit, kill_tree, parse_runs, read_rows, torch_device_tag  # noqa: E402
 
 GPU_RECIPE = "recipes/calc_grpo_smollm2.yaml"
 CPU_RECIPE = "recipes/cpu_lookup_tool.yaml"
@@ -156,13 +156,7 @@ def main() -> int:
     ap.add_argument("--run-timeout", type=float, default=900.0, help="seconds per run")
     ap.add_argument("--cpu-smoke", action="store_true", help="the tiny model on CPU, a few steps: the plumbing only")
     ap.add_argument("--json", help="where to write the JSON (default: OUT/agent_loop_<device>.json)")
-    args, overrides = ap.parse_known_args()
-    bad = [o for o in overrides if "=" not in o or o.startswith("-")]
-    if bad:
-        ap.error(f"unknown arguments {bad}: recipe overrides are key=value")
-    chosen = [r for r in args.runs.split(",") if r]
-    if not chosen or any(r not in RUNS for r in chosen):
-        ap.error(f"--runs={args.runs}: choose from {', '.join(RUNS)}")
+    args, overrides, chosen = parse_runs(ap, RUNS)
     cpu = args.cpu_smoke
     recipe = CPU_RECIPE if cpu else GPU_RECIPE
     steps, latency = (3, 0.05) if cpu else (args.steps, args.latency)

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any, Iterable
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -69,6 +70,20 @@ def git_commit(root: Path = ROOT) -> str:
         return (root / "COMMIT").read_text().strip()[:12]
     except OSError:
         return "unknown"
+
+
+def parse_runs(ap: Any, runs: Iterable[str]) -> tuple[Any, list[str], list[str]]:
+    """``ap``'s arguments, the rest as ``key=value`` recipe overrides, and the names ``--runs`` chose among ``runs``
+    (comma-separated); anything else is ``ap``'s one-line error."""
+    runs = list(runs)
+    args, overrides = ap.parse_known_args()
+    bad = [o for o in overrides if "=" not in o or o.startswith("-")]
+    if bad:
+        ap.error(f"unknown arguments {bad}: recipe overrides are key=value")
+    chosen = [r for r in args.runs.split(",") if r]
+    if not chosen or any(r not in runs for r in chosen):
+        ap.error(f"--runs={args.runs}: choose from {', '.join(runs)}")
+    return args, overrides, chosen
 
 
 def torch_device_tag(gpus: int = 1, cpu: str | None = None) -> str:

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_common import ROOT, git_commit, kill_tree, read_rows, torch_device_tag  # noqa: E402
+from benchmarks.bench_common import ROOT, git_commit, kill_tree, parse_runs, read_rows, torch_device_tag  # noqa: E402
 
 GPU_RECIPE = "recipes/calc_grpo_smollm2.yaml"
 CPU_RECIPE = "recipes/cpu_lookup_tool.yaml"
@@ -226,13 +226,7 @@ def main() -> int:
     ap.add_argument("--device", help="device tag for the JSON (default: read from torch)")
     ap.add_argument("--json", help="where to write the JSON (default: OUT/multiturn_<device>.json)")
     ap.add_argument("--commit", help="with --collect: the commit the runs ran at (default: the one checked out here)")
-    args, overrides = ap.parse_known_args()
-    bad = [o for o in overrides if "=" not in o or o.startswith("-")]
-    if bad:
-        ap.error(f"unknown arguments {bad}: recipe overrides are key=value")
-    chosen = [r for r in args.runs.split(",") if r]
-    if not chosen or any(r not in RUNS for r in chosen):
-        ap.error(f"--runs={args.runs}: choose from {', '.join(RUNS)}")
+    args, overrides, chosen = parse_runs(ap, RUNS)
     cpu = args.cpu_smoke
     recipe = CPU_RECIPE if cpu else GPU_RECIPE
     steps, forced_steps = (4, 2) if cpu else (args.steps, args.forced_steps)
