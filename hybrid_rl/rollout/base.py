@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import functools
 import itertools
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -233,9 +234,7 @@ class RolloutEngine(abc.ABC):
         """A ``stream.TurnStream`` for one rollout's continuations under ``params`` (as ``generate_interruptible``'s);
         on exit the continuations still running are aborted and ``last_generate_stats`` holds the stream's
         figures. This default batches: each ``step`` generates what was added since the last one."""
-        import time
-
-        from hybrid_rl.rollout.stream import TurnStream
+        from hybrid_rl.rollout.stream import TurnStream  # stream.py imports this module
 
         stream = TurnStream(self, params, interrupt)
         start = time.perf_counter()
