@@ -41,14 +41,14 @@ class EnvConfig:
     then end where they are, so that one slow trajectory cannot hold the ranks (0 = no bound)."""
     workers: int = 8
     """Threads that run the environments' steps (tool calls) concurrently."""
-    scheduler: Literal["auto", "turns", "async"] = "auto"
+    scheduler: Literal["turns", "async", "auto"] = "turns"
     """How trajectories' turns meet the engine. ``turns``: every unfinished trajectory's next turn in one engine
     call, once every environment has answered the previous one (a slow tool or a long turn holds all the others;
     the samples do not depend on timing). ``async``: each trajectory's next turn joins the running engine as soon
-    as its own environment has answered (verl's agent loop, SkyRL's async generator): tool calls overlap
+    as its own environment has answered (as verl's agent loop and SkyRL's async generator do): tool calls overlap
     generation, at the price of samples that depend on when tools return. ``auto``: ``async`` on an engine that
     takes requests while it runs (vLLM), ``turns`` on the transformers engine (which decodes a fixed batch to its
-    end, so it would gain nothing)."""
+    end, so it would gain little)."""
 
     def validate(self) -> None:
         if self.name is None:

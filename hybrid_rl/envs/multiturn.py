@@ -9,7 +9,7 @@ environment then answers the turn (on up to ``env.workers`` threads, bounded by 
 ``env.max_rollout_s``), and its observation is appended as the chat template's own tokens, encoded once
 (``render.TurnRenderer``), with ``response_mask`` 0 and log-prob 0. ``env.scheduler`` decides how turns meet the
 engine: ``turns`` sends every unfinished trajectory's turn k in one ``generate_interruptible`` call once every
-environment has answered turn k − 1; ``async`` (on vLLM by default) adds each trajectory's next turn to the
+environment has answered turn k − 1 (the default); ``async`` adds each trajectory's next turn to the
 engine's running stream (``RolloutEngine.turn_stream``) as soon as its own environment answered, so a slow tool or
 a long turn holds only its own trajectory. A trajectory ends when its environment is done (the turn was the
 answer), at ``env.max_turns``, when its tokens fill ``data.max_response_length`` (the turn that fills it is still

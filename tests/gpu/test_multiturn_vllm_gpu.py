@@ -148,7 +148,7 @@ def test_vllm_async_turns_continue_the_trajectory_exactly(worker):
         with w.rollout_mode():
             batch = w.multi_turn.generate(w.rollout, _prompts(w), params, w.rollout.weights_version)
     finally:
-        w.cfg.env.scheduler = "auto"
+        w.cfg.env.scheduler = "turns"
     batch = batch.union(temperature=params.logprob_temperature)
     assert int(batch.tensors["env_turns"].max()) == TURNS
     assert w.rollout.last_generate_stats["num_sequences"] == float(batch.tensors["env_turns"].sum())

@@ -147,8 +147,8 @@ def test_the_time_bound_ends_turns_in_flight_and_abandons_environments(tiny_mode
 
 
 def test_auto_is_async_on_vllm_and_turns_on_the_transformers_engine(tiny_model_path, engine):
-    cfg = make_cfg(*BASE)
-    assert cfg.env.scheduler == "auto"
+    assert make_cfg(*BASE).env.scheduler == "turns"  # the default
+    cfg = make_cfg(*BASE, "env.scheduler=auto")
     loop = MultiTurnRollout(cfg, load_tokenizer(tiny_model_path), [fake_vllm.EOS])
     assert loop._asynchronous(engine())
     hf = HFRolloutEngine.__new__(HFRolloutEngine)
