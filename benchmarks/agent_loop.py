@@ -18,6 +18,7 @@ times.
 
     python benchmarks/agent_loop.py --out runs/bench_agent_loop                    # one GPU, vLLM (~12 minutes)
     python benchmarks/agent_loop.py --runs turns,async --out runs/bench_agent_loop # some of the runs
+    python benchmarks/agent_loop.py --collect runs/bench_agent_loop               # summarise the runs in a folder
     python benchmarks/agent_loop.py --cpu-smoke --out runs/bench_agent_loop_cpu    # the plumbing on CPU
 
 ``--cpu-smoke`` runs ``recipes/cpu_lookup_tool.yaml`` the four ways for a few steps with the transformers engine
@@ -77,7 +78,8 @@ def train(name: str, recipe: str, steps: int, out: Path, overrides: list[str], l
             rc = "timeout"
     wall = time.time() - start
     print(json.dumps({"run": name, "rc": rc, "wall_s": round(wall, 1), "log": str(run_dir / "train.log")}), flush=True)
-    return {"rc": rc, "wall_s": round(wall, 1), "command": " ".join(cmd[1:])}
+    return {"rc": rc, "wall_s": round(wall, 1), "command": " ".join(cmd[1:]), "steps": steps,
+            "latency_mean_s": latency if name.endswith("_latency") else None}
 
 
 def summarize(run: Path, meta: dict | None) -> dict | None:
@@ -101,7 +103,9 @@ def summarize(run: Path, meta: dict | None) -> dict | None:
            "gen_tokens_per_s_median": median("perf/gen_tokens_per_s"),
            "per_step": [{"step": r["step"], **{k: r[k] for k in STEP_KEYS if k in r}} for r in rows]}
     if meta:
-        out.update({"rc": meta["rc"], "run_wall_s": meta["wall_s"], "command": meta["command"]})
+        planned = [w.split("=", 1)[1] for w in meta["command"].split() if w.startswith("trainer.total_steps=")]
+        out.update({"rc": meta["rc"], "run_wall_s": meta["wall_s"], "command": meta["command"],
+                    "steps_planned": int(planned[-1]) if planned else None})
     return out
 
 
@@ -156,6 +160,9 @@ def main() -> int:
     ap.add_argument("--run-timeout", type=float, default=900.0, help="seconds per run")
     ap.add_argument("--cpu-smoke", action="store_true", help="the tiny model on CPU, a few steps: the plumbing only")
     ap.add_argument("--json", help="where to write the JSON (default: OUT/agent_loop_<device>.json)")
+    ap.add_argument("--collect", metavar="DIR", help="only summarise the runs in DIR (one command's or several's)")
+    ap.add_argument("--device", help="with --collect: the device the runs ran on (default: read from torch)")
+    ap.add_argument("--commit", help="with --collect: the commit the runs ran at (default: the one checked out here)")
     args, overrides, chosen = parse_runs(ap, RUNS)
     cpu = args.cpu_smoke
     recipe = CPU_RECIPE if cpu else GPU_RECIPE
@@ -163,17 +170,18 @@ def main() -> int:
     if cpu:
         overrides = ["data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=8",
                      "actor.ppo_micro_batch_size_per_device=32", *overrides]
-    out = Path(args.out)
+    out = Path(args.collect or args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta_path = out / "runs.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    for name in chosen:
+    for name in [] if args.collect else chosen:
         meta[name] = train(name, recipe, steps, out, overrides, latency, args.workers, args.run_timeout, cpu)
         meta_path.write_text(json.dumps(meta, indent=1))
-    device = torch_device_tag()
-    result = {"benchmark": "agent_loop", "recipe": recipe, "device": device, "commit": git_commit(),
-              "cpu_smoke": cpu,
-              "settings": {"steps": steps, "latency_mean_s": latency, "latency_sigma": 1.0, "skip_steps": SKIP,
+    device = args.device or torch_device_tag()
+    result = {"benchmark": "agent_loop", "recipe": recipe, "device": device, "commit": args.commit or git_commit(),
+              "summarised_at": git_commit(), "cpu_smoke": cpu,
+              "settings": {"steps": "each run's steps_planned" if args.collect else steps, "latency_mean_s": latency,
+                           "latency_sigma": 1.0, "skip_steps": SKIP,
                            "latency_runs_env_workers": args.workers,
                            "overrides": overrides, "common": COMMON, "runs": RUNS},
               "runs": {}}
@@ -191,7 +199,7 @@ def main() -> int:
                       **{n: {k: m.get(k) for k in ("gen_s_median", "step_s_median", "turns_mean", "tool_calls_mean")}
                          for n, m in result["runs"].items()}, **result["comparison"]}), flush=True)
     print(f"wrote {json_path}")
-    failed = [n for n in chosen if meta.get(n, {}).get("rc") != 0]
+    failed = [n for n in ([] if args.collect else chosen) if meta.get(n, {}).get("rc") != 0]
     if failed:
         print(f"runs that did not finish: {', '.join(failed)} (see each run's train.log)", file=sys.stderr)
         return 1

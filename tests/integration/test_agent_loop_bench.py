@@ -28,6 +28,15 @@ def test_cpu_smoke_writes_the_summary(tmp_path):
     assert "env.name=tools_latency" in result["runs"]["async_latency"]["command"]
     assert result["comparison"]["gen_speedup_instant"] > 0 and result["comparison"]["gen_speedup_latency"] > 0
     assert path.with_suffix(".png").is_file()
+    # --collect summarises the same runs again, naming the device and commit they ran at
+    again = subprocess.run([sys.executable, "benchmarks/agent_loop.py", "--cpu-smoke", "--collect", str(out),
+                            "--device", "H200x1", "--commit", "abc123", "--json", str(tmp_path / "c.json")], cwd=ROOT,
+                           env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+    collected = json.loads((tmp_path / "c.json").read_text())
+    assert collected["device"] == "H200x1" and collected["commit"] == "abc123"
+    assert collected["comparison"] == result["comparison"]
+    assert all(r["steps_planned"] == 3 for r in collected["runs"].values())
 
 
 def test_the_simulated_latency_has_the_asked_mean_and_repeats_slot_by_slot():
