@@ -89,7 +89,7 @@ def _prompts(w):
 
 
 def test_vllm_turns_continue_the_trajectory_exactly(worker):
-    w, tok = worker, worker.tokenizer
+    w = worker
     prompts = _prompts(w)
     engine = Recording(w.rollout)
     params = w.sampling_params()
